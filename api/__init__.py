@@ -1,0 +1,51 @@
+"""trainctl's wire contract: request/response models and the error model (no torch, no Ray)."""
+
+from trainctl.api.errors import (
+    ConflictError,
+    ErrorBody,
+    ErrorType,
+    InvalidRequestError,
+    NotFoundError,
+    NotReadyError,
+    TrainctlError,
+    WorkerError,
+)
+from trainctl.api.models import (
+    API_VERSION,
+    EvalBatchRequest,
+    Health,
+    Info,
+    MemoryProfileResult,
+    MemoryProfileStarted,
+    MemoryProfileStartRequest,
+    ModelLimits,
+    ProfileFile,
+    RankInfo,
+    Sequence,
+    StepResult,
+    TrainBatchRequest,
+)
+
+__all__ = [
+    "API_VERSION",
+    "ConflictError",
+    "ErrorBody",
+    "ErrorType",
+    "EvalBatchRequest",
+    "Health",
+    "Info",
+    "InvalidRequestError",
+    "MemoryProfileResult",
+    "MemoryProfileStartRequest",
+    "MemoryProfileStarted",
+    "ModelLimits",
+    "NotFoundError",
+    "NotReadyError",
+    "ProfileFile",
+    "RankInfo",
+    "Sequence",
+    "StepResult",
+    "TrainBatchRequest",
+    "TrainctlError",
+    "WorkerError",
+]

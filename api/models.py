@@ -1,0 +1,161 @@
+"""Request and response models of the HTTP API (pydantic; no torch, no Ray).
+
+A batch is a list of token sequences. For each sequence:
+    ``tokens``     token ids, each in ``[0, vocab_size)``;
+    ``loss_mask``  one 0/1 per token, 1 where the token is a training target (predicted from
+                   the tokens before it); defaults to all ones; position 0 is never a target;
+    ``weights``    optional per-token loss weights (finite floats), applied where the mask is 1.
+The reported loss is the global token mean ``sum(w * nll) / N`` over all ``N`` target tokens
+of the batch, whatever the parallel layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from trainctl.api.errors import field_error
+
+API_VERSION = "v1"
+
+
+class Sequence(BaseModel):
+    """One token sequence with its per-token loss mask and optional weights."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[StrictInt] = Field(min_length=1, description="Token ids.")
+    loss_mask: list[Annotated[int, Field(ge=0, le=1, strict=True)]] | None = Field(
+        default=None, description="0/1 per token; 1 = train on this token. Default: all ones."
+    )
+    weights: list[float] | None = Field(
+        default=None, description="Per-token loss weights; default 1."
+    )
+
+    @field_validator("loss_mask", "weights")
+    @classmethod
+    def _same_length_as_tokens(cls, value: list[Any] | None, info: ValidationInfo) -> Any:
+        tokens = info.data.get("tokens")
+        if value is not None and tokens is not None and len(value) != len(tokens):
+            raise ValueError(f"has {len(value)} entries but tokens has {len(tokens)}")
+        finite = value is None or info.field_name != "weights" or all(map(math.isfinite, value))
+        if not finite:
+            raise ValueError("must be finite (no NaN or inf)")
+        return value
+
+
+class ModelLimits(BaseModel):
+    """What the served model accepts; the gateway checks every batch against it."""
+
+    vocab_size: int
+    max_seq_len: int
+
+
+class _BatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sequences: list[Sequence] = Field(min_length=1, description="The batch; at least one.")
+
+    def check_limits(self, limits: ModelLimits) -> None:
+        """Raise ``InvalidRequestError`` naming the first field that the model cannot take."""
+        for i, seq in enumerate(self.sequences):
+            if len(seq.tokens) > limits.max_seq_len:
+                raise field_error(
+                    f"sequences[{i}].tokens",
+                    f"length {len(seq.tokens)} exceeds the model's max_seq_len "
+                    f"{limits.max_seq_len}",
+                )
+            ids = np.asarray(seq.tokens, dtype=np.int64)
+            bad = np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))
+            if bad.size:
+                j = int(bad[0])
+                raise field_error(
+                    f"sequences[{i}].tokens[{j}]",
+                    f"token id {seq.tokens[j]} is outside the vocabulary [0, {limits.vocab_size})",
+                )
+        if not any(_num_targets(s) for s in self.sequences):
+            raise field_error(
+                "sequences",
+                "no sequence has a target token (loss_mask = 1 at a position after the first)",
+            )
+
+
+def _num_targets(seq: Sequence) -> int:
+    if seq.loss_mask is None:
+        return len(seq.tokens) - 1
+    return sum(seq.loss_mask[1:])
+
+
+class TrainBatchRequest(_BatchRequest):
+    """Forward/backward over the batch and one optimizer step."""
+
+
+class EvalBatchRequest(_BatchRequest):
+    """The same loss as ``train_batch``, without backward or update."""
+
+
+class StepResult(BaseModel):
+    """Result of ``train_batch`` / ``eval_batch``."""
+
+    loss: float = Field(description="Global token-mean loss over DP x CP (the same on any layout).")
+    step: int = Field(description="Optimizer steps applied so far (the policy version).")
+    metrics: dict[str, float] = Field(
+        description="Named with their reduction, e.g. 'loss:mean', 'tokens:sum', 'grad_norm:value'."
+    )
+    timings: dict[str, float] = Field(description="Seconds per phase.")
+
+
+class MemoryProfileStartRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_entries: int = Field(
+        default=100_000,
+        ge=1,
+        le=10_000_000,
+        description="CUDA: ring-buffer size of the allocation history. CPU: not capped.",
+    )
+
+
+class MemoryProfileStarted(BaseModel):
+    profile_id: str
+    ranks: int
+
+
+class ProfileFile(BaseModel):
+    name: str
+    rank: int
+    coords: dict[str, int] = Field(description="dp/cp/tp/pp coordinates of the rank.")
+    size_bytes: int
+
+
+class MemoryProfileResult(BaseModel):
+    profile_id: str
+    files: list[ProfileFile]
+
+
+class RankInfo(BaseModel):
+    rank: int
+    coords: dict[str, int]
+    weights_digest: str
+
+
+class Info(BaseModel):
+    """What is being served."""
+
+    model: dict[str, float | int | str]
+    layout: dict[str, int]
+    engine: dict[str, float | int | str]
+    world_size: int
+    step: int
+    weights_digest: str = Field(
+        description="sha256 over the DP-replica-0 shards: equal digests, equal weights."
+    )
+    ranks: list[RankInfo]
+    versions: dict[str, str]
+    limits: ModelLimits
+
+
+class Health(BaseModel):
+    status: str

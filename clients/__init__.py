@@ -1,0 +1,33 @@
+"""trainctl's Python SDK. Needs only httpx, pydantic and numpy (no torch, no Ray)."""
+
+from trainctl.clients.errors import (
+    APIConnectionError,
+    APIStatusError,
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    InternalServerError,
+    NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    RateLimitError,
+    ServiceUnavailableError,
+    TrainctlClientError,
+)
+from trainctl.clients.sync import TrainctlClient
+
+__all__ = [
+    "APIConnectionError",
+    "APIStatusError",
+    "AuthenticationError",
+    "BadRequestError",
+    "ConflictError",
+    "InternalServerError",
+    "NotFoundError",
+    "PayloadTooLargeError",
+    "PermissionDeniedError",
+    "RateLimitError",
+    "ServiceUnavailableError",
+    "TrainctlClient",
+    "TrainctlClientError",
+]

@@ -1,0 +1,208 @@
+"""``trainctl`` command line: ``trainctl serve`` starts the whole service.
+
+``serve`` starts (or joins) a Ray cluster, creates the controller actor, which creates one rank
+actor per rank and builds the megatron-core shards, then deploys the HTTP gateway on Ray Serve
+and prints its URL. SIGINT or SIGTERM drains the operation in flight and shuts Serve and Ray
+down (Kubernetes stops pods with SIGTERM, which ``serve run`` would not survive).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from pydantic import ValidationError
+from trainctl.service.cluster import LocalRayHead
+from trainctl.service.settings import Settings
+
+log = logging.getLogger("trainctl.serve")
+
+
+def _add_settings_flags(p: argparse.ArgumentParser) -> None:
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = f"TRAINCTL_{name.upper()}"
+        help_ = f"{field.description} [env {env}; default {field.default}]"
+        p.add_argument(flag, dest=name, default=None, help=help_)
+
+
+def _settings_from(args: argparse.Namespace) -> Settings:
+    fields = Settings.model_fields
+    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    return Settings(**overrides)
+
+
+def engine_config_dict(s: Settings) -> dict[str, Any]:
+    """The engine config: the embedded tiny model unless a config file is named."""
+    from trainctl.workers.config import EngineConfig
+
+    base: dict[str, Any] = {}
+    if s.engine_config is not None:
+        base = json.loads(s.engine_config.read_text())
+    base.setdefault("model", {}).setdefault("seed", s.seed)
+    base["layout"] = {**base.get("layout", {}), "dp": s.dp, "cp": s.cp, "tp": s.tp, "pp": s.pp}
+    base.setdefault("optimizer", {}).setdefault("lr", s.lr)
+    base.setdefault("max_tokens_per_microbatch", s.max_tokens_per_microbatch)
+    return EngineConfig.from_dict(base).validate().to_dict()
+
+
+def serve_main(s: Settings) -> int:
+    if not s.ray_address:
+        # Token authentication on our own head and in this driver; must be set before Ray is
+        # imported (its C++ side reads the mode once). Both use the token in ~/.ray/auth_token.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    import ray
+    from ray import serve
+    from trainctl.service.deployment import APP_NAME, gateway
+    from trainctl.workers.config import ConfigError
+    from trainctl.workers.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
+
+    try:
+        cfg = engine_config_dict(s)
+    except (ConfigError, TypeError, ValueError) as e:
+        print(f"trainctl: invalid configuration: {e}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+    started = threading.Event()
+
+    def _on_signal(signum: int, _frame: Any) -> None:
+        log.info("received %s: draining and shutting down", signal.Signals(signum).name)
+        stop.set()
+        if not started.is_set():
+            raise KeyboardInterrupt
+
+    t0 = time.perf_counter()
+    controller = None
+    head: LocalRayHead | None = None
+    try:
+        if s.ray_address:
+            address = s.ray_address
+        else:
+            head = LocalRayHead(num_cpus=s.num_cpus, log_path=s.data_dir.resolve() / "ray-head.log")
+            address = head.__enter__()
+        _connect(address)
+        # After ray.init: Ray's core worker installs a SIGTERM handler that aborts the process;
+        # ours replaces it so a SIGTERM drains instead.
+        signal.signal(signal.SIGINT, _on_signal)
+        signal.signal(signal.SIGTERM, _on_signal)
+        controller = ControllerActor.options(
+            name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0
+        ).remote(cfg, profile_root=str(s.profile_root), rank_num_cpus=s.rank_num_cpus)
+        layout = cfg["layout"]
+        log.info(
+            "building %d rank(s): dp=%d cp=%d tp=%d pp=%d",
+            s.dp * s.cp * s.tp * s.pp,
+            layout["dp"],
+            layout["cp"],
+            layout["tp"],
+            layout["pp"],
+        )
+        info = ray.get(controller.start.remote())
+        log.info("model: %s parameters per replica", info.engine["parameters_per_replica"])
+        serve.start(http_options={"host": s.host, "port": s.port})
+        serve.run(
+            gateway(
+                controller_name=CONTROLLER_NAME,
+                namespace=NAMESPACE,
+                max_ongoing_requests=s.max_ongoing_requests,
+            ),
+            name=APP_NAME,
+            route_prefix="/",
+            logging_config={"enable_access_log": False, "log_level": s.log_level},
+        )
+        started.set()
+        print(
+            f"trainctl ready at {s.url} (API docs: {s.url}/docs) "
+            f"in {time.perf_counter() - t0:.1f}s",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        log.info("interrupted during start-up")
+    finally:
+        _shutdown(controller)
+        if head is not None:
+            head.stop()
+    log.info("stopped")
+    return 0
+
+
+def _connect(address: str, timeout_s: float = 120.0) -> None:
+    """``ray.init`` against ``address``, retrying while a fresh head is still starting."""
+    import ray
+    from trainctl.workers.controller import NAMESPACE
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+            return
+        except (ConnectionError, RuntimeError) as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"could not reach the Ray cluster at {address}: {e}") from e
+            time.sleep(1.0)
+
+
+def _with_timeout(what: str, fn: Any, timeout_s: float) -> None:
+    """Run a shutdown step in a thread; a hung step is logged and abandoned."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        log.warning("%s did not finish within %.0fs; continuing shutdown", what, timeout_s)
+
+
+def _shutdown(controller: Any) -> None:
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+
+    def _drain() -> None:
+        ray.get(controller.drain.remote())
+        log.info("drained in-flight work")
+
+    def _stop_controller() -> None:
+        ray.get(controller.shutdown.remote())
+        ray.kill(controller)
+
+    if controller is not None:
+        _with_timeout("draining", _drain, 120)
+    _with_timeout("Serve shutdown", serve.shutdown, 60)
+    if controller is not None:
+        _with_timeout("controller shutdown", _stop_controller, 60)
+    ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trainctl", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="start the service (Ray, controller, ranks, gateway)")
+    _add_settings_flags(p_serve)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            settings = _settings_from(args)
+        except ValidationError as e:
+            print(f"trainctl: invalid settings:\n{e}", file=sys.stderr)
+            return 2
+        logging.basicConfig(
+            level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        return serve_main(settings)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""A local Ray head in its own process session, owned by ``trainctl serve``.
+
+``ray.init()`` would start Ray's daemons in the caller's process group, so a Ctrl-C in the
+terminal (or a signal to the group) kills the raylet before trainctl can drain, and Serve's
+shutdown then hangs. Started in a session of its own, the head only stops when trainctl says
+so: SIGTERM to the whole session, then SIGKILL after a grace period, leaving nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_GRACE_S = 15.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalRayHead:
+    """``with LocalRayHead(num_cpus, log_path) as address: ray.init(address=address)``."""
+
+    def __init__(self, *, num_cpus: int | None, log_path: Path) -> None:
+        self.num_cpus = num_cpus
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.address = ""
+
+    def __enter__(self) -> str:
+        port = _free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--block",
+        ]
+        if self.num_cpus is not None:
+            cmd.append(f"--num-cpus={self.num_cpus}")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("starting a local Ray head on port %d (log: %s)", port, self.log_path)
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.address = f"127.0.0.1:{port}"
+        return self.address
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # session leader: its pid is the group id of every Ray process
+        for sig, wait_s in ((signal.SIGTERM, _GRACE_S), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and _group_alive(pgid):
+                time.sleep(0.2)
+            if not _group_alive(pgid):
+                break
+        with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL above reaps it
+            self.proc.wait(timeout=5)
+        self.proc = None
+        log.info("local Ray head stopped")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    # Zombies count as gone: only their parent could reap them.
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

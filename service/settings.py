@@ -1,0 +1,66 @@
+"""Service settings: CLI flags override environment variables (prefix ``TRAINCTL_``).
+
+Every field is documented; ``trainctl serve --help`` lists them with their variables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """How ``trainctl serve`` runs. Environment: ``TRAINCTL_<FIELD>`` (e.g. ``TRAINCTL_DP=4``)."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAINCTL_", extra="ignore")
+
+    host: str = Field(
+        "127.0.0.1", description="Address the HTTP gateway binds (loopback by default)."
+    )
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port of the gateway.")
+    ray_address: str | None = Field(
+        None,
+        description="Join this Ray cluster (e.g. 'auto' or 'ray://host:10001'); "
+        "default: start a local one.",
+    )
+    num_cpus: int | None = Field(
+        None, description="CPUs of the local Ray cluster (default: all); ignored when joining."
+    )
+    dp: int = Field(2, ge=1, description="Data-parallel size.")
+    cp: int = Field(1, ge=1, description="Context-parallel size.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel size.")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel size.")
+    engine_config: Path | None = Field(
+        None,
+        description="JSON file with a full engine config (model, layout, optimizer, ...); "
+        "the layout flags above override its layout.",
+    )
+    seed: int = Field(1234, description="Seed of the embedded model's random initialisation.")
+    lr: float = Field(1e-3, ge=0, description="AdamW learning rate.")
+    max_tokens_per_microbatch: int = Field(
+        4096, ge=1, description="Token budget of one micro-batch."
+    )
+    rank_num_cpus: float = Field(
+        0.5,
+        gt=0,
+        description="Ray CPUs reserved per rank actor (fractional packs ranks on small machines).",
+    )
+    data_dir: Path = Field(
+        Path("trainctl-data"),
+        description="Root of server-side files; memory profiles go "
+        "under <data_dir>/profiles/<profile id>/.",
+    )
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="Requests one gateway replica holds at once."
+    )
+    log_level: str = Field("INFO", description="Log level of the service's own loggers.")
+
+    @property
+    def profile_root(self) -> Path:
+        return (self.data_dir / "profiles").resolve()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"

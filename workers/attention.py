@@ -1,0 +1,100 @@
+"""Core attention for packed sequences, given to megatron-core's layer spec.
+
+megatron-core's local ``DotProductAttention`` refuses packed (THD) input; TransformerEngine's
+attention needs CUDA. This module attends causally within each packed sequence with torch's
+``scaled_dot_product_attention``, one sequence at a time, so no ``[T, T]`` mask is ever built.
+
+Shapes (``t`` = packed tokens on this rank, ``np`` / ``ng`` = query heads / key-value groups
+on this TP rank, ``hn`` = head dim):
+    packed:   query ``[t, np, hn]``, key/value ``[t, ng, hn]`` -> ``[t, np * hn]``
+    unpacked: query ``[s, b, np, hn]``, key/value ``[s, b, ng, hn]`` -> ``[s, b, np * hn]``
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+from torch import Tensor
+
+
+class PackedCoreAttention(MegatronModule):
+    """Causal attention within each packed sequence (``cu_seqlens``), drop-in for megatron."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError("context parallelism in PackedCoreAttention")
+        tp_size = pg_collection.tp.size() if pg_collection is not None else 1
+        self.heads = divide(config.num_attention_heads, tp_size)
+        self.groups = divide(config.num_query_groups or config.num_attention_heads, tp_size)
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """``q [b, np, s, hn]``, ``k/v [b, ng, s, hn]`` -> ``[b, np, s, hn]``, causal."""
+        if self.heads != self.groups:
+            rep = self.heads // self.groups
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            scale=self.softmax_scale,
+        )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias")
+        if packed_seq_params is None:
+            # [s, b, h, d] -> [b, h, s, d]
+            out = self._attend(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
+            s, b = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+        cu = packed_seq_params.cu_seqlens_q
+        if packed_seq_params.cu_seqlens_q_padded is not None:
+            cu = packed_seq_params.cu_seqlens_q_padded
+        bounds = cu.tolist()
+        outs = []
+        for start, end in itertools.pairwise(bounds):
+            if end == start:
+                continue
+            # [len, h, d] -> [1, h, len, d]
+            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            outs.append(self._attend(q, k, v)[0].transpose(0, 1))
+        out = torch.cat(outs, dim=0)
+        return out.reshape(out.shape[0], -1)

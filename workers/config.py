@@ -1,0 +1,182 @@
+"""Engine configuration: model shape, parallel layout, optimizer. Validated once, handed down.
+
+Plain kw-only dataclasses (no torch import) so the controller and the service can build and
+check them without loading the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """An impossible configuration; the message says what to change."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    """Shape of the GPT model every rank builds a shard of."""
+
+    num_layers: int = 2
+    """Transformer layers (divisible by pp * virtual stages)."""
+    hidden_size: int = 128
+    """Model width."""
+    num_attention_heads: int = 4
+    """Query heads (divisible by tp)."""
+    num_query_groups: int = 2
+    """Key/value heads for grouped-query attention (divisible by tp, divides heads)."""
+    ffn_hidden_size: int = 512
+    """MLP inner width."""
+    vocab_size: int = 512
+    """Vocabulary size (divisible by tp). Token ids must lie in [0, vocab_size)."""
+    max_seq_len: int = 1024
+    """Longest sequence accepted, in tokens."""
+    rotary_base: int = 10000
+    """RoPE base frequency."""
+    seed: int = 1234
+    """Weights are initialised from this seed: equal seeds give equal models on any layout."""
+
+    def validate(self) -> None:
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "ffn_hidden_size",
+            "vocab_size",
+            "max_seq_len",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"model.num_query_groups ({self.num_query_groups})"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelLayout:
+    """Sizes of the parallel axes. Rank order is megatron's tp-cp-ep-dp-pp (TP fastest)."""
+
+    dp: int = 1
+    """Data-parallel replicas."""
+    cp: int = 1
+    """Context-parallel ranks (a sequence is split over them)."""
+    tp: int = 1
+    """Tensor-parallel ranks (weights split over them)."""
+    pp: int = 1
+    """Pipeline stages."""
+    ep: int = 1
+    """Expert-parallel ranks (MoE only; must divide dp * cp)."""
+    vp: int = 1
+    """Virtual pipeline stages per rank (interleaved 1F1B when > 1)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    def validate(self, model: ModelConfig) -> None:
+        for axis in ("dp", "cp", "tp", "pp", "ep", "vp"):
+            if getattr(self, axis) < 1:
+                raise ConfigError(f"layout.{axis} must be >= 1, got {getattr(self, axis)}")
+        if self.tp > 1:
+            for name in ("num_attention_heads", "num_query_groups", "vocab_size"):
+                if getattr(model, name) % self.tp:
+                    raise ConfigError(
+                        f"model.{name} ({getattr(model, name)}) must be divisible by "
+                        f"layout.tp ({self.tp}); change tp or the model"
+                    )
+        if model.num_layers % (self.pp * self.vp):
+            raise ConfigError(
+                f"model.num_layers ({model.num_layers}) must be divisible by "
+                f"layout.pp * layout.vp ({self.pp * self.vp})"
+            )
+        if self.vp > 1 and self.pp == 1:
+            raise ConfigError("layout.vp > 1 needs layout.pp > 1")
+        if (self.dp * self.cp) % self.ep:
+            raise ConfigError(f"layout.ep ({self.ep}) must divide dp * cp ({self.dp * self.cp})")
+
+    def describe(self) -> str:
+        return f"dp{self.dp} cp{self.cp} tp{self.tp} pp{self.pp} ep{self.ep} vp{self.vp}"
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerConfig:
+    """AdamW with decoupled weight decay and global-norm gradient clipping."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.999
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def validate(self) -> None:
+        if self.lr < 0 or self.weight_decay < 0 or self.clip_grad < 0:
+            raise ConfigError("optimizer.lr, weight_decay and clip_grad must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError("optimizer betas must lie in [0, 1)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class EngineConfig:
+    """Everything a rank needs to build its shard and run a step."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    max_tokens_per_microbatch: int = 4096
+    """Token budget of one micro-batch (after padding); at least model.max_seq_len."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk of the streamed log-prob kernel; 0 disables chunking."""
+    collective_timeout_s: float = 120.0
+    """Timeout of every process group: a dead peer becomes an error, not a hang."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; auto picks NCCL when CUDA is present, else gloo."""
+
+    def validate(self) -> EngineConfig:
+        self.model.validate()
+        self.layout.validate(self.model)
+        self.optimizer.validate()
+        if self.max_tokens_per_microbatch < self.model.max_seq_len:
+            raise ConfigError(
+                f"max_tokens_per_microbatch ({self.max_tokens_per_microbatch}) must be at least "
+                f"model.max_seq_len ({self.model.max_seq_len}) so every sequence fits"
+            )
+        if self.logprob_chunk_size < 0:
+            raise ConfigError("logprob_chunk_size must be >= 0")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError("collective_timeout_s must be > 0")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        d = dict(d)
+        return cls(
+            model=ModelConfig(**d.pop("model", {})),
+            layout=ParallelLayout(**d.pop("layout", {})),
+            optimizer=OptimizerConfig(**d.pop("optimizer", {})),
+            **d,
+        )
+
+    @property
+    def pad_multiple(self) -> int:
+        """Every packed sequence is right-padded to a multiple of this (2*cp*tp, or tp)."""
+        lay = self.layout
+        return 2 * lay.cp * lay.tp if lay.cp > 1 else lay.tp

@@ -1,0 +1,287 @@
+"""One rank's engine shard: the megatron-core model, forward/backward and the optimizer step.
+
+Assumes ``torch.distributed`` is initialised (the rank actor does that). Builds megatron's
+parallel state for the configured layout, reads the process groups from it *once*, and passes
+them down to the math in ``workers/ops`` explicitly.
+
+Loss scaling (ALGORITHMS.md §1.5, variant A): each micro-batch's loss on this rank is
+``-sum(w * log p) / N`` with ``N`` the global loss-token count from the plan. megatron's
+schedule leaves it alone (``calculate_per_token_loss``) and DDP sums gradients over DP x CP,
+so the gradient is that of the global token mean, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch import Tensor
+from trainctl.workers import megatron_cpu
+from trainctl.workers.batch import PackedMicroBatch
+from trainctl.workers.config import EngineConfig
+from trainctl.workers.model import build_gpt, build_optimizer, transformer_config, wrap_ddp
+from trainctl.workers.ops.logprob import vocab_parallel_logprob
+from trainctl.workers.ops.loss import connected_zero, token_sum_nll
+from trainctl.workers.profiling import MemoryProfiler, RankCoords
+
+log = logging.getLogger(__name__)
+
+_CLIP_EPS = 1e-6  # keeps the clip coefficient finite when the gradient norm is ~0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepReport:
+    """What one rank reports for a step; the controller merges reports of all ranks."""
+
+    coords: RankCoords
+    is_last_stage: bool
+    loss: float
+    """Global token-mean loss (already reduced over DP x CP); meaningful on the last stage."""
+    grad_norm: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _MicroBatchTensors:
+    input_ids: Tensor  # [1, T] int64
+    position_ids: Tensor  # [1, T] int64
+    labels: Tensor  # [T] int64
+    loss_weight: Tensor  # [T] fp32
+    packed: PackedSeqParams
+    is_dummy: bool
+
+    @classmethod
+    def from_host(cls, mb: PackedMicroBatch) -> _MicroBatchTensors:
+        cu = torch.from_numpy(np.array(mb.cu_seqlens, dtype=np.int32))
+        max_len = torch.tensor(mb.max_seqlen, dtype=torch.int32)
+        return cls(
+            input_ids=torch.from_numpy(np.array(mb.input_ids)).unsqueeze(0),
+            position_ids=torch.from_numpy(np.array(mb.position_ids)).unsqueeze(0),
+            labels=torch.from_numpy(np.array(mb.labels)),
+            loss_weight=torch.from_numpy(np.array(mb.loss_weight)),
+            packed=PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=max_len,
+                max_seqlen_kv=max_len,
+            ),
+            is_dummy=mb.is_dummy,
+        )
+
+
+class EngineShard:
+    """This rank's share of the model and the training step."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg.validate()
+        lay = cfg.layout
+        if dist.get_world_size() != lay.world_size:
+            raise ValueError(
+                f"layout {lay.describe()} needs {lay.world_size} ranks, "
+                f"the process group has {dist.get_world_size()}"
+            )
+        megatron_cpu.install()
+        mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=lay.tp,
+            pipeline_model_parallel_size=lay.pp,
+            virtual_pipeline_model_parallel_size=lay.vp if lay.vp > 1 else None,
+            context_parallel_size=lay.cp,
+            expert_model_parallel_size=lay.ep,
+            distributed_timeout_minutes=max(1, int(cfg.collective_timeout_s // 60)),
+        )
+        # Process groups and coordinates, read from megatron's global state here and only here.
+        self.tp_group = mpu.get_tensor_model_parallel_group()
+        self.dp_cp_group = mpu.get_data_parallel_group(with_context_parallel=True)
+        self.pp_group = mpu.get_pipeline_model_parallel_group()
+        self.coords = RankCoords(
+            rank=dist.get_rank(),
+            dp=mpu.get_data_parallel_rank(),
+            cp=mpu.get_context_parallel_rank(),
+            tp=mpu.get_tensor_model_parallel_rank(),
+            pp=mpu.get_pipeline_model_parallel_rank(),
+            ep=mpu.get_expert_model_parallel_rank(),
+        )
+        self.is_last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
+        self.vocab_start = self.coords.tp * (cfg.model.vocab_size // lay.tp)
+
+        megatron_cpu.seed_model_parallel_rng(
+            cfg.model.seed,
+            tp_rank=self.coords.tp,
+            ep_rank=self.coords.ep,
+            etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        )
+        self.tc = transformer_config(cfg)
+        self.tc.finalize_model_grads_func = self._finalize_grads
+        self.chunks = []
+        for vp_stage in range(lay.vp):
+            vp = vp_stage if lay.vp > 1 else None
+            model = build_gpt(
+                cfg,
+                self.tc,
+                pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                vp_stage=vp,
+            )
+            self.chunks.append(wrap_ddp(self.tc, model))
+        self.tc.no_sync_func = [c.no_sync for c in self.chunks]
+        if len(self.chunks) == 1:
+            self.tc.no_sync_func = self.chunks[0].no_sync
+        self.optimizer = build_optimizer(cfg, self.chunks)
+        self.profiler = MemoryProfiler(self.coords)
+        self.step = 0
+        log.info("rank %s built %s", self.coords, self.num_parameters())
+
+    # -- helpers -------------------------------------------------------------------------
+
+    @staticmethod
+    def _finalize_grads(models: list[Any], num_tokens: Any, **kwargs: Any) -> None:
+        # The loss is pre-normalised by the global token count: never rescale by num_tokens.
+        with megatron_cpu.cuda_to_cpu():
+            finalize_model_grads(models, None, **kwargs)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for c in self.chunks for p in c.parameters())
+
+    def _loss_func(
+        self, mb: _MicroBatchTensors, normalizer: float, logits: Tensor
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """``logits [1, T, V_t]`` -> (loss, local token count, metrics) for megatron's schedule."""
+        if mb.is_dummy:
+            loss = connected_zero(logits)
+            n = 0
+        else:
+            lp = vocab_parallel_logprob(
+                logits[0],
+                mb.labels,
+                vocab_start=self.vocab_start,
+                tp_group=self.tp_group,
+                chunk_size=self.cfg.logprob_chunk_size,
+            )
+            loss = token_sum_nll(lp, mb.loss_weight, normalizer=normalizer)
+            n = int(torch.count_nonzero(mb.loss_weight))
+        return loss, torch.tensor(n, dtype=torch.int), {"loss": loss.detach().clone()}
+
+    def _forward_step(
+        self, normalizer: float, data: Iterator[_MicroBatchTensors], model: Any
+    ) -> tuple[Tensor, Any]:
+        mb = next(data)
+        logits = model(
+            mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed
+        )
+        return logits, partial(self._loss_func, mb, normalizer)
+
+    def _run_schedule(
+        self, mbs: Sequence[PackedMicroBatch], normalizer: float, *, forward_only: bool
+    ) -> float:
+        """megatron's forward/backward schedule over this rank's micro-batches.
+
+        Returns the global token-mean loss, reduced over DP x CP (0.0 off the last stage).
+        """
+        tensors = [_MicroBatchTensors.from_host(mb) for mb in mbs]
+        iters: Any = [iter(tensors) for _ in self.chunks] if len(self.chunks) > 1 else iter(tensors)
+        for c in self.chunks:
+            c.train(not forward_only)
+        with megatron_cpu.cuda_to_cpu():
+            out = get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, normalizer),
+                data_iterator=iters,
+                model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                num_microbatches=len(tensors),
+                seq_length=max(t.input_ids.shape[1] for t in tensors),
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+        local = torch.zeros((), dtype=torch.float64)
+        for item in out or []:
+            local += item["loss"].double()
+        if self.is_last_stage:
+            dist.all_reduce(local, group=self.dp_cp_group)
+        return float(local)
+
+    # -- the RPC surface -------------------------------------------------------------------
+
+    def forward_backward(self, mbs: Sequence[PackedMicroBatch], normalizer: float) -> float:
+        """Accumulate gradients of the step's loss (synchronised over DP x CP)."""
+        return self._run_schedule(mbs, normalizer, forward_only=False)
+
+    def optimizer_step(self) -> float:
+        """Clip by global norm, apply AdamW, zero the gradients; returns the pre-clip norm."""
+        with megatron_cpu.cuda_to_cpu():
+            self.optimizer.prepare_grads()
+            grad_norm = float(self.optimizer.get_grad_norm())
+            clip = self.cfg.optimizer.clip_grad
+            if clip > 0 and grad_norm > clip:
+                coeff = clip / (grad_norm + _CLIP_EPS)
+                for group in self.optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(coeff)
+            self.optimizer.step_with_ready_grads()
+        self.zero_grad()
+        self.step += 1
+        return grad_norm
+
+    def zero_grad(self) -> None:
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def train_batch(self, mbs: Sequence[PackedMicroBatch], normalizer: float) -> StepReport:
+        t0 = time.perf_counter()
+        try:
+            loss = self.forward_backward(mbs, normalizer)
+        except BaseException:
+            self.zero_grad()
+            raise
+        t1 = time.perf_counter()
+        grad_norm = self.optimizer_step()
+        t2 = time.perf_counter()
+        return StepReport(
+            coords=self.coords,
+            is_last_stage=self.is_last_stage,
+            loss=loss,
+            grad_norm=grad_norm,
+            timings={"forward_backward_s": t1 - t0, "optimizer_s": t2 - t1},
+        )
+
+    @torch.no_grad()
+    def eval_batch(self, mbs: Sequence[PackedMicroBatch], normalizer: float) -> StepReport:
+        t0 = time.perf_counter()
+        loss = self._run_schedule(mbs, normalizer, forward_only=True)
+        return StepReport(
+            coords=self.coords,
+            is_last_stage=self.is_last_stage,
+            loss=loss,
+            timings={"forward_s": time.perf_counter() - t0},
+        )
+
+    def weights_digest(self) -> str:
+        """sha256 over this rank's parameters (name order): equal digests, equal weights."""
+        h = hashlib.sha256()
+        for c in self.chunks:
+            for name, p in c.module.named_parameters():
+                h.update(name.encode())
+                h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def named_parameters(self) -> dict[str, Tensor]:
+        """This rank's parameter shards by name (chunk index prefixed when vp > 1)."""
+        out = {}
+        for i, c in enumerate(self.chunks):
+            for name, p in c.module.named_parameters():
+                out[f"{i}.{name}" if len(self.chunks) > 1 else name] = p.detach().clone()
+        return out

@@ -1,0 +1,114 @@
+"""Build this rank's megatron-core GPT shard, its DDP wrapper and its optimizer.
+
+The model is megatron-core's ``GPTModel`` on the local (non-TransformerEngine) layer spec, with
+our packed-sequence core attention (``workers/attention.py``) in place of the local one.
+Llama-style: RMSNorm, SwiGLU MLP, rotary positions, no biases, untied output layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.transformer import TransformerConfig
+from trainctl.workers import megatron_cpu
+from trainctl.workers.attention import PackedCoreAttention
+from trainctl.workers.config import EngineConfig
+
+
+def transformer_config(cfg: EngineConfig) -> TransformerConfig:
+    """megatron's TransformerConfig for ``cfg``; fp32 and fusion-free so it also runs on CPU."""
+    m, lay = cfg.model, cfg.layout
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size,
+        kv_channels=m.hidden_size // m.num_attention_heads,
+        tensor_model_parallel_size=lay.tp,
+        pipeline_model_parallel_size=lay.pp,
+        context_parallel_size=lay.cp,
+        virtual_pipeline_model_parallel_size=lay.vp if lay.vp > 1 else None,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        cross_entropy_fusion_impl="native",
+        batch_p2p_comm=False,
+        # Our loss is already divided by the global token count: the schedule must not divide
+        # again, and DDP must sum gradients over DP x CP instead of averaging them.
+        calculate_per_token_loss=True,
+    )
+
+
+def build_gpt(
+    cfg: EngineConfig,
+    tc: TransformerConfig,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: int | None = None,
+) -> GPTModel:
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    with megatron_cpu.cuda_to_cpu():
+        return GPTModel(
+            config=tc,
+            transformer_layer_spec=spec,
+            vocab_size=cfg.model.vocab_size,
+            max_sequence_length=cfg.model.max_seq_len,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            rotary_base=cfg.model.rotary_base,
+            vp_stage=vp_stage,
+        )
+
+
+def wrap_ddp(tc: TransformerConfig, model: GPTModel) -> DistributedDataParallel:
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+    )
+    with megatron_cpu.cuda_to_cpu():
+        return DistributedDataParallel(config=tc, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(cfg: EngineConfig, chunks: list[DistributedDataParallel]) -> Any:
+    o = cfg.optimizer
+    oc = MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.beta1,
+        adam_beta2=o.beta2,
+        adam_eps=o.eps,
+        # Clipping is done by the engine (megatron's clip asserts CUDA tensors).
+        clip_grad=0.0,
+        bf16=False,
+        fp16=False,
+        use_distributed_optimizer=False,
+    )
+    with megatron_cpu.cuda_to_cpu():
+        return get_megatron_optimizer(oc, chunks)

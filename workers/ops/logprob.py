@@ -1,0 +1,150 @@
+"""Vocab-parallel per-token log-probabilities (shared/design/ALGORITHMS.md §3).
+
+TP rank ``k`` holds logits for vocabulary columns ``[vocab_start, vocab_start + V_t)``. The
+log-softmax is computed without gathering the vocabulary: the row max and the sum of
+exponentials are all-reduced over the TP group, and the target's log-prob comes from the rank
+that owns the target column (all-reduce SUM; out-of-vocabulary targets give 0).
+
+Two autograd functions with bit-identical gradients:
+* ``_LogprobFull`` saves the fp32 softmax ``[N, V_t]`` for backward (about 2G of memory where
+  G is the fp32 gradient's size);
+* ``_LogprobChunked`` saves only the input logits and, in backward, recomputes each chunk of
+  rows and streams its gradient into one preallocated fp32 buffer: peak about G(1 + k/chunks).
+
+Both compute the gradient in the same order, ``(-p) * g`` then ``+ g`` scattered at the
+target, so ``torch.equal`` holds between them.
+
+Shapes: ``logits [..., V_t]``, ``target [...]`` int64 -> log-probs ``[...]`` fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+
+def _all_reduce(x: Tensor, op: dist.ReduceOp.RedOpType, group: ProcessGroup | None) -> Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _log_softmax(x: Tensor, tp_group: ProcessGroup | None) -> Tensor:
+    """Distributed log-softmax over the vocabulary of rows ``x [n, V_t]`` (fp32, new tensor)."""
+    m = _all_reduce(x.max(dim=-1, keepdim=True).values, dist.ReduceOp.MAX, tp_group)
+    z = x - m
+    se = _all_reduce(z.exp().sum(dim=-1, keepdim=True), dist.ReduceOp.SUM, tp_group)
+    return z.sub_(se.log_())
+
+
+def _local_target(target: Tensor, vocab_start: int, vocab_size_local: int) -> tuple[Tensor, Tensor]:
+    """``(local column index, outside-this-partition mask)``; the index is 0 where outside."""
+    outside = (target < vocab_start) | (target >= vocab_start + vocab_size_local)
+    local = (target - vocab_start).masked_fill(outside, 0)
+    return local, outside
+
+
+def _pick(lsm: Tensor, local: Tensor, outside: Tensor) -> Tensor:
+    return lsm.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+
+
+def _grad_rows(p_neg_g: Tensor, g: Tensor, local: Tensor, outside: Tensor) -> Tensor:
+    """In place: ``(-p) * g`` plus ``g`` at each in-partition target column."""
+    return p_neg_g.scatter_add_(-1, local.unsqueeze(-1), g.masked_fill(outside, 0.0).unsqueeze(-1))
+
+
+class _LogprobFull(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, tp_group: Any
+    ) -> Tensor:
+        x = logits.float()
+        lsm = _log_softmax(x, tp_group)
+        local, outside = _local_target(target, vocab_start, logits.shape[-1])
+        lp = _all_reduce(_pick(lsm, local, outside), dist.ReduceOp.SUM, tp_group)
+        ctx.save_for_backward(lsm.exp_(), local, outside)
+        ctx.in_dtype = logits.dtype
+        return lp
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        p, local, outside = ctx.saved_tensors
+        grad = _grad_rows(p.neg().mul_(g.unsqueeze(-1)), g, local, outside)
+        return grad.to(ctx.in_dtype), None, None, None
+
+
+class _LogprobChunked(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, tp_group: Any, chunk: int
+    ) -> Tensor:
+        n = logits.shape[0]
+        local, outside = _local_target(target, vocab_start, logits.shape[-1])
+        lp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            lsm = _log_softmax(logits[a:b].float(), tp_group)
+            lp[a:b] = _pick(lsm, local[a:b], outside[a:b])
+        _all_reduce(lp, dist.ReduceOp.SUM, tp_group)
+        ctx.save_for_backward(logits, local, outside)
+        ctx.tp_group, ctx.chunk = tp_group, chunk
+        return lp
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        logits, local, outside = ctx.saved_tensors
+        n = logits.shape[0]
+        # One buffer for the whole gradient; chunks tile [0, n) exactly once.
+        grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        for a in range(0, n, ctx.chunk):
+            b = min(n, a + ctx.chunk)
+            p = _log_softmax(logits[a:b].float(), ctx.tp_group).exp_()
+            gc = g[a:b]
+            grad[a:b] = _grad_rows(p.neg_().mul_(gc.unsqueeze(-1)), gc, local[a:b], outside[a:b])
+        out = grad if logits.dtype == torch.float32 else grad.to(logits.dtype)
+        return out, None, None, None, None
+
+
+def vocab_parallel_logprob(
+    logits: Tensor,
+    target: Tensor,
+    *,
+    vocab_start: int = 0,
+    tp_group: ProcessGroup | None = None,
+    chunk_size: int = 0,
+) -> Tensor:
+    """Per-token log p(target) from vocab-sharded logits ``[..., V_t]``; returns fp32 ``[...]``.
+
+    ``chunk_size`` > 0 and smaller than the number of rows selects the streamed kernel;
+    otherwise the non-chunked one (a single chunk would keep logits *and* recompute).
+    """
+    lead = logits.shape[:-1]
+    x = logits.reshape(-1, logits.shape[-1])
+    t = target.reshape(-1)
+    if 0 < chunk_size < x.shape[0]:
+        lp = _LogprobChunked.apply(x, t, vocab_start, tp_group, chunk_size)
+    else:
+        lp = _LogprobFull.apply(x, t, vocab_start, tp_group)
+    return lp.reshape(lead)
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(
+    logits: Tensor, *, tp_group: ProcessGroup | None = None, chunk_size: int = 0
+) -> Tensor:
+    """Per-token entropy of the vocab-sharded softmax, ``[..., V_t] -> [...]`` fp32 (no grad)."""
+    lead = logits.shape[:-1]
+    x = logits.reshape(-1, logits.shape[-1])
+    n = x.shape[0]
+    step = chunk_size if chunk_size > 0 else max(n, 1)
+    out = torch.empty(n, dtype=torch.float32, device=logits.device)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        lsm = _log_softmax(x[a:b].float(), tp_group)
+        out[a:b] = -(lsm.exp() * lsm).sum(-1)
+    _all_reduce(out, dist.ReduceOp.SUM, tp_group)
+    return out.reshape(lead)

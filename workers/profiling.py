@@ -1,0 +1,83 @@
+"""Per-rank memory profiling between ``start`` and ``stop`` (ALGORITHMS.md §6).
+
+On CUDA: ``torch.cuda.memory`` allocation history, dumped as a snapshot pickle (viewable at
+pytorch.org/memory_viz). On CPU: ``torch.profiler`` with memory profiling, exported as a
+Chrome trace whose ``[memory]`` events record every allocation and free (viewable in Perfetto
+or chrome://tracing). The CPU profiler has no ring buffer: ``max_entries`` caps nothing there.
+
+File names carry the global rank and the parallel coordinates:
+``snapshot_rank{global:02d}_p{pp}d{dp}c{cp}t{tp}.pickle`` (CUDA) or ``….trace.json`` (CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankCoords:
+    """Where a rank sits in the parallel layout."""
+
+    rank: int
+    dp: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int = 0
+
+    def file_stem(self) -> str:
+        return f"snapshot_rank{self.rank:02d}_p{self.pp}d{self.dp}c{self.cp}t{self.tp}"
+
+
+class MemoryProfiler:
+    """Records this rank's allocations between ``start`` and ``stop``."""
+
+    def __init__(self, coords: RankCoords) -> None:
+        self.coords = coords
+        self._cpu_prof: Any = None
+        self._cuda_active = False
+
+    @property
+    def active(self) -> bool:
+        return self._cuda_active or self._cpu_prof is not None
+
+    def start(self, max_entries: int) -> None:
+        if self.active:
+            raise RuntimeError("a memory profile is already being recorded on this rank")
+        if torch.cuda.is_available():
+            torch.cuda.memory._record_memory_history(max_entries=max_entries)
+            self._cuda_active = True
+            return
+        prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            profile_memory=True,
+            record_shapes=True,
+            with_stack=False,
+        )
+        prof.__enter__()
+        self._cpu_prof = prof
+
+    def stop(self, directory: Path) -> Path:
+        """Stop recording and write this rank's file into ``directory``; returns its path."""
+        if not self.active:
+            raise RuntimeError("no memory profile is being recorded on this rank")
+        directory.mkdir(parents=True, exist_ok=True)
+        if self._cuda_active:
+            path = directory / f"{self.coords.file_stem()}.pickle"
+            torch.cuda.memory._dump_snapshot(str(path))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._cuda_active = False
+            return path
+        prof, self._cpu_prof = self._cpu_prof, None
+        prof.__exit__(None, None, None)
+        path = directory / f"{self.coords.file_stem()}.trace.json"
+        prof.export_chrome_trace(str(path))
+        log.info("rank %d wrote memory profile %s", self.coords.rank, path)
+        return path
