@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+
 from trainctl.api.errors import field_error
 
 API_VERSION = "v1"

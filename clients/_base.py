@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import httpx
 from pydantic import BaseModel
+
 from trainctl.api import API_VERSION, Sequence
 from trainctl.clients.errors import error_for
 
@@ -16,7 +17,7 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 600.0
 """A train step on a large batch can take minutes; connection failures still fail fast."""
 
-SequenceLike = Sequence | Mapping[str, Any] | Iterable[int]
+SequenceLike: TypeAlias = Sequence | Mapping[str, Any] | Iterable[int]
 
 
 def to_sequences(seqs: Iterable[SequenceLike]) -> list[Sequence]:

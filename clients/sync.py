@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import httpx
+
 from trainctl.api import (
     EvalBatchRequest,
     Health,

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
 from trainctl.api import (
     API_VERSION,
     ErrorBody,
@@ -50,11 +51,11 @@ ControllerDep = Annotated[ControllerAPI, Depends(get_controller)]
 
 async def get_limits(request: Request, controller: ControllerDep) -> ModelLimits:
     """The model's limits, fetched from the controller once and cached."""
-    limits = getattr(request.app.state, "limits", None)
+    limits: ModelLimits | None = getattr(request.app.state, "limits", None)
     if limits is None:
         limits = await controller.model_limits()
         request.app.state.limits = limits
-    return limits  # type: ignore[no-any-return]
+    return limits
 
 
 LimitsDep = Annotated[ModelLimits, Depends(get_limits)]

@@ -19,6 +19,8 @@ import time
 from typing import Any
 
 from pydantic import ValidationError
+
+from trainctl.api import Info
 from trainctl.service.cluster import LocalRayHead
 from trainctl.service.settings import Settings
 
@@ -60,6 +62,7 @@ def serve_main(s: Settings) -> int:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
     from ray import serve
+
     from trainctl.service.deployment import APP_NAME, gateway
     from trainctl.workers.config import ConfigError
     from trainctl.workers.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
@@ -105,7 +108,7 @@ def serve_main(s: Settings) -> int:
             layout["tp"],
             layout["pp"],
         )
-        info = ray.get(controller.start.remote())
+        info: Info = ray.get(controller.start.remote())  # type: ignore[attr-defined,assignment]
         log.info("model: %s parameters per replica", info.engine["parameters_per_replica"])
         serve.start(http_options={"host": s.host, "port": s.port})
         serve.run(
@@ -139,6 +142,7 @@ def serve_main(s: Settings) -> int:
 def _connect(address: str, timeout_s: float = 120.0) -> None:
     """``ray.init`` against ``address``, retrying while a fresh head is still starting."""
     import ray
+
     from trainctl.workers.controller import NAMESPACE
 
     deadline = time.monotonic() + timeout_s

@@ -86,12 +86,9 @@ class LocalRayHead:
         log.info("local Ray head stopped")
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    # Zombies count as gone: only their parent could reap them.
+def live_processes(*, pgid: int | None = None, sid: int | None = None) -> list[str]:
+    """``"pid:name"`` of the live (non-zombie) processes in a process group or session."""
+    out = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -99,7 +96,14 @@ def _group_alive(pgid: int) -> bool:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+        name = stat.split(" (", 1)[1].rsplit(")", 1)[0]
+        state, _ppid, pgrp, session = stat.rsplit(")", 1)[1].split()[:4]
+        if state == "Z":  # only their parent could reap them
+            continue
+        if (pgid is not None and int(pgrp) == pgid) or (sid is not None and int(session) == sid):
+            out.append(f"{pid}:{name}")
+    return out
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(live_processes(pgid=pgid))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
+
 from trainctl.service.app import create_app
 from trainctl.service.controller_client import RayController
 

@@ -21,6 +21,7 @@ import numpy as np
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from trainctl.api import (
     EvalBatchRequest,
     Info,

@@ -28,6 +28,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
+
 from trainctl.workers import megatron_cpu
 from trainctl.workers.batch import PackedMicroBatch
 from trainctl.workers.config import EngineConfig

@@ -115,7 +115,7 @@ def install() -> None:
         return
     from megatron.core.tensor_parallel import random as mrandom
 
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
 
     mrandom._CUDA_RNG_STATE_TRACKER = _make_cpu_rng_tracker()

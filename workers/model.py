@@ -17,6 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
+
 from trainctl.workers import megatron_cpu
 from trainctl.workers.attention import PackedCoreAttention
 from trainctl.workers.config import EngineConfig

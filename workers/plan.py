@@ -16,6 +16,7 @@ import heapq
 from collections.abc import Sequence
 
 import numpy as np
+
 from trainctl.workers.batch import HostSequence, PackedMicroBatch, StepPlan
 
 

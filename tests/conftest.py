@@ -1,0 +1,17 @@
+"""Test tiers by folder: unit (fast, no Ray), distributed (gloo ranks), service (real Ray,
+Serve and HTTP), gpu (skipped without CUDA). Each test gets its folder's marker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_TIERS = ("unit", "distributed", "service", "gpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = Path(str(item.fspath)).parent.name
+        if tier in _TIERS:
+            item.add_marker(getattr(pytest.mark, tier))

@@ -1,0 +1,51 @@
+"""Single-process reference computations, independent of trainctl's packing and kernels.
+
+Run as a script (a fresh process, world size 1): reads a JSON batch on stdin, builds the same
+seed model as the service, and prints the global token-mean cross-entropy computed one
+sequence at a time with ``F.cross_entropy`` in float64 on the full-vocabulary logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import warnings
+from typing import Any
+
+
+def reference_loss(batch: list[dict[str, Any]], engine_cfg: dict[str, Any] | None = None) -> float:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from trainctl.workers import megatron_cpu
+    from trainctl.workers.config import EngineConfig
+    from trainctl.workers.engine import EngineShard
+
+    cfg = EngineConfig.from_dict(engine_cfg or {})
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    model = EngineShard(cfg).chunks[0].module.eval()
+    total, count = 0.0, 0
+    with torch.no_grad(), megatron_cpu.cuda_to_cpu():
+        for seq in batch:
+            ids = torch.tensor(seq["tokens"], dtype=torch.long)
+            mask = torch.tensor(seq.get("loss_mask") or [1] * len(ids), dtype=torch.float64)
+            weights = torch.tensor(seq.get("weights") or [1.0] * len(ids), dtype=torch.float64)
+            logits = model(ids[None], torch.arange(len(ids))[None], attention_mask=None)[0]
+            nll = F.cross_entropy(logits[:-1].double(), ids[1:], reduction="none")
+            total += float((nll * mask[1:] * weights[1:]).sum())
+            count += int(mask[1:].count_nonzero())
+    return total / count
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    payload = json.load(sys.stdin)
+    print(json.dumps({"loss": reference_loss(payload["sequences"], payload.get("engine"))}))

@@ -1,0 +1,48 @@
+"""Engine configuration: impossible layouts are rejected with a message saying what to change."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from trainctl.workers.config import ConfigError, EngineConfig, ModelConfig, ParallelLayout
+
+
+@pytest.mark.parametrize(
+    ("layout", "model", "words"),
+    [
+        (ParallelLayout(tp=3), ModelConfig(), "divisible by layout.tp (3)"),
+        (ParallelLayout(pp=3), ModelConfig(), "num_layers (2) must be divisible"),
+        (ParallelLayout(dp=0), ModelConfig(), "layout.dp must be >= 1"),
+        (ParallelLayout(vp=2), ModelConfig(num_layers=4), "needs layout.pp > 1"),
+        (ParallelLayout(dp=2, ep=4), ModelConfig(), "must divide dp * cp"),
+        (ParallelLayout(), ModelConfig(hidden_size=130), "hidden_size (130) must be divisible"),
+    ],
+)
+def test_impossible_layouts(layout: ParallelLayout, model: ModelConfig, words: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        EngineConfig(layout=layout, model=model).validate()
+
+
+def test_budget_must_fit_longest_sequence() -> None:
+    with pytest.raises(ConfigError, match="max_tokens_per_microbatch"):
+        EngineConfig(max_tokens_per_microbatch=8).validate()
+
+
+def test_roundtrip_dict() -> None:
+    cfg = EngineConfig(layout=ParallelLayout(dp=2, tp=2), model=ModelConfig(seed=7))
+    assert EngineConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.layout.world_size == 4 and cfg.pad_multiple == 2
+    assert EngineConfig(layout=ParallelLayout(cp=2, tp=2)).pad_multiple == 8
+
+
+def test_sdk_imports_without_server_stack() -> None:
+    code = (
+        "import sys, trainctl.clients, trainctl.api\n"
+        "heavy = [m for m in ('torch', 'ray', 'megatron', 'fastapi') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,81 @@
+"""The host-side dispatch plan: packing, rolling, DP balance, micro-batches and dummies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trainctl.workers.batch import HostSequence
+from trainctl.workers.plan import balance_over_dp, make_plan, pack
+
+
+def seq(tokens: list[int], mask: list[int] | None = None, w: list[float] | None = None):
+    n = len(tokens)
+    return HostSequence(
+        tokens=np.asarray(tokens, np.int64),
+        loss_mask=np.asarray(mask if mask is not None else [1] * n, np.float32),
+        weights=None if w is None else np.asarray(w, np.float32),
+    )
+
+
+def test_pack_rolls_labels_and_masks_per_sequence() -> None:
+    a = seq([10, 11, 12, 13, 14], [0, 0, 1, 1, 1])
+    b = seq([20, 21, 22], [0, 1, 1], [1.0, 2.0, 3.0])
+    mb = pack([a, b], [0, 1], pad_multiple=4)
+    assert mb.cu_seqlens.tolist() == [0, 8, 12]
+    assert mb.input_ids.tolist() == [10, 11, 12, 13, 14, 0, 0, 0, 20, 21, 22, 0]
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
+    # Where the weight is non-zero, the label is the true next token of the same sequence.
+    assert mb.loss_weight.tolist() == [0, 1, 1, 1, 0, 0, 0, 0, 2, 3, 0, 0]
+    for t in np.flatnonzero(mb.loss_weight):
+        assert mb.labels[t] == mb.input_ids[t + 1]
+    assert mb.seq_lens.tolist() == [5, 3] and mb.seq_index.tolist() == [0, 1]
+
+
+def test_pack_trailing_pad_sequence() -> None:
+    mb = pack([seq([1, 2, 3])], [4], pad_multiple=2, total_len=10)
+    assert mb.cu_seqlens.tolist() == [0, 4, 10]
+    assert mb.seq_index.tolist() == [4, -1]
+    assert mb.loss_weight[4:].sum() == 0
+
+
+def test_balance_over_dp_by_tokens() -> None:
+    lengths = [100, 90, 10, 10, 10, 5, 80]
+    shards = balance_over_dp(lengths, 2)
+    assert sorted(i for s in shards for i in s) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in s) for s in shards]
+    assert max(loads) - min(loads) <= max(lengths)  # LPT bound
+    assert sorted(loads) == [135, 170]  # the optimum: {90, 80} against the rest
+
+
+def test_plan_budget_dummies_and_normalizer() -> None:
+    seqs = [seq(list(range(1, n + 1))) for n in (30, 30, 30, 2)]
+    plan = make_plan(seqs, dp=2, max_tokens_per_microbatch=32, pad_multiple=1)
+    counts = [len(s) for s in plan.microbatches]
+    assert counts[0] == counts[1] == plan.num_microbatches
+    real = [[mb for mb in shard if not mb.is_dummy] for shard in plan.microbatches]
+    assert sorted(len(r) for r in real) == [1, 2]  # [30] [30] | [30 + 2]: one rank gets a dummy
+    assert plan.num_dummies == 1
+    for shard in plan.microbatches:
+        for mb in shard:
+            assert mb.num_tokens <= 32
+            if mb.is_dummy:
+                assert mb.loss_weight.sum() == 0 and mb.num_tokens >= 1
+    seen = sorted(i for shard in real for mb in shard for i in mb.seq_index if i >= 0)
+    assert seen == [0, 1, 2, 3]
+    assert plan.loss_normalizer == 29 * 3 + 1
+    assert plan.num_tokens == 92
+
+
+def test_plan_uniform_length_for_pipeline() -> None:
+    seqs = [seq(list(range(1, n + 1))) for n in (7, 3, 12, 5, 9)]
+    plan = make_plan(seqs, dp=2, max_tokens_per_microbatch=16, pad_multiple=2, uniform_length=True)
+    lengths = {mb.num_tokens for shard in plan.microbatches for mb in shard}
+    assert len(lengths) == 1
+
+
+def test_plan_rejects_oversize_and_empty() -> None:
+    with pytest.raises(ValueError, match="exceeds the micro-batch budget"):
+        make_plan([seq(list(range(40)))], dp=1, max_tokens_per_microbatch=32, pad_multiple=1)
+    with pytest.raises(ValueError, match="empty"):
+        make_plan([], dp=1, max_tokens_per_microbatch=32, pad_multiple=1)

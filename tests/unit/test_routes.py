@@ -1,0 +1,106 @@
+"""The gateway's routes with a fake controller: validation, error model, status codes."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from fakes import FakeController
+
+GOOD = {"sequences": [{"tokens": [1, 2, 3, 4]}, {"tokens": [5, 6], "loss_mask": [0, 1]}]}
+
+
+def test_train_batch_reaches_controller(http: TestClient, fake: FakeController) -> None:
+    r = http.post("/v1/train_batch", json=GOOD)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["step"] == 1 and body["metrics"]["tokens:sum"] == 6.0
+    assert fake.calls == ["train_batch"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"sequences": []}, "sequences", "at least 1"),
+        ({}, "sequences", "required"),
+        ({"sequences": [{"tokens": [1, 2, 100]}]}, "sequences[0].tokens[2]", "outside the vocab"),
+        ({"sequences": [{"tokens": [1, -1]}]}, "sequences[0].tokens[1]", "outside the vocab"),
+        (
+            {"sequences": [{"tokens": [1, 2, 3], "loss_mask": [1, 1]}]},
+            "sequences[0].loss_mask",
+            "has 2 entries but tokens has 3",
+        ),
+        (
+            {"sequences": [{"tokens": [1, 2], "weights": [1.0]}]},
+            "sequences[0].weights",
+            "has 1 entries",
+        ),
+        ({"sequences": [{"tokens": ["a", 2]}]}, "sequences[0].tokens[0]", "integer"),
+        ({"sequences": [{"tokens": [1.5, 2]}]}, "sequences[0].tokens[0]", "integer"),
+        ({"sequences": [{"tokens": "12"}]}, "sequences[0].tokens", "list"),
+        (
+            {"sequences": [{"tokens": [1, 2], "loss_mask": [0, 2]}]},
+            "sequences[0].loss_mask[1]",
+            "less than or equal to 1",
+        ),
+        ({"sequences": [{"tokens": list(range(17))}]}, "sequences[0].tokens", "max_seq_len 16"),
+        ({"sequences": [{"tokens": [1, 2], "loss_mask": [1, 0]}]}, "sequences", "no sequence"),
+        ({"sequences": [{"tokens": [1, 2], "extra": 1}]}, "sequences[0].extra", "not permitted"),
+    ],
+)
+def test_bad_input_names_field_and_changes_nothing(
+    http: TestClient, fake: FakeController, body: dict, field: str, words: str
+) -> None:
+    for route in ("/v1/train_batch", "/v1/eval_batch"):
+        r = http.post(route, json=body)
+        assert r.status_code == 422, r.text
+        err = r.json()
+        assert err["type"] == "invalid_request"
+        assert err["message"].startswith(f"{field}:"), err["message"]
+        assert words in err["message"], err["message"]
+    assert fake.calls == [] and fake.step == 0
+
+
+def test_malformed_json_is_422(http: TestClient, fake: FakeController) -> None:
+    r = http.post(
+        "/v1/train_batch", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 422 and r.json()["type"] == "invalid_request"
+    assert fake.calls == []
+
+
+def test_memory_profile_conflicts_are_409(http: TestClient) -> None:
+    assert http.post("/v1/memory_profile/stop").status_code == 409
+    assert http.post("/v1/memory_profile/start", json={"max_entries": 10}).status_code == 200
+    r = http.post("/v1/memory_profile/start")
+    assert r.status_code == 409 and "already recording" in r.json()["message"]
+    stop = http.post("/v1/memory_profile/stop").json()
+    assert stop["files"][0]["size_bytes"] == 10
+
+
+def test_max_entries_bounds(http: TestClient) -> None:
+    r = http.post("/v1/memory_profile/start", json={"max_entries": 0})
+    assert r.status_code == 422 and r.json()["message"].startswith("max_entries:")
+
+
+def test_ready_reflects_controller(http: TestClient, fake: FakeController) -> None:
+    assert http.get("/v1/ready").status_code == 200
+    fake.ready = False
+    r = http.get("/v1/ready")
+    assert r.status_code == 503 and r.json()["type"] == "not_ready"
+    assert http.get("/v1/health").json() == {"status": "ok"}
+
+
+def test_openapi_documents_every_route(http: TestClient) -> None:
+    paths = http.get("/openapi.json").json()["paths"]
+    for p in (
+        "/v1/train_batch",
+        "/v1/eval_batch",
+        "/v1/memory_profile/start",
+        "/v1/memory_profile/stop",
+        "/v1/info",
+        "/v1/health",
+        "/v1/ready",
+    ):
+        assert p in paths
+    assert http.get("/docs").status_code == 200
