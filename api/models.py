@@ -12,6 +12,7 @@ of the batch, whatever the parallel layout.
 from __future__ import annotations
 
 import math
+from enum import Enum
 from typing import Annotated, Any
 
 import numpy as np
@@ -20,6 +21,28 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, fi
 from trainctl.api.errors import field_error
 
 API_VERSION = "v1"
+
+
+class LossKind(str, Enum):
+    """Per-token loss terms (``lp`` = log p of the target under the current policy)."""
+
+    CROSS_ENTROPY = "cross_entropy"
+    """``-lp``: supervised / SFT."""
+    IMPORTANCE_SAMPLING = "importance_sampling"
+    """``-exp(lp - old_lp) * A``: policy gradient corrected for the behaviour policy."""
+    PPO = "ppo"
+    """``-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)`` with ``r = exp(lp - old_lp)``."""
+
+
+class Normalization(str, Enum):
+    """How the summed per-token terms are divided, computed once for the global batch."""
+
+    TOKEN_MEAN = "token_mean"
+    """Divide by the number of loss tokens in the whole batch."""
+    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
+    """Mean over sequences (with a loss token) of each sequence's token mean."""
+    SUM = "sum"
+    """No division."""
 
 
 class Sequence(BaseModel):

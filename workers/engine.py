@@ -5,7 +5,7 @@ parallel state for the configured layout, reads the process groups from it *once
 them down to the math in ``workers/ops`` explicitly.
 
 Loss scaling (ALGORITHMS.md §1.5, variant A): each micro-batch's loss on this rank is
-``-sum(w * log p) / N`` with ``N`` the global loss-token count from the plan. megatron's
+``sum(term * loss_scale)`` over its own tokens, the scale carrying the global normaliser. megatron's
 schedule leaves it alone (``calculate_per_token_loss``) and DDP sums gradients over DP x CP,
 so the gradient is that of the global token mean, whatever the layout.
 """
@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
@@ -30,11 +29,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
 from trainctl.workers import megatron_cpu
-from trainctl.workers.batch import PackedMicroBatch
+from trainctl.workers.batch import LossSpec, PackedMicroBatch
 from trainctl.workers.config import EngineConfig
 from trainctl.workers.model import build_gpt, build_optimizer, transformer_config, wrap_ddp
+from trainctl.workers.ops.cp import PackedTokens, packed_tokens
 from trainctl.workers.ops.logprob import vocab_parallel_logprob
-from trainctl.workers.ops.loss import connected_zero, token_sum_nll
+from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
 from trainctl.workers.profiling import MemoryProfiler, RankCoords
 
 log = logging.getLogger(__name__)
@@ -55,23 +55,20 @@ class StepReport:
 
 
 @dataclass(frozen=True, kw_only=True)
-class _MicroBatchTensors:
-    input_ids: Tensor  # [1, T] int64
-    position_ids: Tensor  # [1, T] int64
-    labels: Tensor  # [T] int64
-    loss_weight: Tensor  # [T] fp32
+class _MicroBatch:
+    """One micro-batch on this rank: its (CP-local) tokens and megatron's packing metadata."""
+
+    tokens: PackedTokens
     packed: PackedSeqParams
     is_dummy: bool
 
     @classmethod
-    def from_host(cls, mb: PackedMicroBatch) -> _MicroBatchTensors:
-        cu = torch.from_numpy(np.array(mb.cu_seqlens, dtype=np.int32))
+    def from_host(cls, mb: PackedMicroBatch) -> _MicroBatch:
+        tokens = packed_tokens(mb)
+        cu = tokens.cu_seqlens
         max_len = torch.tensor(mb.max_seqlen, dtype=torch.int32)
         return cls(
-            input_ids=torch.from_numpy(np.array(mb.input_ids)).unsqueeze(0),
-            position_ids=torch.from_numpy(np.array(mb.position_ids)).unsqueeze(0),
-            labels=torch.from_numpy(np.array(mb.labels)),
-            loss_weight=torch.from_numpy(np.array(mb.loss_weight)),
+            tokens=tokens,
             packed=PackedSeqParams(
                 qkv_format="thd",
                 cu_seqlens_q=cu,
@@ -158,51 +155,64 @@ class EngineShard:
         return sum(p.numel() for c in self.chunks for p in c.parameters())
 
     def _loss_func(
-        self, mb: _MicroBatchTensors, normalizer: float, logits: Tensor
+        self, mb: _MicroBatch, spec: LossSpec, logits: Tensor
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """``logits [1, T, V_t]`` -> (loss, local token count, metrics) for megatron's schedule."""
+        t = mb.tokens
         if mb.is_dummy:
             loss = connected_zero(logits)
             n = 0
         else:
             lp = vocab_parallel_logprob(
                 logits[0],
-                mb.labels,
+                t.labels,
                 vocab_start=self.vocab_start,
                 tp_group=self.tp_group,
                 chunk_size=self.cfg.logprob_chunk_size,
             )
-            loss = token_sum_nll(lp, mb.loss_weight, normalizer=normalizer)
-            n = int(torch.count_nonzero(mb.loss_weight))
+            terms = per_token_terms(
+                lp,
+                spec=spec,
+                loss_mask=t.loss_mask,
+                advantages=t.advantages,
+                old_logprobs=t.old_logprobs,
+                ref_logprobs=t.ref_logprobs,
+            )
+            loss = local_loss(terms, t.loss_scale)
+            n = int(torch.count_nonzero(t.loss_mask))
         return loss, torch.tensor(n, dtype=torch.int), {"loss": loss.detach().clone()}
 
     def _forward_step(
-        self, normalizer: float, data: Iterator[_MicroBatchTensors], model: Any
+        self, spec: LossSpec, data: Iterator[_MicroBatch], model: Any
     ) -> tuple[Tensor, Any]:
         mb = next(data)
+        t = mb.tokens
         logits = model(
-            mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed
+            t.input_ids[None],
+            t.position_ids[None],
+            attention_mask=None,
+            packed_seq_params=mb.packed,
         )
-        return logits, partial(self._loss_func, mb, normalizer)
+        return logits, partial(self._loss_func, mb, spec)
 
     def _run_schedule(
-        self, mbs: Sequence[PackedMicroBatch], normalizer: float, *, forward_only: bool
+        self, mbs: Sequence[PackedMicroBatch], spec: LossSpec, *, forward_only: bool
     ) -> float:
         """megatron's forward/backward schedule over this rank's micro-batches.
 
-        Returns the global token-mean loss, reduced over DP x CP (0.0 off the last stage).
+        Returns the global loss, reduced over DP x CP (0.0 off the last stage).
         """
-        tensors = [_MicroBatchTensors.from_host(mb) for mb in mbs]
+        tensors = [_MicroBatch.from_host(mb) for mb in mbs]
         iters: Any = [iter(tensors) for _ in self.chunks] if len(self.chunks) > 1 else iter(tensors)
         for c in self.chunks:
             c.train(not forward_only)
         with megatron_cpu.cuda_to_cpu():
             out = get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, normalizer),
+                forward_step_func=partial(self._forward_step, spec),
                 data_iterator=iters,
                 model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
                 num_microbatches=len(tensors),
-                seq_length=max(t.input_ids.shape[1] for t in tensors),
+                seq_length=max(t.tokens.num_tokens for t in tensors),
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
@@ -215,9 +225,9 @@ class EngineShard:
 
     # -- the RPC surface -------------------------------------------------------------------
 
-    def forward_backward(self, mbs: Sequence[PackedMicroBatch], normalizer: float) -> float:
+    def forward_backward(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> float:
         """Accumulate gradients of the step's loss (synchronised over DP x CP)."""
-        return self._run_schedule(mbs, normalizer, forward_only=False)
+        return self._run_schedule(mbs, spec, forward_only=False)
 
     def optimizer_step(self) -> float:
         """Clip by global norm, apply AdamW, zero the gradients; returns the pre-clip norm."""
@@ -241,10 +251,10 @@ class EngineShard:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def train_batch(self, mbs: Sequence[PackedMicroBatch], normalizer: float) -> StepReport:
+    def train_batch(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
         t0 = time.perf_counter()
         try:
-            loss = self.forward_backward(mbs, normalizer)
+            loss = self.forward_backward(mbs, spec)
         except BaseException:
             self.zero_grad()
             raise
@@ -260,9 +270,9 @@ class EngineShard:
         )
 
     @torch.no_grad()
-    def eval_batch(self, mbs: Sequence[PackedMicroBatch], normalizer: float) -> StepReport:
+    def eval_batch(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
         t0 = time.perf_counter()
-        loss = self._run_schedule(mbs, normalizer, forward_only=True)
+        loss = self._run_schedule(mbs, spec, forward_only=True)
         return StepReport(
             coords=self.coords,
             is_last_stage=self.is_last_stage,

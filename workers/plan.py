@@ -6,8 +6,9 @@ Pure host-side numpy, run once per step by the controller:
 2. each rank's sequences are cut into micro-batches under a token budget (first-fit decreasing);
 3. ranks with fewer micro-batches get dummy micro-batches so every rank runs the same number
    (their collectives stay in step; shared/design/ALGORITHMS.md §2);
-4. the loss normaliser (the global count of loss tokens) is computed once, here, so every rank
-   scales its local loss sum by the same number.
+4. the loss normalisers (global counts of loss tokens and sequences) are computed once, here,
+   and folded into a per-token ``loss_scale``, so every rank's local loss sum adds up to the
+   single-process loss.
 """
 
 from __future__ import annotations
@@ -17,11 +18,41 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from trainctl.workers.batch import HostSequence, PackedMicroBatch, StepPlan
+from trainctl.api.models import Normalization
+from trainctl.workers.batch import (
+    LOSS_INPUTS,
+    HostSequence,
+    LossSpec,
+    PackedMicroBatch,
+    StepPlan,
+)
+
+CROSS_ENTROPY = LossSpec()
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def sequence_scales(
+    seqs: Sequence[HostSequence], normalization: Normalization
+) -> tuple[list[float], int, int]:
+    """Per-sequence factor on ``mask * weight``, from the *global* batch; plus N and S.
+
+    token_mean: ``1 / N`` (N = loss tokens of the batch); seq_mean_token_mean:
+    ``1 / (S * n_i)`` (S = sequences with a loss token, ``n_i`` = loss tokens of sequence
+    ``i``); sum: 1. Every rank multiplies its local terms by these: the sum over all ranks is
+    the single-process loss, whatever the split.
+    """
+    counts = [s.num_loss_tokens for s in seqs]
+    n_tokens, n_seqs = sum(counts), sum(c > 0 for c in counts)
+    if normalization is Normalization.TOKEN_MEAN:
+        scales = [1.0 / max(n_tokens, 1)] * len(seqs)
+    elif normalization is Normalization.SEQ_MEAN_TOKEN_MEAN:
+        scales = [1.0 / (max(n_seqs, 1) * c) if c else 0.0 for c in counts]
+    else:
+        scales = [1.0] * len(seqs)
+    return scales, n_tokens, n_seqs
 
 
 def pack(
@@ -29,62 +60,86 @@ def pack(
     indices: Sequence[int],
     *,
     pad_multiple: int,
+    scales: Sequence[float] | None = None,
     total_len: int | None = None,
 ) -> PackedMicroBatch:
     """Pack sequences into one micro-batch, each right-padded to ``pad_multiple``.
 
-    If ``total_len`` is given (pipeline parallelism needs one shape for every micro-batch),
+    ``scales[i]`` multiplies sequence ``i``'s ``mask * weight`` into ``loss_scale`` (default
+    1). If ``total_len`` is given (pipeline parallelism needs one shape for every micro-batch),
     a trailing pad-only sequence fills the pack up to it.
     """
-    parts_ids, parts_pos, parts_lab, parts_w = [], [], [], []
-    cu = [0]
-    seq_lens = []
-    for seq in seqs:
-        n = len(seq)
-        padded = _round_up(n, pad_multiple)
-        labels, weight = seq.rolled()
-        pad = padded - n
-        parts_ids.append(np.pad(seq.tokens, (0, pad)))
-        parts_pos.append(np.arange(padded, dtype=np.int64))
-        parts_lab.append(np.pad(labels, (0, pad)))
-        parts_w.append(np.pad(weight, (0, pad)))
+    scales = [1.0] * len(seqs) if scales is None else scales
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in _PACKED}
+    present = [k for k in LOSS_INPUTS if seqs and getattr(seqs[0], k) is not None]
+    for k in present:
+        cols[k] = []
+    cu: list[int] = [0]
+    seq_lens: list[int] = []
+
+    def add(n: int, padded: int, values: dict[str, np.ndarray]) -> None:
+        for k, v in values.items():
+            cols[k].append(np.pad(v, (0, padded - n)))
+        cols["position_ids"].append(np.arange(padded, dtype=np.int64))
+        cols["seq_id"].append(np.full(padded, len(seq_lens), dtype=np.int64))
         cu.append(cu[-1] + padded)
         seq_lens.append(n)
+
+    for seq, scale in zip(seqs, scales, strict=True):
+        n = len(seq)
+        mask = seq.rolled("loss_mask").astype(np.float32)
+        weight = mask if seq.weights is None else mask * seq.rolled("weights")
+        values = {
+            "input_ids": seq.tokens,
+            "labels": seq.rolled("tokens"),
+            "loss_mask": mask,
+            "loss_scale": (weight * scale).astype(np.float32),
+        }
+        for k in present:
+            values[k] = seq.rolled(k).astype(np.float32)
+        add(n, _round_up(n, pad_multiple), values)
     index = list(indices)
     if total_len is not None and total_len > cu[-1]:
         fill = total_len - cu[-1]
         if fill % pad_multiple:
             raise ValueError(f"trailing pad {fill} is not a multiple of {pad_multiple}")
-        parts_ids.append(np.zeros(fill, np.int64))
-        parts_pos.append(np.arange(fill, dtype=np.int64))
-        parts_lab.append(np.zeros(fill, np.int64))
-        parts_w.append(np.zeros(fill, np.float32))
-        cu.append(cu[-1] + fill)
-        seq_lens.append(0)
+        zeros = np.zeros(0, np.float32)  # add() pads every column out to `fill`
+        values = {
+            "input_ids": zeros.astype(np.int64),
+            "labels": zeros.astype(np.int64),
+            "loss_mask": zeros,
+            "loss_scale": zeros,
+            **{k: zeros for k in present},
+        }
+        add(0, fill, values)
         index.append(-1)
+    packed = {k: np.concatenate(v) for k, v in cols.items()}
     return PackedMicroBatch(
-        input_ids=np.concatenate(parts_ids).astype(np.int64),
-        position_ids=np.concatenate(parts_pos),
-        labels=np.concatenate(parts_lab).astype(np.int64),
-        loss_weight=np.concatenate(parts_w).astype(np.float32),
+        **packed,  # type: ignore[arg-type]
         cu_seqlens=np.asarray(cu, dtype=np.int32),
         seq_index=np.asarray(index, dtype=np.int64),
         seq_lens=np.asarray(seq_lens, dtype=np.int64),
     )
 
 
-def dummy_microbatch(*, length: int) -> PackedMicroBatch:
+_PACKED = ("input_ids", "position_ids", "labels", "loss_mask", "loss_scale", "seq_id")
+
+
+def dummy_microbatch(*, length: int, loss_inputs: Sequence[str] = ()) -> PackedMicroBatch:
     """A pad-only micro-batch of ``length`` tokens that contributes zero loss."""
-    z = np.zeros(length, np.int64)
+    z = np.zeros(length, np.float32)
     return PackedMicroBatch(
-        input_ids=z,
+        input_ids=z.astype(np.int64),
         position_ids=np.arange(length, dtype=np.int64),
-        labels=z.copy(),
-        loss_weight=np.zeros(length, np.float32),
+        labels=z.astype(np.int64),
+        loss_mask=z,
+        loss_scale=z,
+        seq_id=np.zeros(length, np.int64),
         cu_seqlens=np.asarray([0, length], np.int32),
         seq_index=np.asarray([-1], np.int64),
         seq_lens=np.asarray([0], np.int64),
         is_dummy=True,
+        **{k: z for k in loss_inputs},
     )
 
 
@@ -124,10 +179,17 @@ def make_plan(
     max_tokens_per_microbatch: int,
     pad_multiple: int,
     uniform_length: bool = False,
+    normalization: Normalization = Normalization.TOKEN_MEAN,
+    loss: LossSpec = CROSS_ENTROPY,
 ) -> StepPlan:
     """Build the step plan. ``uniform_length`` pads every micro-batch to one length (PP)."""
     if not seqs:
         raise ValueError("empty batch")
+    present = [k for k in LOSS_INPUTS if getattr(seqs[0], k) is not None]
+    for i, s in enumerate(seqs):
+        if [k for k in LOSS_INPUTS if getattr(s, k) is not None] != present:
+            raise ValueError(f"sequence {i} carries other per-token loss inputs than sequence 0")
+    scales, n_tokens, n_seqs = sequence_scales(seqs, normalization)
     padded = [_round_up(len(s), pad_multiple) for s in seqs]
     if max(padded) > max_tokens_per_microbatch:
         raise ValueError(
@@ -146,16 +208,29 @@ def make_plan(
     shards = []
     for g in groups:
         mbs = [
-            pack([seqs[i] for i in mb], mb, pad_multiple=pad_multiple, total_len=total_len)
+            pack(
+                [seqs[i] for i in mb],
+                mb,
+                pad_multiple=pad_multiple,
+                scales=[scales[i] for i in mb],
+                total_len=total_len,
+            )
             for mb in g
         ]
-        mbs += [dummy_microbatch(length=dummy_len) for _ in range(num_mb - len(mbs))]
+        mbs += [
+            dummy_microbatch(length=dummy_len, loss_inputs=present)
+            for _ in range(num_mb - len(mbs))
+        ]
         shards.append(tuple(mbs))
-    num_loss = sum(s.num_loss_tokens for s in seqs)
+    missing = [k for k in loss.needs() if k not in present]
+    if missing:
+        raise ValueError(f"the {loss.kind.value} loss needs per-token {', '.join(missing)}")
     return StepPlan(
+        loss=loss,
+        normalization=normalization,
         microbatches=tuple(shards),
-        loss_normalizer=float(num_loss),
+        loss_normalizer=float(n_tokens),
+        num_loss_sequences=n_seqs,
         num_sequences=len(seqs),
         num_tokens=sum(len(s) for s in seqs),
-        num_loss_tokens=num_loss,
     )

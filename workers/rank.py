@@ -81,11 +81,11 @@ class RankWorker:
 
     def train_batch(self, plan: StepPlan) -> Any:
         shard = plan.microbatches[self.engine.coords.dp]
-        return self.engine.train_batch(shard, plan.loss_normalizer)
+        return self.engine.train_batch(shard, plan.loss)
 
     def eval_batch(self, plan: StepPlan) -> Any:
         shard = plan.microbatches[self.engine.coords.dp]
-        return self.engine.eval_batch(shard, plan.loss_normalizer)
+        return self.engine.eval_batch(shard, plan.loss)
 
     def weights_digest(self) -> str:
         return str(self.engine.weights_digest())

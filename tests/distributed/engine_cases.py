@@ -52,8 +52,8 @@ def step_and_collect(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[s
         uniform_length=eng.cfg.layout.pp > 1,
     )
     mbs = plan.microbatches[eng.coords.dp]
-    eval_loss = eng.eval_batch(mbs, plan.loss_normalizer).loss
-    loss = eng.forward_backward(mbs, plan.loss_normalizer)
+    eval_loss = eng.eval_batch(mbs, plan.loss).loss
+    loss = eng.forward_backward(mbs, plan.loss)
     grads = {
         name: p.main_grad.detach().clone().numpy()
         for name, p in eng.chunks[0].module.named_parameters()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainctl.workers.batch import HostSequence
+from trainctl.api.models import LossKind, Normalization
+from trainctl.workers.batch import HostSequence, LossSpec
 from trainctl.workers.plan import balance_over_dp, make_plan, pack
 
 
@@ -26,8 +27,10 @@ def test_pack_rolls_labels_and_masks_per_sequence() -> None:
     assert mb.input_ids.tolist() == [10, 11, 12, 13, 14, 0, 0, 0, 20, 21, 22, 0]
     assert mb.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
     # Where the weight is non-zero, the label is the true next token of the same sequence.
-    assert mb.loss_weight.tolist() == [0, 1, 1, 1, 0, 0, 0, 0, 2, 3, 0, 0]
-    for t in np.flatnonzero(mb.loss_weight):
+    assert mb.loss_mask.tolist() == [0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0]
+    assert mb.loss_scale.tolist() == [0, 1, 1, 1, 0, 0, 0, 0, 2, 3, 0, 0]
+    assert mb.seq_id.tolist() == [0] * 8 + [1] * 4
+    for t in np.flatnonzero(mb.loss_mask):
         assert mb.labels[t] == mb.input_ids[t + 1]
     assert mb.seq_lens.tolist() == [5, 3] and mb.seq_index.tolist() == [0, 1]
 
@@ -36,7 +39,7 @@ def test_pack_trailing_pad_sequence() -> None:
     mb = pack([seq([1, 2, 3])], [4], pad_multiple=2, total_len=10)
     assert mb.cu_seqlens.tolist() == [0, 4, 10]
     assert mb.seq_index.tolist() == [4, -1]
-    assert mb.loss_weight[4:].sum() == 0
+    assert mb.loss_mask[4:].sum() == 0 and mb.loss_scale[4:].sum() == 0
 
 
 def test_balance_over_dp_by_tokens() -> None:
@@ -60,7 +63,7 @@ def test_plan_budget_dummies_and_normalizer() -> None:
         for mb in shard:
             assert mb.num_tokens <= 32
             if mb.is_dummy:
-                assert mb.loss_weight.sum() == 0 and mb.num_tokens >= 1
+                assert mb.loss_scale.sum() == 0 and mb.num_tokens >= 1
     seen = sorted(i for shard in real for mb in shard for i in mb.seq_index if i >= 0)
     assert seen == [0, 1, 2, 3]
     assert plan.loss_normalizer == 29 * 3 + 1
@@ -79,3 +82,43 @@ def test_plan_rejects_oversize_and_empty() -> None:
         make_plan([seq(list(range(40)))], dp=1, max_tokens_per_microbatch=32, pad_multiple=1)
     with pytest.raises(ValueError, match="empty"):
         make_plan([], dp=1, max_tokens_per_microbatch=32, pad_multiple=1)
+
+
+@pytest.mark.parametrize("normalization", list(Normalization))
+def test_loss_scale_folds_the_global_normaliser(normalization: Normalization) -> None:
+    seqs = [seq([1, 2, 3, 4], [0, 1, 1, 1]), seq([5, 6], [0, 1], [1.0, 4.0]), seq([7, 8], [1, 0])]
+    plan = make_plan(
+        seqs, dp=2, max_tokens_per_microbatch=8, pad_multiple=1, normalization=normalization
+    )
+    assert (plan.loss_normalizer, plan.num_loss_sequences) == (4, 2)
+    scale = {
+        int(mb.seq_index[mb.seq_id[t]]): []
+        for sh in plan.microbatches
+        for mb in sh
+        for t in range(mb.num_tokens)
+        if mb.seq_index[mb.seq_id[t]] >= 0
+    }
+    for shard in plan.microbatches:
+        for mb in shard:
+            for t in range(mb.num_tokens):
+                i = int(mb.seq_index[mb.seq_id[t]])
+                if i >= 0:
+                    scale[i].append(float(mb.loss_scale[t]))
+    want = {
+        Normalization.TOKEN_MEAN: {0: [1 / 4, 1 / 4, 1 / 4, 0], 1: [4 / 4, 0], 2: [0, 0]},
+        Normalization.SEQ_MEAN_TOKEN_MEAN: {0: [1 / 6, 1 / 6, 1 / 6, 0], 1: [4 / 2, 0], 2: [0, 0]},
+        Normalization.SUM: {0: [1, 1, 1, 0], 1: [4, 0], 2: [0, 0]},
+    }[normalization]
+    for i, w in want.items():
+        np.testing.assert_allclose(scale[i], w, rtol=1e-7)
+
+
+def test_plan_requires_the_losses_inputs() -> None:
+    with pytest.raises(ValueError, match="needs per-token advantages, old_logprobs"):
+        make_plan(
+            [seq([1, 2, 3])],
+            dp=1,
+            max_tokens_per_microbatch=8,
+            pad_multiple=1,
+            loss=LossSpec(kind=LossKind.PPO),
+        )

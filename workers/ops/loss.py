@@ -1,13 +1,28 @@
-"""Per-token losses reduced CP-locally against a global normaliser (ALGORITHMS.md §1.5, §2).
+"""Per-token losses reduced CP-locally against global normalisers (ALGORITHMS.md §1.5, §2).
 
-Each rank sums its own tokens' loss terms and divides by ``N``, the global count of loss tokens
-computed once on the host. The sum of the local losses over all DP x CP ranks is then exactly
-the global token mean, so the gradient sync must *sum* (not average) over DP x CP.
+The host folds the normaliser into a per-token ``loss_scale`` (``mask * weight / N``, or
+``/ (S * n_i)`` for the sequence mean, see ``workers/plan.py``), computed on the *global*
+batch and split like every other token field. Each rank's loss is then
+``sum(term_t * loss_scale_t)`` over its own tokens, never gathering logits, and the sum over
+all DP x CP ranks is exactly the single-process loss. The gradient sync must therefore *sum*
+over DP x CP, not average.
+
+Terms, with ``lp`` the current log-prob of the target and ``r = exp(lp - old_lp)``:
+    cross_entropy        ``-lp``
+    importance_sampling  ``-r * A``
+    ppo                  ``max(-r * A, -clip(r, 1 - clip_low, 1 + clip_high) * A)``
+    + kl_coef * k3       ``exp(ref - lp) - (ref - lp) - 1`` (an unbiased, positive KL estimate)
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
+
+from trainctl.api.models import LossKind
+from trainctl.workers.batch import LossSpec
+
+_MAX_LOG_RATIO = 20.0  # keeps exp() finite (e^20 ~ 5e8) when a token's log-ratio explodes
 
 
 def connected_zero(output: Tensor) -> Tensor:
@@ -18,6 +33,40 @@ def connected_zero(output: Tensor) -> Tensor:
     return output.sum() * 0.0
 
 
-def token_sum_nll(logprobs: Tensor, loss_weight: Tensor, *, normalizer: float) -> Tensor:
-    """Cross-entropy term of this rank: ``-sum(w * log p) / N`` (a scalar)."""
-    return -(logprobs * loss_weight).sum() / normalizer
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` where the mask is set, 0 elsewhere: pads never reach ``exp``."""
+    return torch.where(mask > 0, x, torch.zeros_like(x))
+
+
+def per_token_terms(
+    logprobs: Tensor,
+    *,
+    spec: LossSpec,
+    loss_mask: Tensor,
+    advantages: Tensor | None = None,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+) -> Tensor:
+    """Loss term of every token ``[T]`` (0 where the mask is 0)."""
+    if spec.kind is LossKind.CROSS_ENTROPY:
+        terms = -logprobs
+    else:
+        if advantages is None or old_logprobs is None:
+            raise ValueError(f"{spec.kind.value} loss needs advantages and old_logprobs")
+        log_ratio = _masked(logprobs - old_logprobs, loss_mask).clamp(max=_MAX_LOG_RATIO)
+        ratio = log_ratio.exp()
+        terms = -ratio * advantages
+        if spec.kind is LossKind.PPO:
+            clipped = -ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high) * advantages
+            terms = torch.maximum(terms, clipped)
+    if spec.kl_coef:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        d = _masked(ref_logprobs - logprobs, loss_mask).clamp(max=_MAX_LOG_RATIO)
+        terms = terms + spec.kl_coef * (d.exp() - d - 1.0)
+    return _masked(terms, loss_mask)
+
+
+def local_loss(terms: Tensor, loss_scale: Tensor) -> Tensor:
+    """This rank's share of the global loss: ``sum(term * scale)`` over its own tokens."""
+    return (terms * loss_scale).sum()

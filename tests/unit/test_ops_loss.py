@@ -1,0 +1,132 @@
+"""Losses, dummy micro-batches and the stats tracker on one rank (T1.12, T2.1, T2.3, T2.4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from trainctl.api.models import LossKind
+from trainctl.workers.batch import LossSpec
+from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
+from trainctl.workers.ops.metrics import Reduction, StatsTracker, sequence_log_ppl
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 16))
+
+
+def test_t2_1_dummy_keeps_graph() -> None:
+    model = _model()
+    out = model(torch.zeros(5, dtype=torch.long))
+    connected_zero(out).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert p.grad.shape == p.shape and torch.count_nonzero(p.grad) == 0, name
+
+
+def test_t2_4_empty_output_not_nan() -> None:
+    out = torch.empty(0, 16, requires_grad=True)
+    loss = connected_zero(out)
+    assert loss.item() == 0.0 and not torch.isnan(loss)
+    assert torch.isnan(out.mean() * 0.0)  # the upstream form this avoids
+    loss.backward()
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n = 12
+    lp = (-torch.rand(n, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    return {
+        "logprobs": lp,
+        "loss_mask": (torch.rand(n, generator=g) > 0.3).double(),
+        "advantages": torch.randn(n, generator=g, dtype=torch.float64),
+        "old_logprobs": lp.detach() + 0.4 * torch.randn(n, generator=g, dtype=torch.float64),
+        "ref_logprobs": lp.detach() + 0.2 * torch.randn(n, generator=g, dtype=torch.float64),
+    }
+
+
+def test_loss_terms_match_their_formulas() -> None:
+    x = _inputs()
+    lp, m, a, old, ref = (
+        x[k] for k in ("logprobs", "loss_mask", "advantages", "old_logprobs", "ref_logprobs")
+    )
+    kw = {k: v for k, v in x.items() if k != "logprobs"}
+    r = (lp - old).exp()
+    want = {
+        LossKind.CROSS_ENTROPY: -lp,
+        LossKind.IMPORTANCE_SAMPLING: -r * a,
+        LossKind.PPO: torch.maximum(-r * a, -r.clamp(0.8, 1.28) * a),
+    }
+    for kind, w in want.items():
+        spec = LossSpec(kind=kind, clip_low=0.2, clip_high=0.28, kl_coef=0.1)
+        got = per_token_terms(lp, spec=spec, **kw)
+        k3 = (ref - lp).exp() - (ref - lp) - 1
+        torch.testing.assert_close(got, (w + 0.1 * k3) * m)
+    spec = LossSpec(kind=LossKind.PPO)
+    assert spec.needs() == ("advantages", "old_logprobs")
+    with pytest.raises(ValueError, match="needs advantages"):
+        per_token_terms(lp, spec=spec, loss_mask=m)
+
+
+def test_masked_positions_never_overflow() -> None:
+    lp = torch.tensor([-200.0, -1.0], requires_grad=True)
+    zeros = torch.zeros(2)
+    terms = per_token_terms(
+        lp,
+        spec=LossSpec(kind=LossKind.PPO, kl_coef=1.0),
+        loss_mask=torch.tensor([0.0, 1.0]),
+        advantages=torch.ones(2),
+        old_logprobs=zeros,
+        ref_logprobs=zeros,
+    )
+    local_loss(terms, torch.tensor([0.0, 1.0])).backward()
+    assert torch.isfinite(lp.grad).all() and lp.grad[0] == 0
+
+
+def test_t2_3_stats_never_see_empty_tensors() -> None:
+    t = StatsTracker()
+    with pytest.raises(ValueError, match="non-empty"):
+        t.denominator(valid=torch.zeros(0, dtype=torch.bool))
+    t.denominator(valid=torch.tensor([True, False, True]))
+    with pytest.raises(ValueError, match="non-empty"):
+        t.stat(denominator="valid", loss=torch.zeros(0))
+
+
+def test_tracker_reductions() -> None:
+    t = StatsTracker()
+    mask = torch.tensor([True, False, True, True])
+    t.denominator(valid=mask)
+    v = torch.tensor([1.0, 100.0, 3.0, -2.0])
+    t.stat(denominator="valid", loss=v)
+    t.stat(denominator="valid", reduction=Reduction.MIN, logprob=v)
+    t.stat(denominator="valid", reduction=Reduction.MAX, logprob=v)
+    t.scalar("sequences", 2)
+    t.scalar("sequences", 3)
+    out = t.export()
+    assert out == {
+        "valid:sum": 3.0,
+        "loss:mean": 2 / 3,
+        "logprob:min": -2.0,
+        "logprob:max": 3.0,
+        "sequences:sum": 5.0,
+    }
+    assert t.export() == {}
+
+
+def test_t1_12_single_key_export() -> None:
+    t = StatsTracker()
+    t.denominator(valid=torch.tensor([True, True]))
+    t.scalar("tokens", 7)  # a SUM key without a denominator
+    assert t.export(key="tokens:sum") == {"tokens:sum": 7.0}
+    assert t.export() == {"valid:sum": 2.0}  # the other key is still there, the first is gone
+
+
+def test_sequence_log_ppl_single_rank() -> None:
+    nll = torch.tensor([0.9, 0.3, 0.3, 2.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    seq_id = torch.tensor([0, 0, 0, 1])
+    log_ppl, has = sequence_log_ppl(nll, mask, seq_id, 2, cp_group=None)
+    assert has.tolist() == [True, False]
+    assert abs(float(log_ppl[0]) - 0.5) < 1e-12

@@ -1,0 +1,175 @@
+"""Context-parallel split of packed sequences: the zigzag layout (ALGORITHMS.md §1.1-§1.4).
+
+Every packed sequence ``i`` is padded to a length ``L_i`` that is a multiple of ``2c`` and cut
+into ``2c`` chunks of ``H_i = L_i / 2c`` tokens. CP rank ``r`` keeps chunk ``r`` followed by
+chunk ``2c-1-r`` of every sequence: one early and one late chunk, which balances the cost of
+causal attention. The local buffer is ``sum(L_i) / c`` long and the local boundaries are
+``padded_cu_seqlens // c`` (exact, since every ``L_i`` is a multiple of ``2c``).
+
+Everything token-aligned (tokens, labels, loss mask and every per-token loss input) is rolled on
+the *global* packed sequence first and then split with the same map: after the split a local
+neighbour is no longer the next token (§1.4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from trainctl.workers.batch import PackedMicroBatch
+
+
+def zigzag_positions(padded_cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tensor:
+    """Global positions held by ``cp_rank``, in local order: ``[T / cp_size]`` int64."""
+    cu = padded_cu_seqlens.tolist()
+    c2 = 2 * cp_size
+    parts = []
+    for start, end in itertools.pairwise(cu):
+        length = end - start
+        if length % c2:
+            raise ValueError(
+                f"sequence at [{start}, {end}) has padded length {length}, "
+                f"not a multiple of 2 * cp_size = {c2}"
+            )
+        h = length // c2
+        parts.append(torch.arange(start + cp_rank * h, start + (cp_rank + 1) * h))
+        late = c2 - 1 - cp_rank
+        parts.append(torch.arange(start + late * h, start + (late + 1) * h))
+    if not parts:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat(parts)
+
+
+def zigzag_inverse(padded_cu_seqlens: Tensor, cp_size: int) -> Tensor:
+    """For each global position, its index in the concatenation of all ranks' local buffers.
+
+    ``global = torch.cat(locals)[zigzag_inverse(...)]`` undoes the split (``[T]`` int64).
+    """
+    total = int(padded_cu_seqlens[-1])
+    t_loc = total // cp_size
+    inverse = torch.empty(total, dtype=torch.long)
+    for r in range(cp_size):
+        pos = zigzag_positions(padded_cu_seqlens, cp_size, r)
+        inverse[pos] = r * t_loc + torch.arange(pos.numel())
+    return inverse
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedTokens:
+    """One micro-batch, packed and padded, before any CP split. Token-aligned fields are ``[T]``.
+
+    Per-token loss inputs are already rolled: position ``t`` carries the values of the token it
+    predicts (``t + 1``), and 0 at each sequence's last token and at pads.
+    """
+
+    input_ids: Tensor  # [T] int64
+    position_ids: Tensor  # [T] int64, restarting per sequence
+    labels: Tensor  # [T] int64, next token
+    loss_mask: Tensor  # [T] fp32, 1 where the position's next token is a target
+    loss_scale: Tensor  # [T] fp32, weight * global normaliser; the loss is sum(term * scale)
+    seq_id: Tensor  # [T] int64, index of the packed sequence each position belongs to
+    advantages: Tensor | None = None  # [T] fp32
+    old_logprobs: Tensor | None = None  # [T] fp32, behaviour-policy log p(next token)
+    ref_logprobs: Tensor | None = None  # [T] fp32, reference-policy log p(next token)
+    cu_seqlens: Tensor  # [B+1] int32, padded boundaries (global)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def token_fields(self) -> list[str]:
+        return [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name != "cu_seqlens" and getattr(self, f.name) is not None
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CPShard:
+    """What CP rank ``cp_rank`` holds of a micro-batch: every token field cut by one map."""
+
+    cp_rank: int
+    cp_size: int
+    tokens: PackedTokens  # token fields are [T / cp_size]; cu_seqlens is the LOCAL one
+    global_cu_seqlens: Tensor  # [B+1] int32, what context-parallel attention needs
+    positions: Tensor  # [T / cp_size] int64, the global position of each local token
+
+    @property
+    def local_cu_seqlens(self) -> Tensor:
+        return self.tokens.cu_seqlens
+
+
+def packed_tokens(mb: PackedMicroBatch) -> PackedTokens:
+    """The host micro-batch as tensors (copies: object-store arrays are read-only)."""
+
+    def t(x: np.ndarray | None) -> Tensor | None:
+        return None if x is None else torch.from_numpy(np.array(x))
+
+    fields = {f.name: t(getattr(mb, f.name)) for f in dataclasses.fields(PackedTokens)}
+    return PackedTokens(**fields)  # type: ignore[arg-type]
+
+
+def split_for_cp(batch: PackedTokens, *, cp_size: int, cp_rank: int) -> CPShard:
+    """Cut every token-aligned field of ``batch`` with the zigzag map of ``cp_rank``."""
+    pos = zigzag_positions(batch.cu_seqlens, cp_size, cp_rank)
+    local = {name: getattr(batch, name)[pos] for name in batch.token_fields()}
+    local_cu = (batch.cu_seqlens // cp_size).to(batch.cu_seqlens.dtype)
+    return CPShard(
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+        tokens=dataclasses.replace(batch, cu_seqlens=local_cu, **local),
+        global_cu_seqlens=batch.cu_seqlens,
+        positions=pos,
+    )
+
+
+def reassemble(locals_by_rank: list[Tensor], padded_cu_seqlens: Tensor) -> Tensor:
+    """Put per-rank local tensors ``[T/c, ...]`` back in global order ``[T, ...]``."""
+    inverse = zigzag_inverse(padded_cu_seqlens, len(locals_by_rank))
+    return torch.cat(locals_by_rank)[inverse]
+
+
+class _GatherFromCP(torch.autograd.Function):
+    """All-gather ``[T/c]`` per-token values over CP into global order ``[T]``.
+
+    Backward: all-reduce the full gradient over CP, then keep this rank's slice. If every CP
+    rank computes the same full loss, the gradient arrives ``c`` times (normalise by ``c * N``,
+    ALGORITHMS.md §1.5 variant B). Works on gloo, which has no reduce-scatter.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, local: Tensor, inverse: Tensor, cp_group: ProcessGroup
+    ) -> Tensor:
+        c = dist.get_world_size(cp_group)
+        parts = [torch.empty_like(local) for _ in range(c)]
+        dist.all_gather(parts, local.contiguous(), group=cp_group)
+        ctx.save_for_backward(inverse)
+        ctx.cp_group, ctx.t_loc = cp_group, local.shape[0]
+        return torch.cat(parts)[inverse]
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        flat = torch.zeros_like(g)
+        flat[inverse] = g
+        dist.all_reduce(flat, group=ctx.cp_group)
+        r = dist.get_rank(ctx.cp_group)
+        return flat[r * ctx.t_loc : (r + 1) * ctx.t_loc], None, None
+
+
+def gather_from_cp(local: Tensor, padded_cu_seqlens: Tensor, cp_group: ProcessGroup) -> Tensor:
+    """Differentiable: this rank's ``[T/c]`` values -> all ranks' values in global order."""
+    if dist.get_world_size(cp_group) == 1:
+        return local
+    inverse = zigzag_inverse(padded_cu_seqlens, dist.get_world_size(cp_group))
+    return _GatherFromCP.apply(local, inverse, cp_group)  # type: ignore[no-any-return]
