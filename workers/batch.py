@@ -86,7 +86,7 @@ class PackedMicroBatch:
     position_ids: np.ndarray  # [T] int64, restarting at 0 for each sequence
     labels: np.ndarray  # [T] int64, next token (rolled before any split)
     loss_mask: np.ndarray  # [T] float32, 1 where the next token is a target; 0 at pads
-    loss_scale: np.ndarray  # [T] float32, mask * weight / global normaliser
+    loss_scale: np.ndarray  # [T] float64, mask * weight / global normaliser
     seq_id: np.ndarray  # [T] int64, which packed sequence each position belongs to
     cu_seqlens: np.ndarray  # [B+1] int32, padded sequence boundaries
     seq_index: np.ndarray  # [B] int64, index in the request; -1 for a pad-only sequence

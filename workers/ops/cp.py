@@ -74,7 +74,7 @@ class PackedTokens:
     position_ids: Tensor  # [T] int64, restarting per sequence
     labels: Tensor  # [T] int64, next token
     loss_mask: Tensor  # [T] fp32, 1 where the position's next token is a target
-    loss_scale: Tensor  # [T] fp32, weight * global normaliser; the loss is sum(term * scale)
+    loss_scale: Tensor  # [T] fp64, weight / global normaliser; the loss is sum(term * scale)
     seq_id: Tensor  # [T] int64, index of the packed sequence each position belongs to
     advantages: Tensor | None = None  # [T] fp32
     old_logprobs: Tensor | None = None  # [T] fp32, behaviour-policy log p(next token)
