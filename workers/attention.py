@@ -1,8 +1,10 @@
 """Core attention for packed sequences, given to megatron-core's layer spec.
 
-megatron-core's local ``DotProductAttention`` refuses packed (THD) input; TransformerEngine's
-attention needs CUDA. This module attends causally within each packed sequence with torch's
-``scaled_dot_product_attention``, one sequence at a time, so no ``[T, T]`` mask is ever built.
+megatron-core's local ``DotProductAttention`` refuses packed (THD) input and context
+parallelism; TransformerEngine's attention needs CUDA. This module attends causally within each
+packed sequence with torch's ``scaled_dot_product_attention``, one sequence at a time, so no
+``[T, T]`` mask is ever built; with CP it gathers keys and values over the CP group and masks
+by global (zigzag) positions.
 
 Shapes (``t`` = packed tokens on this rank, ``np`` / ``ng`` = query heads / key-value groups
 on this TP rank, ``hn`` = head dim):
@@ -25,6 +27,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
 
+from trainctl.workers.ops.cp import gather_from_cp
+
 
 class PackedCoreAttention(MegatronModule):
     """Causal attention within each packed sequence (``cu_seqlens``), drop-in for megatron."""
@@ -41,9 +45,9 @@ class PackedCoreAttention(MegatronModule):
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("context parallelism in PackedCoreAttention")
         tp_size = pg_collection.tp.size() if pg_collection is not None else 1
+        self.cp_group = pg_collection.cp if pg_collection is not None else None
+        self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
         self.heads = divide(config.num_attention_heads, tp_size)
         self.groups = divide(config.num_query_groups or config.num_attention_heads, tp_size)
         head_dim = config.kv_channels
@@ -52,8 +56,10 @@ class PackedCoreAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """``q [b, np, s, hn]``, ``k/v [b, ng, s, hn]`` -> ``[b, np, s, hn]``, causal."""
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``q [b, np, sq, hn]``, ``k/v [b, ng, sk, hn]`` -> ``[b, np, sq, hn]``.
+
+        Causal (``sq == sk``) unless ``mask [sq, sk]`` (True = attend) is given."""
         if self.heads != self.groups:
             rep = self.heads // self.groups
             k = k.repeat_interleave(rep, dim=1)
@@ -62,7 +68,8 @@ class PackedCoreAttention(MegatronModule):
             q,
             k,
             v,
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None,
             dropout_p=self.dropout_p if self.training else 0.0,
             scale=self.softmax_scale,
         )
@@ -88,13 +95,42 @@ class PackedCoreAttention(MegatronModule):
         cu = packed_seq_params.cu_seqlens_q
         if packed_seq_params.cu_seqlens_q_padded is not None:
             cu = packed_seq_params.cu_seqlens_q_padded
-        bounds = cu.tolist()
+        if self.cp_size > 1:
+            return self._forward_cp(query, key, value, cu)
         outs = []
-        for start, end in itertools.pairwise(bounds):
+        for start, end in itertools.pairwise(cu.tolist()):
             if end == start:
                 continue
             # [len, h, d] -> [1, h, len, d]
             q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
             outs.append(self._attend(q, k, v)[0].transpose(0, 1))
+        out = torch.cat(outs, dim=0)
+        return out.reshape(out.shape[0], -1)
+
+    def _forward_cp(self, query: Tensor, key: Tensor, value: Tensor, cu: Tensor) -> Tensor:
+        """Context parallelism: this rank holds the zigzag chunks ``r`` and ``2c-1-r`` of every
+        sequence (``cu`` = global padded boundaries). Keys and values are gathered over the CP
+        group (backward sends their gradients home); the causal mask compares *global*
+        positions inside each sequence."""
+        group = self.cp_group
+        assert group is not None
+        c, r = self.cp_size, group.rank()
+        k_all = gather_from_cp(key, cu, group)  # [T, ng, hn], global order
+        v_all = gather_from_cp(value, cu, group)
+        outs = []
+        for start, end in itertools.pairwise(cu.tolist()):
+            length = end - start
+            if length == 0:
+                continue
+            h = length // (2 * c)
+            local = slice(start // c, start // c + 2 * h)
+            late = 2 * c - 1 - r
+            q_pos = torch.cat(
+                [torch.arange(r * h, (r + 1) * h), torch.arange(late * h, (late + 1) * h)]
+            )
+            allowed = q_pos[:, None] >= torch.arange(length)[None, :]  # [2h, L]
+            q = query[local].transpose(0, 1).unsqueeze(0)
+            k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (k_all, v_all))
+            outs.append(self._attend(q, k, v, mask=allowed)[0].transpose(0, 1))
         out = torch.cat(outs, dim=0)
         return out.reshape(out.shape[0], -1)

@@ -40,7 +40,7 @@ from trainctl.api import Sequence as ApiSequence
 from trainctl.api.errors import ConflictError, TrainctlError
 from trainctl.workers.batch import HostSequence, StepPlan
 from trainctl.workers.config import EngineConfig
-from trainctl.workers.plan import make_plan
+from trainctl.workers.plan import plan_step
 from trainctl.workers.rank import RankWorker
 
 log = logging.getLogger(__name__)
@@ -170,13 +170,7 @@ class Controller:
     def _plan(self, req: TrainBatchRequest | EvalBatchRequest) -> StepPlan:
         req.check_limits(self.limits)
         try:
-            return make_plan(
-                to_host_sequences(req.sequences),
-                dp=self.cfg.layout.dp,
-                max_tokens_per_microbatch=self.cfg.max_tokens_per_microbatch,
-                pad_multiple=self.cfg.pad_multiple,
-                uniform_length=self.cfg.layout.pp > 1,
-            )
+            return plan_step(to_host_sequences(req.sequences), self.cfg)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
 

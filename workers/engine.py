@@ -24,17 +24,17 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from trainctl.workers import megatron_cpu
+from trainctl.workers import megatron_cpu, weights
 from trainctl.workers.batch import LossSpec, PackedMicroBatch
 from trainctl.workers.config import EngineConfig
+from trainctl.workers.inputs import RankMicroBatch, StageInputs
 from trainctl.workers.model import build_gpt, build_optimizer, transformer_config, wrap_ddp
-from trainctl.workers.ops.cp import PackedTokens, packed_tokens
 from trainctl.workers.ops.logprob import vocab_parallel_logprob
 from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
+from trainctl.workers.ops.pp_broadcast import StageRole
 from trainctl.workers.profiling import MemoryProfiler, RankCoords
 
 log = logging.getLogger(__name__)
@@ -52,32 +52,6 @@ class StepReport:
     """Global token-mean loss (already reduced over DP x CP); meaningful on the last stage."""
     grad_norm: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True)
-class _MicroBatch:
-    """One micro-batch on this rank: its (CP-local) tokens and megatron's packing metadata."""
-
-    tokens: PackedTokens
-    packed: PackedSeqParams
-    is_dummy: bool
-
-    @classmethod
-    def from_host(cls, mb: PackedMicroBatch) -> _MicroBatch:
-        tokens = packed_tokens(mb)
-        cu = tokens.cu_seqlens
-        max_len = torch.tensor(mb.max_seqlen, dtype=torch.int32)
-        return cls(
-            tokens=tokens,
-            packed=PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=cu,
-                cu_seqlens_kv=cu,
-                max_seqlen_q=max_len,
-                max_seqlen_kv=max_len,
-            ),
-            is_dummy=mb.is_dummy,
-        )
 
 
 class EngineShard:
@@ -105,6 +79,7 @@ class EngineShard:
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.dp_cp_group = mpu.get_data_parallel_group(with_context_parallel=True)
         self.pp_group = mpu.get_pipeline_model_parallel_group()
+        self.mp_group = mpu.get_model_parallel_group()
         self.coords = RankCoords(
             rank=dist.get_rank(),
             dp=mpu.get_data_parallel_rank(),
@@ -122,6 +97,13 @@ class EngineShard:
             ep_rank=self.coords.ep,
             etp_rank=mpu.get_expert_tensor_parallel_rank(),
         )
+        self.inputs = StageInputs(
+            role=StageRole.of(self.coords.pp, lay.pp),
+            cp_size=lay.cp,
+            cp_rank=self.coords.cp,
+            tp_group=self.tp_group,
+            tp_src=mpu.get_tensor_model_parallel_src_rank(),
+        )
         self.tc = transformer_config(cfg)
         self.tc.finalize_model_grads_func = self._finalize_grads
         self.chunks = []
@@ -133,6 +115,15 @@ class EngineShard:
                 pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                 post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                 vp_stage=vp,
+            )
+            weights.initialise(
+                model,
+                seed=cfg.model.seed,
+                num_layers=cfg.model.num_layers,
+                tp_rank=self.coords.tp,
+                tp=lay.tp,
+                ep_rank=self.coords.ep,
+                local_experts=0,
             )
             self.chunks.append(wrap_ddp(self.tc, model))
         self.tc.no_sync_func = [c.no_sync for c in self.chunks]
@@ -155,41 +146,36 @@ class EngineShard:
         return sum(p.numel() for c in self.chunks for p in c.parameters())
 
     def _loss_func(
-        self, mb: _MicroBatch, spec: LossSpec, logits: Tensor
+        self, mb: RankMicroBatch, spec: LossSpec, logits: Tensor
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """``logits [1, T, V_t]`` -> (loss, local token count, metrics) for megatron's schedule."""
-        t = mb.tokens
+        """``logits [1, t, V_t]`` (this rank's CP shard, its vocab slice) -> (loss, local token
+        count, metrics) for megatron's schedule. Never gathers logits over CP or TP."""
+        b = mb.batch
         if mb.is_dummy:
             loss = connected_zero(logits)
             n = 0
         else:
+            assert b.labels is not None and b.loss_mask is not None
             lp = vocab_parallel_logprob(
                 logits[0],
-                t.labels,
+                b.labels[0],
                 vocab_start=self.vocab_start,
                 tp_group=self.tp_group,
                 chunk_size=self.cfg.logprob_chunk_size,
             )
-            terms = per_token_terms(
-                lp,
-                spec=spec,
-                loss_mask=t.loss_mask,
-                advantages=t.advantages,
-                old_logprobs=t.old_logprobs,
-                ref_logprobs=t.ref_logprobs,
-            )
-            loss = local_loss(terms, t.loss_scale)
-            n = int(torch.count_nonzero(t.loss_mask))
+            extra = {k: v[0] for k, v in b.loss_inputs.items() if k != "loss_scale"}
+            terms = per_token_terms(lp, spec=spec, loss_mask=b.loss_mask[0], **extra)
+            loss = local_loss(terms, b.loss_inputs["loss_scale"][0])
+            n = int(torch.count_nonzero(b.loss_mask))
         return loss, torch.tensor(n, dtype=torch.int), {"loss": loss.detach().clone()}
 
     def _forward_step(
-        self, spec: LossSpec, data: Iterator[_MicroBatch], model: Any
+        self, spec: LossSpec, data: Iterator[RankMicroBatch], model: Any
     ) -> tuple[Tensor, Any]:
         mb = next(data)
-        t = mb.tokens
         logits = model(
-            t.input_ids[None],
-            t.position_ids[None],
+            mb.batch.tokens,
+            mb.batch.position_ids,
             attention_mask=None,
             packed_seq_params=mb.packed,
         )
@@ -202,7 +188,7 @@ class EngineShard:
 
         Returns the global loss, reduced over DP x CP (0.0 off the last stage).
         """
-        tensors = [_MicroBatch.from_host(mb) for mb in mbs]
+        tensors = [self.inputs.prepare(mb) for mb in mbs]
         iters: Any = [iter(tensors) for _ in self.chunks] if len(self.chunks) > 1 else iter(tensors)
         for c in self.chunks:
             c.train(not forward_only)
@@ -212,7 +198,7 @@ class EngineShard:
                 data_iterator=iters,
                 model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
                 num_microbatches=len(tensors),
-                seq_length=max(t.tokens.num_tokens for t in tensors),
+                seq_length=max(mb.num_tokens for mb in mbs),  # global: megatron divides by cp
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
@@ -233,7 +219,7 @@ class EngineShard:
         """Clip by global norm, apply AdamW, zero the gradients; returns the pre-clip norm."""
         with megatron_cpu.cuda_to_cpu():
             self.optimizer.prepare_grads()
-            grad_norm = float(self.optimizer.get_grad_norm())
+            grad_norm = self.grad_norm()
             clip = self.cfg.optimizer.clip_grad
             if clip > 0 and grad_norm > clip:
                 coeff = clip / (grad_norm + _CLIP_EPS)
@@ -245,6 +231,22 @@ class EngineShard:
         self.zero_grad()
         self.step += 1
         return grad_norm
+
+    def grad_norm(self) -> float:
+        """L2 norm of the full model's gradient: every canonical parameter counted once.
+
+        TP-replicated parameters (norms) count on TP rank 0 only; the sum of squares is then
+        all-reduced over the model-parallel group (TP x PP). DP x CP replicas already hold the
+        synchronised gradient.
+        """
+        sq = torch.zeros((), dtype=torch.float64)
+        for c in self.chunks:
+            for name, p in c.module.named_parameters():
+                if self.coords.tp != 0 and weights.shard_rule(name).kind == "replicated":
+                    continue
+                sq += p.main_grad.double().pow(2).sum()
+        dist.all_reduce(sq, group=self.mp_group)
+        return float(sq.sqrt())
 
     def zero_grad(self) -> None:
         for c in self.chunks:
@@ -288,6 +290,20 @@ class EngineShard:
                 h.update(name.encode())
                 h.update(p.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
+
+    def canonical_shards(self, *, grads: bool = False) -> dict[str, Tensor]:
+        """This rank's parameter (or gradient) shards by canonical name (``workers/weights``).
+
+        ``weights.shard_rule(name).unshard`` of the shards of TP ranks 0..tp-1 gives the full
+        tensor; across pipeline stages the names are disjoint.
+        """
+        out = {}
+        for c in self.chunks:
+            names = weights.canonical_names(c.module, ep_rank=self.coords.ep, local_experts=0)
+            for name, p in c.module.named_parameters():
+                t = p.main_grad if grads else p
+                out[names[name]] = t.detach().clone()
+        return out
 
     def named_parameters(self) -> dict[str, Tensor]:
         """This rank's parameter shards by name (chunk index prefixed when vp > 1)."""

@@ -44,7 +44,9 @@ def transformer_config(cfg: EngineConfig) -> TransformerConfig:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
-        perform_initialization=True,
+        # workers/weights.py initialises every parameter by its canonical name instead, so a
+        # model is the same on every layout.
+        perform_initialization=False,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         bf16=False,

@@ -26,6 +26,7 @@ from trainctl.workers.batch import (
     PackedMicroBatch,
     StepPlan,
 )
+from trainctl.workers.config import EngineConfig
 
 CROSS_ENTROPY = LossSpec()
 
@@ -182,8 +183,11 @@ def make_plan(
     uniform_length: bool = False,
     normalization: Normalization = Normalization.TOKEN_MEAN,
     loss: LossSpec = CROSS_ENTROPY,
+    microbatch_multiple: int = 1,
 ) -> StepPlan:
-    """Build the step plan. ``uniform_length`` pads every micro-batch to one length (PP)."""
+    """Build the step plan. ``uniform_length`` pads every micro-batch to one length (PP);
+    ``microbatch_multiple`` rounds the micro-batch count up (the interleaved PP schedule
+    needs a multiple of the pipeline size)."""
     if not seqs:
         raise ValueError("empty batch")
     present = [k for k in LOSS_INPUTS if getattr(seqs[0], k) is not None]
@@ -201,7 +205,7 @@ def make_plan(
         cut_microbatches(shard, padded, max_tokens_per_microbatch)
         for shard in balance_over_dp(padded, dp)
     ]
-    num_mb = max(1, max(len(g) for g in groups))
+    num_mb = _round_up(max(1, max(len(g) for g in groups)), microbatch_multiple)
     total_len = None
     if uniform_length:
         total_len = max(sum(padded[i] for i in mb) for g in groups for mb in g)
@@ -234,4 +238,25 @@ def make_plan(
         num_loss_sequences=n_seqs,
         num_sequences=len(seqs),
         num_tokens=sum(len(s) for s in seqs),
+    )
+
+
+def plan_step(
+    seqs: Sequence[HostSequence],
+    cfg: EngineConfig,
+    *,
+    loss: LossSpec = CROSS_ENTROPY,
+    normalization: Normalization = Normalization.TOKEN_MEAN,
+) -> StepPlan:
+    """``make_plan`` with everything the engine's layout dictates."""
+    lay = cfg.layout
+    return make_plan(
+        seqs,
+        dp=lay.dp,
+        max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
+        pad_multiple=cfg.pad_multiple,
+        uniform_length=lay.pp > 1,
+        normalization=normalization,
+        loss=loss,
+        microbatch_multiple=lay.pp if lay.vp > 1 else 1,
     )

@@ -41,16 +41,10 @@ def step_and_collect(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[s
     """Eval, forward/backward, gradients, one optimizer step, parameters - as numpy."""
     from trainctl.workers.config import EngineConfig
     from trainctl.workers.engine import EngineShard
-    from trainctl.workers.plan import make_plan
+    from trainctl.workers.plan import plan_step
 
     eng = EngineShard(EngineConfig.from_dict(cfg))
-    plan = make_plan(
-        to_host(batch),
-        dp=eng.cfg.layout.dp,
-        max_tokens_per_microbatch=eng.cfg.max_tokens_per_microbatch,
-        pad_multiple=eng.cfg.pad_multiple,
-        uniform_length=eng.cfg.layout.pp > 1,
-    )
+    plan = plan_step(to_host(batch), eng.cfg)
     mbs = plan.microbatches[eng.coords.dp]
     eval_loss = eng.eval_batch(mbs, plan.loss).loss
     loss = eng.forward_backward(mbs, plan.loss)
@@ -58,8 +52,21 @@ def step_and_collect(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[s
         name: p.main_grad.detach().clone().numpy()
         for name, p in eng.chunks[0].module.named_parameters()
     }
+    shard_grads = eng.canonical_shards(grads=True)
     grad_norm = eng.optimizer_step()
+    replica0 = eng.coords.dp == 0 and eng.coords.cp == 0
     return {
+        "coords": {
+            "tp": eng.coords.tp,
+            "pp": eng.coords.pp,
+            "dp": eng.coords.dp,
+            "cp": eng.coords.cp,
+        },
+        "shard_grads": {k: v.numpy() for k, v in shard_grads.items()} if replica0 else {},
+        "shard_params": (
+            {k: v.numpy() for k, v in eng.canonical_shards().items()} if replica0 else {}
+        ),
+        "is_last_stage": eng.is_last_stage,
         "eval_loss": eval_loss,
         "loss": loss,
         "grad_norm": grad_norm,
@@ -68,3 +75,20 @@ def step_and_collect(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[s
         "dummies": plan.num_dummies,
         "real_microbatches": sum(not mb.is_dummy for mb in mbs),
     }
+
+
+def full_tensors(results: list[dict[str, Any]], key: str) -> dict[str, np.ndarray]:
+    """Merge the DP-replica-0 shards of every rank into full canonical tensors."""
+    import torch
+
+    from trainctl.workers.weights import shard_rule
+
+    by_name: dict[str, dict[int, np.ndarray]] = {}
+    for r in results:
+        for name, shard in r[key].items():
+            by_name.setdefault(name, {})[r["coords"]["tp"]] = shard
+    out = {}
+    for name, shards in by_name.items():
+        ordered = [torch.from_numpy(shards[k]) for k in sorted(shards)]
+        out[name] = shard_rule(name).unshard(ordered).numpy()
+    return out

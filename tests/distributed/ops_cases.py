@@ -514,7 +514,9 @@ def pp_broadcast_case(
             if last:
                 assert torch.equal(got.labels, full.labels)
                 assert set(got.loss_inputs) == set(inputs)
-                assert torch.equal(got.loss_inputs["advantages"], full.loss_inputs["advantages"])
+                assert torch.equal(
+                    got.loss_inputs["advantages"], full.loss_inputs["advantages"].double()
+                )
             res["cu"] = None if got.cu_seqlens is None else got.cu_seqlens.tolist()
             out.append(res)
     finally:

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 
 import pytest
+
 from ops_cases import (
     cp_loss_case,
     dp_sync_dummy_case,
@@ -22,7 +23,6 @@ from ops_cases import (
     stats_case,
     zero_valid_shard_case,
 )
-
 from rankpool import RankPool
 
 Pools = Callable[[int], RankPool]

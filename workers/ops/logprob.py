@@ -8,11 +8,12 @@ that owns the target column (all-reduce SUM; out-of-vocabulary targets give 0).
 Two autograd functions with bit-identical gradients:
 * ``_LogprobFull`` saves the fp32 softmax ``[N, V_t]`` for backward (about 2G of memory where
   G is the fp32 gradient's size);
-* ``_LogprobChunked`` saves only the input logits and, in backward, recomputes each chunk of
-  rows and streams its gradient into one preallocated fp32 buffer: peak about G(1 + k/chunks).
+* ``_LogprobChunked`` saves only the input logits plus the row max and log-sum-exp (``[N]``
+  each) and, in backward, recomputes each chunk's softmax directly into one preallocated fp32
+  gradient buffer: no list, no ``torch.cat``, peak about G plus one chunk in forward.
 
-Both compute the gradient in the same order, ``(-p) * g`` then ``+ g`` scattered at the
-target, so ``torch.equal`` holds between them.
+Both compute ``p = exp((x - m) - log_se)`` and the gradient ``p * (-g)`` then ``+ g`` scattered
+at the target in the same order, so ``torch.equal`` holds between them.
 
 Shapes: ``logits [..., V_t]``, ``target [...]`` int64 -> log-probs ``[...]`` fp32.
 """
@@ -33,12 +34,19 @@ def _all_reduce(x: Tensor, op: dist.ReduceOp.RedOpType, group: ProcessGroup | No
     return x
 
 
-def _log_softmax(x: Tensor, tp_group: ProcessGroup | None) -> Tensor:
-    """Distributed log-softmax over the vocabulary of rows ``x [n, V_t]`` (fp32, new tensor)."""
-    m = _all_reduce(x.max(dim=-1, keepdim=True).values, dist.ReduceOp.MAX, tp_group)
+def _row_stats(x: Tensor, tp_group: ProcessGroup | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(z, m, log_se)`` of rows ``x [n, V_t]``: ``z = x - m`` (new fp32 tensor), the row max
+    ``m [n, 1]`` and ``log(sum(exp(z)))`` ``[n, 1]``, both reduced over the TP group."""
+    m = _all_reduce(x.max(dim=-1, keepdim=True).values.float(), dist.ReduceOp.MAX, tp_group)
     z = x - m
     se = _all_reduce(z.exp().sum(dim=-1, keepdim=True), dist.ReduceOp.SUM, tp_group)
-    return z.sub_(se.log_())
+    return z, m, se.log_()
+
+
+def _log_softmax(x: Tensor, tp_group: ProcessGroup | None) -> Tensor:
+    """Distributed log-softmax over the vocabulary of rows ``x [n, V_t]`` (fp32, new tensor)."""
+    z, _, log_se = _row_stats(x, tp_group)
+    return z.sub_(log_se)
 
 
 def _local_target(target: Tensor, vocab_start: int, vocab_size_local: int) -> tuple[Tensor, Tensor]:
@@ -52,9 +60,13 @@ def _pick(lsm: Tensor, local: Tensor, outside: Tensor) -> Tensor:
     return lsm.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
 
 
-def _grad_rows(p_neg_g: Tensor, g: Tensor, local: Tensor, outside: Tensor) -> Tensor:
-    """In place: ``(-p) * g`` plus ``g`` at each in-partition target column."""
-    return p_neg_g.scatter_add_(-1, local.unsqueeze(-1), g.masked_fill(outside, 0.0).unsqueeze(-1))
+def _grad_rows(p: Tensor, g: Tensor, local: Tensor, outside: Tensor) -> Tensor:
+    """In place on the softmax rows ``p``: ``p * (-g)``, plus ``g`` at each in-partition target.
+
+    ``p * (-g)`` equals ``(-p) * g`` bit for bit (negation is exact) and saves a pass.
+    """
+    p.mul_(g.neg().unsqueeze(-1))
+    return p.scatter_add_(-1, local.unsqueeze(-1), g.masked_fill(outside, 0.0).unsqueeze(-1))
 
 
 class _LogprobFull(torch.autograd.Function):
@@ -62,8 +74,8 @@ class _LogprobFull(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, tp_group: Any
     ) -> Tensor:
-        x = logits.float()
-        lsm = _log_softmax(x, tp_group)
+        z, _, log_se = _row_stats(logits.float(), tp_group)
+        lsm = z.sub_(log_se)
         local, outside = _local_target(target, vocab_start, logits.shape[-1])
         lp = _all_reduce(_pick(lsm, local, outside), dist.ReduceOp.SUM, tp_group)
         ctx.save_for_backward(lsm.exp_(), local, outside)
@@ -73,38 +85,44 @@ class _LogprobFull(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         p, local, outside = ctx.saved_tensors
-        grad = _grad_rows(p.neg().mul_(g.unsqueeze(-1)), g, local, outside)
+        grad = _grad_rows(p.clone(), g, local, outside)
         return grad.to(ctx.in_dtype), None, None, None
 
 
 class _LogprobChunked(torch.autograd.Function):
+    """Forward keeps only the input logits and the per-row ``m``, ``log_se`` (``[n]`` each);
+    backward writes each chunk's softmax gradient straight into one preallocated buffer."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, tp_group: Any, chunk: int
     ) -> Tensor:
         n = logits.shape[0]
         local, outside = _local_target(target, vocab_start, logits.shape[-1])
-        lp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        m = torch.empty(n, 1, dtype=torch.float32, device=logits.device)
+        log_se = torch.empty(n, 1, dtype=torch.float32, device=logits.device)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            lsm = _log_softmax(logits[a:b].float(), tp_group)
-            lp[a:b] = _pick(lsm, local[a:b], outside[a:b])
+            _, m[a:b], log_se[a:b] = _row_stats(logits[a:b].float(), tp_group)
+        # ((x - m) - log_se) at the target: the same operations, in the same order, as the
+        # non-chunked kernel's log-softmax, so the two agree bit for bit.
+        x_t = logits.gather(-1, local.unsqueeze(-1)).float()
+        lp = (x_t - m).sub_(log_se).squeeze(-1).masked_fill_(outside, 0.0)
         _all_reduce(lp, dist.ReduceOp.SUM, tp_group)
-        ctx.save_for_backward(logits, local, outside)
-        ctx.tp_group, ctx.chunk = tp_group, chunk
+        ctx.save_for_backward(logits, local, outside, m, log_se)
+        ctx.chunk = chunk
         return lp
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        logits, local, outside = ctx.saved_tensors
+        logits, local, outside, m, log_se = ctx.saved_tensors
         n = logits.shape[0]
         # One buffer for the whole gradient; chunks tile [0, n) exactly once.
         grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         for a in range(0, n, ctx.chunk):
             b = min(n, a + ctx.chunk)
-            p = _log_softmax(logits[a:b].float(), ctx.tp_group).exp_()
-            gc = g[a:b]
-            grad[a:b] = _grad_rows(p.neg_().mul_(gc.unsqueeze(-1)), gc, local[a:b], outside[a:b])
+            p = torch.sub(logits[a:b], m[a:b], out=grad[a:b]).sub_(log_se[a:b]).exp_()
+            _grad_rows(p, g[a:b], local[a:b], outside[a:b])
         out = grad if logits.dtype == torch.float32 else grad.to(logits.dtype)
         return out, None, None, None, None
 

@@ -64,7 +64,7 @@ class StageBatch:
     position_ids: Tensor | None = None  # [mbs, s] int64
     labels: Tensor | None = None  # [mbs, s] int64
     loss_mask: Tensor | None = None  # [mbs, s] fp32
-    loss_inputs: dict[str, Tensor] = field(default_factory=dict)  # name -> [mbs, s] fp32
+    loss_inputs: dict[str, Tensor] = field(default_factory=dict)  # name -> [mbs, s] fp64
     attention_mask: Tensor | None = None  # [mbs, 1, s, s] bool
     cu_seqlens: Tensor | None = None  # [n] int32
     max_seqlen: Tensor | None = None  # [1] int32
@@ -95,7 +95,9 @@ def _spec(name: str, cfg: BroadcastConfig) -> tuple[tuple[int, ...], torch.dtype
         return (b, 1, s, s), torch.bool
     if name == "max_seqlen":
         return (1,), torch.int32
-    return (b, s), torch.float32  # loss_mask and loss inputs
+    if name.startswith("loss_inputs."):
+        return (b, s), torch.float64  # exact for fp32 inputs, and loss scales need fp64
+    return (b, s), torch.float32  # loss_mask
 
 
 def _get(batch: StageBatch, name: str) -> Tensor | None:

@@ -1,0 +1,162 @@
+"""The measured workloads. Each function runs inside a fresh child process (see run.py)."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench.memory import MIB, PeakRSS
+from trainctl.workers.ops import logprob as lp_ops
+from trainctl.workers.ops.logprob import vocab_parallel_logprob
+
+
+class _ListCatLogprob(torch.autograd.Function):
+    """The upstream shape this project avoids: chunked, but backward lists chunks and cats."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, chunk: int) -> torch.Tensor:
+        local, outside = lp_ops._local_target(target, 0, logits.shape[-1])
+        out = torch.cat(
+            [
+                lp_ops._pick(
+                    lp_ops._log_softmax(logits[a : a + chunk].float(), None),
+                    local[a : a + chunk],
+                    outside[a : a + chunk],
+                )
+                for a in range(0, logits.shape[0], chunk)
+            ]
+        )
+        ctx.save_for_backward(logits, local, outside)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, local, outside = ctx.saved_tensors
+        parts = []
+        for a in range(0, logits.shape[0], ctx.chunk):
+            b = a + ctx.chunk
+            p = lp_ops._log_softmax(logits[a:b].float(), None).exp_()
+            parts.append(lp_ops._grad_rows(p, g[a:b], local[a:b], outside[a:b]))
+        return torch.cat(parts), None, None
+
+
+def logprob_case(variant: str, n: int, v: int, chunks: int, repeats: int) -> dict[str, float]:
+    """Peak RSS of forward+backward above the inputs, in units of G = n * v * 4 bytes."""
+    torch.manual_seed(0)
+    logits = torch.randn(n, v)
+    target = torch.randint(0, v, (n,))
+    seed = torch.rand(n)
+    cs = -(-n // chunks)
+
+    def run() -> None:
+        x = logits.requires_grad_()
+        if variant == "streamed":
+            lp = vocab_parallel_logprob(x, target, chunk_size=cs)
+        elif variant == "list_cat":
+            lp = _ListCatLogprob.apply(x, target, cs)
+        else:
+            lp = vocab_parallel_logprob(x, target, chunk_size=0)
+        lp.backward(seed)
+        x.grad = None
+
+    run()  # warm-up: allocator and autograd structures
+    with PeakRSS() as m:
+        run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    g_bytes = n * v * 4
+    return {
+        "peak_over_G": m.peak_above_start / g_bytes,
+        "G_MiB": g_bytes / MIB,
+        "time_s": statistics.median(times),
+    }
+
+
+def mask_case(variant: str, n: int) -> dict[str, float]:
+    """Temporary memory above the [n, n] bool mask itself, for one sequence of length n."""
+    from trainctl.workers.ops.mask import blockwise_causal_mask
+
+    pos = torch.arange(n)
+    mask_bytes = n * n
+    with PeakRSS() as m:
+        if variant == "blockwise":
+            mask = blockwise_causal_mask([pos], n)
+        else:  # the upstream construction: every index pair at once
+            mask = torch.zeros(n, n, dtype=torch.bool)
+            tri = torch.tril_indices(n, n)
+            mask[pos[tri[0]], pos[tri[1]]] = True
+    assert bool(mask[n - 1, 0]) and not bool(mask[0, n - 1])
+    return {"temp_MiB": (m.peak_above_start - mask_bytes) / MIB, "mask_MiB": mask_bytes / MIB}
+
+
+# -- CP-local loss vs gather-then-loss ------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cp_rank(rank: int, world: int, port: int, variant: str, t: int, v: int, out: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    torch.manual_seed(rank)
+    t_loc = t // world
+    local = torch.randn(t_loc, v, requires_grad=True)
+    labels = torch.randint(0, v, (t_loc,))
+    scale = torch.full((t_loc,), 1.0 / t, dtype=torch.float64)
+    sent = 0
+    with PeakRSS() as m:
+        if variant == "cp_local":
+            lp = vocab_parallel_logprob(local, labels, chunk_size=1024)
+            loss = -(lp * scale).sum()
+            loss.backward()
+            report = loss.detach().clone()
+            dist.all_reduce(report)  # the only communication: one scalar for the report
+            sent += report.numel() * report.element_size()
+        else:  # gather logits (and labels), compute the loss on the whole sequence
+            parts = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(parts, local.detach())
+            sent += local.numel() * local.element_size() * (world - 1)
+            full = torch.cat(parts).requires_grad_()
+            all_labels = [torch.empty_like(labels) for _ in range(world)]
+            dist.all_gather(all_labels, labels)
+            sent += labels.numel() * labels.element_size() * (world - 1)
+            lp = vocab_parallel_logprob(full, torch.cat(all_labels), chunk_size=1024)
+            (-(lp.double() / t).sum()).backward()
+            grad = full.grad[rank * t_loc : (rank + 1) * t_loc].clone()  # own rows back
+            del full, parts, lp
+            local.backward(grad)
+    out.put((rank, m.peak_above_start, sent))
+    dist.destroy_process_group()
+
+
+def cp_loss_case(variant: str, cp: int, t: int, v: int) -> dict[str, float]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_cp_rank, args=(r, cp, port, variant, t, v, out)) for r in range(cp)
+    ]
+    for p in procs:
+        p.start()
+    res = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    peak = max(r[1] for r in res)
+    sent = max(r[2] for r in res)
+    return {"peak_MiB": peak / MIB, "bytes_sent": float(sent), "full_logits_MiB": t * v * 4 / MIB}

@@ -1,0 +1,121 @@
+"""Canonical (unsharded) parameters: names, initialisation and the TP shard mapping.
+
+Every parameter has a *canonical name* - its name in the single-rank model: global layer index,
+global expert index - and a *shard rule* saying how TP splits the full tensor:
+    replicated       norms, routers, and experts (no expert tensor parallelism here)
+    dim d            a contiguous slice along dim ``d`` (embedding and output rows, QKV rows in
+                     megatron's group-major layout, attention-out and fc2 columns)
+    glu              fc1 of a gated MLP: megatron keeps ``[gate_k; up_k]`` on TP rank ``k``, so
+                     the gate and up halves are sliced separately
+
+Initialisation draws each *full* tensor from a generator seeded by ``(seed, canonical name)``
+and keeps this rank's shard, so a model is identical on every parallel layout (megatron's own
+initialisation depends on the pipeline stage and shards fc1's halves differently). The same
+mapping turns shards back into full tensors for checkpoints export and layout-invariance tests.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+INIT_STD = 0.02
+"""Normal init std of every matrix (GPT-2 / Llama convention)."""
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRule:
+    kind: str  # "replicated" | "dim" | "glu"
+    dim: int = 0
+
+    def shard(self, full: Tensor, rank: int, size: int) -> Tensor:
+        if self.kind == "replicated" or size == 1:
+            return full
+        if self.kind == "glu":
+            gate, up = full.chunk(2, dim=0)
+            return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]])
+        return full.chunk(size, dim=self.dim)[rank]
+
+    def unshard(self, shards: list[Tensor]) -> Tensor:
+        if self.kind == "replicated" or len(shards) == 1:
+            return shards[0]
+        if self.kind == "glu":
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        return torch.cat(shards, dim=self.dim)
+
+    def full_shape(self, shard_shape: torch.Size, size: int) -> tuple[int, ...]:
+        shape = list(shard_shape)
+        if self.kind != "replicated":
+            shape[0 if self.kind == "glu" else self.dim] *= size
+        return tuple(shape)
+
+
+def shard_rule(name: str) -> ShardRule:
+    """How TP splits the parameter called ``name`` (canonical or local: the suffix decides)."""
+    if ".local_experts." in name or name.endswith(("layernorm.weight", "router.weight")):
+        return ShardRule("replicated")
+    if "final_layernorm" in name or name.endswith("norm.weight"):
+        return ShardRule("replicated")
+    if name.endswith("mlp.linear_fc1.weight"):
+        return ShardRule("glu")
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return ShardRule("dim", 1)
+    return ShardRule("dim", 0)  # embedding, output layer, linear_qkv
+
+
+def canonical_names(chunk: nn.Module, *, ep_rank: int, local_experts: int) -> dict[str, str]:
+    """Local parameter name -> canonical name, for one model chunk (``GPTModel``)."""
+    out = {}
+    layers = getattr(getattr(chunk, "decoder", None), "layers", [])
+    for name, _ in chunk.named_parameters():
+        canon = name
+        m = _LAYER.match(name)
+        if m:
+            global_layer = layers[int(m.group(1))].layer_number - 1
+            canon = _LAYER.sub(f"decoder.layers.{global_layer}.", canon, count=1)
+        e = _EXPERT.search(canon)
+        if e:
+            global_expert = ep_rank * local_experts + int(e.group(1))
+            canon = _EXPERT.sub(f".local_experts.{global_expert}.", canon, count=1)
+        out[name] = canon
+    return out
+
+
+def init_full(name: str, shape: tuple[int, ...], *, seed: int, num_layers: int) -> Tensor:
+    """The full tensor of parameter ``name``, drawn from a generator seeded by the name."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    std = INIT_STD
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        std = INIT_STD / math.sqrt(2.0 * num_layers)  # residual-branch outputs, as megatron does
+    return torch.randn(shape, generator=gen) * std
+
+
+@torch.no_grad()
+def initialise(
+    chunk: nn.Module,
+    *,
+    seed: int,
+    num_layers: int,
+    tp_rank: int,
+    tp: int,
+    ep_rank: int,
+    local_experts: int,
+) -> None:
+    """Overwrite every parameter of ``chunk`` with its shard of the canonical initialisation."""
+    names = canonical_names(chunk, ep_rank=ep_rank, local_experts=local_experts)
+    for name, p in chunk.named_parameters():
+        canon = names[name]
+        rule = shard_rule(canon)
+        full = init_full(canon, rule.full_shape(p.shape, tp), seed=seed, num_layers=num_layers)
+        p.copy_(rule.shard(full, tp_rank, tp))
