@@ -16,7 +16,15 @@ from enum import Enum
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from trainctl.api.errors import field_error
 
@@ -57,14 +65,25 @@ class Sequence(BaseModel):
     weights: list[float] | None = Field(
         default=None, description="Per-token loss weights; default 1."
     )
+    advantages: list[float] | None = Field(
+        default=None, description="Per-token advantages (importance_sampling and ppo losses)."
+    )
+    old_logprobs: list[float] | None = Field(
+        default=None,
+        description="Per-token log-probs of each token under the behaviour (sampling) policy.",
+    )
+    ref_logprobs: list[float] | None = Field(
+        default=None, description="Per-token log-probs under the reference policy (KL term)."
+    )
 
-    @field_validator("loss_mask", "weights")
+    @field_validator("loss_mask", "weights", "advantages", "old_logprobs", "ref_logprobs")
     @classmethod
     def _same_length_as_tokens(cls, value: list[Any] | None, info: ValidationInfo) -> Any:
         tokens = info.data.get("tokens")
         if value is not None and tokens is not None and len(value) != len(tokens):
             raise ValueError(f"has {len(value)} entries but tokens has {len(tokens)}")
-        finite = value is None or info.field_name != "weights" or all(map(math.isfinite, value))
+        floats = info.field_name != "loss_mask"
+        finite = value is None or not floats or all(map(math.isfinite, value))
         if not finite:
             raise ValueError("must be finite (no NaN or inf)")
         return value
@@ -77,10 +96,53 @@ class ModelLimits(BaseModel):
     max_seq_len: int
 
 
+class LossConfig(BaseModel):
+    """Which loss the step computes. The normaliser is computed once on the global batch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: LossKind = LossKind.CROSS_ENTROPY
+    normalization: Normalization = Normalization.TOKEN_MEAN
+    clip_low: float = Field(0.2, ge=0, le=1, description="PPO: lower ratio bound 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, description="PPO: upper ratio bound 1 + clip_high.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the reference policy.")
+
+    def required_inputs(self) -> tuple[str, ...]:
+        out: tuple[str, ...] = ()
+        if self.kind is not LossKind.CROSS_ENTROPY:
+            out += ("advantages", "old_logprobs")
+        if self.kl_coef > 0:
+            out += ("ref_logprobs",)
+        return out
+
+
+_PER_TOKEN_INPUTS = ("advantages", "old_logprobs", "ref_logprobs")
+
+
 class _BatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sequences: list[Sequence] = Field(min_length=1, description="The batch; at least one.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="Default: cross-entropy.")
+
+    @model_validator(mode="after")
+    def _loss_inputs_present(self) -> _BatchRequest:
+        required = self.loss.required_inputs()
+        first = [k for k in _PER_TOKEN_INPUTS if getattr(self.sequences[0], k) is not None]
+        for i, seq in enumerate(self.sequences):
+            for k in required:
+                if getattr(seq, k) is None:
+                    raise ValueError(
+                        f"sequences[{i}].{k} is required by the {self.loss.kind.value} loss"
+                        + (" with kl_coef > 0" if k == "ref_logprobs" else "")
+                    )
+            have = [k for k in _PER_TOKEN_INPUTS if getattr(seq, k) is not None]
+            if have != first:
+                raise ValueError(
+                    f"sequences[{i}] carries {have or 'no'} per-token loss inputs but "
+                    f"sequences[0] carries {first or 'none'}: every sequence needs the same"
+                )
+        return self
 
     def check_limits(self, limits: ModelLimits) -> None:
         """Raise ``InvalidRequestError`` naming the first field that the model cannot take."""

@@ -19,6 +19,7 @@ from trainctl.api import (
     EvalBatchRequest,
     Health,
     Info,
+    LossConfig,
     MemoryProfileResult,
     MemoryProfileStarted,
     MemoryProfileStartRequest,
@@ -35,6 +36,12 @@ from trainctl.clients._base import (
     to_sequences,
 )
 from trainctl.clients.errors import APIConnectionError, APIStatusError
+
+
+def _loss(loss: LossConfig | dict[str, Any] | None) -> dict[str, Any]:
+    if loss is None:
+        return {}
+    return {"loss": loss if isinstance(loss, LossConfig) else LossConfig(**loss)}
 
 
 class TrainctlClient:
@@ -65,14 +72,19 @@ class TrainctlClient:
             raise APIConnectionError(f"{method} {path(name)}: {e}") from e
         return parse(response, model)
 
-    def train_batch(self, sequences: Iterable[SequenceLike]) -> StepResult:
-        """Forward/backward over ``sequences`` and one optimizer step."""
-        req = TrainBatchRequest(sequences=to_sequences(sequences))
+    def train_batch(
+        self, sequences: Iterable[SequenceLike], loss: LossConfig | dict[str, Any] | None = None
+    ) -> StepResult:
+        """Forward/backward over ``sequences`` and one optimizer step (default loss:
+        token-mean cross-entropy; see ``LossConfig`` for importance sampling and PPO)."""
+        req = TrainBatchRequest(sequences=to_sequences(sequences), **_loss(loss))
         return self._request("POST", "train_batch", StepResult, req.model_dump(exclude_none=True))
 
-    def eval_batch(self, sequences: Iterable[SequenceLike]) -> StepResult:
+    def eval_batch(
+        self, sequences: Iterable[SequenceLike], loss: LossConfig | dict[str, Any] | None = None
+    ) -> StepResult:
         """The loss of ``sequences`` without backward or update."""
-        req = EvalBatchRequest(sequences=to_sequences(sequences))
+        req = EvalBatchRequest(sequences=to_sequences(sequences), **_loss(loss))
         return self._request("POST", "eval_batch", StepResult, req.model_dump(exclude_none=True))
 
     def start_memory_profile(self, max_entries: int = 100_000) -> MemoryProfileStarted:

@@ -84,9 +84,10 @@ def _install_error_handlers(app: FastAPI) -> None:
             {"field": _loc(tuple(e.get("loc", ()))), "problem": e.get("msg"), "type": e.get("type")}
             for e in errors[:20]
         ]
+        # A model-level check names its field in the message itself.
+        message = msg if field == "body" else f"{field}: {msg}"
         return _error(
-            422,
-            ErrorBody(type=ErrorType.INVALID_REQUEST, message=f"{field}: {msg}", details=details),
+            422, ErrorBody(type=ErrorType.INVALID_REQUEST, message=message, details=details)
         )
 
     @app.exception_handler(TrainctlError)

@@ -38,7 +38,8 @@ from trainctl.api import (
 )
 from trainctl.api import Sequence as ApiSequence
 from trainctl.api.errors import ConflictError, TrainctlError
-from trainctl.workers.batch import HostSequence, StepPlan
+from trainctl.api.models import LossConfig
+from trainctl.workers.batch import HostSequence, LossSpec, StepPlan
 from trainctl.workers.config import EngineConfig
 from trainctl.workers.plan import plan_step
 from trainctl.workers.rank import RankWorker
@@ -50,15 +51,31 @@ NAMESPACE = "trainctl"
 
 
 def to_host_sequences(seqs: Sequence[ApiSequence]) -> list[HostSequence]:
+    def floats(x: list[float] | None) -> np.ndarray | None:
+        return None if x is None else np.asarray(x, np.float32)
+
     out = []
     for s in seqs:
-        n = len(s.tokens)
-        mask = np.ones(n, np.float32)
+        mask = np.ones(len(s.tokens), np.float32)
         if s.loss_mask is not None:
             mask = np.asarray(s.loss_mask, np.float32)
-        w = None if s.weights is None else np.asarray(s.weights, np.float32)
-        out.append(HostSequence(tokens=np.asarray(s.tokens, np.int64), loss_mask=mask, weights=w))
+        out.append(
+            HostSequence(
+                tokens=np.asarray(s.tokens, np.int64),
+                loss_mask=mask,
+                weights=floats(s.weights),
+                advantages=floats(s.advantages),
+                old_logprobs=floats(s.old_logprobs),
+                ref_logprobs=floats(s.ref_logprobs),
+            )
+        )
     return out
+
+
+def loss_spec(cfg: LossConfig) -> LossSpec:
+    return LossSpec(
+        kind=cfg.kind, clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_coef=cfg.kl_coef
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -170,7 +187,12 @@ class Controller:
     def _plan(self, req: TrainBatchRequest | EvalBatchRequest) -> StepPlan:
         req.check_limits(self.limits)
         try:
-            return plan_step(to_host_sequences(req.sequences), self.cfg)
+            return plan_step(
+                to_host_sequences(req.sequences),
+                self.cfg,
+                loss=loss_spec(req.loss),
+                normalization=req.loss.normalization,
+            )
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
 

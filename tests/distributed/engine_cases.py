@@ -6,16 +6,27 @@ from typing import Any
 
 import numpy as np
 
+LOSSES: tuple[tuple[str, str, dict[str, float]], ...] = (
+    ("cross_entropy", "token_mean", {}),
+    ("importance_sampling", "seq_mean_token_mean", {}),
+    ("ppo", "token_mean", {"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.05}),
+)
+"""(kind, normalisation, options) of every loss the engine tests run; the last one steps."""
+
 
 def ragged_batch(seed: int = 0, vocab: int = 512) -> list[dict[str, Any]]:
-    """Ragged sequences with prompt masks, one weighted, one without any target."""
+    """Ragged sequences with prompt masks and RL inputs; one weighted, one with no target."""
     rng = np.random.default_rng(seed)
     out = []
     for i, n in enumerate((37, 5, 64, 19, 2, 41, 12, 30)):
-        tokens = rng.integers(0, vocab, n).tolist()
         prompt = int(rng.integers(1, max(2, n // 2)))
-        mask = [0] * prompt + [1] * (n - prompt)
-        seq: dict[str, Any] = {"tokens": tokens, "loss_mask": mask}
+        seq: dict[str, Any] = {
+            "tokens": rng.integers(0, vocab, n).tolist(),
+            "loss_mask": [0] * prompt + [1] * (n - prompt),
+            "advantages": rng.normal(size=n).tolist(),
+            "old_logprobs": (-rng.uniform(4, 8, n)).tolist(),
+            "ref_logprobs": (-rng.uniform(4, 8, n)).tolist(),
+        }
         if i == 3:
             seq["weights"] = rng.uniform(0.5, 2.0, n).tolist()
         if i == 4:
@@ -27,57 +38,73 @@ def ragged_batch(seed: int = 0, vocab: int = 512) -> list[dict[str, Any]]:
 def to_host(batch: list[dict[str, Any]]) -> list[Any]:
     from trainctl.workers.batch import HostSequence
 
+    def arr(s: dict[str, Any], k: str) -> np.ndarray | None:
+        return None if k not in s else np.asarray(s[k], np.float32)
+
     return [
         HostSequence(
             tokens=np.asarray(s["tokens"], np.int64),
             loss_mask=np.asarray(s["loss_mask"], np.float32),
-            weights=None if "weights" not in s else np.asarray(s["weights"], np.float32),
+            weights=arr(s, "weights"),
+            advantages=arr(s, "advantages"),
+            old_logprobs=arr(s, "old_logprobs"),
+            ref_logprobs=arr(s, "ref_logprobs"),
         )
         for s in batch
     ]
 
 
-def step_and_collect(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str, Any]:
-    """Eval, forward/backward, gradients, one optimizer step, parameters - as numpy."""
+def step_and_collect(
+    cfg: dict[str, Any], batch: list[dict[str, Any]], losses: tuple[Any, ...] = LOSSES[:1]
+) -> dict[str, Any]:
+    """For every loss: eval loss, train loss, gradients and grad norm; then one optimizer step
+    with the last loss and the parameters after it - gradients and parameters as full-tensor
+    shards by canonical name (DP/CP replica 0 only)."""
+    from trainctl.api.models import LossKind, Normalization
+    from trainctl.workers.batch import LossSpec
     from trainctl.workers.config import EngineConfig
     from trainctl.workers.engine import EngineShard
     from trainctl.workers.plan import plan_step
 
     eng = EngineShard(EngineConfig.from_dict(cfg))
-    plan = plan_step(to_host(batch), eng.cfg)
-    mbs = plan.microbatches[eng.coords.dp]
-    eval_loss = eng.eval_batch(mbs, plan.loss).loss
-    loss = eng.forward_backward(mbs, plan.loss)
-    grads = {
-        name: p.main_grad.detach().clone().numpy()
-        for name, p in eng.chunks[0].module.named_parameters()
-    }
-    shard_grads = eng.canonical_shards(grads=True)
-    grad_norm = eng.optimizer_step()
     replica0 = eng.coords.dp == 0 and eng.coords.cp == 0
-    return {
+    out: dict[str, Any] = {
         "coords": {
             "tp": eng.coords.tp,
             "pp": eng.coords.pp,
             "dp": eng.coords.dp,
             "cp": eng.coords.cp,
         },
-        "shard_grads": {k: v.numpy() for k, v in shard_grads.items()} if replica0 else {},
-        "shard_params": (
-            {k: v.numpy() for k, v in eng.canonical_shards().items()} if replica0 else {}
-        ),
         "is_last_stage": eng.is_last_stage,
-        "eval_loss": eval_loss,
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "grads": grads,
-        "params": {k: v.numpy() for k, v in eng.named_parameters().items()},
-        "dummies": plan.num_dummies,
-        "real_microbatches": sum(not mb.is_dummy for mb in mbs),
+        "per_loss": {},
     }
+    for i, (kind, norm, options) in enumerate(losses):
+        spec = LossSpec(kind=LossKind(kind), **options)
+        plan = plan_step(to_host(batch), eng.cfg, loss=spec, normalization=Normalization(norm))
+        mbs = plan.microbatches[eng.coords.dp]
+        r: dict[str, Any] = {
+            "eval_loss": eng.eval_batch(mbs, spec).loss,
+            "loss": eng.forward_backward(mbs, spec),
+        }
+        grads = eng.canonical_shards(grads=True)
+        r["shard_grads"] = {k: v.numpy() for k, v in grads.items()} if replica0 else {}
+        if i + 1 < len(losses):
+            r["grad_norm"] = eng.grad_norm()
+            eng.zero_grad()
+        else:
+            r["grad_norm"] = eng.optimizer_step()
+            out["shard_params"] = (
+                {k: v.numpy() for k, v in eng.canonical_shards().items()} if replica0 else {}
+            )
+            out["dummies"] = plan.num_dummies
+            out["real_microbatches"] = sum(not mb.is_dummy for mb in mbs)
+        out["per_loss"][kind] = r
+    return out
 
 
-def full_tensors(results: list[dict[str, Any]], key: str) -> dict[str, np.ndarray]:
+def full_tensors(
+    results: list[dict[str, Any]], key: str, loss: str | None = None
+) -> dict[str, np.ndarray]:
     """Merge the DP-replica-0 shards of every rank into full canonical tensors."""
     import torch
 
@@ -85,7 +112,8 @@ def full_tensors(results: list[dict[str, Any]], key: str) -> dict[str, np.ndarra
 
     by_name: dict[str, dict[int, np.ndarray]] = {}
     for r in results:
-        for name, shard in r[key].items():
+        src = r["per_loss"][loss][key] if loss else r[key]
+        for name, shard in src.items():
             by_name.setdefault(name, {})[r["coords"]["tp"]] = shard
     out = {}
     for name, shards in by_name.items():

@@ -104,3 +104,47 @@ def test_openapi_documents_every_route(http: TestClient) -> None:
     ):
         assert p in paths
     assert http.get("/docs").status_code == 200
+
+
+def _rl(n: int, **extra: object) -> dict:
+    return {
+        "tokens": list(range(1, n + 1)),
+        "advantages": [0.5] * n,
+        "old_logprobs": [-1.0] * n,
+        **extra,
+    }
+
+
+def test_rl_loss_reaches_controller(http: TestClient, fake: FakeController) -> None:
+    body = {"sequences": [_rl(4), _rl(3)], "loss": {"kind": "ppo", "clip_high": 0.28}}
+    assert http.post("/v1/train_batch", json=body).status_code == 200
+    assert fake.calls == ["train_batch"]
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        (
+            {"sequences": [{"tokens": [1, 2, 3]}], "loss": {"kind": "ppo"}},
+            "sequences[0].advantages is required by the ppo loss",
+        ),
+        (
+            {"sequences": [_rl(3)], "loss": {"kind": "ppo", "kl_coef": 0.1}},
+            "sequences[0].ref_logprobs is required by the ppo loss with kl_coef > 0",
+        ),
+        (
+            {"sequences": [_rl(3), {"tokens": [1, 2]}], "loss": {"kind": "cross_entropy"}},
+            "sequences[1] carries no per-token loss inputs",
+        ),
+        ({"sequences": [_rl(3)], "loss": {"kind": "grpo"}}, "loss.kind:"),
+        ({"sequences": [_rl(3)], "loss": {"kind": "ppo", "clip_low": 2}}, "loss.clip_low:"),
+        (
+            {"sequences": [_rl(3, advantages=[1.0, "inf", 2.0])], "loss": {"kind": "ppo"}},
+            "sequences[0].advantages: must be finite",
+        ),
+    ],
+)
+def test_rl_loss_validation(http: TestClient, fake: FakeController, body: dict, words: str) -> None:
+    r = http.post("/v1/train_batch", json=body)
+    assert r.status_code == 422 and words in r.json()["message"], r.json()
+    assert fake.calls == []
