@@ -123,7 +123,9 @@ class _BatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sequences: list[Sequence] = Field(min_length=1, description="The batch; at least one.")
-    loss: LossConfig = Field(default_factory=LossConfig, description="Default: cross-entropy.")
+    loss: LossConfig = Field(
+        default_factory=lambda: LossConfig(), description="Default: token-mean cross-entropy."
+    )
 
     @model_validator(mode="after")
     def _loss_inputs_present(self) -> _BatchRequest:
