@@ -108,7 +108,11 @@ def serve_main(s: Settings) -> int:
             layout["tp"],
             layout["pp"],
         )
-        info: Info = ray.get(controller.start.remote())  # type: ignore[attr-defined,assignment]
+        try:
+            info: Info = ray.get(controller.start.remote())  # type: ignore[attr-defined,assignment]
+        except ray.exceptions.RayTaskError as e:
+            print(f"trainctl: could not start the workers: {e.cause}", file=sys.stderr)
+            return 2
         log.info("model: %s parameters per replica", info.engine["parameters_per_replica"])
         serve.start(http_options={"host": s.host, "port": s.port})
         serve.run(

@@ -43,7 +43,7 @@ class Settings(BaseSettings):
         4096, ge=1, description="Token budget of one micro-batch."
     )
     rank_num_cpus: float = Field(
-        0.5,
+        0.25,
         gt=0,
         description="Ray CPUs reserved per rank actor (fractional packs ranks on small machines).",
     )

@@ -44,8 +44,43 @@ def reference_loss(batch: list[dict[str, Any]], engine_cfg: dict[str, Any] | Non
     return total / count
 
 
+def reference_step(batch: list[dict[str, Any]], engine_cfg: dict[str, Any]) -> dict[str, float]:
+    """eval, one train step and eval again on a single rank, through trainctl's engine."""
+    import torch.distributed as dist
+
+    from trainctl.workers.config import EngineConfig
+    from trainctl.workers.engine import EngineShard
+    from trainctl.workers.plan import plan_step
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    cfg = EngineConfig.from_dict(engine_cfg)
+    eng = EngineShard(cfg)
+    from trainctl.api import TrainBatchRequest
+    from trainctl.workers.controller import to_host_sequences
+
+    req = TrainBatchRequest(sequences=batch)
+    plan = plan_step(to_host_sequences(req.sequences), cfg)
+    mbs = plan.microbatches[0]
+    before = eng.eval_batch(mbs, plan.loss).loss
+    step = eng.train_batch(mbs, plan.loss)
+    after = eng.eval_batch(mbs, plan.loss).loss
+    return {
+        "eval_before": before,
+        "loss": step.loss,
+        "grad_norm": float(step.grad_norm or 0),
+        "eval_after": after,
+    }
+
+
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     payload = json.load(sys.stdin)
-    print(json.dumps({"loss": reference_loss(payload["sequences"], payload.get("engine"))}))
+    if payload.get("mode") == "step":
+        print(json.dumps(reference_step(payload["sequences"], payload["engine"])))
+    else:
+        print(json.dumps({"loss": reference_loss(payload["sequences"], payload.get("engine"))}))

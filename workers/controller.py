@@ -40,12 +40,13 @@ from trainctl.api import Sequence as ApiSequence
 from trainctl.api.errors import ConflictError, TrainctlError
 from trainctl.api.models import LossConfig
 from trainctl.workers.batch import HostSequence, LossSpec, StepPlan
-from trainctl.workers.config import EngineConfig
+from trainctl.workers.config import ConfigError, EngineConfig
 from trainctl.workers.plan import plan_step
 from trainctl.workers.rank import RankWorker
 
 log = logging.getLogger(__name__)
 
+PLACEMENT_TIMEOUT_S = 120.0
 CONTROLLER_NAME = "trainctl-controller"
 NAMESPACE = "trainctl"
 
@@ -117,8 +118,22 @@ class Controller:
         world = self.cfg.layout.world_size
         t0 = time.perf_counter()
         log.info("starting %d rank actors (%s)", world, self.cfg.layout.describe())
+        need = world * self.rank_num_cpus
+        have = ray.cluster_resources().get("CPU", 0.0)
+        if need > have:
+            raise ConfigError(
+                f"{world} ranks x {self.rank_num_cpus} CPU = {need:g} CPUs, but the Ray cluster "
+                f"has {have:g}: lower --rank-num-cpus or the parallel sizes, or add nodes"
+            )
         self.pg = placement_group([{"CPU": self.rank_num_cpus}] * world, strategy="PACK")
-        await self.pg.ready()
+        try:
+            await asyncio.wait_for(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            remove_placement_group(self.pg)
+            raise NotReadyError(
+                f"the {world} rank actors could not be placed within {PLACEMENT_TIMEOUT_S:.0f}s "
+                f"({need:g} CPUs requested; {have:g} in the cluster, some may be in use)"
+            ) from None
         actor_cls = ray.remote(RankWorker)
         self.ranks = [
             actor_cls.options(

@@ -120,3 +120,39 @@ def full_tensors(
         ordered = [torch.from_numpy(shards[k]) for k in sorted(shards)]
         out[name] = shard_rule(name).unshard(ordered).numpy()
     return out
+
+
+def profile_step(
+    cfg: dict[str, Any], batch: list[dict[str, Any]], directory: str, alloc_mb: int
+) -> dict[str, Any]:
+    """Record one train step on every rank (plus a known allocation) and write the file."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from trainctl.workers.config import EngineConfig
+    from trainctl.workers.engine import EngineShard
+    from trainctl.workers.plan import plan_step
+
+    eng = EngineShard(EngineConfig.from_dict(cfg))
+    plan = plan_step(to_host(batch), eng.cfg)
+    eng.profiler.start(max_entries=10_000)
+    marker = torch.ones(alloc_mb * (1 << 20) // 4)  # a known allocation inside the window
+    eng.train_batch(plan.microbatches[eng.coords.dp], plan.loss)
+    del marker
+    path = eng.profiler.stop(Path(directory))
+    events = json.loads(path.read_text())["traceEvents"]
+    allocs = [
+        e["args"]["Bytes"]
+        for e in events
+        if e.get("name") == "[memory]" and e["args"].get("Bytes", 0) > 0
+    ]
+    return {
+        "name": path.name,
+        "size": path.stat().st_size,
+        "rank": eng.coords.rank,
+        "coords": [eng.coords.pp, eng.coords.dp, eng.coords.cp, eng.coords.tp],
+        "num_allocs": len(allocs),
+        "max_alloc": max(allocs, default=0),
+    }

@@ -4,6 +4,7 @@ the service drained and exited cleanly with nothing left running."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -43,9 +44,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    data_dir = tmp_path_factory.mktemp("trainctl-data")
+@contextlib.contextmanager
+def running_service(data_dir: Path, *flags: str) -> Iterator[Service]:
+    """`trainctl serve FLAGS` until the block ends; then SIGTERM and a clean-exit check."""
     port = _free_port()
     log_path = data_dir / "serve.log"
     env = {**os.environ, "TRAINCTL_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
@@ -58,6 +59,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         str(port),
         "--num-cpus",
         "2",
+        *flags,
     ]
     with log_path.open("wb") as out:
         proc = subprocess.Popen(
@@ -69,7 +71,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         while not c.is_ready():
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                pytest.fail(f"trainctl serve did not become ready:\n{svc.log()}")
+                pytest.fail(f"trainctl serve {' '.join(flags)} did not become ready:\n{svc.log()}")
             time.sleep(1)
     yield svc
 
@@ -83,3 +85,10 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     assert rc == 0, f"trainctl serve exited with {rc}:\n{svc.log()}"
     assert not leftovers, f"processes left after shutdown: {leftovers}"
     assert "drained in-flight work" in svc.log()
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The embedded default: dp=2."""
+    with running_service(tmp_path_factory.mktemp("trainctl-data")) as svc:
+        yield svc
