@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -71,11 +72,20 @@ class RankPool:
             box.put((fn, args))
         results: dict[int, Any] = {}
         errors = []
+        deadline = time.monotonic() + self.timeout_s
         for _ in range(self.world_size):
-            try:
-                rank, ok, value = self._outbox.get(timeout=self.timeout_s)
-            except queue.Empty:
-                raise TimeoutError(f"ranks did not answer within {self.timeout_s}s") from None
+            while True:
+                try:
+                    rank, ok, value = self._outbox.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                    if dead:  # e.g. gloo aborted on a collective mismatch
+                        raise RuntimeError(f"rank(s) {dead} died; see their stderr") from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"ranks did not answer within {self.timeout_s}s"
+                        ) from None
             if ok:
                 results[rank] = value
             else:

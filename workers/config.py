@@ -36,6 +36,12 @@ class ModelConfig:
     """RoPE base frequency."""
     seed: int = 1234
     """Weights are initialised from this seed: equal seeds give equal models on any layout."""
+    num_experts: int = 0
+    """Mixture-of-experts MLPs with this many experts per layer; 0 = dense MLPs."""
+    moe_topk: int = 2
+    """Experts each token is routed to (MoE only)."""
+    moe_ffn_hidden_size: int = 256
+    """Inner width of each expert (MoE only)."""
 
     def validate(self) -> None:
         for name in (
@@ -53,6 +59,11 @@ class ModelConfig:
             raise ConfigError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by "
                 f"model.num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_experts and not 1 <= self.moe_topk <= self.num_experts:
+            raise ConfigError(
+                f"model.moe_topk ({self.moe_topk}) must lie in [1, num_experts = "
+                f"{self.num_experts}]"
             )
         if self.num_attention_heads % self.num_query_groups:
             raise ConfigError(
@@ -102,6 +113,18 @@ class ParallelLayout:
             raise ConfigError("layout.vp > 1 needs layout.pp > 1")
         if (self.dp * self.cp) % self.ep:
             raise ConfigError(f"layout.ep ({self.ep}) must divide dp * cp ({self.dp * self.cp})")
+        if self.ep > 1 and not model.num_experts:
+            raise ConfigError("layout.ep > 1 needs an MoE model (model.num_experts > 0)")
+        if model.num_experts % self.ep:
+            raise ConfigError(
+                f"model.num_experts ({model.num_experts}) must be divisible by layout.ep "
+                f"({self.ep})"
+            )
+        if model.num_experts and self.tp > 1:
+            raise ConfigError(
+                "MoE with layout.tp > 1 needs sequence parallelism, which this engine does not "
+                "support yet: use tp = 1 (scale experts with ep, attention with cp)"
+            )
 
     def describe(self) -> str:
         return f"dp{self.dp} cp{self.cp} tp{self.tp} pp{self.pp} ep{self.ep} vp{self.vp}"

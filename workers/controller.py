@@ -222,6 +222,7 @@ class Controller:
             "microbatches_per_dp_rank:value": float(plan.num_microbatches),
             "dummy_microbatches:sum": float(plan.num_dummies),
         }
+        metrics.update(last.metrics)
         if last.grad_norm is not None:
             metrics["grad_norm:value"] = last.grad_norm
             metrics["lr:value"] = self.cfg.optimizer.lr

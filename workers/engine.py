@@ -36,6 +36,7 @@ from trainctl.workers.ops.logprob import vocab_parallel_logprob
 from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
 from trainctl.workers.ops.pp_broadcast import StageRole
 from trainctl.workers.profiling import MemoryProfiler, RankCoords
+from trainctl.workers.routing import RoutingStats
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class StepReport:
     loss: float
     """Global token-mean loss (already reduced over DP x CP); meaningful on the last stage."""
     grad_norm: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -104,6 +106,8 @@ class EngineShard:
             tp_group=self.tp_group,
             tp_src=mpu.get_tensor_model_parallel_src_rank(),
         )
+        self.local_experts = cfg.model.num_experts // lay.ep
+        self.expert_dp_rank = mpu.get_expert_data_parallel_rank()
         self.tc = transformer_config(cfg)
         self.tc.finalize_model_grads_func = self._finalize_grads
         self.chunks = []
@@ -123,13 +127,16 @@ class EngineShard:
                 tp_rank=self.coords.tp,
                 tp=lay.tp,
                 ep_rank=self.coords.ep,
-                local_experts=0,
+                local_experts=self.local_experts,
             )
             self.chunks.append(wrap_ddp(self.tc, model))
         self.tc.no_sync_func = [c.no_sync for c in self.chunks]
         if len(self.chunks) == 1:
             self.tc.no_sync_func = self.chunks[0].no_sync
         self.optimizer = build_optimizer(cfg, self.chunks)
+        self.routing = RoutingStats(
+            self.chunks, num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts
+        )
         self.profiler = MemoryProfiler(self.coords)
         self.step = 0
         log.info("rank %s built %s", self.coords, self.num_parameters())
@@ -173,6 +180,7 @@ class EngineShard:
         self, spec: LossSpec, data: Iterator[RankMicroBatch], model: Any
     ) -> tuple[Tensor, Any]:
         mb = next(data)
+        self.routing.counting = not mb.is_dummy
         logits = model(
             mb.batch.tokens,
             mb.batch.position_ids,
@@ -202,6 +210,7 @@ class EngineShard:
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
+        self.routing.counting = False
         local = torch.zeros((), dtype=torch.float64)
         for item in out or []:
             local += item["loss"].double()
@@ -239,12 +248,18 @@ class EngineShard:
         all-reduced over the model-parallel group (TP x PP). DP x CP replicas already hold the
         synchronised gradient.
         """
-        sq = torch.zeros((), dtype=torch.float64)
+        dense = torch.zeros((), dtype=torch.float64)
+        experts = torch.zeros((), dtype=torch.float64)
         for c in self.chunks:
             for name, p in c.module.named_parameters():
-                if self.coords.tp != 0 and weights.shard_rule(name).kind == "replicated":
-                    continue
-                sq += p.main_grad.double().pow(2).sum()
+                if ".local_experts." in name:
+                    experts += p.main_grad.double().pow(2).sum()
+                elif self.coords.tp == 0 or weights.shard_rule(name).kind != "replicated":
+                    dense += p.main_grad.double().pow(2).sum()
+        # Each EP rank holds different experts: their squares add up over the EP group too.
+        if self.cfg.layout.ep > 1:
+            dist.all_reduce(experts, group=mpu.get_expert_model_parallel_group())
+        sq = dense + experts
         dist.all_reduce(sq, group=self.mp_group)
         return float(sq.sqrt())
 
@@ -268,6 +283,7 @@ class EngineShard:
             is_last_stage=self.is_last_stage,
             loss=loss,
             grad_norm=grad_norm,
+            metrics=self.routing.export(),
             timings={"forward_backward_s": t1 - t0, "optimizer_s": t2 - t1},
         )
 
@@ -279,6 +295,7 @@ class EngineShard:
             coords=self.coords,
             is_last_stage=self.is_last_stage,
             loss=loss,
+            metrics=self.routing.export(),
             timings={"forward_s": time.perf_counter() - t0},
         )
 
@@ -299,7 +316,9 @@ class EngineShard:
         """
         out = {}
         for c in self.chunks:
-            names = weights.canonical_names(c.module, ep_rank=self.coords.ep, local_experts=0)
+            names = weights.canonical_names(
+                c.module, ep_rank=self.coords.ep, local_experts=self.local_experts
+            )
             for name, p in c.module.named_parameters():
                 t = p.main_grad if grads else p
                 out[names[name]] = t.detach().clone()

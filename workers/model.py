@@ -62,7 +62,26 @@ def transformer_config(cfg: EngineConfig) -> TransformerConfig:
         # Our loss is already divided by the global token count: the schedule must not divide
         # again, and DDP must sum gradients over DP x CP instead of averaging them.
         calculate_per_token_loss=True,
+        **_moe_options(cfg),
     )
+
+
+def _moe_options(cfg: EngineConfig) -> dict[str, object]:
+    m = cfg.model
+    if not m.num_experts:
+        return {}
+    return {
+        "num_moe_experts": m.num_experts,
+        "moe_router_topk": m.moe_topk,
+        "moe_ffn_hidden_size": m.moe_ffn_hidden_size,
+        "expert_model_parallel_size": cfg.layout.ep,
+        # The all-gather dispatcher runs without CUDA streams (MEGATRON_CPU.md).
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+        # No auxiliary loss: it is computed per rank's tokens, so it would depend on the layout.
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+    }
 
 
 def build_gpt(
@@ -73,7 +92,9 @@ def build_gpt(
     post_process: bool,
     vp_stage: int | None = None,
 ) -> GPTModel:
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=cfg.model.num_experts or None, moe_grouped_gemm=False, normalization="RMSNorm"
+    )
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     with megatron_cpu.cuda_to_cpu():
         return GPTModel(

@@ -255,7 +255,9 @@ def plan_step(
         dp=lay.dp,
         max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
         pad_multiple=cfg.pad_multiple,
-        uniform_length=lay.pp > 1,
+        # PP sends fixed-shape activations; MoE's all-gather dispatcher gathers equal-sized
+        # token blocks over the EP group.
+        uniform_length=lay.pp > 1 or lay.ep > 1,
         normalization=normalization,
         loss=loss,
         microbatch_multiple=lay.pp if lay.vp > 1 else 1,

@@ -54,8 +54,35 @@ def to_host(batch: list[dict[str, Any]]) -> list[Any]:
     ]
 
 
+def _keep(eng: Any, shards: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Shards this rank contributes to the full tensors: dense ones from DP/CP replica 0,
+    experts from expert-data-parallel replica 0 (each EP rank owns different experts)."""
+    dense0 = eng.coords.dp == 0 and eng.coords.cp == 0
+    return {
+        k: v.numpy()
+        for k, v in shards.items()
+        if (eng.expert_dp_rank == 0 if ".local_experts." in k else dense0)
+    }
+
+
+def force_routing(eng: Any, offsets: list[float]) -> None:
+    """Add ``offsets`` to every router's logits (e.g. -1e4 to starve some experts)."""
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    bias = torch.tensor(offsets)
+    for chunk in eng.chunks:
+        for m in chunk.modules():
+            if isinstance(m, TopKRouter):
+                gating = m.gating
+                m.gating = lambda x, g=gating: g(x) + bias  # type: ignore[method-assign]
+
+
 def step_and_collect(
-    cfg: dict[str, Any], batch: list[dict[str, Any]], losses: tuple[Any, ...] = LOSSES[:1]
+    cfg: dict[str, Any],
+    batch: list[dict[str, Any]],
+    losses: tuple[Any, ...] = LOSSES[:1],
+    route_offsets: list[float] | None = None,
 ) -> dict[str, Any]:
     """For every loss: eval loss, train loss, gradients and grad norm; then one optimizer step
     with the last loss and the parameters after it - gradients and parameters as full-tensor
@@ -67,7 +94,8 @@ def step_and_collect(
     from trainctl.workers.plan import plan_step
 
     eng = EngineShard(EngineConfig.from_dict(cfg))
-    replica0 = eng.coords.dp == 0 and eng.coords.cp == 0
+    if route_offsets is not None:
+        force_routing(eng, route_offsets)
     out: dict[str, Any] = {
         "coords": {
             "tp": eng.coords.tp,
@@ -82,20 +110,34 @@ def step_and_collect(
         spec = LossSpec(kind=LossKind(kind), **options)
         plan = plan_step(to_host(batch), eng.cfg, loss=spec, normalization=Normalization(norm))
         mbs = plan.microbatches[eng.coords.dp]
+        ev = eng.eval_batch(mbs, spec)
         r: dict[str, Any] = {
-            "eval_loss": eng.eval_batch(mbs, spec).loss,
+            "eval_loss": ev.loss,
+            "eval_metrics": ev.metrics,
             "loss": eng.forward_backward(mbs, spec),
         }
         grads = eng.canonical_shards(grads=True)
-        r["shard_grads"] = {k: v.numpy() for k, v in grads.items()} if replica0 else {}
+        r["shard_grads"] = _keep(eng, grads)
+        r["expert_grads_none"] = [
+            n
+            for c in eng.chunks
+            for n, p in c.module.named_parameters()
+            if ".local_experts." in n and p.main_grad is None
+        ]
+        r["local_expert_grad_norm"] = float(
+            sum(
+                float(p.main_grad.double().pow(2).sum())
+                for c in eng.chunks
+                for n, p in c.module.named_parameters()
+                if ".local_experts." in n
+            )
+        )
         if i + 1 < len(losses):
             r["grad_norm"] = eng.grad_norm()
             eng.zero_grad()
         else:
             r["grad_norm"] = eng.optimizer_step()
-            out["shard_params"] = (
-                {k: v.numpy() for k, v in eng.canonical_shards().items()} if replica0 else {}
-            )
+            out["shard_params"] = _keep(eng, eng.canonical_shards())
             out["dummies"] = plan.num_dummies
             out["real_microbatches"] = sum(not mb.is_dummy for mb in mbs)
         out["per_loss"][kind] = r

@@ -81,12 +81,46 @@ def assert_same_step(
         np.testing.assert_allclose(params[name], p, rtol=RTOL, atol=1e-2 * LR, err_msg=name)
 
 
+def _world(layout: dict) -> int:
+    world = 1
+    for axis in ("dp", "cp", "tp", "pp"):
+        world *= layout.get(axis, 1)
+    return world
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "".join(f"{k}{v}" for k, v in d.items()))
 def test_layout_matches_single_rank(
     pools: Callable[[int], RankPool], reference: list[dict], layout: dict
 ) -> None:
-    world = 1
-    for axis in ("dp", "cp", "tp", "pp"):
-        world *= layout.get(axis, 1)
-    results = pools(world).run(step_and_collect, _cfg(**layout), ragged_batch(), LOSSES)
+    results = pools(_world(layout)).run(step_and_collect, _cfg(**layout), ragged_batch(), LOSSES)
     assert_same_step(results, reference)
+
+
+MOE = {**MODEL, "num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 128}
+STARVE_EP1 = [0.0, 0.0, -1e4, -1e4]  # experts 2 and 3 (EP rank 1's) never chosen
+
+
+def _moe_cfg(**layout: int) -> dict:
+    return {**_cfg(**layout), "model": MOE}
+
+
+@pytest.mark.parametrize("offsets", [None, STARVE_EP1], ids=["routed", "ep1-gets-no-tokens"])
+def test_moe_ep2_matches_single_rank(
+    pools: Callable[[int], RankPool], offsets: list[float] | None
+) -> None:
+    reference = pools(1).run(step_and_collect, _moe_cfg(), ragged_batch(), LOSSES, offsets)
+    results = pools(2).run(step_and_collect, _moe_cfg(dp=2, ep=2), ragged_batch(), LOSSES, offsets)
+    assert_same_step(results, reference)
+    names = full_tensors(results, "shard_params")
+    assert sum(".local_experts." in n for n in names) == 4 * MOE["num_layers"] * 2
+    for r in results:
+        for got in r["per_loss"].values():
+            assert got["expert_grads_none"] == []
+            load = got["eval_metrics"]
+            assert load["moe_routed:sum"] > 0 and load["moe_load_max_over_mean:value"] >= 1.0
+    if offsets is STARVE_EP1:
+        ep1 = next(r for r in results if r["coords"]["dp"] == 1)
+        ep0 = next(r for r in results if r["coords"]["dp"] == 0)
+        for kind in ep1["per_loss"]:
+            assert ep1["per_loss"][kind]["local_expert_grad_norm"] == 0.0  # zero, full shape
+            assert ep0["per_loss"][kind]["local_expert_grad_norm"] > 0.0
