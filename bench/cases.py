@@ -160,3 +160,94 @@ def cp_loss_case(variant: str, cp: int, t: int, v: int) -> dict[str, float]:
     peak = max(r[1] for r in res)
     sent = max(r[2] for r in res)
     return {"peak_MiB": peak / MIB, "bytes_sent": float(sent), "full_logits_MiB": t * v * 4 / MIB}
+
+
+# -- train-step throughput of the embedded model ---------------------------------------------
+
+
+def _step_rank(
+    rank: int,
+    world: int,
+    port: int,
+    layout: dict[str, int],
+    n_seqs: int,
+    seq_len: int,
+    steps: int,
+    out: Any,
+) -> None:
+    import numpy as np
+
+    from trainctl.workers.batch import HostSequence
+    from trainctl.workers.config import EngineConfig, ParallelLayout
+    from trainctl.workers.engine import EngineShard
+    from trainctl.workers.plan import plan_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    eng = EngineShard(EngineConfig(layout=ParallelLayout(**layout)))
+    rng = np.random.default_rng(0)
+    seqs = [
+        HostSequence(
+            tokens=rng.integers(0, 512, seq_len).astype(np.int64),
+            loss_mask=np.ones(seq_len, np.float32),
+        )
+        for _ in range(n_seqs)
+    ]
+    plan = plan_step(seqs, eng.cfg)
+    mbs = plan.microbatches[eng.coords.dp]
+    eng.train_batch(mbs, plan.loss)  # warm-up
+    rows = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fwd = eng.eval_batch(mbs, plan.loss).timings["forward_s"]
+        dist.barrier()
+        t1 = time.perf_counter()
+        rep = eng.train_batch(mbs, plan.loss)
+        dist.barrier()
+        rows.append(
+            {
+                "step_s": time.perf_counter() - t1,
+                "forward_s": fwd,
+                **rep.timings,
+                "eval_wall_s": t1 - t0,
+            }
+        )
+    out.put((rank, rows))
+    dist.destroy_process_group()
+
+
+def step_case(layout: dict[str, int], n_seqs: int, seq_len: int, steps: int) -> dict[str, float]:
+    """Median step time split into forward, backward, gradient sync and optimizer."""
+    import multiprocessing as mp
+
+    world = 1
+    for axis in ("dp", "cp", "tp", "pp"):
+        world *= layout.get(axis, 1)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_step_rank, args=(r, world, port, layout, n_seqs, seq_len, steps, out))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    res = dict(out.get(timeout=1200) for _ in procs)
+    for p in procs:
+        p.join()
+
+    def med(key: str) -> float:  # the slowest rank sets the pace of each step
+        return statistics.median(max(res[r][i][key] for r in res) for i in range(steps))
+
+    step, fb, fwd = med("step_s"), med("forward_backward_s"), med("forward_s")
+    return {
+        "tokens_per_s": n_seqs * seq_len / step,
+        "step_s": step,
+        "forward_s": fwd,
+        "backward_s": fb - fwd - med("grad_sync_s"),
+        "grad_sync_s": med("grad_sync_s"),
+        "optimizer_s": med("optimizer_s"),
+    }

@@ -110,6 +110,7 @@ class EngineShard:
         self.expert_dp_rank = mpu.get_expert_data_parallel_rank()
         self.tc = transformer_config(cfg)
         self.tc.finalize_model_grads_func = self._finalize_grads
+        self._grad_sync_s = 0.0
         self.chunks = []
         for vp_stage in range(lay.vp):
             vp = vp_stage if lay.vp > 1 else None
@@ -143,11 +144,12 @@ class EngineShard:
 
     # -- helpers -------------------------------------------------------------------------
 
-    @staticmethod
-    def _finalize_grads(models: list[Any], num_tokens: Any, **kwargs: Any) -> None:
+    def _finalize_grads(self, models: list[Any], num_tokens: Any, **kwargs: Any) -> None:
         # The loss is pre-normalised by the global token count: never rescale by num_tokens.
+        t0 = time.perf_counter()
         with megatron_cpu.cuda_to_cpu():
             finalize_model_grads(models, None, **kwargs)
+        self._grad_sync_s += time.perf_counter() - t0
 
     def num_parameters(self) -> int:
         return sum(p.numel() for c in self.chunks for p in c.parameters())
@@ -270,6 +272,7 @@ class EngineShard:
 
     def train_batch(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
         t0 = time.perf_counter()
+        self._grad_sync_s = 0.0
         try:
             loss = self.forward_backward(mbs, spec)
         except BaseException:
@@ -284,7 +287,11 @@ class EngineShard:
             loss=loss,
             grad_norm=grad_norm,
             metrics=self.routing.export(),
-            timings={"forward_backward_s": t1 - t0, "optimizer_s": t2 - t1},
+            timings={
+                "forward_backward_s": t1 - t0,
+                "grad_sync_s": self._grad_sync_s,
+                "optimizer_s": t2 - t1,
+            },
         )
 
     @torch.no_grad()
