@@ -26,16 +26,45 @@ def gateway(*, controller_name: str, namespace: str, max_ongoing_requests: int =
 
 
 def app_builder(args: dict[str, Any]) -> Any:
-    """Application builder for ``serve deploy`` configs.
+    """Application builder for ``serve deploy`` / KubeRay ``serveConfigV2``.
 
-    ``import_path: trainctl.service.deployment:app_builder``.
+    ``import_path: trainctl.service.deployment:app_builder`` with ``args``:
+        engine             engine config dict (model, layout, optimizer, ...; workers/config.py)
+        profile_root       server-side directory for memory profiles
+        rank_num_cpus      CPUs reserved per rank actor (default 1)
+        rank_num_gpus      GPUs per rank actor (default 1 if the cluster has GPUs, else 0)
+        max_ongoing_requests
 
-    The controller actor must already run (``trainctl serve`` or ``trainctl controller``).
+    Creates the controller actor (detached, once: a redeploy reuses it) and starts building
+    the ranks in the background; ``/v1/ready`` turns 200 when every rank is built.
     """
-    from trainctl.workers.controller import CONTROLLER_NAME, NAMESPACE
+    import ray
 
+    from trainctl.workers.config import EngineConfig
+    from trainctl.workers.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
+
+    if args.get("checkpoint"):
+        raise ValueError(
+            f"model checkpoint {args['checkpoint']!r}: loading a checkpoint is not supported yet; "
+            "leave model.checkpoint empty to serve the embedded model"
+        )
+    cfg = EngineConfig.from_dict(args.get("engine", {})).validate().to_dict()
+    gpus = float(args.get("rank_num_gpus", 1 if ray.cluster_resources().get("GPU") else 0))
+    controller = ControllerActor.options(  # type: ignore[attr-defined]
+        name=CONTROLLER_NAME,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+    ).remote(
+        cfg,
+        profile_root=str(args.get("profile_root", "/tmp/trainctl/profiles")),
+        rank_num_cpus=float(args.get("rank_num_cpus", 1)),
+        rank_num_gpus=gpus,
+    )
+    controller.start_once.remote()  # type: ignore[attr-defined]
     return gateway(
-        controller_name=args.get("controller_name", CONTROLLER_NAME),
-        namespace=args.get("namespace", NAMESPACE),
+        controller_name=CONTROLLER_NAME,
+        namespace=NAMESPACE,
         max_ongoing_requests=int(args.get("max_ongoing_requests", 64)),
     )

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 _TIERS = ("unit", "distributed", "service", "gpu")
+_MARKS = {"deploy": "unit"}  # chart tests: fast, offline, no Ray
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        tier = Path(str(item.fspath)).parent.name
+        folder = Path(str(item.fspath)).parent.name
+        tier = _MARKS.get(folder, folder)
         if tier in _TIERS:
             item.add_marker(getattr(pytest.mark, tier))

