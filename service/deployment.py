@@ -49,8 +49,9 @@ def app_builder(args: dict[str, Any]) -> Any:
             "leave model.checkpoint empty to serve the embedded model"
         )
     cfg = EngineConfig.from_dict(args.get("engine", {})).validate().to_dict()
-    gpus = float(args.get("rank_num_gpus", 1 if ray.cluster_resources().get("GPU") else 0))
-    controller = ControllerActor.options(  # type: ignore[attr-defined]
+    has_gpus = bool(ray.cluster_resources().get("GPU"))  # type: ignore[no-untyped-call,unused-ignore]
+    gpus = float(args.get("rank_num_gpus", 1 if has_gpus else 0))
+    controller = ControllerActor.options(  # type: ignore[attr-defined,unused-ignore]
         name=CONTROLLER_NAME,
         namespace=NAMESPACE,
         lifetime="detached",
