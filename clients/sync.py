@@ -52,9 +52,13 @@ class TrainctlClient:
         base_url: str = DEFAULT_BASE_URL,
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
+        api_token: str | None = None,
         http_client: httpx.Client | None = None,
     ) -> None:
-        self._http = http_client or httpx.Client(base_url=base_url, timeout=timeout)
+        headers = {"authorization": f"Bearer {api_token}"} if api_token else {}
+        self._http = http_client or httpx.Client(
+            base_url=base_url, timeout=timeout, headers=headers
+        )
 
     def __enter__(self) -> TrainctlClient:
         return self

@@ -9,6 +9,7 @@ A request is validated in full (shapes, types, token ids against the model's voc
 lengths against its maximum) before the controller sees it: a rejected request changes nothing.
 """
 
+import hmac
 import logging
 from typing import Annotated, Any
 
@@ -156,7 +157,39 @@ def _router() -> APIRouter:
     return r
 
 
-def create_app(controller: ControllerAPI) -> FastAPI:
+_OPEN_PATHS = (f"/{API_VERSION}/health", f"/{API_VERSION}/ready")
+
+
+def _install_auth(app: FastAPI, api_token: str) -> None:
+    """Bearer token on every /v1 route but health and readiness: 401 without, 403 if wrong.
+
+    The token is compared in constant time and never logged or echoed in an error body.
+    """
+    expected = api_token.encode()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Any:
+        path = request.url.path
+        if path.startswith(f"/{API_VERSION}/") and path not in _OPEN_PATHS:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not given:
+                return _error(
+                    401,
+                    ErrorBody(
+                        type=ErrorType.UNAUTHORIZED,
+                        message="missing bearer token: send 'Authorization: Bearer <token>'",
+                    ),
+                )
+            if not hmac.compare_digest(given.strip().encode(), expected):
+                return _error(
+                    403,
+                    ErrorBody(type=ErrorType.FORBIDDEN, message="the bearer token is not valid"),
+                )
+        return await call_next(request)
+
+
+def create_app(controller: ControllerAPI, *, api_token: str | None = None) -> FastAPI:
+    """The gateway around ``controller``; with ``api_token``, /v1 routes need it as a bearer."""
     app = FastAPI(
         title="trainctl",
         version="0.1.0",
@@ -164,6 +197,8 @@ def create_app(controller: ControllerAPI) -> FastAPI:
         "profiles over megatron-core ranks on Ray.",
     )
     app.state.controller = controller
+    if api_token:
+        _install_auth(app, api_token)
     _install_error_handlers(app)
     app.include_router(_router())
     return app

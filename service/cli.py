@@ -120,6 +120,7 @@ def serve_main(s: Settings) -> int:
                 controller_name=CONTROLLER_NAME,
                 namespace=NAMESPACE,
                 max_ongoing_requests=s.max_ongoing_requests,
+                api_token=s.token(),
             ),
             name=APP_NAME,
             route_prefix="/",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray import serve
@@ -13,9 +14,15 @@ DEPLOYMENT_NAME = "trainctl-gateway"
 APP_NAME = "trainctl"
 
 
-def gateway(*, controller_name: str, namespace: str, max_ongoing_requests: int = 64) -> Any:
+def gateway(
+    *,
+    controller_name: str,
+    namespace: str,
+    max_ongoing_requests: int = 64,
+    api_token: str | None = None,
+) -> Any:
     """A bound Serve application serving the gateway for the named controller actor."""
-    app = create_app(RayController(controller_name, namespace))
+    app = create_app(RayController(controller_name, namespace), api_token=api_token)
     deployment = serve.deployment(
         name=DEPLOYMENT_NAME,
         # The gateway only validates and forwards: it needs no CPU reservation of its own.
@@ -68,4 +75,5 @@ def app_builder(args: dict[str, Any]) -> Any:
         controller_name=CONTROLLER_NAME,
         namespace=NAMESPACE,
         max_ongoing_requests=int(args.get("max_ongoing_requests", 64)),
+        api_token=os.environ.get("TRAINCTL_API_TOKEN") or None,  # the chart's Secret
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -56,6 +56,19 @@ class Settings(BaseSettings):
         64, ge=1, description="Requests one gateway replica holds at once."
     )
     log_level: str = Field("INFO", description="Log level of the service's own loggers.")
+    api_token: SecretStr | None = Field(
+        None,
+        description="Bearer token required on every /v1 route except health and ready "
+        "(or api_token_file); default: no auth, so keep the default loopback host.",
+    )
+    api_token_file: Path | None = Field(
+        None, description="File holding the bearer token (e.g. a mounted Kubernetes Secret)."
+    )
+
+    def token(self) -> str | None:
+        if self.api_token_file is not None:
+            return self.api_token_file.read_text().strip() or None
+        return self.api_token.get_secret_value() if self.api_token else None
 
     @property
     def profile_root(self) -> Path:

@@ -148,3 +148,20 @@ def test_rl_loss_validation(http: TestClient, fake: FakeController, body: dict, 
     r = http.post("/v1/train_batch", json=body)
     assert r.status_code == 422 and words in r.json()["message"], r.json()
     assert fake.calls == []
+
+
+def test_bearer_auth_matrix(fake: FakeController, caplog: pytest.LogCaptureFixture) -> None:
+    from trainctl.service.app import create_app
+
+    http = TestClient(create_app(fake, api_token="s3cret-token"))
+    assert http.get("/v1/health").status_code == 200  # open
+    assert http.get("/v1/ready").status_code == 200  # open
+    r = http.post("/v1/train_batch", json=GOOD)
+    assert r.status_code == 401 and r.json()["type"] == "unauthorized"
+    r = http.post("/v1/train_batch", json=GOOD, headers={"authorization": "Bearer wrong"})
+    assert r.status_code == 403 and r.json()["type"] == "forbidden"
+    assert "s3cret" not in r.text and "wrong" not in r.text
+    assert fake.calls == []
+    r = http.post("/v1/train_batch", json=GOOD, headers={"authorization": "Bearer s3cret-token"})
+    assert r.status_code == 200 and fake.calls == ["train_batch"]
+    assert "s3cret" not in caplog.text
