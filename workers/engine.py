@@ -330,11 +330,3 @@ class EngineShard:
                 t = p.main_grad if grads else p
                 out[names[name]] = t.detach().clone()
         return out
-
-    def named_parameters(self) -> dict[str, Tensor]:
-        """This rank's parameter shards by name (chunk index prefixed when vp > 1)."""
-        out = {}
-        for i, c in enumerate(self.chunks):
-            for name, p in c.module.named_parameters():
-                out[f"{i}.{name}" if len(self.chunks) > 1 else name] = p.detach().clone()
-        return out

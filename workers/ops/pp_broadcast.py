@@ -20,7 +20,7 @@ then no data broadcast follows, on both sides), then the data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
@@ -151,6 +151,3 @@ def _broadcast_varlen(t: Tensor | None, *, tp_group: ProcessGroup, src: int) -> 
     )
     dist.broadcast(buf, src=src, group=tp_group)
     return buf
-
-
-STAGE_FIELDS = tuple(f.name for f in fields(StageBatch))
