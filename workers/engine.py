@@ -109,7 +109,6 @@ class EngineShard:
         self.local_experts = cfg.model.num_experts // lay.ep
         self.expert_dp_rank = mpu.get_expert_data_parallel_rank()
         self.tc = transformer_config(cfg)
-        self.tc.finalize_model_grads_func = self._finalize_grads
         self._grad_sync_s = 0.0
         self.chunks = []
         for vp_stage in range(lay.vp):
@@ -131,6 +130,9 @@ class EngineShard:
                 local_experts=self.local_experts,
             )
             self.chunks.append(wrap_ddp(self.tc, model))
+        # Hooks into this engine go on the config only after the model is built: MoE layers
+        # deep-copy the config, and must not copy the engine along with it.
+        self.tc.finalize_model_grads_func = self._finalize_grads
         self.tc.no_sync_func = [c.no_sync for c in self.chunks]
         if len(self.chunks) == 1:
             self.tc.no_sync_func = self.chunks[0].no_sync
