@@ -20,6 +20,9 @@ class ErrorType(str, Enum):
     NOT_FOUND = "not_found"
     CONFLICT = "conflict"
     PAYLOAD_TOO_LARGE = "payload_too_large"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    RATE_LIMITED = "rate_limited"
+    """The operation queue is full; retry after the ``Retry-After`` seconds."""
     NOT_READY = "not_ready"
     """The workers are starting or recovering; retry later."""
     WORKER_ERROR = "worker_error"
@@ -34,6 +37,8 @@ STATUS_OF: dict[ErrorType, int] = {
     ErrorType.NOT_FOUND: 404,
     ErrorType.CONFLICT: 409,
     ErrorType.PAYLOAD_TOO_LARGE: 413,
+    ErrorType.UNSUPPORTED_MEDIA_TYPE: 415,
+    ErrorType.RATE_LIMITED: 429,
     ErrorType.NOT_READY: 503,
     ErrorType.WORKER_ERROR: 500,
     ErrorType.INTERNAL: 500,
@@ -52,6 +57,8 @@ class TrainctlError(Exception):
     """Base of trainctl's domain errors. Carries an ``ErrorType`` and optional details."""
 
     type: ErrorType = ErrorType.INTERNAL
+    retry_after_s: float | None = None
+    """Sent as ``Retry-After`` where set (429, 503)."""
 
     def __init__(self, message: str, details: Any = None) -> None:
         super().__init__(message)
@@ -61,6 +68,11 @@ class TrainctlError(Exception):
     @property
     def status(self) -> int:
         return STATUS_OF[self.type]
+
+    @property
+    def retryable(self) -> bool:
+        """Nothing was applied and the same request may succeed later (429, 5xx)."""
+        return self.status == 429 or self.status >= 500
 
     def body(self) -> ErrorBody:
         return ErrorBody(type=self.type, message=self.message, details=self.details)
@@ -81,8 +93,22 @@ class ConflictError(TrainctlError):
     type = ErrorType.CONFLICT
 
 
+class PayloadTooLargeError(TrainctlError):
+    type = ErrorType.PAYLOAD_TOO_LARGE
+
+
+class UnsupportedMediaTypeError(TrainctlError):
+    type = ErrorType.UNSUPPORTED_MEDIA_TYPE
+
+
+class RateLimitedError(TrainctlError):
+    type = ErrorType.RATE_LIMITED
+    retry_after_s = 1.0
+
+
 class NotReadyError(TrainctlError):
     type = ErrorType.NOT_READY
+    retry_after_s = 2.0
 
 
 class WorkerError(TrainctlError):

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainctl.api.errors import field_error
+from trainctl.api.errors import ErrorBody, field_error
 
 API_VERSION = "v1"
 
@@ -119,10 +119,35 @@ class LossConfig(BaseModel):
 _PER_TOKEN_INPUTS = ("advantages", "old_logprobs", "ref_logprobs")
 
 
-class _BatchRequest(BaseModel):
+class _SequencesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sequences: list[Sequence] = Field(min_length=1, description="The batch; at least one.")
+
+    def check_limits(self, limits: ModelLimits) -> None:
+        """Raise ``InvalidRequestError`` naming the first field that the model cannot take."""
+        for i, seq in enumerate(self.sequences):
+            if len(seq.tokens) > limits.max_seq_len:
+                raise field_error(
+                    f"sequences[{i}].tokens",
+                    f"length {len(seq.tokens)} exceeds the model's max_seq_len "
+                    f"{limits.max_seq_len}",
+                )
+            ids = np.asarray(seq.tokens, dtype=np.int64)
+            bad = np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))
+            if bad.size:
+                j = int(bad[0])
+                raise field_error(
+                    f"sequences[{i}].tokens[{j}]",
+                    f"token id {seq.tokens[j]} is outside the vocabulary [0, {limits.vocab_size})",
+                )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.sequences)
+
+
+class _BatchRequest(_SequencesRequest):
     loss: LossConfig = Field(
         default_factory=lambda: LossConfig(), description="Default: token-mean cross-entropy."
     )
@@ -147,22 +172,7 @@ class _BatchRequest(BaseModel):
         return self
 
     def check_limits(self, limits: ModelLimits) -> None:
-        """Raise ``InvalidRequestError`` naming the first field that the model cannot take."""
-        for i, seq in enumerate(self.sequences):
-            if len(seq.tokens) > limits.max_seq_len:
-                raise field_error(
-                    f"sequences[{i}].tokens",
-                    f"length {len(seq.tokens)} exceeds the model's max_seq_len "
-                    f"{limits.max_seq_len}",
-                )
-            ids = np.asarray(seq.tokens, dtype=np.int64)
-            bad = np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))
-            if bad.size:
-                j = int(bad[0])
-                raise field_error(
-                    f"sequences[{i}].tokens[{j}]",
-                    f"token id {seq.tokens[j]} is outside the vocabulary [0, {limits.vocab_size})",
-                )
+        super().check_limits(limits)
         if not any(_num_targets(s) for s in self.sequences):
             raise field_error(
                 "sequences",
@@ -179,9 +189,36 @@ def _num_targets(seq: Sequence) -> int:
 class TrainBatchRequest(_BatchRequest):
     """Forward/backward over the batch and one optimizer step."""
 
+    expected_step: int | None = Field(
+        default=None,
+        ge=0,
+        description="Apply only if the model is at this step when the operation runs "
+        "(409 otherwise, the model untouched): guards against a stale or duplicated update.",
+    )
+
 
 class EvalBatchRequest(_BatchRequest):
     """The same loss as ``train_batch``, without backward or update."""
+
+
+class LogProbsRequest(_SequencesRequest):
+    """Forward only: per-token log-probs of each sequence under the current weights.
+
+    Only ``tokens`` of each sequence is read.
+    """
+
+    entropy: bool = Field(False, description="Also return the per-token entropy.")
+
+
+class LogProbsResult(BaseModel):
+    """Per sequence, in request order, one value per token: ``logprobs[i][t]`` is
+    ``log p(tokens[t] | tokens[:t])``; position 0 has no prediction and holds 0.0."""
+
+    step: int = Field(description="The policy version the log-probs were computed with.")
+    logprobs: list[list[float]]
+    entropy: list[list[float]] | None = Field(
+        default=None, description="Entropy of the predictive distribution at each position."
+    )
 
 
 class StepResult(BaseModel):
@@ -212,15 +249,50 @@ class MemoryProfileStarted(BaseModel):
 
 
 class ProfileFile(BaseModel):
-    name: str
+    name: str = Field(description="Download: GET /v1/memory_profiles/{profile_id}/files/{name}.")
     rank: int
     coords: dict[str, int] = Field(description="dp/cp/tp/pp coordinates of the rank.")
     size_bytes: int
+    picture: str | None = Field(
+        default=None, description="File name of the PNG of allocated memory over time."
+    )
 
 
 class MemoryProfileResult(BaseModel):
     profile_id: str
     files: list[ProfileFile]
+
+
+class MemoryProfileList(BaseModel):
+    profiles: list[MemoryProfileResult] = Field(description="Oldest first.")
+
+
+class OperationStatus(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Operation(BaseModel):
+    """A long call run in arrival order; poll ``GET /v1/operations/{id}`` until it finishes."""
+
+    id: str
+    kind: str = Field(description="train_batch, eval_batch, logprobs, ...")
+    status: OperationStatus
+    phase: str | None = Field(default=None, description="While running: what it is doing now.")
+    queue_position: int | None = Field(
+        default=None, description="While queued: operations ahead of this one."
+    )
+    created_at: float = Field(description="Unix seconds.")
+    started_at: float | None = None
+    finished_at: float | None = None
+    result: Any = Field(default=None, description="When done: the call's result body.")
+    error: ErrorBody | None = Field(default=None, description="When failed: the error.")
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (OperationStatus.DONE, OperationStatus.FAILED)
 
 
 class RankInfo(BaseModel):

@@ -29,9 +29,9 @@ from bench.memory import child_env  # noqa: E402
 RESULTS = ROOT / "bench" / "results.md"
 
 
-def measure(fn: str, **kwargs: Any) -> dict[str, float]:
-    """Run ``bench.cases.<fn>(**kwargs)`` in a fresh process and return its result."""
-    job = json.dumps({"fn": fn, "kwargs": kwargs})
+def measure(fn: str, module: str = "cases", **kwargs: Any) -> dict[str, float]:
+    """Run ``bench.<module>.<fn>(**kwargs)`` in a fresh process and return its result."""
+    job = json.dumps({"fn": fn, "module": module, "kwargs": kwargs})
     proc = subprocess.run(
         [sys.executable, str(Path(__file__)), "--child", job],
         capture_output=True,
@@ -194,7 +194,73 @@ def section_step(quick: bool) -> str:
     )
 
 
+def section_wire(quick: bool) -> str:
+    n_seqs, seq_len = (64, 1024) if quick else (256, 4096)
+    rows = []
+    for encoding in ("json", "binary", "binary+zlib"):
+        r = measure("wire_case", "api_cases", encoding=encoding, n_seqs=n_seqs, seq_len=seq_len,
+                    repeats=3)  # fmt: skip
+        rows.append(
+            [
+                encoding,
+                f"{r['body_MB']:.1f}",
+                f"{r['encode_s'] * 1e3:.0f}",
+                f"{r['decode_s'] * 1e3:.0f}",
+                f"{r['raw_MB'] / (r['encode_s'] + r['decode_s']):.0f}",
+                f"{r['raw_MB'] / r['parse_only_s']:.0f}",
+            ]
+        )
+    head = (
+        f"### Wire format: {n_seqs} x {seq_len} = {n_seqs * seq_len / 2**20:.2f}M-token PPO batch "
+        "(tokens, loss mask, advantages, old log-probs)\n\n"
+        "encode: numpy arrays per sequence to the request body; decode: body to a validated "
+        "`TrainBatchRequest`. MB/s counts the batch's raw numeric bytes (int64 tokens, uint8 "
+        "mask, float32 floats) per second of encode + decode; parse-only is the codec without "
+        "model validation.\n\n"
+    )
+    return head + _table(
+        ["encoding", "body MB", "encode ms", "decode ms", "MB/s", "parse-only MB/s"], rows
+    )
+
+
+def section_gateway(quick: bool) -> str:
+    n_seqs, seq_len, steps = (16, 1024, 2) if quick else (64, 1024, 3)
+    direct = measure("direct_step_case", "api_cases", n_seqs=n_seqs, seq_len=seq_len, steps=steps)
+    served = measure(
+        "gateway_case", "api_cases", n_seqs=n_seqs, seq_len=seq_len, steps=steps,
+        trivial=50 if quick else 300,
+    )  # fmt: skip
+    ratio = served["step_s"] / direct["step_s"]
+    rows = [
+        ["train_batch, direct engine call (plan + step)", f"{direct['step_s'] * 1e3:.0f}", "1.00",
+         "-"],
+        [
+            "train_batch through the gateway (SDK, HTTP, Serve, controller, rank)",
+            f"{served['step_s'] * 1e3:.0f}",
+            f"{ratio:.3f}",
+            "< 1.10",
+        ],
+    ]  # fmt: skip
+    trivial = _table(
+        ["trivial call", "p50 ms", "p99 ms"],
+        [
+            ["GET /v1/health (gateway only)", f"{served['health_p50_ms']:.1f}",
+             f"{served['health_p99_ms']:.1f}"],
+            ["eval_batch of 3 tokens (controller + rank)", f"{served['tiny_eval_p50_ms']:.1f}",
+             f"{served['tiny_eval_p99_ms']:.1f}"],
+        ],
+    )  # fmt: skip
+    head = (
+        f"### Gateway overhead: train_batch of {n_seqs} x {seq_len} = "
+        f"{n_seqs * seq_len // 1024}K tokens on the embedded model, dp=1, one thread, median of "
+        f"{steps} steps\n\n"
+    )
+    return head + _table(["path", "ms", "ratio", "target"], rows) + "\n\n" + trivial
+
+
 SECTIONS: dict[str, Callable[[bool], str]] = {
+    "wire": section_wire,
+    "gateway": section_gateway,
     "step": section_step,
     "logprob": section_logprob,
     "cp_loss": section_cp_loss,
@@ -209,10 +275,11 @@ def main() -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        from bench import cases
+        import importlib
 
         job = json.loads(args.child)
-        print(json.dumps(getattr(cases, job["fn"])(**job["kwargs"])))
+        module = importlib.import_module(f"bench.{job.get('module', 'cases')}")
+        print(json.dumps(getattr(module, job["fn"])(**job["kwargs"])))
         return 0
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     parts = [

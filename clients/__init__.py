@@ -1,5 +1,7 @@
 """trainctl's Python SDK. Needs only httpx, pydantic and numpy (no torch, no Ray)."""
 
+from trainctl.clients._base import RetryPolicy
+from trainctl.clients.async_ import AsyncTrainctlClient
 from trainctl.clients.errors import (
     APIConnectionError,
     APIStatusError,
@@ -19,6 +21,7 @@ from trainctl.clients.sync import TrainctlClient
 __all__ = [
     "APIConnectionError",
     "APIStatusError",
+    "AsyncTrainctlClient",
     "AuthenticationError",
     "BadRequestError",
     "ConflictError",
@@ -27,6 +30,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PermissionDeniedError",
     "RateLimitError",
+    "RetryPolicy",
     "ServiceUnavailableError",
     "TrainctlClient",
     "TrainctlClientError",

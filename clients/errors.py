@@ -64,6 +64,7 @@ _BY_STATUS: dict[int, type[APIStatusError]] = {
     404: NotFoundError,
     409: ConflictError,
     413: PayloadTooLargeError,
+    415: BadRequestError,
     422: BadRequestError,
     429: RateLimitError,
     503: ServiceUnavailableError,

@@ -5,43 +5,43 @@ from trainctl.clients import TrainctlClient
 with TrainctlClient("http://127.0.0.1:8000") as tc:
     result = tc.train_batch([{"tokens": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}])
     print(result.loss, result.step)
+
+Batches travel in the binary encoding by default (``binary=False`` for JSON); every call that
+touches the model carries an idempotency key and is retried on 408, 429 and 5xx.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
 
 from trainctl.api import (
-    EvalBatchRequest,
     Health,
     Info,
-    LossConfig,
+    LogProbsResult,
+    MemoryProfileList,
     MemoryProfileResult,
     MemoryProfileStarted,
     MemoryProfileStartRequest,
+    Operation,
     StepResult,
-    TrainBatchRequest,
 )
 from trainctl.clients._base import (
     DEFAULT_BASE_URL,
     DEFAULT_TIMEOUT_S,
+    NO_RETRY,
+    Call,
+    LossLike,
+    Requests,
+    RetryPolicy,
     SequenceLike,
-    T,
-    parse,
-    path,
-    to_sequences,
+    auth_headers,
+    operation_result,
 )
 from trainctl.clients.errors import APIConnectionError, APIStatusError
-
-
-def _loss(loss: LossConfig | dict[str, Any] | None) -> dict[str, Any]:
-    if loss is None:
-        return {}
-    return {"loss": loss if isinstance(loss, LossConfig) else LossConfig(**loss)}
 
 
 class TrainctlClient:
@@ -53,12 +53,15 @@ class TrainctlClient:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         api_token: str | None = None,
+        binary: bool = True,
+        retry: RetryPolicy | None = None,
         http_client: httpx.Client | None = None,
     ) -> None:
-        headers = {"authorization": f"Bearer {api_token}"} if api_token else {}
         self._http = http_client or httpx.Client(
-            base_url=base_url, timeout=timeout, headers=headers
+            base_url=base_url, timeout=timeout, headers=auth_headers(api_token)
         )
+        self._req = Requests(binary=binary)
+        self._retry = retry or RetryPolicy()
 
     def __enter__(self) -> TrainctlClient:
         return self
@@ -69,44 +72,115 @@ class TrainctlClient:
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, name: str, model: type[T], body: Any = None) -> T:
-        try:
-            response = self._http.request(method, path(name), json=body)
-        except httpx.TransportError as e:
-            raise APIConnectionError(f"{method} {path(name)}: {e}") from e
-        return parse(response, model)
+    def _send(self, call: Call, retry: RetryPolicy | None = None) -> Any:
+        policy = retry or self._retry
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = self._http.request(
+                    call.method, call.url, content=call.content, params=call.params,
+                    headers=call.headers,
+                )  # fmt: skip
+            except httpx.TransportError as e:
+                delay = policy.delay(attempt, None)
+                if delay is None:
+                    raise APIConnectionError(f"{call.method} {call.url}: {e}") from e
+            else:
+                delay = policy.delay(attempt, response)
+                if delay is None:
+                    return call.parse(response)
+            time.sleep(delay)
+
+    # -- training ----------------------------------------------------------------------------
 
     def train_batch(
-        self, sequences: Iterable[SequenceLike], loss: LossConfig | dict[str, Any] | None = None
+        self,
+        sequences: Iterable[SequenceLike],
+        loss: LossLike = None,
+        *,
+        expected_step: int | None = None,
+        idempotency_key: str | None = None,
     ) -> StepResult:
         """Forward/backward over ``sequences`` and one optimizer step (default loss:
-        token-mean cross-entropy; see ``LossConfig`` for importance sampling and PPO)."""
-        req = TrainBatchRequest(sequences=to_sequences(sequences), **_loss(loss))
-        return self._request("POST", "train_batch", StepResult, req.model_dump(exclude_none=True))
+        token-mean cross-entropy; see ``LossConfig`` for importance sampling and PPO).
+        ``expected_step``: apply only if the model is at that step (else ``ConflictError``)."""
+        call = self._req.batch(
+            "train_batch", sequences, loss=loss, expected_step=expected_step,
+            idempotency_key=idempotency_key,
+        )  # fmt: skip
+        return self._send(call)  # type: ignore[no-any-return]
 
-    def eval_batch(
-        self, sequences: Iterable[SequenceLike], loss: LossConfig | dict[str, Any] | None = None
-    ) -> StepResult:
+    def eval_batch(self, sequences: Iterable[SequenceLike], loss: LossLike = None) -> StepResult:
         """The loss of ``sequences`` without backward or update."""
-        req = EvalBatchRequest(sequences=to_sequences(sequences), **_loss(loss))
-        return self._request("POST", "eval_batch", StepResult, req.model_dump(exclude_none=True))
+        return self._send(self._req.batch("eval_batch", sequences, loss=loss))  # type: ignore[no-any-return]
+
+    def logprobs(
+        self, sequences: Iterable[SequenceLike], *, entropy: bool = False
+    ) -> LogProbsResult:
+        """Per-token log-probs (and entropy) of each sequence under the current weights."""
+        call = self._req.batch("logprobs", sequences, entropy=entropy)
+        return self._send(call)  # type: ignore[no-any-return]
+
+    def submit(self, kind: str, sequences: Iterable[SequenceLike], **kwargs: Any) -> Operation:
+        """Start ``train_batch``, ``eval_batch`` or ``logprobs`` and return its operation at
+        once; ``wait(op)`` for the result."""
+        call = self._req.batch(kind, sequences, respond_async=True, **kwargs)
+        return self._send(call)  # type: ignore[no-any-return]
+
+    def operation(self, op_id: str, wait_s: float = 0.0) -> Operation:
+        return self._send(self._req.operation(op_id, wait_s))  # type: ignore[no-any-return]
+
+    def wait(
+        self,
+        op: Operation,
+        *,
+        timeout: float | None = None,
+        on_update: Callable[[Operation], None] | None = None,
+    ) -> Any:
+        """Poll until ``op`` finishes; its typed result, or its error raised."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not op.finished:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"operation {op.id} not finished after {timeout:.0f}s")
+            op = self.operation(op.id, wait_s=2.0)
+            if on_update is not None:
+                on_update(op)
+        return operation_result(op)
+
+    # -- profiling ---------------------------------------------------------------------------
 
     def start_memory_profile(self, max_entries: int = 100_000) -> MemoryProfileStarted:
-        body = MemoryProfileStartRequest(max_entries=max_entries).model_dump()
-        return self._request("POST", "memory_profile/start", MemoryProfileStarted, body)
+        body = MemoryProfileStartRequest(max_entries=max_entries)
+        call = self._req.post_json("memory_profile/start", MemoryProfileStarted, body)
+        return self._send(call)  # type: ignore[no-any-return]
 
     def stop_memory_profile(self) -> MemoryProfileResult:
-        return self._request("POST", "memory_profile/stop", MemoryProfileResult)
+        call = self._req.post_json("memory_profile/stop", MemoryProfileResult)
+        return self._send(call)  # type: ignore[no-any-return]
+
+    def list_memory_profiles(self) -> MemoryProfileList:
+        return self._send(self._req.get("memory_profiles", MemoryProfileList))  # type: ignore[no-any-return]
+
+    def download_profile_file(self, profile_id: str, name: str) -> bytes:
+        """One rank's profile file or picture (``ProfileFile.name`` / ``.picture``)."""
+        return self._send(self._req.download(profile_id, name))  # type: ignore[no-any-return]
+
+    # -- service -----------------------------------------------------------------------------
 
     def info(self) -> Info:
-        return self._request("GET", "info", Info)
+        return self._send(self._req.get("info", Info))  # type: ignore[no-any-return]
 
     def health(self) -> Health:
-        return self._request("GET", "health", Health)
+        return self._send(self._req.get("health", Health))  # type: ignore[no-any-return]
+
+    def metrics(self) -> str:
+        """The Prometheus text of ``/metrics``."""
+        return self._send(self._req.metrics())  # type: ignore[no-any-return]
 
     def is_ready(self) -> bool:
         try:
-            self._request("GET", "ready", Health)
+            self._send(self._req.get("ready", Health), NO_RETRY)
         except (APIConnectionError, APIStatusError):
             return False
         return True

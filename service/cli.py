@@ -1,4 +1,4 @@
-"""``trainctl`` command line: ``trainctl serve`` starts the whole service.
+"""``trainctl serve``: starts the whole service (the other subcommands: ``clients/cli.py``).
 
 ``serve`` starts (or joins) a Ray cluster, creates the controller actor, which creates one rank
 actor per rank and builds the megatron-core shards, then deploys the HTTP gateway on Ray Serve
@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from trainctl.api import Info
 from trainctl.service.cluster import LocalRayHead
 from trainctl.service.settings import Settings
+from trainctl.workers import logs
 
 log = logging.getLogger("trainctl.serve")
 
@@ -96,9 +97,18 @@ def serve_main(s: Settings) -> int:
         # ours replaces it so a SIGTERM drains instead.
         signal.signal(signal.SIGINT, _on_signal)
         signal.signal(signal.SIGTERM, _on_signal)
+        env = {"TRAINCTL_LOG_LEVEL": s.log_level, "TRAINCTL_LOG_FORMAT": s.log_format}
         controller = ControllerActor.options(
-            name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0
-        ).remote(cfg, profile_root=str(s.profile_root), rank_num_cpus=s.rank_num_cpus)
+            name=CONTROLLER_NAME,
+            namespace=NAMESPACE,
+            num_cpus=0,
+            runtime_env={"env_vars": env},
+        ).remote(
+            cfg,
+            profile_root=str(s.profile_root),
+            rank_num_cpus=s.rank_num_cpus,
+            max_queued_operations=s.max_queued_operations,
+        )
         layout = cfg["layout"]
         log.info(
             "building %d rank(s): dp=%d cp=%d tp=%d pp=%d",
@@ -121,6 +131,7 @@ def serve_main(s: Settings) -> int:
                 namespace=NAMESPACE,
                 max_ongoing_requests=s.max_ongoing_requests,
                 api_token=s.token(),
+                max_body_bytes=int(s.max_body_mb * 2**20),
             ),
             name=APP_NAME,
             route_prefix="/",
@@ -194,7 +205,7 @@ def _shutdown(controller: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trainctl", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="trainctl", description="trainctl serve")
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="start the service (Ray, controller, ranks, gateway)")
     _add_settings_flags(p_serve)
@@ -205,9 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValidationError as e:
             print(f"trainctl: invalid settings:\n{e}", file=sys.stderr)
             return 2
-        logging.basicConfig(
-            level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        logs.configure(settings.log_level, settings.log_format)
         return serve_main(settings)
     parser.error(f"unknown command {args.command}")
     return 2

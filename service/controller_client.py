@@ -9,30 +9,38 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from trainctl.api import (
-    EvalBatchRequest,
     Info,
+    MemoryProfileList,
     MemoryProfileResult,
-    MemoryProfileStarted,
     ModelLimits,
     NotReadyError,
-    StepResult,
-    TrainBatchRequest,
+    Operation,
     TrainctlError,
 )
 
 
 class ControllerAPI(Protocol):
-    async def train_batch(self, req: TrainBatchRequest) -> StepResult: ...
-    async def eval_batch(self, req: EvalBatchRequest) -> StepResult: ...
-    async def start_memory_profile(self, max_entries: int) -> MemoryProfileStarted: ...
-    async def stop_memory_profile(self) -> MemoryProfileResult: ...
+    async def submit(
+        self, kind: str, req: Any = None, key: str | None = None, fingerprint: str = ""
+    ) -> Operation: ...
+    async def run(
+        self, kind: str, req: Any = None, key: str | None = None, fingerprint: str = ""
+    ) -> Any: ...
+    async def operation(self, op_id: str, wait_s: float = 0.0) -> Operation: ...
+    async def list_profiles(self) -> MemoryProfileList: ...
+    async def get_profile(self, profile_id: str) -> MemoryProfileResult: ...
+    async def read_profile_file(self, profile_id: str, name: str) -> bytes: ...
+    async def metrics_text(self) -> bytes: ...
     async def info(self) -> Info: ...
     async def is_ready(self) -> bool: ...
     async def model_limits(self) -> ModelLimits: ...
 
 
 class RayController:
-    """Proxy to the controller actor; unwraps Ray's error wrapper into trainctl's errors."""
+    """Proxy to the controller actor; unwraps Ray's error wrapper into trainctl's errors.
+
+    Every method of ``ControllerAPI`` forwards to the actor method of the same name.
+    """
 
     def __init__(self, name: str, namespace: str) -> None:
         self.name, self.namespace = name, namespace
@@ -62,23 +70,14 @@ class RayController:
             self._handle = None
             raise NotReadyError(f"the controller is unavailable: {e}") from e
 
-    async def train_batch(self, req: TrainBatchRequest) -> StepResult:
-        return await self._call("train_batch", req)  # type: ignore[no-any-return]
+    def __getattr__(self, method: str) -> Any:
+        if method not in _METHODS:
+            raise AttributeError(method)
 
-    async def eval_batch(self, req: EvalBatchRequest) -> StepResult:
-        return await self._call("eval_batch", req)  # type: ignore[no-any-return]
+        async def call(*args: Any) -> Any:
+            return await self._call(method, *args)
 
-    async def start_memory_profile(self, max_entries: int) -> MemoryProfileStarted:
-        return await self._call("start_memory_profile", max_entries)  # type: ignore[no-any-return]
+        return call
 
-    async def stop_memory_profile(self) -> MemoryProfileResult:
-        return await self._call("stop_memory_profile")  # type: ignore[no-any-return]
 
-    async def info(self) -> Info:
-        return await self._call("info")  # type: ignore[no-any-return]
-
-    async def is_ready(self) -> bool:
-        return bool(await self._call("is_ready"))
-
-    async def model_limits(self) -> ModelLimits:
-        return await self._call("model_limits")  # type: ignore[no-any-return]
+_METHODS = frozenset(name for name in dir(ControllerAPI) if not name.startswith("_"))

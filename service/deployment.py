@@ -7,8 +7,9 @@ from typing import Any
 
 from ray import serve
 
-from trainctl.service.app import create_app
+from trainctl.service.app import DEFAULT_MAX_BODY_BYTES, create_app
 from trainctl.service.controller_client import RayController
+from trainctl.workers import logs
 
 DEPLOYMENT_NAME = "trainctl-gateway"
 APP_NAME = "trainctl"
@@ -20,9 +21,15 @@ def gateway(
     namespace: str,
     max_ongoing_requests: int = 64,
     api_token: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Any:
     """A bound Serve application serving the gateway for the named controller actor."""
-    app = create_app(RayController(controller_name, namespace), api_token=api_token)
+    logs.configure()
+    app = create_app(
+        RayController(controller_name, namespace),
+        api_token=api_token,
+        max_body_bytes=max_body_bytes,
+    )
     deployment = serve.deployment(
         name=DEPLOYMENT_NAME,
         # The gateway only validates and forwards: it needs no CPU reservation of its own.
@@ -41,6 +48,8 @@ def app_builder(args: dict[str, Any]) -> Any:
         rank_num_cpus      CPUs reserved per rank actor (default 1)
         rank_num_gpus      GPUs per rank actor (default 1 if the cluster has GPUs, else 0)
         max_ongoing_requests
+        max_body_mb        largest request body (MiB; default 256)
+        max_queued_operations
 
     Creates the controller actor (detached, once: a redeploy reuses it) and starts building
     the ranks in the background; ``/v1/ready`` turns 200 when every rank is built.
@@ -69,6 +78,7 @@ def app_builder(args: dict[str, Any]) -> Any:
         profile_root=str(args.get("profile_root", "/tmp/trainctl/profiles")),
         rank_num_cpus=float(args.get("rank_num_cpus", 1)),
         rank_num_gpus=gpus,
+        max_queued_operations=int(args.get("max_queued_operations", 64)),
     )
     controller.start_once.remote()  # type: ignore[attr-defined]
     return gateway(
@@ -76,4 +86,5 @@ def app_builder(args: dict[str, Any]) -> Any:
         namespace=NAMESPACE,
         max_ongoing_requests=int(args.get("max_ongoing_requests", 64)),
         api_token=os.environ.get("TRAINCTL_API_TOKEN") or None,  # the chart's Secret
+        max_body_bytes=int(float(args.get("max_body_mb", 256)) * 2**20),
     )

@@ -56,6 +56,18 @@ class Settings(BaseSettings):
         64, ge=1, description="Requests one gateway replica holds at once."
     )
     log_level: str = Field("INFO", description="Log level of the service's own loggers.")
+    log_format: str = Field(
+        "text",
+        pattern="^(text|json)$",
+        description="'json': one JSON object per log line (ts, level, logger, op, msg); "
+        "'text': the same fields for people. Every line carries the operation id.",
+    )
+    max_body_mb: float = Field(
+        256, gt=0, description="Largest request body accepted, in MiB (413 beyond it)."
+    )
+    max_queued_operations: int = Field(
+        64, ge=1, description="Operations waiting to run before new ones get 429."
+    )
     api_token: SecretStr | None = Field(
         None,
         description="Bearer token required on every /v1 route except health and ready "

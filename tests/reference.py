@@ -17,20 +17,11 @@ from typing import Any
 
 def reference_loss(batch: list[dict[str, Any]], engine_cfg: dict[str, Any] | None = None) -> float:
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from trainctl.workers import megatron_cpu
-    from trainctl.workers.config import EngineConfig
-    from trainctl.workers.engine import EngineShard
 
-    cfg = EngineConfig.from_dict(engine_cfg or {})
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    model = EngineShard(cfg).chunks[0].module.eval()
+    model = _single_rank_model(engine_cfg)
     total, count = 0.0, 0
     with torch.no_grad(), megatron_cpu.cuda_to_cpu():
         for seq in batch:
@@ -42,6 +33,41 @@ def reference_loss(batch: list[dict[str, Any]], engine_cfg: dict[str, Any] | Non
             total += float((nll * mask[1:] * weights[1:]).sum())
             count += int(mask[1:].count_nonzero())
     return total / count
+
+
+def reference_logprobs(
+    batch: list[dict[str, Any]], engine_cfg: dict[str, Any] | None = None
+) -> list[list[float]]:
+    """Per-token log p(token | prefix), one sequence at a time, float64 log-softmax over the
+    full vocabulary; position 0 holds 0.0 (the service's convention)."""
+    import torch
+    import torch.nn.functional as F
+
+    from trainctl.workers import megatron_cpu
+
+    model = _single_rank_model(engine_cfg)
+    out = []
+    with torch.no_grad(), megatron_cpu.cuda_to_cpu():
+        for seq in batch:
+            ids = torch.tensor(seq["tokens"], dtype=torch.long)
+            logits = model(ids[None], torch.arange(len(ids))[None], attention_mask=None)[0]
+            lp = F.log_softmax(logits[:-1].double(), -1).gather(1, ids[1:, None])[:, 0]
+            out.append([0.0, *lp.tolist()])
+    return out
+
+
+def _single_rank_model(engine_cfg: dict[str, Any] | None) -> Any:
+    import torch.distributed as dist
+
+    from trainctl.workers.config import EngineConfig
+    from trainctl.workers.engine import EngineShard
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return EngineShard(EngineConfig.from_dict(engine_cfg or {})).chunks[0].module.eval()
 
 
 def reference_step(batch: list[dict[str, Any]], engine_cfg: dict[str, Any]) -> dict[str, float]:
@@ -82,5 +108,7 @@ if __name__ == "__main__":
     payload = json.load(sys.stdin)
     if payload.get("mode") == "step":
         print(json.dumps(reference_step(payload["sequences"], payload["engine"])))
+    elif payload.get("mode") == "logprobs":
+        print(json.dumps(reference_logprobs(payload["sequences"], payload.get("engine"))))
     else:
         print(json.dumps({"loss": reference_loss(payload["sequences"], payload.get("engine"))}))

@@ -12,6 +12,7 @@ so the gradient is that of the global token mean, whatever the layout.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
@@ -32,7 +34,8 @@ from trainctl.workers.batch import LossSpec, PackedMicroBatch
 from trainctl.workers.config import EngineConfig
 from trainctl.workers.inputs import RankMicroBatch, StageInputs
 from trainctl.workers.model import build_gpt, build_optimizer, transformer_config, wrap_ddp
-from trainctl.workers.ops.logprob import vocab_parallel_logprob
+from trainctl.workers.ops.cp import gather_from_cp
+from trainctl.workers.ops.logprob import vocab_parallel_entropy, vocab_parallel_logprob
 from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
 from trainctl.workers.ops.pp_broadcast import StageRole
 from trainctl.workers.profiling import MemoryProfiler, RankCoords
@@ -80,6 +83,7 @@ class EngineShard:
         # Process groups and coordinates, read from megatron's global state here and only here.
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.dp_cp_group = mpu.get_data_parallel_group(with_context_parallel=True)
+        self.cp_group = mpu.get_context_parallel_group()
         self.pp_group = mpu.get_pipeline_model_parallel_group()
         self.mp_group = mpu.get_model_parallel_group()
         self.coords = RankCoords(
@@ -157,31 +161,40 @@ class EngineShard:
         return sum(p.numel() for c in self.chunks for p in c.parameters())
 
     def _loss_func(
-        self, mb: RankMicroBatch, spec: LossSpec, logits: Tensor
+        self, mb: RankMicroBatch, spec: LossSpec, collect: bool, logits: Tensor
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """``logits [1, t, V_t]`` (this rank's CP shard, its vocab slice) -> (loss, local token
         count, metrics) for megatron's schedule. Never gathers logits over CP or TP."""
         b = mb.batch
+        if collect:
+            self._collect(mb, logits)
+            zero = logits.new_zeros(())
+            return zero, torch.tensor(0, dtype=torch.int), {"loss": zero}
         if mb.is_dummy:
             loss = connected_zero(logits)
             n = 0
         else:
-            assert b.labels is not None and b.loss_mask is not None
-            lp = vocab_parallel_logprob(
-                logits[0],
-                b.labels[0],
-                vocab_start=self.vocab_start,
-                tp_group=self.tp_group,
-                chunk_size=self.cfg.logprob_chunk_size,
-            )
+            assert b.loss_mask is not None
+            lp = self._logprob(mb, logits)
             extra = {k: v[0] for k, v in b.loss_inputs.items() if k != "loss_scale"}
             terms = per_token_terms(lp, spec=spec, loss_mask=b.loss_mask[0], **extra)
             loss = local_loss(terms, b.loss_inputs["loss_scale"][0])
             n = int(torch.count_nonzero(b.loss_mask))
         return loss, torch.tensor(n, dtype=torch.int), {"loss": loss.detach().clone()}
 
+    def _logprob(self, mb: RankMicroBatch, logits: Tensor) -> Tensor:
+        """Per-token log p(label) of this rank's CP shard, from its vocab slice."""
+        assert mb.batch.labels is not None
+        return vocab_parallel_logprob(
+            logits[0],
+            mb.batch.labels[0],
+            vocab_start=self.vocab_start,
+            tp_group=self.tp_group,
+            chunk_size=self.cfg.logprob_chunk_size,
+        )
+
     def _forward_step(
-        self, spec: LossSpec, data: Iterator[RankMicroBatch], model: Any
+        self, spec: LossSpec, collect: bool, data: Iterator[RankMicroBatch], model: Any
     ) -> tuple[Tensor, Any]:
         mb = next(data)
         self.routing.counting = not mb.is_dummy
@@ -191,10 +204,15 @@ class EngineShard:
             attention_mask=None,
             packed_seq_params=mb.packed,
         )
-        return logits, partial(self._loss_func, mb, spec)
+        return logits, partial(self._loss_func, mb, spec, collect)
 
     def _run_schedule(
-        self, mbs: Sequence[PackedMicroBatch], spec: LossSpec, *, forward_only: bool
+        self,
+        mbs: Sequence[PackedMicroBatch],
+        spec: LossSpec,
+        *,
+        forward_only: bool,
+        collect: bool = False,
     ) -> float:
         """megatron's forward/backward schedule over this rank's micro-batches.
 
@@ -206,7 +224,7 @@ class EngineShard:
             c.train(not forward_only)
         with megatron_cpu.cuda_to_cpu():
             out = get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, spec),
+                forward_step_func=partial(self._forward_step, spec, collect),
                 data_iterator=iters,
                 model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
                 num_microbatches=len(tensors),
@@ -272,7 +290,11 @@ class EngineShard:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def train_batch(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
+    def accumulate(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
+        """Phase 1 of a step: forward/backward, gradients accumulated (none applied yet).
+
+        On failure the gradients are dropped before the error propagates.
+        """
         t0 = time.perf_counter()
         self._grad_sync_s = 0.0
         try:
@@ -280,21 +302,29 @@ class EngineShard:
         except BaseException:
             self.zero_grad()
             raise
-        t1 = time.perf_counter()
-        grad_norm = self.optimizer_step()
-        t2 = time.perf_counter()
         return StepReport(
             coords=self.coords,
             is_last_stage=self.is_last_stage,
             loss=loss,
-            grad_norm=grad_norm,
             metrics=self.routing.export(),
             timings={
-                "forward_backward_s": t1 - t0,
+                "forward_backward_s": time.perf_counter() - t0,
                 "grad_sync_s": self._grad_sync_s,
-                "optimizer_s": t2 - t1,
             },
         )
+
+    def apply(self) -> tuple[float, float]:
+        """Phase 2: the optimizer step on the accumulated gradients; ``(grad_norm, seconds)``."""
+        t0 = time.perf_counter()
+        grad_norm = self.optimizer_step()
+        return grad_norm, time.perf_counter() - t0
+
+    def train_batch(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
+        """Both phases in one call (tests, benchmarks and the single-process reference)."""
+        report = self.accumulate(mbs, spec)
+        grad_norm, optimizer_s = self.apply()
+        timings = {**report.timings, "optimizer_s": optimizer_s}
+        return dataclasses.replace(report, grad_norm=grad_norm, timings=timings)
 
     @torch.no_grad()
     def eval_batch(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
@@ -307,6 +337,52 @@ class EngineShard:
             metrics=self.routing.export(),
             timings={"forward_s": time.perf_counter() - t0},
         )
+
+    @torch.no_grad()
+    def logprobs(
+        self, mbs: Sequence[PackedMicroBatch], *, entropy: bool = False
+    ) -> dict[int, tuple[np.ndarray, np.ndarray | None]]:
+        """Per-token log-probs (and entropy) of every real sequence in ``mbs``, by request index.
+
+        Each value is aligned with the sequence's tokens: ``[t]`` is ``log p(tokens[t] |
+        tokens[:t])``, ``[0]`` is 0. Computed CP-locally like the loss; only the per-token
+        results (not logits) are gathered over CP. Reported by TP rank 0, CP rank 0 of the last
+        stage; every other rank returns ``{}``.
+        """
+        self._collected: list[tuple[Tensor, Tensor | None]] = []
+        self._collect_entropy = entropy
+        self._run_schedule(mbs, LossSpec(), forward_only=True, collect=True)
+        collected, self._collected = self._collected, []
+        if not (self.is_last_stage and self.coords.tp == 0 and self.coords.cp == 0):
+            return {}
+        out: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+        for mb, (lp, ent) in zip(mbs, collected, strict=True):
+            for b, idx in enumerate(mb.seq_index.tolist()):
+                if idx < 0:
+                    continue
+                start, n = int(mb.cu_seqlens[b]), int(mb.seq_lens[b])
+                # Position t predicts token t + 1 (labels are rolled): shift right by one.
+                seq_lp = np.zeros(n, np.float32)
+                seq_lp[1:] = lp[start : start + n - 1].numpy()
+                seq_ent = None
+                if ent is not None:
+                    seq_ent = np.zeros(n, np.float32)
+                    seq_ent[1:] = ent[start : start + n - 1].numpy()
+                out[idx] = (seq_lp, seq_ent)
+        return out
+
+    def _collect(self, mb: RankMicroBatch, logits: Tensor) -> None:
+        """Loss-function side channel of ``logprobs``: this micro-batch's values, CP-gathered."""
+        b = mb.batch
+        assert b.cu_seqlens is not None
+        lp = self._logprob(mb, logits)
+        ent = None
+        if self._collect_entropy:
+            ent = vocab_parallel_entropy(
+                logits[0], tp_group=self.tp_group, chunk_size=self.cfg.logprob_chunk_size
+            )
+            ent = gather_from_cp(ent, b.cu_seqlens, self.cp_group)
+        self._collected.append((gather_from_cp(lp, b.cu_seqlens, self.cp_group), ent))
 
     def weights_digest(self) -> str:
         """sha256 over this rank's parameters (name order): equal digests, equal weights."""

@@ -7,24 +7,21 @@ a timeout, so a dead peer becomes an error instead of a hang), then builds the e
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
-import socket
+import tempfile
 import warnings
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from trainctl.workers import logs
 from trainctl.workers.batch import StepPlan
 from trainctl.workers.config import EngineConfig
+from trainctl.workers.operations import current_operation
 
 log = logging.getLogger(__name__)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def quiet_megatron() -> None:
@@ -34,25 +31,50 @@ def quiet_megatron() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+class InjectedFault(RuntimeError):
+    """Raised by a rank told to fail (``inject_fault``)."""
+
+
+@contextlib.contextmanager
+def _operation(op_id: str) -> Iterator[None]:
+    token = current_operation.set(op_id)
+    try:
+        yield
+    finally:
+        current_operation.reset(token)
+
+
 class RankWorker:
     """Plain class; ``workers.controller`` wraps it with ``ray.remote``."""
 
     def __init__(self, rank: int, world_size: int, num_threads: int = 1) -> None:
         import torch
 
-        logging.basicConfig(level=os.environ.get("TRAINCTL_LOG_LEVEL", "INFO"))
+        logs.configure()
         quiet_megatron()
         torch.set_num_threads(num_threads)
         self.rank = rank
         self.world_size = world_size
         self.engine: Any = None
+        self._faults: dict[str, int] = {}
+        self._store: Any = None
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        """Called on rank 0: an address and a free port for ``init_process_group``."""
+    def rendezvous_address(self, timeout_s: float) -> tuple[str, int]:
+        """Called on rank 0: start the rendezvous store on a port the OS picks (no race with
+        other processes for a 'free' port) and return its address."""
         import ray
+        import torch.distributed as dist
 
         host = ray.util.get_node_ip_address()
-        return host, _free_port(host)
+        self._store = dist.TCPStore(
+            host,
+            0,
+            self.world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+        return host, int(self._store.port)
 
     def init_process_group(self, host: str, port: int, backend: str, timeout_s: float) -> None:
         import torch
@@ -60,12 +82,16 @@ class RankWorker:
 
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+        timeout = timedelta(seconds=timeout_s)
+        store = self._store
+        if store is None:
+            store = dist.TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{host}:{port}",
+            store=store,
             rank=self.rank,
             world_size=self.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
 
     def build(self, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -79,13 +105,32 @@ class RankWorker:
             "parameters": self.engine.num_parameters(),
         }
 
-    def train_batch(self, plan: StepPlan) -> Any:
-        shard = plan.microbatches[self.engine.coords.dp]
-        return self.engine.train_batch(shard, plan.loss)
+    def _shard(self, plan: StepPlan) -> Any:
+        self._check_fault("forward")
+        return plan.microbatches[self.engine.coords.dp]
 
-    def eval_batch(self, plan: StepPlan) -> Any:
-        shard = plan.microbatches[self.engine.coords.dp]
-        return self.engine.eval_batch(shard, plan.loss)
+    def accumulate(self, plan: StepPlan, op_id: str = "-") -> Any:
+        """Phase 1 of a train step: forward/backward; gradients held until ``apply``."""
+        with _operation(op_id):
+            return self.engine.accumulate(self._shard(plan), plan.loss)
+
+    def apply(self, op_id: str = "-") -> tuple[float, float]:
+        """Phase 2, once every rank finished phase 1: the optimizer step."""
+        with _operation(op_id):
+            self._check_fault("optimizer")
+            return self.engine.apply()  # type: ignore[no-any-return]
+
+    def discard(self) -> None:
+        """Drop the accumulated gradients (another rank failed phase 1)."""
+        self.engine.zero_grad()
+
+    def eval_batch(self, plan: StepPlan, op_id: str = "-") -> Any:
+        with _operation(op_id):
+            return self.engine.eval_batch(self._shard(plan), plan.loss)
+
+    def logprobs(self, plan: StepPlan, entropy: bool, op_id: str = "-") -> Any:
+        with _operation(op_id):
+            return self.engine.logprobs(self._shard(plan), entropy=entropy)
 
     def weights_digest(self) -> str:
         return str(self.engine.weights_digest())
@@ -93,15 +138,31 @@ class RankWorker:
     def start_memory_profile(self, max_entries: int) -> None:
         self.engine.profiler.start(max_entries)
 
-    def stop_memory_profile(self, directory: str) -> dict[str, Any]:
-        path = self.engine.profiler.stop(Path(directory))
+    def stop_memory_profile(self) -> dict[str, Any]:
+        """Stop recording; this rank's file, as bytes (the controller stores it)."""
+        with tempfile.TemporaryDirectory(prefix="trainctl-profile-") as tmp:
+            path = self.engine.profiler.stop(Path(tmp))
+            data = path.read_bytes()
         c = self.engine.coords
         return {
             "name": path.name,
             "rank": c.rank,
-            "size_bytes": path.stat().st_size,
             "coords": {"dp": c.dp, "cp": c.cp, "tp": c.tp, "pp": c.pp},
+            "data": data,
         }
+
+    # -- fault injection (operators and tests, through Ray only: not on the HTTP API) ---------
+
+    def inject_fault(self, phase: str, times: int = 1) -> None:
+        """Make the next ``times`` calls of ``phase`` (``forward`` or ``optimizer``) raise."""
+        if phase not in ("forward", "optimizer"):
+            raise ValueError(f"phase must be 'forward' or 'optimizer', not {phase!r}")
+        self._faults[phase] = times
+
+    def _check_fault(self, phase: str) -> None:
+        if self._faults.get(phase, 0) > 0:
+            self._faults[phase] -= 1
+            raise InjectedFault(f"injected fault in {phase} on rank {self.rank}")
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -9,7 +9,9 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from trainctl.service.cli import engine_config_dict
@@ -35,6 +37,34 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-5 * max(abs(a), abs(b))
 
 
+def _reference(mode: str, batch: list[dict]) -> Any:
+    cfg = engine_config_dict(Settings(dp=1, cp=1, tp=1, pp=1))
+    ref = subprocess.run(
+        [sys.executable, str(REFERENCE)],
+        input=json.dumps({"mode": mode, "sequences": batch, "engine": cfg}),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    return json.loads(ref.stdout.strip().splitlines()[-1])
+
+
+def test_logprobs_match_a_single_process_computation(layout_service: tuple[str, Service]) -> None:
+    """Put back together from CP shards and DP ranks, in the caller's order (run first: the
+    reference is the untrained model)."""
+    _, svc = layout_service
+    client = svc.client()
+    assert client.info().step == 0
+    batch = ragged_batch(seed=6)
+    got = client.logprobs(batch, entropy=True)
+    want = _reference("logprobs", batch)
+    assert [len(x) for x in got.logprobs] == [len(s["tokens"]) for s in batch]
+    for g, w in zip(got.logprobs, want, strict=True):
+        assert np.allclose(g, w, rtol=1e-5, atol=1e-5), (g, w)
+    assert got.entropy is not None and all(e[0] == 0.0 and min(e[1:]) > 0 for e in got.entropy)
+
+
 def test_train_step_matches_single_rank(layout_service: tuple[str, Service]) -> None:
     name, svc = layout_service
     client = svc.client()
@@ -45,16 +75,7 @@ def test_train_step_matches_single_rank(layout_service: tuple[str, Service]) -> 
     step = client.train_batch(batch)
     after = client.eval_batch(batch).loss
 
-    cfg = engine_config_dict(Settings(dp=1, cp=1, tp=1, pp=1))
-    ref = subprocess.run(
-        [sys.executable, str(REFERENCE)],
-        input=json.dumps({"mode": "step", "sequences": batch, "engine": cfg}),
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    want = json.loads(ref.stdout.strip().splitlines()[-1])
+    want = _reference("step", batch)
     assert _close(before, want["eval_before"]), (before, want)
     assert _close(step.loss, want["loss"]), (step.loss, want)
     assert _close(step.metrics["grad_norm:value"], want["grad_norm"]), (step.metrics, want)

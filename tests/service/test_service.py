@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from trainctl.clients import BadRequestError
+from trainctl.clients import BadRequestError, ConflictError, TrainctlClient
 
 from conftest import Service
 
@@ -121,3 +121,130 @@ def test_memory_profile_round_trip(service: Service) -> None:
         assert path.stat().st_size == f.size_bytes > 0
         events = json.loads(path.read_text())["traceEvents"]
         assert any(e.get("name") == "[memory]" for e in events), "no allocation events recorded"
+        # The same file and its picture, fetched over HTTP.
+        assert client.download_profile_file(result.profile_id, f.name) == path.read_bytes()
+        assert f.picture is not None
+        png = client.download_profile_file(result.profile_id, f.picture)
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
+    listed = {p.profile_id: p for p in client.list_memory_profiles().profiles}
+    assert listed[result.profile_id] == result
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/memory_profiles/..%2F..%2F/files/serve.log",
+        "/v1/memory_profiles/%2E%2E/files/serve.log",
+        "/v1/memory_profiles/x/files/..%2F..%2Fserve.log",
+        "/v1/memory_profiles/.hidden/files/a",
+        "/v1/memory_profiles/x/files/%2Fetc%2Fpasswd",
+    ],
+)
+def test_profile_paths_cannot_leave_the_profile_root(service: Service, path: str) -> None:
+    r = httpx.get(service.url + path, timeout=30)
+    assert r.status_code in (404, 422), (r.status_code, r.text[:200])
+    assert set(r.json()) == {"type", "message", "details"}
+    assert "drained" not in r.text and "INFO" not in r.text  # never the log file's content
+
+
+# -- operations: idempotency, ordering, asynchronous calls, metrics -------------------------
+
+
+def test_three_retries_with_one_key_step_once(service: Service) -> None:
+    client = service.client()
+    before = client.info()
+    batch = ragged_batch(seed=7)
+    results = [client.train_batch(batch, idempotency_key="retry-me") for _ in range(3)]
+    after = client.info()
+    assert after.step == before.step + 1
+    assert results[0] == results[1] == results[2]
+    assert after.weights_digest != before.weights_digest
+    # A further retry changes nothing either.
+    client.train_batch(batch, idempotency_key="retry-me")
+    assert client.info().weights_digest == after.weights_digest
+
+
+def test_a_retry_while_the_first_call_runs_joins_it(service: Service) -> None:
+    client = service.client()
+    start = client.info().step
+    batch = ragged_batch(seed=8)
+    first = client.submit("train_batch", batch, idempotency_key="in-flight")
+    second = client.submit("train_batch", batch, idempotency_key="in-flight")
+    assert second.id == first.id
+    assert client.wait(second).step == start + 1 and client.info().step == start + 1
+
+
+def test_eight_concurrent_callers_are_served_in_order(service: Service) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = service.client()
+    start = client.info().step
+    batch = ragged_batch(seed=9)
+
+    def call(_: int) -> int:
+        with service.client() as c:
+            return c.train_batch(batch).step
+
+    with ThreadPoolExecutor(8) as pool:
+        steps = list(pool.map(call, range(8)))
+    assert sorted(steps) == list(range(start + 1, start + 9))
+    assert client.info().step == start + 8
+
+
+def test_respond_async_operation_is_polled_to_completion(service: Service) -> None:
+    r = httpx.post(
+        f"{service.url}/v1/train_batch",
+        json={"sequences": ragged_batch(seed=10)},
+        headers={"Prefer": "respond-async"},
+        timeout=60,
+    )
+    assert r.status_code == 202, r.text
+    op = r.json()
+    seen = {op["status"]}
+    while op["status"] not in ("done", "failed"):
+        op = httpx.get(service.url + r.headers["location"], timeout=60).json()
+        seen.add(op["status"])
+    assert op["status"] == "done", op
+    assert op["result"]["step"] == service.client().info().step
+    assert seen <= {"queued", "running", "done"}
+
+
+def test_expected_step_guards_against_stale_updates(service: Service) -> None:
+    client = service.client()
+    step = client.info().step
+    with pytest.raises(ConflictError, match=f"model is at step {step}"):
+        client.train_batch(ragged_batch(seed=11), expected_step=step - 1)
+    assert client.info().step == step
+    assert client.train_batch(ragged_batch(seed=11), expected_step=step).step == step + 1
+
+
+def test_binary_and_json_give_the_same_eval(service: Service) -> None:
+    batch = ragged_batch(seed=12)
+    with service.client() as binary, TrainctlClient(service.url, binary=False) as plain:
+        assert binary.eval_batch(batch).loss == plain.eval_batch(batch).loss
+        a, b = binary.logprobs(batch), plain.logprobs(batch)
+        assert a.logprobs == b.logprobs  # float32 from the engine, either way
+
+
+def test_metrics_report_steps_tokens_latency_and_errors(service: Service) -> None:
+    client = service.client()
+    text = client.metrics()
+    step = client.info().step
+
+    def value(name: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(name + " "))
+        return float(line.split()[-1])
+
+    assert value("trainctl_steps_total") == step
+    assert value("trainctl_queue_depth") == 0
+    assert value('trainctl_operation_seconds_count{kind="train_batch"}') >= step
+    assert value('trainctl_http_errors_total{type="invalid_request"}') >= len(BAD_BODIES)
+    assert value('trainctl_tokens_total{kind="train_batch"}') > 0
+
+
+def test_every_log_line_of_an_operation_carries_its_id(service: Service) -> None:
+    op = service.client().submit("eval_batch", ragged_batch(seed=13))
+    service.client().wait(op)
+    lines = [ln for ln in service.log().splitlines() if op.id in ln]
+    assert any("eval_batch started" in ln for ln in lines), lines
+    assert all(f"[op={op.id}]" in ln for ln in lines if "trainctl.workers" in ln), lines

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -14,5 +16,8 @@ def fake() -> FakeController:
 
 
 @pytest.fixture
-def http(fake: FakeController) -> TestClient:
-    return TestClient(create_app(fake))
+def http(fake: FakeController) -> Iterator[TestClient]:
+    # As a context manager the app keeps one event loop, as under Serve: the operation
+    # queue's worker task lives on it.
+    with TestClient(create_app(fake)) as client:
+        yield client

@@ -1,27 +1,64 @@
-"""An in-memory stand-in for the controller, for route and SDK tests (fast tier only)."""
+"""An in-memory stand-in for the controller, for route and SDK tests (fast tier only).
+
+It runs the real ``OperationQueue`` (queueing, idempotency, 429) around fake work, so the
+HTTP semantics of operations are tested here without Ray.
+"""
 
 from __future__ import annotations
+
+import asyncio
+from typing import Any
 
 from trainctl.api import (
     ConflictError,
     EvalBatchRequest,
     Info,
+    InvalidRequestError,
+    LogProbsRequest,
+    LogProbsResult,
+    MemoryProfileList,
     MemoryProfileResult,
     MemoryProfileStarted,
     ModelLimits,
+    NotFoundError,
     ProfileFile,
     StepResult,
     TrainBatchRequest,
 )
+from trainctl.workers.operations import Handle, OperationHost, OperationQueue
 
 
-class FakeController:
-    def __init__(self, vocab_size: int = 100, max_seq_len: int = 16) -> None:
+class FakeController(OperationHost):
+    def __init__(self, vocab_size: int = 100, max_seq_len: int = 16, max_queued: int = 64) -> None:
         self.limits = ModelLimits(vocab_size=vocab_size, max_seq_len=max_seq_len)
         self.calls: list[str] = []
         self.step = 0
         self.profiling = False
         self.ready = True
+        self.delay_s = 0.0
+        self.queue = OperationQueue(max_queued=max_queued)
+        self.files: dict[str, bytes] = {}
+
+    # -- operations ------------------------------------------------------------------------
+
+    def _prepare(self, kind: str, req: Any) -> Any:
+        work = {
+            "train_batch": self._train,
+            "eval_batch": self._eval,
+            "logprobs": self._logprobs,
+            "memory_profile_start": self._start,
+            "memory_profile_stop": self._stop,
+        }
+        if kind not in work:
+            raise InvalidRequestError(f"no operation {kind!r}")
+
+        async def run(h: Handle) -> Any:
+            h.set_phase("working")
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            return work[kind](req)
+
+        return run
 
     def _result(self, req: TrainBatchRequest | EvalBatchRequest) -> StepResult:
         n = sum(len(s.tokens) for s in req.sequences)
@@ -32,27 +69,43 @@ class FakeController:
             timings={"total_s": 0.0},
         )
 
-    async def train_batch(self, req: TrainBatchRequest) -> StepResult:
+    def _train(self, req: TrainBatchRequest) -> StepResult:
         self.calls.append("train_batch")
+        if req.expected_step is not None and req.expected_step != self.step:
+            raise ConflictError(f"expected_step is {req.expected_step}, model at {self.step}")
         self.step += 1
         return self._result(req)
 
-    async def eval_batch(self, req: EvalBatchRequest) -> StepResult:
+    def _eval(self, req: EvalBatchRequest) -> StepResult:
         self.calls.append("eval_batch")
         return self._result(req)
 
-    async def start_memory_profile(self, max_entries: int) -> MemoryProfileStarted:
+    def _logprobs(self, req: LogProbsRequest) -> LogProbsResult:
+        self.calls.append("logprobs")
+        rows = [[0.0] + [-float(t) / 100 for t in s.tokens[1:]] for s in req.sequences]
+        return LogProbsResult(
+            step=self.step,
+            logprobs=rows,
+            entropy=[[1.0] * len(r) for r in rows] if req.entropy else None,
+        )
+
+    def _start(self, max_entries: int) -> MemoryProfileStarted:
         self.calls.append(f"start_memory_profile({max_entries})")
         if self.profiling:
             raise ConflictError("memory profile p1 is already recording")
         self.profiling = True
         return MemoryProfileStarted(profile_id="p1", ranks=1)
 
-    async def stop_memory_profile(self) -> MemoryProfileResult:
+    def _stop(self, _: Any) -> MemoryProfileResult:
         self.calls.append("stop_memory_profile")
         if not self.profiling:
             raise ConflictError("no memory profile is recording; start one first")
         self.profiling = False
+        name = "snapshot_rank00_p0d0c0t0.trace.json"
+        self.files = {name: b'{"traceEvents": []}', "snapshot_rank00_p0d0c0t0.png": b"\x89PNG"}
+        return self._profile()
+
+    def _profile(self) -> MemoryProfileResult:
         return MemoryProfileResult(
             profile_id="p1",
             files=[
@@ -60,10 +113,29 @@ class FakeController:
                     name="snapshot_rank00_p0d0c0t0.trace.json",
                     rank=0,
                     coords={"dp": 0, "cp": 0, "tp": 0, "pp": 0},
-                    size_bytes=10,
+                    size_bytes=19,
+                    picture="snapshot_rank00_p0d0c0t0.png",
                 )
             ],
         )
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def list_profiles(self) -> MemoryProfileList:
+        return MemoryProfileList(profiles=[self._profile()] if self.files else [])
+
+    async def get_profile(self, profile_id: str) -> MemoryProfileResult:
+        if profile_id != "p1" or not self.files:
+            raise NotFoundError(f"memory profile {profile_id!r} does not exist")
+        return self._profile()
+
+    async def read_profile_file(self, profile_id: str, name: str) -> bytes:
+        if profile_id != "p1" or name not in self.files:
+            raise NotFoundError(f"memory profile {profile_id!r} has no file {name!r}")
+        return self.files[name]
+
+    async def metrics_text(self) -> bytes:
+        return f"trainctl_steps_total {self.step}.0\n".encode()
 
     async def info(self) -> Info:
         return Info(

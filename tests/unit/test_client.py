@@ -9,8 +9,10 @@ from fastapi.testclient import TestClient
 from trainctl.api import Sequence
 from trainctl.clients import (
     APIConnectionError,
+    AsyncTrainctlClient,
     BadRequestError,
     ConflictError,
+    RetryPolicy,
     ServiceUnavailableError,
     TrainctlClient,
 )
@@ -62,6 +64,105 @@ def test_status_mapping() -> None:
 
 
 def test_connection_error_is_typed() -> None:
-    with TrainctlClient("http://127.0.0.1:9", timeout=2) as c, pytest.raises(APIConnectionError):
+    fast = RetryPolicy(max_retries=1, backoff_s=0.01)
+    with (
+        TrainctlClient("http://127.0.0.1:9", timeout=2, retry=fast) as c,
+        pytest.raises(APIConnectionError),
+    ):
         c.health()
     assert not TrainctlClient(http_client=httpx.Client(base_url="http://127.0.0.1:9")).is_ready()
+
+
+STEP = {"loss": 1.0, "step": 1, "metrics": {}, "timings": {}}
+
+
+def _flaky(statuses: list[int], seen: list[httpx.Request]) -> httpx.MockTransport:
+    """Answers ``statuses`` in turn (then 200 with a step result), recording each request."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        status = statuses.pop(0) if statuses else 200
+        if status == 200:
+            return httpx.Response(200, json=STEP)
+        body = {"type": "not_ready", "message": "recovering", "details": None}
+        return httpx.Response(status, json=body, headers={"Retry-After": "0"})
+
+    return httpx.MockTransport(handler)
+
+
+def test_retries_5xx_and_429_reusing_the_idempotency_key() -> None:
+    seen: list[httpx.Request] = []
+    http = httpx.Client(base_url="http://t", transport=_flaky([503, 429, 500], seen))
+    with TrainctlClient(http_client=http, retry=RetryPolicy(backoff_s=0.001)) as c:
+        assert c.train_batch([[1, 2, 3]]).step == 1
+    keys = {r.headers["idempotency-key"] for r in seen}
+    assert len(seen) == 4 and len(keys) == 1
+
+
+def test_gives_up_after_max_retries_and_never_retries_4xx() -> None:
+    seen: list[httpx.Request] = []
+    http = httpx.Client(base_url="http://t", transport=_flaky([503] * 10, seen))
+    policy = RetryPolicy(max_retries=2, backoff_s=0.001)
+    with (
+        TrainctlClient(http_client=http, retry=policy) as c,
+        pytest.raises(ServiceUnavailableError),
+    ):
+        c.train_batch([[1, 2, 3]])
+    assert len(seen) == 3
+    seen.clear()
+    http = httpx.Client(base_url="http://t", transport=_flaky([409], seen))
+    with TrainctlClient(http_client=http) as c, pytest.raises(ConflictError):
+        c.train_batch([[1, 2, 3]])
+    assert len(seen) == 1
+
+
+def test_the_sdk_sends_binary_by_default_and_json_on_request(fake: FakeController) -> None:
+    from trainctl.service.app import create_app
+
+    with TestClient(create_app(fake)) as http:
+        seen: list[str] = []
+        http.event_hooks["request"] = [lambda r: seen.append(r.headers.get("content-type", ""))]
+        binary, plain = (
+            TrainctlClient(http_client=http),
+            TrainctlClient(http_client=http, binary=False),
+        )
+        batch = [{"tokens": [1, 2, 3], "weights": [1.0, 0.5, 0.25]}, [4, 5]]
+        assert binary.eval_batch(batch) == plain.eval_batch(batch)
+        lp, want = binary.logprobs(batch, entropy=True), plain.logprobs(batch, entropy=True)
+        assert lp.entropy == want.entropy and lp.step == want.step
+        for got, exp in zip(lp.logprobs, want.logprobs, strict=True):
+            assert got == pytest.approx(exp, rel=1e-6)  # float32 on the wire
+    assert seen[0] == "application/vnd.trainctl.tensors" and seen[1] == "application/json"
+
+
+def test_async_client_mirrors_the_sync_one(fake: FakeController) -> None:
+    import asyncio
+
+    from trainctl.service.app import create_app
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=create_app(fake))
+        http = httpx.AsyncClient(transport=transport, base_url="http://t")
+        async with AsyncTrainctlClient(http_client=http) as c:
+            assert (await c.train_batch([[1, 2, 3]])).step == 1
+            op = await c.submit("train_batch", [[1, 2, 3]], expected_step=1)
+            updates: list[str] = []
+            result = await c.wait(op, on_update=lambda o: updates.append(o.status.value))
+            assert result.step == 2 and updates[-1] == "done"
+            lp = await c.logprobs([[1, 2]])
+            assert lp.logprobs[0] == pytest.approx([0.0, -0.02], rel=1e-6)
+            with pytest.raises(ConflictError):
+                await c.train_batch([[1, 2, 3]], expected_step=0)
+            assert (await c.info()).step == 2
+
+    asyncio.run(main())
+
+
+def test_the_async_client_is_generated_from_the_sync_one() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "scripts" / "unasync.py"
+    r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -37,7 +37,7 @@ def test_train_batch_reaches_controller(http: TestClient, fake: FakeController) 
         ),
         ({"sequences": [{"tokens": ["a", 2]}]}, "sequences[0].tokens[0]", "integer"),
         ({"sequences": [{"tokens": [1.5, 2]}]}, "sequences[0].tokens[0]", "integer"),
-        ({"sequences": [{"tokens": "12"}]}, "sequences[0].tokens", "list"),
+        ({"sequences": [{"tokens": "12"}]}, "sequences[0].tokens", "array"),
         (
             {"sequences": [{"tokens": [1, 2], "loss_mask": [0, 2]}]},
             "sequences[0].loss_mask[1]",
@@ -75,7 +75,7 @@ def test_memory_profile_conflicts_are_409(http: TestClient) -> None:
     r = http.post("/v1/memory_profile/start")
     assert r.status_code == 409 and "already recording" in r.json()["message"]
     stop = http.post("/v1/memory_profile/stop").json()
-    assert stop["files"][0]["size_bytes"] == 10
+    assert stop["files"][0]["size_bytes"] == 19
 
 
 def test_max_entries_bounds(http: TestClient) -> None:
@@ -153,7 +153,12 @@ def test_rl_loss_validation(http: TestClient, fake: FakeController, body: dict, 
 def test_bearer_auth_matrix(fake: FakeController, caplog: pytest.LogCaptureFixture) -> None:
     from trainctl.service.app import create_app
 
-    http = TestClient(create_app(fake, api_token="s3cret-token"))
+    with TestClient(create_app(fake, api_token="s3cret-token")) as http:
+        _check_auth(http, fake)
+    assert "s3cret" not in caplog.text
+
+
+def _check_auth(http: TestClient, fake: FakeController) -> None:
     assert http.get("/v1/health").status_code == 200  # open
     assert http.get("/v1/ready").status_code == 200  # open
     r = http.post("/v1/train_batch", json=GOOD)
@@ -164,4 +169,123 @@ def test_bearer_auth_matrix(fake: FakeController, caplog: pytest.LogCaptureFixtu
     assert fake.calls == []
     r = http.post("/v1/train_batch", json=GOOD, headers={"authorization": "Bearer s3cret-token"})
     assert r.status_code == 200 and fake.calls == ["train_batch"]
-    assert "s3cret" not in caplog.text
+
+
+# -- binary transport, operations, idempotency, profiles, metrics -----------------------------
+
+
+def test_binary_body_and_answer_match_json(http: TestClient, fake: FakeController) -> None:
+    from trainctl.api import wire
+
+    body = wire.encode_sequences(GOOD["sequences"], {})
+    headers = {"content-type": wire.CONTENT_TYPE, "accept": wire.CONTENT_TYPE}
+    r = http.post("/v1/eval_batch", content=body, headers=headers)
+    assert r.status_code == 200 and r.headers["content-type"] == wire.CONTENT_TYPE
+    fields, _ = wire.decode(r.content)
+    assert fields == http.post("/v1/eval_batch", json=GOOD).json()
+    bad = wire.encode_sequences([{"tokens": [1, 2, 100]}], {})
+    r = http.post("/v1/eval_batch", content=bad, headers=headers)
+    assert r.status_code == 422 and r.json()["message"].startswith("sequences[0].tokens[2]:")
+    r = http.post("/v1/eval_batch", content=b"TCTB garbage", headers=headers)
+    assert r.status_code == 422 and r.json()["type"] == "invalid_request"
+
+
+def test_logprobs_binary_answer(http: TestClient) -> None:
+    from trainctl.api import wire
+
+    body = wire.encode_sequences([{"tokens": [1, 2, 3]}, {"tokens": [4]}], {"entropy": True})
+    r = http.post(
+        "/v1/logprobs",
+        content=body,
+        headers={"content-type": wire.CONTENT_TYPE, "accept": wire.CONTENT_TYPE},
+    )
+    assert r.status_code == 200, r.text
+    fields, cols = wire.decode_per_sequence(r.content)
+    assert [c.tolist() for c in cols["logprobs"]] == [
+        pytest.approx([0.0, -0.02, -0.03]),
+        [0.0],
+    ]
+    assert [len(c) for c in cols["entropy"]] == [3, 1] and fields == {"step": 0}
+
+
+def test_oversize_and_unknown_media_type(fake: FakeController) -> None:
+    from trainctl.service.app import create_app
+
+    with TestClient(create_app(fake, max_body_bytes=50)) as http:
+        r = http.post("/v1/train_batch", json={"sequences": [{"tokens": list(range(1, 15))}]})
+        assert r.status_code == 413 and r.json()["type"] == "payload_too_large"
+        r = http.post("/v1/train_batch", content=b"x", headers={"content-type": "text/csv"})
+        assert r.status_code == 415 and "content-type 'text/csv'" in r.json()["message"]
+    assert fake.calls == []
+
+
+def test_retries_with_one_key_step_once(http: TestClient, fake: FakeController) -> None:
+    headers = {"Idempotency-Key": "step-1"}
+    bodies = [http.post("/v1/train_batch", json=GOOD, headers=headers).json() for _ in range(3)]
+    assert bodies[0] == bodies[1] == bodies[2] and fake.step == 1
+    other = {"sequences": [{"tokens": [1, 2]}]}
+    r = http.post("/v1/train_batch", json=other, headers=headers)
+    assert r.status_code == 409 and "different train_batch request" in r.json()["message"]
+
+
+def test_expected_step_mismatch_is_409(http: TestClient, fake: FakeController) -> None:
+    r = http.post("/v1/train_batch", json={**GOOD, "expected_step": 3})
+    assert r.status_code == 409 and fake.step == 0
+    assert http.post("/v1/train_batch", json={**GOOD, "expected_step": 0}).status_code == 200
+
+
+def test_respond_async_is_202_then_polled(http: TestClient, fake: FakeController) -> None:
+    fake.delay_s = 0.2
+    r = http.post("/v1/train_batch", json=GOOD, headers={"Prefer": "respond-async"})
+    assert r.status_code == 202, r.text
+    op = r.json()
+    assert r.headers["location"] == f"/v1/operations/{op['id']}"
+    assert op["status"] in ("queued", "running") and op["kind"] == "train_batch"
+    done = http.get(r.headers["location"], params={"wait": 5}).json()
+    assert done["status"] == "done" and done["result"]["step"] == 1
+    missing = http.get("/v1/operations/op-nope")
+    assert missing.status_code == 404 and missing.json()["type"] == "not_found"
+
+
+def test_full_queue_is_429_with_retry_after(fake: FakeController) -> None:
+    from trainctl.service.app import create_app
+
+    fake.queue.max_queued = 1
+    fake.delay_s = 0.3
+    with TestClient(create_app(fake)) as http:
+        prefer = {"Prefer": "respond-async"}
+        codes = [
+            http.post("/v1/eval_batch", json=GOOD, headers=prefer).status_code for _ in range(3)
+        ]
+        assert codes == [202, 202, 429]
+        r = http.post("/v1/eval_batch", json=GOOD, headers=prefer)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["type"] == "rate_limited"
+
+
+def test_profiles_list_and_download(http: TestClient) -> None:
+    assert http.get("/v1/memory_profiles").json() == {"profiles": []}
+    http.post("/v1/memory_profile/start")
+    stop = http.post("/v1/memory_profile/stop").json()
+    listed = http.get("/v1/memory_profiles").json()["profiles"]
+    assert listed == [stop]
+    f = stop["files"][0]
+    r = http.get(f"/v1/memory_profiles/p1/files/{f['picture']}")
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    r = http.get("/v1/memory_profiles/p1/files/other.json")
+    assert r.status_code == 404 and r.json()["type"] == "not_found"
+
+
+def test_every_error_uses_the_error_model(http: TestClient) -> None:
+    for r in (http.get("/v1/nope"), http.delete("/v1/train_batch"), http.get("/nope")):
+        assert r.status_code in (404, 405)
+        assert set(r.json()) == {"type", "message", "details"}
+
+
+def test_metrics_count_requests_errors_and_steps(http: TestClient) -> None:
+    http.post("/v1/train_batch", json=GOOD)
+    http.post("/v1/train_batch", json={"sequences": []})
+    text = http.get("/metrics").text
+    assert 'trainctl_http_requests_total{route="/v1/train_batch",status="200"} 1.0' in text
+    assert 'trainctl_http_errors_total{type="invalid_request"} 1.0' in text
+    assert "trainctl_steps_total 1.0" in text  # the (fake) controller's part

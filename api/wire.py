@@ -1,0 +1,241 @@
+"""The binary wire format: typed little-endian arrays in one frame (numpy only, no torch).
+
+JSON stays for curl; the SDK sends and asks for this by default. Token ids travel as int32 or
+int64, per-token floats in the caller's dtype (float16, bfloat16, float32 or float64): nothing
+is upcast on the wire.
+
+Frame layout::
+
+    b"TCTB" | version: u8 | flags: u8 (bit 0: payload zlib-compressed) | reserved: u16
+    | header_len: u32 LE | header: JSON, UTF-8 | payload
+
+    header = {"fields": {...},  # every non-tensor field, as in the JSON body
+              "arrays": [{"name", "dtype", "shape", "offset", "nbytes"}, ...]}
+
+``offset``/``nbytes`` index the (decompressed) payload. A batch of sequences is sent as flat
+arrays: ``lengths [n]`` and, concatenated in sequence order, ``tokens [sum(lengths)]`` plus
+each optional per-token field (``loss_mask`` as uint8). bfloat16 has no numpy dtype: it travels
+as its raw 16 bits and decodes to float32 (exact).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+CONTENT_TYPE = "application/vnd.trainctl.tensors"
+JSON_CONTENT_TYPE = "application/json"
+
+MAGIC = b"TCTB"
+VERSION = 1
+FLAG_ZLIB = 1
+_PREFIX = struct.Struct("<4sBBHI")
+
+DTYPES: dict[str, np.dtype[Any]] = {
+    "uint8": np.dtype("<u1"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),  # raw bits; see ``_as_float``
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+}
+_NAME_OF = {v: k for k, v in DTYPES.items() if k != "bfloat16"}
+
+PER_TOKEN_FLOATS = ("weights", "advantages", "old_logprobs", "ref_logprobs")
+"""Optional per-token float fields of a sequence, in frame order."""
+
+
+_DEFAULT_ONE = ("loss_mask", "weights")
+"""Per-token fields whose absence means all ones: filled in where only some sequences send one."""
+
+
+class WireError(ValueError):
+    """A frame that cannot be decoded; the message names the field and the problem."""
+
+
+def encode(
+    fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray], *, compress: bool = False
+) -> bytes:
+    """One frame holding ``fields`` (JSON-able) and ``arrays`` (little-endian, as given)."""
+    specs, chunks, offset = [], [], 0
+    for name, a in arrays.items():
+        dtype = getattr(a, "wire_dtype", None) or _NAME_OF.get(a.dtype.newbyteorder("<"))
+        if dtype is None:
+            raise WireError(f"{name}: dtype {a.dtype} cannot be sent")
+        raw = np.ascontiguousarray(a, dtype=DTYPES[dtype]).tobytes()
+        specs.append(
+            {"name": name, "dtype": dtype, "shape": list(a.shape), "offset": offset,
+             "nbytes": len(raw)}
+        )  # fmt: skip
+        chunks.append(raw)
+        offset += len(raw)
+    header = json.dumps({"fields": dict(fields), "arrays": specs}).encode()
+    payload = b"".join(chunks)
+    flags = 0
+    if compress:
+        payload, flags = zlib.compress(payload, 1), FLAG_ZLIB
+    return _PREFIX.pack(MAGIC, VERSION, flags, 0, len(header)) + header + payload
+
+
+class BFloat16(np.ndarray):
+    """A uint16 array marked to travel as bfloat16 (``to_bfloat16`` makes one)."""
+
+    wire_dtype = "bfloat16"
+
+
+def to_bfloat16(x: np.ndarray) -> BFloat16:
+    """Round float32 ``x`` to bfloat16 (nearest even) and keep the raw 16 bits."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return rounded.view(BFloat16)
+
+
+def decode(body: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(fields, arrays)`` of a frame; arrays are read-only views where not compressed."""
+    if len(body) < _PREFIX.size:
+        raise WireError(f"body: {len(body)} bytes is shorter than the frame prefix")
+    magic, version, flags, _, header_len = _PREFIX.unpack_from(body)
+    if magic != MAGIC:
+        raise WireError(f"body: not a {CONTENT_TYPE} frame (magic {magic!r})")
+    if version != VERSION:
+        raise WireError(f"body: frame version {version}; this service reads {VERSION}")
+    start = _PREFIX.size + header_len
+    try:
+        header = json.loads(body[_PREFIX.size : start])
+        fields, specs = header["fields"], header["arrays"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise WireError(f"body: the frame header is not valid: {e}") from None
+    if not isinstance(fields, dict) or not isinstance(specs, list):
+        raise WireError("body: the frame header needs a 'fields' object and an 'arrays' list")
+    payload: bytes | memoryview = memoryview(body)[start:]
+    if flags & FLAG_ZLIB:
+        try:
+            payload = zlib.decompress(payload)
+        except zlib.error as e:
+            raise WireError(f"body: the compressed payload is corrupt: {e}") from None
+    arrays = {}
+    for spec in specs:
+        name, a = _array(spec, payload)
+        arrays[name] = a
+    return fields, arrays
+
+
+def _array(spec: Any, payload: bytes | memoryview) -> tuple[str, np.ndarray]:
+    try:
+        name = str(spec["name"])
+        dtype_name, shape = str(spec["dtype"]), [int(d) for d in spec["shape"]]
+        offset, nbytes = int(spec["offset"]), int(spec["nbytes"])
+    except (KeyError, TypeError, ValueError):
+        raise WireError(f"body: array spec {spec!r} is not valid") from None
+    if dtype_name not in DTYPES:
+        raise WireError(f"{name}: dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
+    dtype = DTYPES[dtype_name]
+    count = int(np.prod(shape)) if shape else 1
+    if min(shape, default=0) < 0 or count * dtype.itemsize != nbytes:
+        raise WireError(f"{name}: shape {shape} of {dtype_name} does not fill {nbytes} bytes")
+    if offset < 0 or offset + nbytes > len(payload):
+        raise WireError(f"{name}: bytes [{offset}, {offset + nbytes}) lie outside the payload")
+    a = np.frombuffer(payload, dtype=dtype, count=count, offset=offset).reshape(shape)
+    if dtype_name == "bfloat16":
+        a = (a.astype(np.uint32) << 16).view(np.float32)
+    return name, a
+
+
+# -- batches of sequences ------------------------------------------------------------------
+
+
+def encode_sequences(
+    sequences: list[Mapping[str, Any]],
+    fields: Mapping[str, Any],
+    *,
+    float_dtype: str = "float32",
+    compress: bool = False,
+) -> bytes:
+    """A request body: ``sequences`` (dicts with ``tokens`` and optional per-token fields,
+    lists or arrays) as flat arrays, the other request ``fields`` in the header."""
+    lengths = np.array([len(s["tokens"]) for s in sequences], dtype=np.int64)
+    parts = [np.asarray(s["tokens"], dtype=np.int64) for s in sequences]
+    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    small = tokens.size == 0 or (tokens.min() >= -(2**31) and tokens.max() < 2**31)
+    arrays: dict[str, np.ndarray] = {
+        "lengths": lengths,
+        "tokens": tokens.astype(np.int32) if small else tokens,
+    }
+    for name in ("loss_mask", *PER_TOKEN_FLOATS):
+        present = [s.get(name) is not None for s in sequences]
+        if not any(present):
+            continue
+        if not all(present) and name not in _DEFAULT_ONE:
+            i = present.index(False)
+            raise WireError(f"sequences[{i}].{name}: every sequence or none must carry it")
+        flat = np.concatenate(
+            [
+                np.asarray(s[name]).reshape(-1) if s.get(name) is not None else np.ones(n)
+                for s, n in zip(sequences, lengths.tolist(), strict=True)
+            ]
+        )
+        if name == "loss_mask":
+            arrays[name] = flat.astype(np.uint8)
+        elif float_dtype == "bfloat16":
+            arrays[name] = to_bfloat16(flat)
+        else:
+            arrays[name] = flat.astype(DTYPES[float_dtype])
+    return encode(fields, arrays, compress=compress)
+
+
+def decode_sequences(body: bytes) -> dict[str, Any]:
+    """The JSON-shaped request of a sequences frame: ``{**fields, "sequences": [...]}``.
+
+    Array sizes are checked here (naming the field); values are validated by the request
+    model exactly as for JSON, so both encodings accept and reject the same batches.
+    """
+    fields, arrays = decode(body)
+    if "sequences" in fields:
+        raise WireError("sequences: send them as arrays, not in the header fields")
+    for required in ("lengths", "tokens"):
+        if required not in arrays:
+            raise WireError(f"{required}: missing from the frame")
+    lengths, tokens = arrays.pop("lengths"), arrays.pop("tokens")
+    if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or (lengths < 0).any():
+        raise WireError("lengths: must be a 1-D array of non-negative integers")
+    if tokens.dtype.kind not in "iu":
+        raise WireError(f"tokens: must be integers, got {tokens.dtype}")
+    total = int(lengths.sum())
+    for name, a in {"tokens": tokens, **arrays}.items():
+        if name not in ("tokens", "loss_mask", *PER_TOKEN_FLOATS):
+            raise WireError(f"{name}: not a per-token field of a sequence")
+        if a.ndim != 1 or a.shape[0] != total:
+            raise WireError(f"{name}: has {a.size} entries but the lengths add up to {total}")
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    columns = {"tokens": tokens.tolist(), **{k: v.tolist() for k, v in arrays.items()}}
+    sequences = []
+    for a, b in itertools.pairwise(bounds):
+        sequences.append({k: col[a:b] for k, col in columns.items()})
+    return {**fields, "sequences": sequences}
+
+
+def encode_per_sequence(
+    fields: Mapping[str, Any], columns: Mapping[str, list[np.ndarray] | None]
+) -> bytes:
+    """A response body with per-sequence float32 columns (e.g. log-probs and entropy)."""
+    present = {k: v for k, v in columns.items() if v is not None}
+    first = next(iter(present.values()), [])
+    arrays: dict[str, np.ndarray] = {"lengths": np.array([len(x) for x in first], np.int64)}
+    for name, seqs in present.items():
+        arrays[name] = np.concatenate(seqs).astype(np.float32) if seqs else np.zeros(0, np.float32)
+    return encode(fields, arrays)
+
+
+def decode_per_sequence(body: bytes) -> tuple[dict[str, Any], dict[str, list[np.ndarray]]]:
+    """Inverse of ``encode_per_sequence``: fields and each column split per sequence."""
+    fields, arrays = decode(body)
+    lengths = arrays.pop("lengths")
+    cuts = np.cumsum(lengths)[:-1]
+    return fields, {k: np.split(v, cuts) for k, v in arrays.items()}

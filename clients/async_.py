@@ -1,0 +1,200 @@
+"""The asynchronous Python client (``httpx.AsyncClient``), generated from
+``clients/sync.py`` by ``scripts/unasync.py``: edit that file, not this one.
+
+from trainctl.clients import AsyncTrainctlClient
+
+async with AsyncTrainctlClient("http://127.0.0.1:8000") as tc:
+    result = await tc.train_batch([{"tokens": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}])
+    print(result.loss, result.step)
+
+Batches travel in the binary encoding by default (``binary=False`` for JSON); every call that
+touches the model carries an idempotency key and is retried on 408, 429 and 5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import httpx
+
+from trainctl.api import (
+    Health,
+    Info,
+    LogProbsResult,
+    MemoryProfileList,
+    MemoryProfileResult,
+    MemoryProfileStarted,
+    MemoryProfileStartRequest,
+    Operation,
+    StepResult,
+)
+from trainctl.clients._base import (
+    DEFAULT_BASE_URL,
+    DEFAULT_TIMEOUT_S,
+    NO_RETRY,
+    Call,
+    LossLike,
+    Requests,
+    RetryPolicy,
+    SequenceLike,
+    auth_headers,
+    operation_result,
+)
+from trainctl.clients.errors import APIConnectionError, APIStatusError
+
+
+class AsyncTrainctlClient:
+    """Async client of one trainctl service. Use as an async context manager, or ``aclose()``."""
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_token: str | None = None,
+        binary: bool = True,
+        retry: RetryPolicy | None = None,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._http = http_client or httpx.AsyncClient(
+            base_url=base_url, timeout=timeout, headers=auth_headers(api_token)
+        )
+        self._req = Requests(binary=binary)
+        self._retry = retry or RetryPolicy()
+
+    async def __aenter__(self) -> AsyncTrainctlClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _send(self, call: Call, retry: RetryPolicy | None = None) -> Any:
+        policy = retry or self._retry
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = await self._http.request(
+                    call.method, call.url, content=call.content, params=call.params,
+                    headers=call.headers,
+                )  # fmt: skip
+            except httpx.TransportError as e:
+                delay = policy.delay(attempt, None)
+                if delay is None:
+                    raise APIConnectionError(f"{call.method} {call.url}: {e}") from e
+            else:
+                delay = policy.delay(attempt, response)
+                if delay is None:
+                    return call.parse(response)
+            await asyncio.sleep(delay)
+
+    # -- training ----------------------------------------------------------------------------
+
+    async def train_batch(
+        self,
+        sequences: Iterable[SequenceLike],
+        loss: LossLike = None,
+        *,
+        expected_step: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> StepResult:
+        """Forward/backward over ``sequences`` and one optimizer step (default loss:
+        token-mean cross-entropy; see ``LossConfig`` for importance sampling and PPO).
+        ``expected_step``: apply only if the model is at that step (else ``ConflictError``)."""
+        call = self._req.batch(
+            "train_batch", sequences, loss=loss, expected_step=expected_step,
+            idempotency_key=idempotency_key,
+        )  # fmt: skip
+        return await self._send(call)  # type: ignore[no-any-return]
+
+    async def eval_batch(
+        self, sequences: Iterable[SequenceLike], loss: LossLike = None
+    ) -> StepResult:
+        """The loss of ``sequences`` without backward or update."""
+        return await self._send(self._req.batch("eval_batch", sequences, loss=loss))  # type: ignore[no-any-return]
+
+    async def logprobs(
+        self, sequences: Iterable[SequenceLike], *, entropy: bool = False
+    ) -> LogProbsResult:
+        """Per-token log-probs (and entropy) of each sequence under the current weights."""
+        call = self._req.batch("logprobs", sequences, entropy=entropy)
+        return await self._send(call)  # type: ignore[no-any-return]
+
+    async def submit(
+        self, kind: str, sequences: Iterable[SequenceLike], **kwargs: Any
+    ) -> Operation:
+        """Start ``train_batch``, ``eval_batch`` or ``logprobs`` and return its operation at
+        once; ``wait(op)`` for the result."""
+        call = self._req.batch(kind, sequences, respond_async=True, **kwargs)
+        return await self._send(call)  # type: ignore[no-any-return]
+
+    async def operation(self, op_id: str, wait_s: float = 0.0) -> Operation:
+        return await self._send(self._req.operation(op_id, wait_s))  # type: ignore[no-any-return]
+
+    async def wait(
+        self,
+        op: Operation,
+        *,
+        timeout: float | None = None,
+        on_update: Callable[[Operation], None] | None = None,
+    ) -> Any:
+        """Poll until ``op`` finishes; its typed result, or its error raised."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not op.finished:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"operation {op.id} not finished after {timeout:.0f}s")
+            op = await self.operation(op.id, wait_s=2.0)
+            if on_update is not None:
+                on_update(op)
+        return operation_result(op)
+
+    # -- profiling ---------------------------------------------------------------------------
+
+    async def start_memory_profile(self, max_entries: int = 100_000) -> MemoryProfileStarted:
+        body = MemoryProfileStartRequest(max_entries=max_entries)
+        call = self._req.post_json("memory_profile/start", MemoryProfileStarted, body)
+        return await self._send(call)  # type: ignore[no-any-return]
+
+    async def stop_memory_profile(self) -> MemoryProfileResult:
+        call = self._req.post_json("memory_profile/stop", MemoryProfileResult)
+        return await self._send(call)  # type: ignore[no-any-return]
+
+    async def list_memory_profiles(self) -> MemoryProfileList:
+        return await self._send(self._req.get("memory_profiles", MemoryProfileList))  # type: ignore[no-any-return]
+
+    async def download_profile_file(self, profile_id: str, name: str) -> bytes:
+        """One rank's profile file or picture (``ProfileFile.name`` / ``.picture``)."""
+        return await self._send(self._req.download(profile_id, name))  # type: ignore[no-any-return]
+
+    # -- service -----------------------------------------------------------------------------
+
+    async def info(self) -> Info:
+        return await self._send(self._req.get("info", Info))  # type: ignore[no-any-return]
+
+    async def health(self) -> Health:
+        return await self._send(self._req.get("health", Health))  # type: ignore[no-any-return]
+
+    async def metrics(self) -> str:
+        """The Prometheus text of ``/metrics``."""
+        return await self._send(self._req.metrics())  # type: ignore[no-any-return]
+
+    async def is_ready(self) -> bool:
+        try:
+            await self._send(self._req.get("ready", Health), NO_RETRY)
+        except (APIConnectionError, APIStatusError):
+            return False
+        return True
+
+    async def wait_ready(self, timeout: float = 300.0, poll_s: float = 1.0) -> None:
+        """Block until the service reports ready; ``TimeoutError`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not await self.is_ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainctl not ready after {timeout:.0f}s")
+            await asyncio.sleep(poll_s)

@@ -1,0 +1,199 @@
+"""``trainctl``: the command line. ``serve`` starts the service; the rest talk to one.
+
+    trainctl info
+    trainctl train-batch batch.jsonl [--loss-kind ppo ...] [--expected-step N]
+    trainctl eval-batch batch.jsonl
+    trainctl logprobs batch.jsonl [--entropy] [-o out.jsonl]
+    trainctl memory-profile start|stop|list
+    trainctl memory-profile download PROFILE_ID [-d DIR]
+
+A batch file has one JSON sequence per line (``{"tokens": [...], "loss_mask": [...], ...}``).
+Long calls run as operations with a progress line on stderr. ``--url`` / ``TRAINCTL_URL`` and
+``--token`` / ``TRAINCTL_API_TOKEN`` say where and as whom. Only the SDK's dependencies are
+needed, except for ``serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from trainctl.api import LossConfig, Operation
+from trainctl.clients.errors import TrainctlClientError
+from trainctl.clients.sync import TrainctlClient
+
+_SPINNER = "|/-\\"
+
+
+def read_batch(path: str) -> list[dict[str, Any]]:
+    """One sequence per line of ``path`` (``-``: standard input); blank lines skipped."""
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"trainctl: {path}:{n}: not JSON: {e}") from None
+    if not out:
+        raise SystemExit(f"trainctl: {path}: no sequences")
+    return out
+
+
+class Progress:
+    """One status line on stderr, redrawn in place on a terminal, every 10 s otherwise."""
+
+    def __init__(self, stream: Any = sys.stderr) -> None:
+        self.stream, self.t0, self.n, self.last = stream, time.monotonic(), 0, 0.0
+        self.tty = stream.isatty()
+
+    def __call__(self, op: Operation) -> None:
+        elapsed = time.monotonic() - self.t0
+        state = op.phase or op.status.value
+        if op.queue_position:
+            state = f"queued ({op.queue_position} ahead)"
+        line = f"{_SPINNER[self.n % 4]} {op.kind} {op.id}: {state}  {elapsed:5.1f}s"
+        self.n += 1
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+            if op.finished:
+                self.stream.write("\n")
+        elif op.finished or elapsed - self.last >= 10:
+            self.stream.write(line + "\n")
+            self.last = elapsed
+        self.stream.flush()
+
+
+def _print(model: Any) -> None:
+    print(model.model_dump_json(indent=2))
+
+
+def _run_operation(c: TrainctlClient, kind: str, batch: list[Any], **kwargs: Any) -> Any:
+    progress = Progress()
+    op = c.submit(kind, batch, **kwargs)
+    progress(op)
+    return c.wait(op, on_update=progress)
+
+
+def _loss(args: argparse.Namespace) -> LossConfig:
+    return LossConfig(
+        kind=args.loss_kind,
+        normalization=args.normalization,
+        clip_low=args.clip_low,
+        clip_high=args.clip_high,
+        kl_coef=args.kl_coef,
+    )
+
+
+def _client_commands(args: argparse.Namespace, c: TrainctlClient) -> int:
+    if args.command == "info":
+        _print(c.info())
+    elif args.command == "train-batch":
+        batch = read_batch(args.file)
+        kw = {"loss": _loss(args), "expected_step": args.expected_step}
+        _print(_run_operation(c, "train_batch", batch, **kw))
+    elif args.command == "eval-batch":
+        _print(_run_operation(c, "eval_batch", read_batch(args.file), loss=_loss(args)))
+    elif args.command == "logprobs":
+        result = _run_operation(c, "logprobs", read_batch(args.file), entropy=args.entropy)
+        out = open(args.output, "w") if args.output != "-" else sys.stdout  # noqa: SIM115
+        try:
+            for i, lp in enumerate(result.logprobs):
+                row: dict[str, Any] = {"logprobs": lp}
+                if result.entropy is not None:
+                    row["entropy"] = result.entropy[i]
+                out.write(json.dumps(row) + "\n")
+        finally:
+            if out is not sys.stdout:
+                out.close()
+    elif args.command == "memory-profile":
+        return _memory_profile(args, c)
+    return 0
+
+
+def _memory_profile(args: argparse.Namespace, c: TrainctlClient) -> int:
+    if args.action == "start":
+        _print(c.start_memory_profile(args.max_entries))
+    elif args.action == "stop":
+        _print(c.stop_memory_profile())
+    elif args.action == "list":
+        for p in c.list_memory_profiles().profiles:
+            size = sum(f.size_bytes for f in p.files)
+            print(f"{p.profile_id}  {len(p.files)} rank file(s)  {size / 2**20:.1f} MiB")
+    elif args.action == "download":
+        if not args.profile_id:
+            raise SystemExit("trainctl: memory-profile download needs a PROFILE_ID")
+        target = Path(args.dir) / args.profile_id
+        target.mkdir(parents=True, exist_ok=True)
+        profile = next(
+            (p for p in c.list_memory_profiles().profiles if p.profile_id == args.profile_id),
+            None,
+        )
+        if profile is None:
+            raise SystemExit(f"trainctl: no memory profile {args.profile_id!r}")
+        for f in profile.files:
+            for name in filter(None, (f.name, f.picture)):
+                (target / name).write_bytes(c.download_profile_file(args.profile_id, name))
+                print(target / name)
+    return 0
+
+
+def _add_loss_flags(p: argparse.ArgumentParser) -> None:
+    d = LossConfig()
+    p.add_argument(
+        "--loss-kind", default=d.kind.value, help="cross_entropy, importance_sampling, ppo"
+    )
+    p.add_argument("--normalization", default=d.normalization.value)
+    p.add_argument("--clip-low", type=float, default=d.clip_low)
+    p.add_argument("--clip-high", type=float, default=d.clip_high)
+    p.add_argument("--kl-coef", type=float, default=d.kl_coef)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trainctl", description=__doc__.split("\n")[0])
+    p.add_argument("--url", default=os.environ.get("TRAINCTL_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--token", default=os.environ.get("TRAINCTL_API_TOKEN"), help="bearer token")
+    p.add_argument("--json", action="store_true", help="send JSON instead of the binary format")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="start the service (see 'trainctl serve --help')", add_help=False)
+    sub.add_parser("info", help="what is being served: model, layout, step, weights digest")
+    for name, what in (("train-batch", "one optimizer step"), ("eval-batch", "the loss only")):
+        q = sub.add_parser(name, help=f"{what} on a JSONL batch")
+        q.add_argument("file", help="JSONL, one sequence per line ('-': stdin)")
+        _add_loss_flags(q)
+        if name == "train-batch":
+            q.add_argument("--expected-step", type=int, default=None)
+    q = sub.add_parser("logprobs", help="per-token log-probs of a JSONL batch")
+    q.add_argument("file")
+    q.add_argument("--entropy", action="store_true")
+    q.add_argument("-o", "--output", default="-", help="JSONL output (default: stdout)")
+    q = sub.add_parser("memory-profile", help="start, stop, list or download memory profiles")
+    q.add_argument("action", choices=["start", "stop", "list", "download"])
+    q.add_argument("profile_id", nargs="?")
+    q.add_argument("--max-entries", type=int, default=100_000)
+    q.add_argument("-d", "--dir", default=".", help="download into DIR/PROFILE_ID/")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from trainctl.service.cli import main as serve_main  # needs the server extra
+
+        return serve_main(argv)
+    args = parser().parse_args(argv)
+    try:
+        with TrainctlClient(args.url, api_token=args.token, binary=not args.json) as c:
+            return _client_commands(args, c)
+    except TrainctlClientError as e:
+        print(f"trainctl: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

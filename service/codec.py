@@ -1,0 +1,108 @@
+"""Content negotiation: JSON or the binary frame (``api/wire.py``) in and out.
+
+A request body is read with a byte limit (413 beyond it), decoded by its Content-Type and
+validated by the same pydantic model either way, so both encodings accept and reject the same
+requests with the same messages. The response encoding follows the Accept header.
+"""
+
+import hashlib
+from typing import Any, TypeVar
+
+from fastapi import Request, Response
+from pydantic import BaseModel, ValidationError
+
+from trainctl.api import (
+    InvalidRequestError,
+    LogProbsResult,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+    wire,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class DecodedBody:
+    """A validated request and the sha256 of its bytes (the idempotency fingerprint)."""
+
+    def __init__(self, model: Any, fingerprint: str, nbytes: int) -> None:
+        self.model, self.fingerprint, self.nbytes = model, fingerprint, nbytes
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(size, max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, max_bytes: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(
+        f"body: {size} bytes exceeds the limit of {max_bytes} bytes; split the batch "
+        "or use the binary encoding",
+        details={"limit_bytes": max_bytes},
+    )
+
+
+def media_type(header: str | None) -> str:
+    return (header or wire.JSON_CONTENT_TYPE).split(";")[0].strip().lower()
+
+
+async def decode_request(request: Request, model: type[M], max_bytes: int) -> DecodedBody:
+    """The request body as ``model``; a ``ValidationError`` surfaces as the usual 422."""
+    body = await read_body(request, max_bytes)
+    kind = media_type(request.headers.get("content-type"))
+    fingerprint = hashlib.sha256(body).hexdigest()
+    if kind == wire.CONTENT_TYPE:
+        try:
+            data: Any = wire.decode_sequences(body)
+        except wire.WireError as e:
+            raise InvalidRequestError(str(e), details={"encoding": wire.CONTENT_TYPE}) from None
+        validated = model.model_validate(data)
+    elif kind == wire.JSON_CONTENT_TYPE or kind.endswith("+json"):
+        validated = model.model_validate_json(body or b"null")
+    else:
+        raise UnsupportedMediaTypeError(
+            f"content-type {kind!r}: send {wire.JSON_CONTENT_TYPE} or {wire.CONTENT_TYPE}"
+        )
+    return DecodedBody(validated, fingerprint, len(body))
+
+
+def wants_binary(request: Request) -> bool:
+    return wire.CONTENT_TYPE in request.headers.get("accept", "")
+
+
+def encode_response(
+    request: Request, result: BaseModel, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """``result`` as JSON, or as a binary frame if the caller accepts one."""
+    if not wants_binary(request):
+        return Response(
+            result.model_dump_json(),
+            status_code=status,
+            media_type=wire.JSON_CONTENT_TYPE,
+            headers=headers,
+        )
+    if isinstance(result, LogProbsResult):
+        body = wire.encode_per_sequence(
+            {"step": result.step},
+            {"logprobs": _floats(result.logprobs), "entropy": _floats(result.entropy)},
+        )
+    else:
+        body = wire.encode(result.model_dump(mode="json"), {})
+    return Response(body, status_code=status, media_type=wire.CONTENT_TYPE, headers=headers)
+
+
+def _floats(rows: list[list[float]] | None) -> list[Any] | None:
+    import numpy as np
+
+    return None if rows is None else [np.asarray(r, np.float32) for r in rows]
+
+
+__all__ = ["DecodedBody", "ValidationError", "decode_request", "encode_response"]

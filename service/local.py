@@ -1,0 +1,112 @@
+"""``trainctl serve`` as a child process: for benchmarks, tests and notebooks.
+
+    with LocalService(Path("data"), "--dp=2") as svc:
+        svc.client().train_batch(...)
+
+Starts the service in its own process session, waits until ``/v1/ready``, and on exit sends
+SIGTERM to the service's pid only (as Kubernetes does), waits for it, and kills whatever is
+left of its session. ``returncode`` and ``leftovers`` say how the stop went.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+from trainctl.clients import TrainctlClient
+from trainctl.service.cluster import live_processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalService:
+    def __init__(
+        self,
+        data_dir: Path,
+        *flags: str,
+        num_cpus: int = 2,
+        start_timeout_s: float = 300,
+        stop_timeout_s: float = 120,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.data_dir, self.flags = data_dir, flags
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = data_dir / "serve.log"
+        self.num_cpus, self.env = num_cpus, env or {}
+        self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.returncode: int | None = None
+        self.leftovers: list[str] = []
+
+    def client(self, **kwargs: object) -> TrainctlClient:
+        return TrainctlClient(self.url, timeout=300, **kwargs)  # type: ignore[arg-type]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-20000:]
+
+    def start(self) -> LocalService:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "TRAINCTL_DATA_DIR": str(self.data_dir),
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
+        cmd = [sys.executable, "-m", "trainctl.service.cli", "serve", "--port", str(self.port)]
+        cmd += ["--num-cpus", str(self.num_cpus), *self.flags]
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + self.start_timeout_s
+        with self.client() as c:
+            while not c.is_ready():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(
+                        f"trainctl serve {' '.join(self.flags)} did not become ready:\n{self.log()}"
+                    )
+                time.sleep(1)
+        return self
+
+    def stop(self) -> int:
+        """SIGTERM to the service's pid; returns its exit status (killed: negative)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.returncode = self.proc.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            self.returncode = None
+        self.leftovers = live_processes(sid=self.proc.pid)
+        if self.returncode is None or self.leftovers:
+            self.kill()
+        return self.returncode if self.returncode is not None else -9
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> LocalService:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,41 @@
+"""The gateway's Prometheus metrics (requests, latency, errors by type) and ``/metrics``.
+
+``/metrics`` serves these followed by the controller's (steps, tokens, operation latency,
+queue depth: ``workers/telemetry.py``). Each registry is private: Ray's own metrics use
+prometheus_client's global one.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "trainctl_http_requests",
+            "HTTP requests answered, by route and status.",
+            ["route", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "trainctl_http_request_seconds",
+            "HTTP request latency at the gateway, by route.",
+            ["route"],
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter(
+            "trainctl_http_errors",
+            "Error responses, by error type (the 'type' of the body).",
+            ["type"],
+            registry=r,
+        )
+        self.request_bytes = Counter(
+            "trainctl_http_request_bytes", "Request body bytes read, by encoding.", ["encoding"],
+            registry=r,
+        )  # fmt: skip
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

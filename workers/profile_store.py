@@ -1,0 +1,108 @@
+"""Memory profiles on the controller's disk: one directory per profile under a fixed root.
+
+The ranks send their files as bytes; the store writes them (atomically), renders one PNG per
+rank and a ``profile.json`` manifest, and serves them back by ``(profile_id, name)``. Ids and
+names are checked against a strict pattern *and* resolved inside the root, so no request can
+read or write outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trainctl.api import InvalidRequestError, MemoryProfileList, MemoryProfileResult, ProfileFile
+from trainctl.api.errors import NotFoundError
+from trainctl.workers.profile_plot import memory_timeline, render_png
+
+log = logging.getLogger(__name__)
+
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MANIFEST = "profile.json"
+
+
+def _checked(what: str, value: str) -> str:
+    if not _SAFE.fullmatch(value) or ".." in value:
+        raise InvalidRequestError(
+            f"{what}: {value[:80]!r} is not a valid {what} (letters, digits, '.', '_', '-')",
+            details={"field": what},
+        )
+    return value
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it into place."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ProfileStore:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+
+    def path(self, profile_id: str, name: str | None = None) -> Path:
+        """The path of a profile (or one of its files), guaranteed inside the root."""
+        p = self.root / _checked("profile_id", profile_id)
+        if name is not None:
+            p = p / _checked("name", name)
+        if not p.resolve().is_relative_to(self.root):
+            raise InvalidRequestError(f"{profile_id}/{name}: outside the profile root")
+        return p
+
+    def save(self, profile_id: str, files: list[dict[str, Any]]) -> MemoryProfileResult:
+        """Store each rank's ``{"name", "rank", "coords", "data"}`` and its picture."""
+        directory = self.path(profile_id)
+        directory.mkdir(parents=True, exist_ok=True)
+        out = []
+        for f in sorted(files, key=lambda f: int(f["rank"])):
+            name = _checked("name", f["name"])
+            write_atomic(directory / name, f["data"])
+            picture = None
+            try:
+                ts, total = memory_timeline(name, f["data"])
+                coords = " ".join(f"{k}{v}" for k, v in f["coords"].items())
+                png = render_png(f"rank {f['rank']} ({coords}): allocated memory", ts, total)
+                picture = f"{name.split('.')[0]}.png"
+                write_atomic(directory / picture, png)
+            except Exception:  # a picture is a convenience: never lose the profile over it
+                log.exception("could not render a picture of %s", name)
+            out.append(
+                ProfileFile(
+                    name=name,
+                    rank=int(f["rank"]),
+                    coords=f["coords"],
+                    size_bytes=len(f["data"]),
+                    picture=picture,
+                )
+            )
+        result = MemoryProfileResult(profile_id=profile_id, files=out)
+        write_atomic(directory / MANIFEST, result.model_dump_json(indent=1).encode())
+        return result
+
+    def get(self, profile_id: str) -> MemoryProfileResult:
+        manifest = self.path(profile_id) / MANIFEST
+        if not manifest.is_file():
+            raise NotFoundError(f"memory profile {profile_id!r} does not exist")
+        return MemoryProfileResult.model_validate_json(manifest.read_bytes())
+
+    def list(self) -> MemoryProfileList:
+        if not self.root.is_dir():
+            return MemoryProfileList(profiles=[])
+        ids = sorted(p.name for p in self.root.iterdir() if (p / MANIFEST).is_file())
+        return MemoryProfileList(profiles=[self.get(i) for i in ids])
+
+    def read(self, profile_id: str, name: str) -> bytes:
+        p = self.path(profile_id, name)
+        if name == MANIFEST or not p.is_file():
+            raise NotFoundError(f"memory profile {profile_id!r} has no file {name!r}")
+        return p.read_bytes()

@@ -1,0 +1,69 @@
+"""The controller's Prometheus metrics: steps, tokens, latency, queue depth, errors by type.
+
+One registry per controller (not prometheus_client's global one, which Ray uses too); the
+gateway's ``/metrics`` appends this text to its own (``service/metrics.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from trainctl.api import OperationStatus, StepResult
+from trainctl.workers.operations import Handle
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class ControllerMetrics:
+    def __init__(self, queue_depth: Callable[[], int]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.steps = Counter("trainctl_steps", "Optimizer steps applied.", registry=r)
+        self.tokens = Counter(
+            "trainctl_tokens", "Tokens processed, by operation kind.", ["kind"], registry=r
+        )
+        self.operations = Counter(
+            "trainctl_operations",
+            "Operations finished, by kind and status.",
+            ["kind", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "trainctl_operation_errors", "Failed operations, by error type.", ["type"], registry=r
+        )
+        self.latency = Histogram(
+            "trainctl_operation_seconds",
+            "Operation run time (start to finish, excluding queueing), by kind.",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "trainctl_queue_wait_seconds",
+            "Time operations waited in the queue.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        depth = Gauge("trainctl_queue_depth", "Operations waiting to run.", registry=r)
+        depth.set_function(lambda: float(queue_depth()))
+
+    def observe(self, h: Handle) -> None:
+        """Listener of the operation queue: called once per finished operation."""
+        op = h.op
+        self.operations.labels(op.kind, op.status.value).inc()
+        if op.started_at is not None and op.finished_at is not None:
+            self.latency.labels(op.kind).observe(op.finished_at - op.started_at)
+            self.queue_wait.observe(op.started_at - op.created_at)
+        if op.status is OperationStatus.FAILED and op.error is not None:
+            self.errors.labels(op.error.type.value).inc()
+        elif isinstance(op.result, StepResult):
+            self.tokens.labels(op.kind).inc(op.result.metrics.get("tokens:sum", 0.0))
+            if op.kind == "train_batch":
+                self.steps.inc()
+
+    def count_tokens(self, kind: str, n: int) -> None:
+        self.tokens.labels(kind).inc(n)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
