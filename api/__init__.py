@@ -15,7 +15,11 @@ from trainctl.api.errors import (
 )
 from trainctl.api.models import (
     API_VERSION,
+    CheckpointInfo,
+    CheckpointList,
     EvalBatchRequest,
+    ExportRequest,
+    ExportResult,
     Health,
     Info,
     LogProbsRequest,
@@ -32,6 +36,7 @@ from trainctl.api.models import (
     OperationStatus,
     ProfileFile,
     RankInfo,
+    RecoveryInfo,
     Sequence,
     StepResult,
     TrainBatchRequest,
@@ -39,10 +44,14 @@ from trainctl.api.models import (
 
 __all__ = [
     "API_VERSION",
+    "CheckpointInfo",
+    "CheckpointList",
     "ConflictError",
     "ErrorBody",
     "ErrorType",
     "EvalBatchRequest",
+    "ExportRequest",
+    "ExportResult",
     "Health",
     "Info",
     "InvalidRequestError",
@@ -64,6 +73,7 @@ __all__ = [
     "ProfileFile",
     "RankInfo",
     "RateLimitedError",
+    "RecoveryInfo",
     "Sequence",
     "StepResult",
     "TrainBatchRequest",

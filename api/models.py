@@ -15,7 +15,6 @@ import math
 from enum import Enum
 from typing import Annotated, Any
 
-import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -133,13 +132,12 @@ class _SequencesRequest(BaseModel):
                     f"length {len(seq.tokens)} exceeds the model's max_seq_len "
                     f"{limits.max_seq_len}",
                 )
-            ids = np.asarray(seq.tokens, dtype=np.int64)
-            bad = np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))
-            if bad.size:
-                j = int(bad[0])
+            tokens, vocab = seq.tokens, limits.vocab_size
+            if min(tokens) < 0 or max(tokens) >= vocab:  # python ints: no overflow on 2**70
+                j = next(k for k, t in enumerate(tokens) if not 0 <= t < vocab)
                 raise field_error(
                     f"sequences[{i}].tokens[{j}]",
-                    f"token id {seq.tokens[j]} is outside the vocabulary [0, {limits.vocab_size})",
+                    f"token id {tokens[j]} is outside the vocabulary [0, {vocab})",
                 )
 
     @property
@@ -299,6 +297,55 @@ class RankInfo(BaseModel):
     rank: int
     coords: dict[str, int]
     weights_digest: str
+    pid: int | None = Field(default=None, description="Process id of the rank actor.")
+
+
+class CheckpointInfo(BaseModel):
+    """A saved training state: weights, optimizer state, step and RNG of every rank."""
+
+    checkpoint_id: str = Field(description="Load: POST /v1/checkpoints/{checkpoint_id}/load.")
+    step: int
+    created_at: float = Field(description="Unix seconds.")
+    layout: dict[str, int] = Field(description="It loads into this parallel layout only.")
+    weights_digest: str
+    size_bytes: int
+
+
+class CheckpointList(BaseModel):
+    checkpoints: list[CheckpointInfo] = Field(description="Oldest first.")
+
+
+class ExportRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        description="Directory name under the server's export root; default: step-NNNNNN.",
+    )
+
+
+class ExportResult(BaseModel):
+    """A Hugging Face Llama checkpoint (config.json + model.safetensors) on the server."""
+
+    name: str
+    step: int
+    path: str = Field(description="Server-side directory: load it with transformers or vLLM.")
+    files: dict[str, int] = Field(description="File name -> size in bytes.")
+
+
+class RecoveryInfo(BaseModel):
+    """The last time the worker group was rebuilt after a failure."""
+
+    at: float = Field(description="Unix seconds.")
+    cause: str
+    restored_checkpoint: str | None = Field(description="None: restarted from the start weights.")
+    step_before: int = Field(description="The step the model had reached before the failure.")
+    step_after: int = Field(description="The step restored.")
+
+    @property
+    def steps_lost(self) -> int:
+        return self.step_before - self.step_after
 
 
 class Info(BaseModel):
@@ -315,6 +362,12 @@ class Info(BaseModel):
     ranks: list[RankInfo]
     versions: dict[str, str]
     limits: ModelLimits
+    recovery: RecoveryInfo | None = Field(
+        default=None, description="Set once the workers were rebuilt after a failure."
+    )
+    steps_lost: int = Field(
+        default=0, description="Steps undone by recoveries (0: nothing was ever lost)."
+    )
 
 
 class Health(BaseModel):

@@ -161,3 +161,71 @@ def _latencies(fn: Any, n: int) -> tuple[float, float]:
         ms.append((time.perf_counter() - t0) * 1e3)
     q = statistics.quantiles(ms, n=100)
     return q[49], q[98]
+
+
+def load_case(duration_s: float, clients: int, seed: int = 0) -> dict[str, Any]:
+    """``clients`` threads, each calling train_batch, eval_batch and logprobs at random on a
+    ``trainctl serve`` (embedded default, dp=2) for ``duration_s``; no client-side retries, so
+    every error is counted."""
+    import random
+    import threading
+    from collections import Counter, defaultdict
+
+    from trainctl.clients import APIStatusError, RetryPolicy, TrainctlClient, TrainctlClientError
+    from trainctl.service.local import LocalService
+
+    lat: dict[str, list[float]] = defaultdict(list)
+    errors: Counter[str] = Counter()
+    lock = threading.Lock()
+    deadline = 0.0
+
+    def worker(i: int, url: str) -> None:
+        rng = random.Random(seed + i)
+        np_rng = np.random.default_rng(seed + i)
+        with TrainctlClient(url, retry=RetryPolicy(max_retries=0)) as c:
+            while time.monotonic() < deadline:
+                kind = rng.choice(["train_batch", "eval_batch", "logprobs"])
+                batch = [
+                    {"tokens": np_rng.integers(0, 512, int(n)).tolist()}
+                    for n in np_rng.integers(16, 256, 4)
+                ]
+                t0 = time.perf_counter()
+                try:
+                    getattr(c, kind)(batch)
+                    key = kind
+                except APIStatusError as e:
+                    key = f"{e.status} {e.type}"
+                except TrainctlClientError as e:
+                    key = type(e).__name__
+                dt = time.perf_counter() - t0
+                with lock:
+                    if key == kind:
+                        lat[kind].append(dt)
+                    else:
+                        errors[key] += 1
+
+    with tempfile.TemporaryDirectory() as tmp, LocalService(Path(tmp)) as svc:
+        deadline = time.monotonic() + duration_s
+        threads = [threading.Thread(target=worker, args=(i, svc.url)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with svc.client() as c:
+            step = c.info().step
+    out: dict[str, Any] = {
+        "served": sum(len(v) for v in lat.values()),
+        "errors": dict(errors),
+        "errors_5xx": sum(n for k, n in errors.items() if k[:1] == "5"),
+        "steps": step,
+        "duration_s": duration_s,
+    }
+    for kind, v in lat.items():
+        q = statistics.quantiles(v, n=100) if len(v) > 1 else [v[0]] * 99
+        out[kind] = {
+            "n": len(v),
+            "p50_ms": q[49] * 1e3,
+            "p95_ms": q[94] * 1e3,
+            "p99_ms": q[98] * 1e3,
+        }
+    return out

@@ -227,9 +227,15 @@ class Requests:
     def get(self, name: str, model: type[M]) -> Call:
         return Call("GET", path(name), parse_model(model))
 
-    def post_json(self, name: str, model: type[M], body: BaseModel | None = None) -> Call:
+    def post_json(
+        self, name: str, model: type[M], body: BaseModel | None = None, *, idempotent: bool = False
+    ) -> Call:
+        """A POST with an optional JSON body; ``idempotent`` adds a fresh idempotency key,
+        reused by every retry of this call."""
         content = body.model_dump_json().encode() if body is not None else None
         headers = {"Content-Type": wire.JSON_CONTENT_TYPE} if body is not None else {}
+        if idempotent:
+            headers["Idempotency-Key"] = uuid.uuid4().hex
         return Call("POST", path(name), parse_model(model), content=content, headers=headers)
 
     def download(self, profile_id: str, name: str) -> Call:

@@ -21,6 +21,10 @@ from typing import Any
 import httpx
 
 from trainctl.api import (
+    CheckpointInfo,
+    CheckpointList,
+    ExportRequest,
+    ExportResult,
     Health,
     Info,
     LogProbsResult,
@@ -171,6 +175,28 @@ class AsyncTrainctlClient:
     async def download_profile_file(self, profile_id: str, name: str) -> bytes:
         """One rank's profile file or picture (``ProfileFile.name`` / ``.picture``)."""
         return await self._send(self._req.download(profile_id, name))  # type: ignore[no-any-return]
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    async def save_checkpoint(self) -> CheckpointInfo:
+        """Save weights, optimizer state, step and RNG of every rank (atomically)."""
+        call = self._req.post_json("checkpoints", CheckpointInfo, idempotent=True)
+        return await self._send(call)  # type: ignore[no-any-return]
+
+    async def list_checkpoints(self) -> CheckpointList:
+        return await self._send(self._req.get("checkpoints", CheckpointList))  # type: ignore[no-any-return]
+
+    async def load_checkpoint(self, checkpoint_id: str) -> CheckpointInfo:
+        """Restore a checkpoint of this layout: weights, optimizer state and step."""
+        name = f"checkpoints/{checkpoint_id}/load"
+        call = self._req.post_json(name, CheckpointInfo, idempotent=True)
+        return await self._send(call)  # type: ignore[no-any-return]
+
+    async def export_hf(self, name: str | None = None) -> ExportResult:
+        """Write the model as a Hugging Face Llama checkpoint on the server."""
+        body = ExportRequest(name=name)
+        call = self._req.post_json("export/hf", ExportResult, body, idempotent=True)
+        return await self._send(call)  # type: ignore[no-any-return]
 
     # -- service -----------------------------------------------------------------------------
 

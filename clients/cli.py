@@ -6,6 +6,8 @@
     trainctl logprobs batch.jsonl [--entropy] [-o out.jsonl]
     trainctl memory-profile start|stop|list
     trainctl memory-profile download PROFILE_ID [-d DIR]
+    trainctl checkpoint save|list|load [CHECKPOINT_ID]
+    trainctl export-hf [--name NAME]
 
 A batch file has one JSON sequence per line (``{"tokens": [...], "loss_mask": [...], ...}``).
 Long calls run as operations with a progress line on stderr. ``--url`` / ``TRAINCTL_URL`` and
@@ -113,6 +115,18 @@ def _client_commands(args: argparse.Namespace, c: TrainctlClient) -> int:
                 out.close()
     elif args.command == "memory-profile":
         return _memory_profile(args, c)
+    elif args.command == "checkpoint":
+        if args.action == "save":
+            _print(c.save_checkpoint())
+        elif args.action == "list":
+            for ck in c.list_checkpoints().checkpoints:
+                print(f"{ck.checkpoint_id}  step {ck.step}  {ck.size_bytes / 2**20:.1f} MiB")
+        else:
+            if not args.checkpoint_id:
+                raise SystemExit("trainctl: checkpoint load needs a CHECKPOINT_ID")
+            _print(c.load_checkpoint(args.checkpoint_id))
+    elif args.command == "export-hf":
+        _print(c.export_hf(args.name))
     return 0
 
 
@@ -177,6 +191,11 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("profile_id", nargs="?")
     q.add_argument("--max-entries", type=int, default=100_000)
     q.add_argument("-d", "--dir", default=".", help="download into DIR/PROFILE_ID/")
+    q = sub.add_parser("checkpoint", help="save, list or load training checkpoints")
+    q.add_argument("action", choices=["save", "list", "load"])
+    q.add_argument("checkpoint_id", nargs="?")
+    q = sub.add_parser("export-hf", help="write the model as a Hugging Face Llama checkpoint")
+    q.add_argument("--name", default=None, help="directory name under the export root")
     return p
 
 

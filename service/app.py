@@ -22,14 +22,18 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Respons
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trainctl.api import (
     API_VERSION,
+    CheckpointInfo,
+    CheckpointList,
     ErrorBody,
     ErrorType,
     EvalBatchRequest,
+    ExportRequest,
+    ExportResult,
     Health,
     Info,
     LogProbsRequest,
@@ -124,8 +128,9 @@ def _validation_error(request: Request, errors: list[Any]) -> JSONResponse:
         {"field": _loc(tuple(e.get("loc", ()))), "problem": e.get("msg"), "type": e.get("type")}
         for e in errors[:20]
     ]
-    # A model-level check names its field in the message itself.
-    message = msg if field == "body" else f"{field}: {msg}"
+    # A model-level check names its field in the message itself; a malformed body does not.
+    model_check = field == "body" and first.get("type") == "value_error"
+    message = msg if model_check else f"{field}: {msg}"
     body = ErrorBody(type=ErrorType.INVALID_REQUEST, message=message, details=details)
     return _error(request, 422, body)
 
@@ -191,13 +196,25 @@ async def _operation_call(
     metrics.request_bytes.labels(encoding).inc(decoded.nbytes)
     req = decoded.model
     req.check_limits(limits)
+    return await _dispatch(request, controller, kind, req, key, decoded.fingerprint, prefer)
+
+
+async def _dispatch(
+    request: Request,
+    controller: ControllerAPI,
+    kind: str,
+    req: Any,
+    key: str | None,
+    fingerprint: str,
+    prefer: str | None,
+) -> Response:
+    """Run the operation and answer its result, or (``Prefer: respond-async``) 202 at once."""
     if prefer and "respond-async" in prefer.lower():
-        op = await controller.submit(kind, req, key, decoded.fingerprint)
+        op = await controller.submit(kind, req, key, fingerprint)
         log.info("%s accepted as %s", kind, op.id, extra={"op": op.id})
         location = f"/{API_VERSION}/operations/{op.id}"
         return encode_response(request, op, 202, headers={"Location": location})
-    result = await controller.run(kind, req, key, decoded.fingerprint)
-    return encode_response(request, result)
+    return encode_response(request, await controller.run(kind, req, key, fingerprint))
 
 
 _OPERATION_ROUTES: list[tuple[str, type[BaseModel], type[BaseModel], str]] = [
@@ -303,6 +320,51 @@ def _router() -> APIRouter:
             headers={"Content-Disposition": f'attachment; filename="{name}"'},
         )
 
+    ck = {"responses": _OPERATION_RESPONSES, "tags": ["checkpoints"]}
+
+    @r.post("/checkpoints", response_model=CheckpointInfo, **ck)  # type: ignore[arg-type]
+    async def save_checkpoint(
+        request: Request,
+        controller: ControllerDep,
+        idempotency_key: IdempotencyKey = None,
+        prefer: Prefer = None,
+    ) -> Response:
+        """Save the whole training state (weights, optimizer, step, RNG) of every rank; the
+        checkpoint appears only once complete."""
+        args = ("checkpoint_save", None, idempotency_key, "", prefer)
+        return await _dispatch(request, controller, *args)
+
+    @r.get("/checkpoints", response_model=CheckpointList, tags=["checkpoints"])
+    async def list_checkpoints(controller: ControllerDep) -> CheckpointList:
+        """Complete checkpoints, oldest first."""
+        return await controller.list_checkpoints()
+
+    @r.post("/checkpoints/{checkpoint_id}/load", response_model=CheckpointInfo, **ck)  # type: ignore[arg-type]
+    async def load_checkpoint(
+        request: Request,
+        checkpoint_id: str,
+        controller: ControllerDep,
+        idempotency_key: IdempotencyKey = None,
+        prefer: Prefer = None,
+    ) -> Response:
+        """Restore a checkpoint saved with this layout: weights, optimizer state and step."""
+        args = ("checkpoint_load", checkpoint_id, idempotency_key, checkpoint_id, prefer)
+        return await _dispatch(request, controller, *args)
+
+    @r.post("/export/hf", response_model=ExportResult, **ck)  # type: ignore[arg-type]
+    async def export_hf(
+        request: Request,
+        controller: ControllerDep,
+        req: ExportRequest | None = None,
+        idempotency_key: IdempotencyKey = None,
+        prefer: Prefer = None,
+    ) -> Response:
+        """Write the full model as a Hugging Face Llama checkpoint (config.json and
+        model.safetensors) under the server's export root."""
+        req = req or ExportRequest()
+        args = ("export_hf", req, idempotency_key, req.model_dump_json(), prefer)
+        return await _dispatch(request, controller, *args)
+
     @r.get("/info", response_model=Info, tags=["service"])
     async def info(controller: ControllerDep) -> Info:
         """Model config, parallel layout, step, weights digest and versions."""
@@ -394,11 +456,31 @@ def _openapi(app: FastAPI) -> Any:
     return build
 
 
+def _install_fault_injection(app: FastAPI) -> None:
+    """``POST /v1/debug/faults``: make a rank fail on purpose (chaos testing; opt-in, hidden
+    from the schema, behind auth like every /v1 route)."""
+
+    class FaultRequest(BaseModel):
+        rank: int = Field(ge=0)
+        phase: str = Field(description="forward, accumulate_end or optimizer")
+        times: int = Field(1, ge=1, le=100)
+
+    @app.post(f"/{API_VERSION}/debug/faults", include_in_schema=False)
+    async def inject_fault(req: FaultRequest, request: Request) -> dict[str, str]:
+        controller: ControllerAPI = request.app.state.controller
+        await controller.inject_fault(req.rank, req.phase, req.times)
+        log.warning(
+            "fault injected: rank %d fails in %s (%d time(s))", req.rank, req.phase, req.times
+        )
+        return {"status": "armed"}
+
+
 def create_app(
     controller: ControllerAPI,
     *,
     api_token: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    fault_injection: bool = False,
 ) -> FastAPI:
     """The gateway around ``controller``; with ``api_token``, /v1 routes need it as a bearer."""
     app = FastAPI(
@@ -415,5 +497,7 @@ def create_app(
     _install_metrics(app)
     _install_error_handlers(app)
     app.include_router(_router())
+    if fault_injection:
+        _install_fault_injection(app)
     app.openapi = _openapi(app)  # type: ignore[method-assign]
     return app

@@ -53,6 +53,10 @@ def engine_config_dict(s: Settings) -> dict[str, Any]:
     base["layout"] = {**base.get("layout", {}), "dp": s.dp, "cp": s.cp, "tp": s.tp, "pp": s.pp}
     base.setdefault("optimizer", {}).setdefault("lr", s.lr)
     base.setdefault("max_tokens_per_microbatch", s.max_tokens_per_microbatch)
+    if s.init_hf is not None:
+        from trainctl.workers import hf
+
+        base = hf.engine_dict_from(s.init_hf, base)
     return EngineConfig.from_dict(base).validate().to_dict()
 
 
@@ -108,6 +112,10 @@ def serve_main(s: Settings) -> int:
             profile_root=str(s.profile_root),
             rank_num_cpus=s.rank_num_cpus,
             max_queued_operations=s.max_queued_operations,
+            data_root=str(s.data_dir.resolve()),
+            checkpoint_every_steps=s.checkpoint_every_steps,
+            keep_checkpoints=s.keep_checkpoints,
+            resume=s.resume,
         )
         layout = cfg["layout"]
         log.info(
@@ -132,6 +140,7 @@ def serve_main(s: Settings) -> int:
                 max_ongoing_requests=s.max_ongoing_requests,
                 api_token=s.token(),
                 max_body_bytes=int(s.max_body_mb * 2**20),
+                fault_injection=s.enable_fault_injection,
             ),
             name=APP_NAME,
             route_prefix="/",
@@ -148,7 +157,7 @@ def serve_main(s: Settings) -> int:
     except KeyboardInterrupt:
         log.info("interrupted during start-up")
     finally:
-        _shutdown(controller)
+        _shutdown(controller, checkpoint=s.checkpoint_on_exit)
         if head is not None:
             head.stop()
     log.info("stopped")
@@ -181,7 +190,7 @@ def _with_timeout(what: str, fn: Any, timeout_s: float) -> None:
         log.warning("%s did not finish within %.0fs; continuing shutdown", what, timeout_s)
 
 
-def _shutdown(controller: Any) -> None:
+def _shutdown(controller: Any, *, checkpoint: bool) -> None:
     import ray
     from ray import serve
 
@@ -193,7 +202,7 @@ def _shutdown(controller: Any) -> None:
         log.info("drained in-flight work")
 
     def _stop_controller() -> None:
-        ray.get(controller.shutdown.remote())
+        ray.get(controller.shutdown.remote(checkpoint))
         ray.kill(controller)
 
     if controller is not None:

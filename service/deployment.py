@@ -22,6 +22,7 @@ def gateway(
     max_ongoing_requests: int = 64,
     api_token: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    fault_injection: bool = False,
 ) -> Any:
     """A bound Serve application serving the gateway for the named controller actor."""
     logs.configure()
@@ -29,6 +30,7 @@ def gateway(
         RayController(controller_name, namespace),
         api_token=api_token,
         max_body_bytes=max_body_bytes,
+        fault_injection=fault_injection,
     )
     deployment = serve.deployment(
         name=DEPLOYMENT_NAME,
@@ -44,11 +46,14 @@ def app_builder(args: dict[str, Any]) -> Any:
 
     ``import_path: trainctl.service.deployment:app_builder`` with ``args``:
         engine             engine config dict (model, layout, optimizer, ...; workers/config.py)
+        checkpoint         Hugging Face Llama-style directory to start from (sets the model)
         profile_root       server-side directory for memory profiles
         rank_num_cpus      CPUs reserved per rank actor (default 1)
         rank_num_gpus      GPUs per rank actor (default 1 if the cluster has GPUs, else 0)
         max_ongoing_requests
         max_body_mb        largest request body (MiB; default 256)
+        data_root          server-side root of checkpoints/ and exports/ (a shared volume)
+        checkpoint_every_steps, keep_checkpoints
         max_queued_operations
 
     Creates the controller actor (detached, once: a redeploy reuses it) and starts building
@@ -59,12 +64,14 @@ def app_builder(args: dict[str, Any]) -> Any:
     from trainctl.workers.config import EngineConfig
     from trainctl.workers.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
 
-    if args.get("checkpoint"):
-        raise ValueError(
-            f"model checkpoint {args['checkpoint']!r}: loading a checkpoint is not supported yet; "
-            "leave model.checkpoint empty to serve the embedded model"
-        )
-    cfg = EngineConfig.from_dict(args.get("engine", {})).validate().to_dict()
+    engine = dict(args.get("engine", {}))
+    if args.get("checkpoint"):  # a Hugging Face Llama-style directory to start from
+        from pathlib import Path
+
+        from trainctl.workers import hf
+
+        engine = hf.engine_dict_from(Path(args["checkpoint"]), engine)
+    cfg = EngineConfig.from_dict(engine).validate().to_dict()
     has_gpus = bool(ray.cluster_resources().get("GPU"))  # type: ignore[no-untyped-call,unused-ignore]
     gpus = float(args.get("rank_num_gpus", 1 if has_gpus else 0))
     controller = ControllerActor.options(  # type: ignore[attr-defined,unused-ignore]
@@ -79,6 +86,10 @@ def app_builder(args: dict[str, Any]) -> Any:
         rank_num_cpus=float(args.get("rank_num_cpus", 1)),
         rank_num_gpus=gpus,
         max_queued_operations=int(args.get("max_queued_operations", 64)),
+        data_root=str(args.get("data_root", "/tmp/trainctl")),
+        resume=bool(args.get("resume", True)),
+        checkpoint_every_steps=int(args.get("checkpoint_every_steps", 0)),
+        keep_checkpoints=int(args.get("keep_checkpoints", 3)),
     )
     controller.start_once.remote()  # type: ignore[attr-defined]
     return gateway(

@@ -77,6 +77,30 @@ class Settings(BaseSettings):
         None, description="File holding the bearer token (e.g. a mounted Kubernetes Secret)."
     )
 
+    checkpoint_every_steps: int = Field(
+        0, ge=0, description="Save a checkpoint every N optimizer steps (0: only when asked)."
+    )
+    keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept on disk.")
+    checkpoint_on_exit: bool = Field(
+        False, description="On SIGTERM, after draining, save a checkpoint if the model changed."
+    )
+    resume: bool = Field(
+        True,
+        description="At start, load the latest checkpoint under <data_dir>/checkpoints "
+        "saved with this layout.",
+    )
+    init_hf: Path | None = Field(
+        None,
+        description="Start from this Hugging Face Llama-style checkpoint directory "
+        "(config.json + *.safetensors); the model shape comes from its config.json.",
+    )
+
+    enable_fault_injection: bool = Field(
+        False,
+        description="Serve POST /v1/debug/faults, which makes a rank fail on purpose "
+        "(chaos testing only).",
+    )
+
     def token(self) -> str | None:
         if self.api_token_file is not None:
             return self.api_token_file.read_text().strip() or None

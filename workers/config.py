@@ -34,6 +34,8 @@ class ModelConfig:
     """Longest sequence accepted, in tokens."""
     rotary_base: int = 10000
     """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
     seed: int = 1234
     """Weights are initialised from this seed: equal seeds give equal models on any layout."""
     num_experts: int = 0
@@ -169,6 +171,9 @@ class EngineConfig:
     """Timeout of every process group: a dead peer becomes an error, not a hang."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto picks NCCL when CUDA is present, else gloo."""
+    init_hf: str = ""
+    """Start from this Hugging Face Llama-style checkpoint directory instead of the seeded
+    initialisation (``model`` must match its config.json: ``workers/hf.py``)."""
 
     def validate(self) -> EngineConfig:
         self.model.validate()

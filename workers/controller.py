@@ -16,10 +16,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +31,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainctl.api import (
+    CheckpointInfo,
+    CheckpointList,
     EvalBatchRequest,
+    ExportRequest,
+    ExportResult,
     Info,
     InvalidRequestError,
     LogProbsRequest,
@@ -39,6 +46,7 @@ from trainctl.api import (
     ModelLimits,
     NotReadyError,
     RankInfo,
+    RecoveryInfo,
     StepResult,
     TrainBatchRequest,
     WorkerError,
@@ -48,6 +56,7 @@ from trainctl.api.errors import ConflictError, TrainctlError
 from trainctl.api.models import LossConfig
 from trainctl.workers import logs
 from trainctl.workers.batch import HostSequence, LossSpec, StepPlan
+from trainctl.workers.checkpoints import CheckpointStore
 from trainctl.workers.config import ConfigError, EngineConfig
 from trainctl.workers.operations import Handle, OperationHost, OperationQueue
 from trainctl.workers.plan import plan_step
@@ -58,6 +67,8 @@ from trainctl.workers.telemetry import ControllerMetrics
 log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
+FAILURE_GRACE_S = 10.0
+"""After one rank fails, how long the others may take before the group counts as wedged."""
 CONTROLLER_NAME = "trainctl-controller"
 NAMESPACE = "trainctl"
 
@@ -106,7 +117,16 @@ def _versions() -> dict[str, str]:
     return out
 
 
-KINDS = ("train_batch", "eval_batch", "logprobs", "memory_profile_start", "memory_profile_stop")
+KINDS = (
+    "train_batch",
+    "eval_batch",
+    "logprobs",
+    "memory_profile_start",
+    "memory_profile_stop",
+    "checkpoint_save",
+    "checkpoint_load",
+    "export_hf",
+)
 """Operations the controller runs; the gateway names one per call."""
 
 _FORWARDED_ENV = ("TRAINCTL_LOG_LEVEL", "TRAINCTL_LOG_FORMAT")
@@ -123,10 +143,22 @@ class Controller(OperationHost):
         rank_num_cpus: float,
         rank_num_gpus: float = 0.0,
         max_queued_operations: int = 64,
+        data_root: str | None = None,
+        checkpoint_every_steps: int = 0,
+        keep_checkpoints: int = 3,
+        resume: bool = True,
     ) -> None:
         logs.configure()
         self.cfg = EngineConfig.from_dict(cfg).validate()
         self.profiles = ProfileStore(profile_root)
+        root = Path(data_root) if data_root else Path(profile_root).parent
+        self.checkpoints = CheckpointStore(root / "checkpoints", keep=keep_checkpoints)
+        self.export_root = root / "exports"
+        self.checkpoint_every_steps = checkpoint_every_steps
+        self.resume = resume
+        self.recovery: RecoveryInfo | None = None
+        self.steps_lost = 0
+        self.last_checkpoint_step: int | None = None
         self.rank_num_cpus = rank_num_cpus
         self.rank_num_gpus = rank_num_gpus
         self.ranks: list[Any] = []
@@ -170,6 +202,19 @@ class Controller(OperationHost):
                 f"the {world} rank actors could not be placed within {PLACEMENT_TIMEOUT_S:.0f}s "
                 f"({need:g} CPUs requested; {have:g} in the cluster, some may be in use)"
             ) from None
+        await self._spawn_ranks()
+        self.checkpoints.sweep_partial()
+        latest = self._latest_checkpoint()
+        if self.resume and latest is not None:
+            await self._load(latest.checkpoint_id)
+            log.info("resumed from checkpoint %s (step %d)", latest.checkpoint_id, self.step)
+        self.ready = True
+        log.info("%d ranks ready in %.1fs", world, time.perf_counter() - t0)
+        return await self.info()
+
+    async def _spawn_ranks(self) -> None:
+        """Create one rank actor per bundle, form the process group, build every shard."""
+        world = self.cfg.layout.world_size
         actor_cls = ray.remote(RankWorker)
         env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
         self.ranks = [
@@ -179,17 +224,15 @@ class Controller(OperationHost):
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=i
                 ),
-                name=f"trainctl-rank-{i}",
                 runtime_env={"env_vars": env},
             ).remote(i, world)
             for i in range(world)
         ]
-        host, port = await self.ranks[0].rendezvous_address.remote(self.cfg.collective_timeout_s)
+        timeout = self.cfg.collective_timeout_s
+        host, port = await self.ranks[0].rendezvous_address.remote(timeout)
         await asyncio.gather(
             *[
-                r.init_process_group.remote(
-                    host, port, self.cfg.backend, self.cfg.collective_timeout_s
-                )
+                r.init_process_group.remote(host, port, self.cfg.backend, timeout)
                 for r in self.ranks
             ]
         )
@@ -197,9 +240,6 @@ class Controller(OperationHost):
         self.rank_meta = await asyncio.gather(
             *[r.build.remote(self.cfg.to_dict()) for r in self.ranks]
         )
-        self.ready = True
-        log.info("%d ranks ready in %.1fs", world, time.perf_counter() - t0)
-        return await self.info()
 
     async def start_once(self) -> None:
         """``start`` unless the ranks are already up (a Serve redeploy reuses the controller)."""
@@ -215,8 +255,16 @@ class Controller(OperationHost):
             log.info("failed %d queued operation(s): shutting down", n)
         await self.queue.idle()
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, checkpoint: bool = False) -> None:
+        """Drain; with ``checkpoint``, save the training state if it changed since the last
+        checkpoint; then stop every rank."""
         await self.drain()
+        if checkpoint and self.ready and self.step != self.last_checkpoint_step:
+            try:
+                saved = await self._save()
+                log.info("saved checkpoint %s on the way out", saved.checkpoint_id)
+            except Exception:
+                log.exception("could not save a checkpoint on shutdown")
         for r in self.ranks:
             ray.kill(r)
         if self.pg is not None:
@@ -251,6 +299,15 @@ class Controller(OperationHost):
             return lambda h: self._start_profile(req)
         if kind == "memory_profile_stop":
             return lambda h: self._stop_profile()
+        if kind == "checkpoint_save":
+            return lambda h: self._save(h)
+        if kind == "checkpoint_load" and isinstance(req, str):
+            self.checkpoints.path(req)  # 404 now, not once queued
+            return lambda h: self._load(req, h)
+        if kind == "export_hf" and isinstance(req, ExportRequest):
+            if self.cfg.model.num_experts:
+                raise InvalidRequestError("MoE models cannot be exported as Llama checkpoints")
+            return lambda h: self._export(req, h)
         raise InvalidRequestError(f"no operation {kind!r} taking {type(req).__name__}")
 
     def _plan(self, req: TrainBatchRequest | EvalBatchRequest | LogProbsRequest) -> StepPlan:
@@ -267,36 +324,171 @@ class Controller(OperationHost):
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
 
-    async def _on_all_ranks(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method`` on every rank; a failure names each failing rank and its cause."""
-        refs = [getattr(r, method).remote(*args) for r in self.ranks]
-        results = await asyncio.gather(*refs, return_exceptions=True)
-        failed = {rank: res for rank, res in enumerate(results) if isinstance(res, BaseException)}
-        if not failed:
-            return list(results)
-        for res in failed.values():
-            if isinstance(res, TrainctlError):
-                raise res
-        dead = [
-            rank for rank, res in failed.items() if isinstance(res, ray.exceptions.RayActorError)
+    async def _on_all_ranks(
+        self, method: str, *args: Any, ranks: list[Any] | None = None
+    ) -> list[Any]:
+        """Call ``method`` on every rank; a failure names each failing rank and its cause.
+
+        A dead rank, or peers still blocked (in a collective) ``FAILURE_GRACE_S`` after a
+        rank failed, mean the process group is lost: the workers are rebuilt from the latest
+        checkpoint (a ``recover`` operation, next in the queue) and the call gets a retryable
+        503 at once.
+        """
+        tasks = [
+            asyncio.ensure_future(getattr(r, method).remote(*args)) for r in ranks or self.ranks
         ]
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=FAILURE_GRACE_S)
+        failed = {
+            rank: t.exception()
+            for rank, t in enumerate(tasks)
+            if t.done() and t.exception() is not None
+        }
+        if not failed and not pending:
+            return [t.result() for t in tasks]
+        for t in pending:
+            t.cancel()
+        dead = [r for r, e in failed.items() if isinstance(e, ray.exceptions.RayActorError)]
         causes = {
             rank: f"{type(c).__name__}: {c}"
-            for rank, res in failed.items()
-            for c in [getattr(res, "cause", None) or res]
+            for rank, e in failed.items()
+            for c in [getattr(e, "cause", None) or e]
         }
-        if dead:
-            self.ready = False
-            raise NotReadyError(
-                f"rank(s) {dead} died during {method}; the step was not applied",
-                details={"ranks": dead, "method": method},
+        if dead or pending:
+            what = f"rank(s) {dead} died" if dead else f"rank(s) {sorted(causes)} failed"
+            stuck = f", {len(pending)} rank(s) stuck" if pending else ""
+            cause = f"{what} during {method}{stuck}"
+            self._begin_recovery(cause)
+            err = NotReadyError(
+                f"{cause}; nothing was applied. The workers are being rebuilt from the latest "
+                "checkpoint: retry shortly",
+                details={"ranks": dead or sorted(causes), "method": method, "causes": causes},
             )
+            raise err
+        for e in failed.values():
+            c = getattr(e, "cause", None)
+            if isinstance(c, TrainctlError):
+                raise c
         first = min(causes)
         raise WorkerError(
             f"rank {first} failed in {method}: {causes[first]}"
             + (f" (and {len(causes) - 1} more rank(s))" if len(causes) > 1 else ""),
             details={"method": method, "ranks": {str(r): c for r, c in causes.items()}},
         )
+
+    # -- failure recovery --------------------------------------------------------------------
+
+    def _begin_recovery(self, cause: str) -> None:
+        """Stop taking work and queue the rebuild ahead of everything else."""
+        if not self.ready:
+            return  # already recovering
+        self.ready = False
+        log.error("worker group lost (%s): rebuilding", cause)
+        self.queue.submit("recover", lambda h: self._recover(h, cause), front=True)
+
+    async def _recover(self, h: Handle, cause: str) -> Info:
+        step_before = self.step
+        h.set_phase("rebuilding workers")
+        for r in self.ranks:
+            ray.kill(r, no_restart=True)
+        await self._spawn_ranks()
+        latest = self._latest_checkpoint()
+        if latest is not None:
+            h.set_phase(f"restoring {latest.checkpoint_id}")
+            await self._load(latest.checkpoint_id)
+        else:
+            self.step = 0
+        self.recovery = RecoveryInfo(
+            at=time.time(),
+            cause=cause,
+            restored_checkpoint=latest.checkpoint_id if latest else None,
+            step_before=step_before,
+            step_after=self.step,
+        )
+        self.steps_lost += step_before - self.step
+        self.ready = True
+        log.warning(
+            "recovered: at step %d (was %d; %d step(s) lost)",
+            self.step,
+            step_before,
+            step_before - self.step,
+        )
+        return await self.info()
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _latest_checkpoint(self) -> CheckpointInfo | None:
+        layout = self.cfg.to_dict()["layout"]
+        found = [c for c in self.checkpoints.list().checkpoints if c.layout == layout]
+        return found[-1] if found else None
+
+    async def _save(self, h: Handle | None = None) -> CheckpointInfo:
+        if h is not None:
+            h.set_phase("writing checkpoint")
+        tmp = self.checkpoints.begin(self.step)
+        try:
+            await self._on_all_ranks("save_checkpoint", str(tmp))
+            digest = await self._replica_digest()
+            info = {
+                "step": self.step,
+                "layout": self.cfg.to_dict()["layout"],
+                "weights_digest": digest,
+            }
+            saved = await asyncio.to_thread(self.checkpoints.commit, tmp, info)
+        except BaseException:
+            self.checkpoints.abort(tmp)
+            raise
+        self.last_checkpoint_step = self.step
+        return saved
+
+    async def _load(self, checkpoint_id: str, h: Handle | None = None) -> CheckpointInfo:
+        path, info = self.checkpoints.path(checkpoint_id)
+        if info.layout != self.cfg.to_dict()["layout"]:
+            raise ConflictError(
+                f"checkpoint {checkpoint_id} was saved with layout {info.layout}; this service "
+                f"runs {self.cfg.to_dict()['layout']}"
+            )
+        if h is not None:
+            h.set_phase(f"loading {checkpoint_id}")
+        await self._on_all_ranks("load_checkpoint", str(path))
+        self.step = info.step
+        self.last_checkpoint_step = info.step
+        return info
+
+    async def _export(self, req: ExportRequest, h: Handle) -> ExportResult:
+        name = req.name or f"step-{self.step:06d}"
+        target = self.export_root / name
+        tmp = self.export_root / f".partial-{name}-{os.getpid()}"
+        h.set_phase("gathering weights")
+        replica0 = [
+            r
+            for r, m in zip(self.ranks, self.rank_meta, strict=True)
+            if m["coords"]["dp"] == 0 and m["coords"]["cp"] == 0
+        ]
+        parts = [r.canonical_shards.remote() for r in replica0]
+        h.set_phase("writing safetensors")
+        files = await self.ranks[0].write_hf.remote(str(tmp), parts)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+        return ExportResult(
+            name=name,
+            step=self.step,
+            path=str(target),
+            files={f["name"]: f["size_bytes"] for f in files},
+        )
+
+    async def list_checkpoints(self) -> CheckpointList:
+        return self.checkpoints.list()
+
+    async def inject_fault(self, rank: int, phase: str, times: int) -> None:
+        if not 0 <= rank < len(self.ranks):
+            raise InvalidRequestError(f"rank: {rank} is not in [0, {len(self.ranks)})")
+        try:
+            await self.ranks[rank].inject_fault.remote(phase, times)
+        except ray.exceptions.RayTaskError as e:
+            raise InvalidRequestError(f"phase: {e.cause}") from None
 
     def _result(self, plan: StepPlan, reports: list[Any], t_plan: float) -> StepResult:
         last = next(r for r in reports if r.is_last_stage)
@@ -332,9 +524,29 @@ class Controller(OperationHost):
         except TrainctlError:
             await self._discard()
             raise
+        norms = [r.grad_norm for r in reports]
+        if not all(n is not None and math.isfinite(n) for n in norms):
+            await self._discard()
+            raise WorkerError(
+                f"the gradient norm is not finite ({norms[0]}); the step was not applied",
+                details={"grad_norm": str(norms[0])},
+            )
         h.set_phase("optimizer_step")
-        applied = await self._on_all_ranks("apply", h.op.id)
+        try:
+            applied = await self._on_all_ranks("apply", h.op.id)
+        except WorkerError as e:
+            # Some ranks may have applied the update and others not: only a restore makes
+            # them agree again, so the step is rolled back with everything since the checkpoint.
+            cause = f"{e.message} (in the optimizer update)"
+            self._begin_recovery(cause)
+            raise NotReadyError(
+                f"{cause}; the workers are being restored from the latest checkpoint, so the "
+                "step is not applied: retry shortly",
+                details=e.details,
+            ) from None
         self.step += 1
+        if self.checkpoint_every_steps and self.step % self.checkpoint_every_steps == 0:
+            await self._save(h)
         result = self._result(plan, reports, t_plan)
         result.metrics["grad_norm:value"] = applied[0][0]
         result.metrics["lr:value"] = self.cfg.optimizer.lr
@@ -401,13 +613,25 @@ class Controller(OperationHost):
     async def metrics_text(self) -> bytes:
         return self.metrics.text()
 
-    async def info(self) -> Info:
-        digests = await self._on_all_ranks("weights_digest") if self.ranks else []
+    async def _replica_digest(self) -> str:
+        digests = await self._on_all_ranks("weights_digest")
+        return self._digest_of(digests)
+
+    def _digest_of(self, digests: list[str]) -> str:
         replica0 = [
             d
             for d, m in zip(digests, self.rank_meta, strict=True)
             if m["coords"]["dp"] == 0 and m["coords"]["cp"] == 0
         ]
+        return hashlib.sha256("".join(replica0).encode()).hexdigest()
+
+    async def info(self) -> Info:
+        digests: list[str] = []
+        if self.ready:
+            try:
+                digests = await self._on_all_ranks("weights_digest")
+            except TrainctlError:
+                digests = []
         cfg = self.cfg
         return Info(
             model={k: v for k, v in cfg.to_dict()["model"].items()},
@@ -426,13 +650,15 @@ class Controller(OperationHost):
             },
             world_size=cfg.layout.world_size,
             step=self.step,
-            weights_digest=hashlib.sha256("".join(replica0).encode()).hexdigest(),
+            weights_digest=self._digest_of(digests) if digests else "",
             ranks=[
-                RankInfo(rank=m["rank"], coords=m["coords"], weights_digest=d)
+                RankInfo(rank=m["rank"], coords=m["coords"], weights_digest=d, pid=m.get("pid"))
                 for m, d in zip(self.rank_meta, digests, strict=True)
             ],
             versions=_versions(),
             limits=self.limits,
+            recovery=self.recovery,
+            steps_lost=self.steps_lost,
         )
 
     async def is_ready(self) -> bool:

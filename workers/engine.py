@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from trainctl.workers import megatron_cpu, weights
+from trainctl.workers import hf, megatron_cpu, weights
 from trainctl.workers.batch import LossSpec, PackedMicroBatch
 from trainctl.workers.config import EngineConfig
 from trainctl.workers.inputs import RankMicroBatch, StageInputs
@@ -114,6 +115,11 @@ class EngineShard:
         self.expert_dp_rank = mpu.get_expert_data_parallel_rank()
         self.tc = transformer_config(cfg)
         self._grad_sync_s = 0.0
+        self._pending_norm: float | None = None
+        source = weights.seeded(cfg.model.seed, cfg.model.num_layers)
+        if cfg.init_hf:
+            source = weights.from_dict(hf.load(Path(cfg.init_hf), cfg.model))
+            log.info("rank %d: starting weights from %s", self.coords.rank, cfg.init_hf)
         self.chunks = []
         for vp_stage in range(lay.vp):
             vp = vp_stage if lay.vp > 1 else None
@@ -124,15 +130,7 @@ class EngineShard:
                 post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                 vp_stage=vp,
             )
-            weights.initialise(
-                model,
-                seed=cfg.model.seed,
-                num_layers=cfg.model.num_layers,
-                tp_rank=self.coords.tp,
-                tp=lay.tp,
-                ep_rank=self.coords.ep,
-                local_experts=self.local_experts,
-            )
+            self._assign(model, source)
             self.chunks.append(wrap_ddp(self.tc, model))
         # Hooks into this engine go on the config only after the model is built: MoE layers
         # deep-copy the config, and must not copy the engine along with it.
@@ -156,6 +154,16 @@ class EngineShard:
         with megatron_cpu.cuda_to_cpu():
             finalize_model_grads(models, None, **kwargs)
         self._grad_sync_s += time.perf_counter() - t0
+
+    def _assign(self, module: Any, source: weights.FullTensor) -> None:
+        weights.assign(
+            module,
+            source,
+            tp_rank=self.coords.tp,
+            tp=self.cfg.layout.tp,
+            ep_rank=self.coords.ep,
+            local_experts=self.local_experts,
+        )
 
     def num_parameters(self) -> int:
         return sum(p.numel() for c in self.chunks for p in c.parameters())
@@ -246,11 +254,13 @@ class EngineShard:
         """Accumulate gradients of the step's loss (synchronised over DP x CP)."""
         return self._run_schedule(mbs, spec, forward_only=False)
 
-    def optimizer_step(self) -> float:
-        """Clip by global norm, apply AdamW, zero the gradients; returns the pre-clip norm."""
+    def optimizer_step(self, grad_norm: float | None = None) -> float:
+        """Clip by global norm, apply AdamW, zero the gradients; returns the pre-clip norm
+        (computed here unless given: computing it is a collective)."""
         with megatron_cpu.cuda_to_cpu():
             self.optimizer.prepare_grads()
-            grad_norm = self.grad_norm()
+            if grad_norm is None:
+                grad_norm = self.grad_norm()
             clip = self.cfg.optimizer.clip_grad
             if clip > 0 and grad_norm > clip:
                 coeff = clip / (grad_norm + _CLIP_EPS)
@@ -291,14 +301,17 @@ class EngineShard:
         self.optimizer.zero_grad()
 
     def accumulate(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
-        """Phase 1 of a step: forward/backward, gradients accumulated (none applied yet).
+        """Phase 1 of a step: forward/backward and the global gradient norm; nothing applied.
 
-        On failure the gradients are dropped before the error propagates.
+        Every collective of the step happens here, so phase 2 (``apply``) is local arithmetic
+        that cannot leave ranks out of step. On failure the gradients are dropped.
         """
         t0 = time.perf_counter()
         self._grad_sync_s = 0.0
         try:
             loss = self.forward_backward(mbs, spec)
+            with megatron_cpu.cuda_to_cpu():
+                self._pending_norm = self.grad_norm()
         except BaseException:
             self.zero_grad()
             raise
@@ -306,6 +319,7 @@ class EngineShard:
             coords=self.coords,
             is_last_stage=self.is_last_stage,
             loss=loss,
+            grad_norm=self._pending_norm,
             metrics=self.routing.export(),
             timings={
                 "forward_backward_s": time.perf_counter() - t0,
@@ -316,15 +330,14 @@ class EngineShard:
     def apply(self) -> tuple[float, float]:
         """Phase 2: the optimizer step on the accumulated gradients; ``(grad_norm, seconds)``."""
         t0 = time.perf_counter()
-        grad_norm = self.optimizer_step()
+        grad_norm = self.optimizer_step(self._pending_norm)
         return grad_norm, time.perf_counter() - t0
 
     def train_batch(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
         """Both phases in one call (tests, benchmarks and the single-process reference)."""
         report = self.accumulate(mbs, spec)
-        grad_norm, optimizer_s = self.apply()
-        timings = {**report.timings, "optimizer_s": optimizer_s}
-        return dataclasses.replace(report, grad_norm=grad_norm, timings=timings)
+        _, optimizer_s = self.apply()
+        return dataclasses.replace(report, timings={**report.timings, "optimizer_s": optimizer_s})
 
     @torch.no_grad()
     def eval_batch(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
@@ -408,3 +421,30 @@ class EngineShard:
                 t = p.main_grad if grads else p
                 out[names[name]] = t.detach().clone()
         return out
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything this rank needs to resume: weights, optimizer state, step, RNG."""
+        return {
+            "chunks": [c.module.state_dict() for c in self.chunks],
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "rng": torch.get_rng_state(),
+            "coords": dataclasses.asdict(self.coords),
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Inverse of ``checkpoint_state`` (same layout: the coordinates must match)."""
+        if state["coords"] != dataclasses.asdict(self.coords):
+            raise ValueError(
+                f"checkpoint shard of {state['coords']} loaded on rank {self.coords}: "
+                "a checkpoint loads into the layout it was saved from"
+            )
+        with torch.no_grad():
+            for c, sd in zip(self.chunks, state["chunks"], strict=True):
+                c.module.load_state_dict(sd)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.zero_grad()
+        torch.set_rng_state(state["rng"])
+        self.step = int(state["step"])

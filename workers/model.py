@@ -38,6 +38,7 @@ def transformer_config(cfg: EngineConfig) -> TransformerConfig:
         context_parallel_size=lay.cp,
         virtual_pipeline_model_parallel_size=lay.vp if lay.vp > 1 else None,
         normalization="RMSNorm",
+        layernorm_epsilon=m.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,

@@ -96,13 +96,20 @@ class OperationQueue:
         return self.snapshot(h)
 
     def submit(
-        self, kind: str, run: Runner, *, key: str | None = None, fingerprint: str = ""
+        self,
+        kind: str,
+        run: Runner,
+        *,
+        key: str | None = None,
+        fingerprint: str = "",
+        front: bool = False,
     ) -> Operation:
-        """Queue ``run`` (or find the operation already submitted under ``key``)."""
+        """Queue ``run`` (or find the operation already submitted under ``key``); ``front``
+        puts it ahead of everything queued (failure recovery), past the queue limit."""
         existing = self.find(kind, key, fingerprint)
         if existing is not None:
             return existing
-        if len(self._pending) >= self.max_queued:
+        if len(self._pending) >= self.max_queued and not front:
             err = RateLimitedError(
                 f"{len(self._pending)} operations are queued (limit {self.max_queued}); "
                 "retry after the Retry-After seconds",
@@ -116,7 +123,10 @@ class OperationQueue:
         self._ops[op_id] = h
         if key is not None:
             self._by_key[key] = h
-        self._pending.append(h)
+        if front:
+            self._pending.appendleft(h)
+        else:
+            self._pending.append(h)
         self._ensure_worker()
         self._wake.set()
         return self.snapshot(h)

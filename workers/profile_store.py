@@ -25,7 +25,8 @@ _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MANIFEST = "profile.json"
 
 
-def _checked(what: str, value: str) -> str:
+def checked_name(what: str, value: str) -> str:
+    """``value`` if it is a safe single path component, else a 422 naming ``what``."""
     if not _SAFE.fullmatch(value) or ".." in value:
         raise InvalidRequestError(
             f"{what}: {value[:80]!r} is not a valid {what} (letters, digits, '.', '_', '-')",
@@ -52,9 +53,9 @@ class ProfileStore:
 
     def path(self, profile_id: str, name: str | None = None) -> Path:
         """The path of a profile (or one of its files), guaranteed inside the root."""
-        p = self.root / _checked("profile_id", profile_id)
+        p = self.root / checked_name("profile_id", profile_id)
         if name is not None:
-            p = p / _checked("name", name)
+            p = p / checked_name("name", name)
         if not p.resolve().is_relative_to(self.root):
             raise InvalidRequestError(f"{profile_id}/{name}: outside the profile root")
         return p
@@ -65,7 +66,7 @@ class ProfileStore:
         directory.mkdir(parents=True, exist_ok=True)
         out = []
         for f in sorted(files, key=lambda f: int(f["rank"])):
-            name = _checked("name", f["name"])
+            name = checked_name("name", f["name"])
             write_atomic(directory / name, f["data"])
             picture = None
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -29,6 +30,9 @@ def quiet_megatron() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     for pattern in (".*Apex.*", ".*Transformer Engine.*", ".*cuda_graph_scope.*", ".*TE.*"):
         warnings.filterwarnings("ignore", message=pattern)
+
+
+FAULT_PHASES = ("forward", "accumulate_end", "optimizer")
 
 
 class InjectedFault(RuntimeError):
@@ -103,6 +107,7 @@ class RankWorker:
             "rank": c.rank,
             "coords": {"dp": c.dp, "cp": c.cp, "tp": c.tp, "pp": c.pp},
             "parameters": self.engine.num_parameters(),
+            "pid": os.getpid(),
         }
 
     def _shard(self, plan: StepPlan) -> Any:
@@ -112,7 +117,13 @@ class RankWorker:
     def accumulate(self, plan: StepPlan, op_id: str = "-") -> Any:
         """Phase 1 of a train step: forward/backward; gradients held until ``apply``."""
         with _operation(op_id):
-            return self.engine.accumulate(self._shard(plan), plan.loss)
+            report = self.engine.accumulate(self._shard(plan), plan.loss)
+            try:
+                self._check_fault("accumulate_end")
+            except InjectedFault:
+                self.engine.zero_grad()
+                raise
+            return report
 
     def apply(self, op_id: str = "-") -> tuple[float, float]:
         """Phase 2, once every rank finished phase 1: the optimizer step."""
@@ -151,12 +162,55 @@ class RankWorker:
             "data": data,
         }
 
+    # -- checkpoints and export ----------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Write this rank's shard of the training state into ``directory`` (not yet final:
+        the controller renames the directory once every rank has written)."""
+        import torch
+
+        path = Path(directory) / f"rank-{self.rank:05d}.pt"
+        tmp = path.with_suffix(".pt.partial")
+        torch.save(self.engine.checkpoint_state(), tmp)
+        os.replace(tmp, path)
+        return {"name": path.name, "size_bytes": path.stat().st_size}
+
+    def load_checkpoint(self, directory: str) -> int:
+        import torch
+
+        path = Path(directory) / f"rank-{self.rank:05d}.pt"
+        state = torch.load(path, map_location="cpu", weights_only=False)  # our own files
+        self.engine.load_checkpoint_state(state)
+        return int(self.engine.step)
+
+    def canonical_shards(self) -> dict[str, Any]:
+        """This rank's parameters by canonical name, with its TP coordinate (for export)."""
+        return {"tp": self.engine.coords.tp, "shards": self.engine.canonical_shards()}
+
+    def write_hf(self, directory: str, parts: list[Any]) -> list[dict[str, Any]]:
+        """On one rank: merge every rank's ``canonical_shards`` and write a Llama checkpoint."""
+        import ray
+
+        from trainctl.workers import hf, weights
+
+        got = ray.get(parts)
+        names = {n for g in got for n in g["shards"]}
+        tp = self.engine.cfg.layout.tp
+        full = {}
+        for name in sorted(names):
+            by_tp = {g["tp"]: g["shards"][name] for g in got if name in g["shards"]}
+            full[name] = weights.shard_rule(name).unshard([by_tp[r] for r in range(tp)])
+        files = hf.save(Path(directory), full, self.engine.cfg.model)
+        return [{"name": f.name, "size_bytes": f.stat().st_size} for f in files]
+
     # -- fault injection (operators and tests, through Ray only: not on the HTTP API) ---------
 
     def inject_fault(self, phase: str, times: int = 1) -> None:
-        """Make the next ``times`` calls of ``phase`` (``forward`` or ``optimizer``) raise."""
-        if phase not in ("forward", "optimizer"):
-            raise ValueError(f"phase must be 'forward' or 'optimizer', not {phase!r}")
+        """Make the next ``times`` calls of ``phase`` raise: ``forward`` (before any work: the
+        peers then block in a collective), ``accumulate_end`` (after phase 1, peers done) or
+        ``optimizer`` (phase 2)."""
+        if phase not in FAULT_PHASES:
+            raise ValueError(f"phase must be one of {FAULT_PHASES}, not {phase!r}")
         self._faults[phase] = times
 
     def _check_fault(self, phase: str) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,21 +102,45 @@ def init_full(name: str, shape: tuple[int, ...], *, seed: int, num_layers: int) 
     return torch.randn(shape, generator=gen) * std
 
 
+FullTensor = Callable[[str, tuple[int, ...]], Tensor]
+"""``(canonical name, full shape) -> the full tensor``: where the weights come from."""
+
+
 @torch.no_grad()
-def initialise(
+def assign(
     chunk: nn.Module,
+    full_tensor: FullTensor,
     *,
-    seed: int,
-    num_layers: int,
     tp_rank: int,
     tp: int,
     ep_rank: int,
     local_experts: int,
 ) -> None:
-    """Overwrite every parameter of ``chunk`` with its shard of the canonical initialisation."""
+    """Overwrite every parameter of ``chunk`` with its shard of ``full_tensor(name, shape)``."""
     names = canonical_names(chunk, ep_rank=ep_rank, local_experts=local_experts)
     for name, p in chunk.named_parameters():
         canon = names[name]
         rule = shard_rule(canon)
-        full = init_full(canon, rule.full_shape(p.shape, tp), seed=seed, num_layers=num_layers)
+        shape = rule.full_shape(p.shape, tp)
+        full = full_tensor(canon, shape)
+        if tuple(full.shape) != shape:
+            raise ValueError(
+                f"{canon}: the source has shape {tuple(full.shape)}, the model {shape}"
+            )
         p.copy_(rule.shard(full, tp_rank, tp))
+
+
+def seeded(seed: int, num_layers: int) -> FullTensor:
+    """The canonical initialisation as a ``FullTensor`` source."""
+    return lambda name, shape: init_full(name, shape, seed=seed, num_layers=num_layers)
+
+
+def from_dict(tensors: dict[str, Tensor]) -> FullTensor:
+    """A ``FullTensor`` source over loaded full tensors; a missing name is an error."""
+
+    def get(name: str, shape: tuple[int, ...]) -> Tensor:
+        if name not in tensors:
+            raise KeyError(f"{name}: not in the checkpoint")
+        return tensors[name]
+
+    return get

@@ -137,6 +137,18 @@ def test_model(tmp_path: Path) -> None:
     assert app["applications"][0]["args"]["checkpoint"] == "/data/checkpoints/qwen"
 
 
+def test_checkpoint_schedule() -> None:
+    args = serve_config(rayservice())["applications"][0]["args"]
+    assert (args["checkpoint_every_steps"], args["keep_checkpoints"]) == (100, 3)
+    assert args["data_root"] == "/data/checkpoints"
+    args = serve_config(
+        rayservice("--set", "checkpoints.everySteps=10", "--set", "checkpoints.keep=5")
+    )["applications"][0]["args"]
+    assert (args["checkpoint_every_steps"], args["keep_checkpoints"]) == (10, 5)
+    r = render("--set", "checkpoints.keep=0", check=False)
+    assert r.returncode != 0 and "checkpoints.keep" in r.stderr
+
+
 def test_resources_node_selectors_tolerations() -> None:
     rs = rayservice(
         "--set",

@@ -19,9 +19,11 @@ Service = LocalService
 
 
 @contextlib.contextmanager
-def running_service(data_dir: Path, *flags: str) -> Iterator[Service]:
+def running_service(
+    data_dir: Path, *flags: str, env: dict[str, str] | None = None
+) -> Iterator[Service]:
     """`trainctl serve FLAGS` until the block ends; then SIGTERM and a clean-exit check."""
-    svc = LocalService(data_dir, *flags, start_timeout_s=START_TIMEOUT_S)
+    svc = LocalService(data_dir, *flags, start_timeout_s=START_TIMEOUT_S, env=env)
     try:
         svc.start()
     except RuntimeError as e:

@@ -1,0 +1,191 @@
+"""Reliability and security with the real service: auth, checkpoints, failing and killed ranks,
+Hugging Face export/import, and a checkpoint on SIGTERM. One service (dp=2, bearer token,
+fault injection on) for the module; tests run in file order."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from trainctl.clients import (
+    InternalServerError,
+    RetryPolicy,
+    ServiceUnavailableError,
+    TrainctlClient,
+)
+
+from conftest import Service, running_service
+from test_service import ragged_batch
+
+TOKEN = "tok-" + "x" * 24
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    data = tmp_path_factory.mktemp("reliability")
+    flags = ("--enable-fault-injection=true", "--checkpoint-on-exit=true", "--max-body-mb=2")
+    with running_service(data, *flags, env={"TRAINCTL_API_TOKEN": TOKEN}) as s:
+        yield s
+        final_step = client(s).info().step
+    # After the SIGTERM (running_service checked the clean exit): a checkpoint of the last step.
+    manifests = sorted((data / "checkpoints").glob("step-*/manifest.json"))
+    assert json.loads(manifests[-1].read_text())["step"] == final_step
+    assert TOKEN not in s.log()
+
+
+def client(s: Service) -> TrainctlClient:
+    return TrainctlClient(s.url, api_token=TOKEN, timeout=300)
+
+
+def _arm_fault(svc: Service, *, rank: int, phase: str) -> TrainctlClient:
+    """Make ``rank`` fail once in ``phase``; a client that does not retry, to see the error
+    (the SDK would retry a 5xx by default)."""
+    r = httpx.post(
+        f"{svc.url}/v1/debug/faults",
+        json={"rank": rank, "phase": phase},
+        headers={"authorization": f"Bearer {TOKEN}"},
+    )
+    assert r.status_code == 200, r.text
+    return TrainctlClient(svc.url, api_token=TOKEN, retry=RetryPolicy(max_retries=0))
+
+
+def test_auth_matrix(svc: Service) -> None:
+    for path in ("/v1/health", "/v1/ready"):
+        assert httpx.get(svc.url + path).status_code == 200
+    r = httpx.get(svc.url + "/v1/info")
+    assert r.status_code == 401 and r.json()["type"] == "unauthorized"
+    r = httpx.get(svc.url + "/v1/info", headers={"authorization": "Bearer wrong"})
+    assert r.status_code == 403 and TOKEN not in r.text and "wrong" not in r.text
+    r = httpx.post(svc.url + "/v1/train_batch", json={"sequences": ragged_batch(seed=1)})
+    assert r.status_code == 401
+    assert client(svc).info().step == 0
+
+
+def test_an_oversize_body_is_413_and_changes_nothing(svc: Service) -> None:
+    before = client(svc).info()
+    big = {"sequences": [{"tokens": [1] * 1000}] * 400}  # ~2.4 MB of JSON, limit 2 MiB
+    r = httpx.post(
+        f"{svc.url}/v1/train_batch",
+        json=big,
+        headers={"authorization": f"Bearer {TOKEN}"},
+        timeout=60,
+    )
+    assert r.status_code == 413 and r.json()["type"] == "payload_too_large", r.text[:300]
+    assert client(svc).info().weights_digest == before.weights_digest
+
+
+def test_checkpoint_round_trip_is_bit_for_bit(svc: Service) -> None:
+    c = client(svc)
+    batch = ragged_batch(seed=21)
+    c.train_batch(batch)
+    saved = c.save_checkpoint()
+    assert saved.step == c.info().step and saved.checkpoint_id in {
+        ck.checkpoint_id for ck in c.list_checkpoints().checkpoints
+    }
+    assert saved.weights_digest == c.info().weights_digest
+    first = c.train_batch(batch)  # the step right after the checkpoint...
+    c.train_batch(batch)
+    assert c.info().weights_digest != saved.weights_digest
+    loaded = c.load_checkpoint(saved.checkpoint_id)
+    info = c.info()
+    assert loaded.step == info.step == saved.step
+    assert info.weights_digest == saved.weights_digest  # weights bit for bit
+    again = c.train_batch(batch)  # ...is taken again identically: optimizer state restored
+    assert (again.loss, again.metrics["grad_norm:value"]) == (
+        first.loss,
+        first.metrics["grad_norm:value"],
+    )
+
+
+def test_a_failing_rank_applies_nothing_on_any_rank(svc: Service) -> None:
+    c = client(svc)
+    before = c.info()
+    once = _arm_fault(svc, rank=1, phase="accumulate_end")
+    with pytest.raises(InternalServerError) as e:
+        once.train_batch(ragged_batch(seed=22), idempotency_key="fault-1")
+    assert e.value.status == 500 and e.value.type == "worker_error"
+    assert "rank 1" in e.value.message and "injected fault" in e.value.message
+    after = c.info()
+    assert after.step == before.step
+    assert [rk.weights_digest for rk in after.ranks] == [rk.weights_digest for rk in before.ranks]
+    # The failure applied nothing, so the same key may run again, and succeeds.
+    assert c.train_batch(ragged_batch(seed=22), idempotency_key="fault-1").step == before.step + 1
+
+
+def test_a_rank_failing_in_the_optimizer_update_rolls_back_to_the_checkpoint(
+    svc: Service,
+) -> None:
+    c = client(svc)
+    saved = c.save_checkpoint()
+    c.train_batch(ragged_batch(seed=27))
+    once = _arm_fault(svc, rank=1, phase="optimizer")
+    with pytest.raises(ServiceUnavailableError, match="rank 1 failed in apply"):
+        once.train_batch(ragged_batch(seed=28))
+    c.wait_ready(timeout=180)
+    info = c.info()
+    # Rank 0 had applied the update, rank 1 had not: both are back at the checkpoint.
+    assert info.step == saved.step and info.weights_digest == saved.weights_digest
+    assert len({rk.weights_digest for rk in info.ranks}) == 1
+    assert info.recovery is not None and info.recovery.step_before == saved.step + 1
+
+
+def test_export_loads_in_transformers_and_imports_back(svc: Service, tmp_path: Path) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    c = client(svc)
+    batch = ragged_batch(seed=23)
+    exported = c.export_hf()
+    assert set(exported.files) == {"config.json", "model.safetensors"}
+    ours = c.logprobs(batch).logprobs
+    model = LlamaForCausalLM.from_pretrained(exported.path, dtype=torch.float64).eval()
+    with torch.no_grad():
+        for seq, lp in zip(batch, ours, strict=True):
+            ids = torch.tensor([seq["tokens"]])
+            logits = model(ids).logits[0, :-1]
+            ref = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+            assert np.allclose(lp[1:], ref.numpy(), rtol=1e-4, atol=1e-4)
+    want = c.eval_batch(batch).loss
+    with running_service(tmp_path, "--dp=1", f"--init-hf={exported.path}") as other:
+        got = other.client().eval_batch(batch).loss
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_a_killed_rank_is_replaced_and_the_latest_checkpoint_restored(svc: Service) -> None:
+    c = client(svc)
+    saved = c.save_checkpoint()
+    c.train_batch(ragged_batch(seed=24))  # a step after the checkpoint: it will be lost
+    victim = c.info().ranks[1].pid
+    assert victim is not None
+    op = c.submit("train_batch", ragged_batch(seed=25) * 100)
+    while c.operation(op.id).status.value == "queued":
+        time.sleep(0.05)
+    t_kill = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    final = c.operation(op.id, wait_s=60)
+    waited = time.monotonic() - t_kill
+    assert final.status.value == "failed" and final.error is not None, final
+    assert final.error.type.value == "not_ready" and "nothing was applied" in final.error.message
+    assert waited < 30, f"the failure took {waited:.0f}s to surface"
+    # While the workers are rebuilt, calls get a retryable 503 with Retry-After.
+    r = httpx.post(
+        f"{svc.url}/v1/eval_batch",
+        json={"sequences": ragged_batch(seed=25)},
+        headers={"authorization": f"Bearer {TOKEN}"},
+    )
+    assert r.status_code == 503 and "retry-after" in r.headers, r.text
+    c.wait_ready(timeout=180)
+    info = c.info()
+    assert info.recovery is not None and info.recovery.restored_checkpoint == saved.checkpoint_id
+    assert info.step == saved.step and info.steps_lost >= 1
+    assert info.weights_digest == saved.weights_digest
+    assert all(rk.pid != victim for rk in info.ranks)
+    assert c.train_batch(ragged_batch(seed=26)).step == saved.step + 1

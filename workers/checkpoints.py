@@ -1,0 +1,94 @@
+"""Checkpoint directories: written under a temporary name, renamed into place when complete.
+
+    <root>/step-000120/            a complete checkpoint: manifest.json + rank-NNNNN.pt
+    <root>/.partial-step-000130-*  being written (or abandoned by a crash: ignored, swept)
+
+A directory only gets its final name after every rank wrote its file and the manifest is on
+disk, and ``rename`` is atomic: a crash mid-write never replaces or corrupts a good
+checkpoint. ``keep`` bounds how many complete ones stay. With several nodes the root must be
+shared storage (the Helm chart mounts a volume).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from trainctl.api import CheckpointInfo, CheckpointList, NotFoundError
+from trainctl.workers.profile_store import checked_name, write_atomic
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_PARTIAL = ".partial-"
+
+
+class CheckpointStore:
+    def __init__(self, root: str | Path, keep: int = 3) -> None:
+        self.root = Path(root).resolve()
+        self.keep = keep
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary directory for the checkpoint of ``step``."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"{_PARTIAL}step-{step:06d}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, info: dict[str, Any]) -> CheckpointInfo:
+        """Write the manifest, then rename ``tmp`` to its final name (atomic)."""
+        size = sum(f.stat().st_size for f in tmp.iterdir())
+        result = CheckpointInfo(
+            checkpoint_id=f"step-{info['step']:06d}", created_at=time.time(), size_bytes=size,
+            **info,
+        )  # fmt: skip
+        write_atomic(tmp / MANIFEST, result.model_dump_json(indent=1).encode())
+        final = self.root / result.checkpoint_id
+        if final.exists():  # the same step saved again: replace it, old one aside first
+            aside = self.root / f"{_PARTIAL}old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        log.info("checkpoint %s written (%.1f MiB)", result.checkpoint_id, size / 2**20)
+        self._prune()
+        return result
+
+    def abort(self, tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def list(self) -> CheckpointList:
+        if not self.root.is_dir():
+            return CheckpointList(checkpoints=[])
+        out = []
+        for d in sorted(self.root.iterdir()):
+            if not d.name.startswith(_PARTIAL) and (d / MANIFEST).is_file():
+                out.append(CheckpointInfo.model_validate_json((d / MANIFEST).read_bytes()))
+        return CheckpointList(checkpoints=sorted(out, key=lambda c: c.step))
+
+    def latest(self) -> CheckpointInfo | None:
+        found = self.list().checkpoints
+        return found[-1] if found else None
+
+    def path(self, checkpoint_id: str) -> tuple[Path, CheckpointInfo]:
+        d = self.root / checked_name("checkpoint_id", checkpoint_id)
+        if checkpoint_id.startswith(_PARTIAL) or not (d / MANIFEST).is_file():
+            raise NotFoundError(f"checkpoint {checkpoint_id!r} does not exist")
+        return d, CheckpointInfo.model_validate_json((d / MANIFEST).read_bytes())
+
+    def sweep_partial(self) -> None:
+        """Remove temporary directories left by a crash."""
+        if self.root.is_dir():
+            for d in self.root.glob(f"{_PARTIAL}*"):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _prune(self) -> None:
+        found = self.list().checkpoints
+        for c in found[: max(0, len(found) - self.keep)]:
+            shutil.rmtree(self.root / c.checkpoint_id, ignore_errors=True)
