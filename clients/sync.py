@@ -89,7 +89,10 @@ class TrainctlClient:
             except httpx.TransportError as e:
                 delay = policy.delay(attempt, None)
                 if delay is None:
-                    raise APIConnectionError(f"{call.method} {call.url}: {e}") from e
+                    where = f"{self._http.base_url}".rstrip("/")
+                    raise APIConnectionError(
+                        f"could not reach {where} ({call.method} {call.url}): {e}"
+                    ) from e
             else:
                 delay = policy.delay(attempt, response)
                 if delay is None:

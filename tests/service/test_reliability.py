@@ -71,11 +71,12 @@ def test_auth_matrix(svc: Service) -> None:
 
 def test_an_oversize_body_is_413_and_changes_nothing(svc: Service) -> None:
     before = client(svc).info()
-    big = {"sequences": [{"tokens": [1] * 1000}] * 400}  # ~2.4 MB of JSON, limit 2 MiB
+    body = json.dumps({"sequences": [{"tokens": [511] * 1000}] * 600}).encode()
+    assert len(body) > 2 * 2**20  # the service runs with --max-body-mb=2
     r = httpx.post(
         f"{svc.url}/v1/train_batch",
-        json=big,
-        headers={"authorization": f"Bearer {TOKEN}"},
+        content=body,
+        headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json"},
         timeout=60,
     )
     assert r.status_code == 413 and r.json()["type"] == "payload_too_large", r.text[:300]
