@@ -135,15 +135,18 @@ def gateway_case(n_seqs: int, seq_len: int, steps: int, trivial: int) -> dict[st
         svc.client() as c,
     ):
         c.train_batch(batch)  # warm-up
-        times = []
+        times, engine = [], []
         for _ in range(steps):
             t0 = time.perf_counter()
-            c.train_batch(batch)
+            r = c.train_batch(batch)
             times.append(time.perf_counter() - t0)
+            engine.append(r.timings["forward_backward_max_s"] + r.timings["optimizer_max_s"])
         health = _latencies(c.health, trivial)
         tiny = _latencies(lambda: c.eval_batch([[1, 2, 3]]), trivial)
     return {
         "step_s": statistics.median(times),
+        "engine_s": statistics.median(engine),
+        "outside_engine_s": statistics.median(t - e for t, e in zip(times, engine, strict=True)),
         "health_p50_ms": health[0],
         "health_p99_ms": health[1],
         "tiny_eval_p50_ms": tiny[0],
