@@ -9,6 +9,7 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -245,6 +246,11 @@ def test_metrics_report_steps_tokens_latency_and_errors(service: Service) -> Non
 def test_every_log_line_of_an_operation_carries_its_id(service: Service) -> None:
     op = service.client().submit("eval_batch", ragged_batch(seed=13))
     service.client().wait(op)
-    lines = [ln for ln in service.log().splitlines() if op.id in ln]
+    deadline = time.monotonic() + 30  # actor logs reach the driver's output in batches
+    while True:
+        lines = [ln for ln in service.log().splitlines() if op.id in ln]
+        if any("eval_batch started" in ln for ln in lines) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert any("eval_batch started" in ln for ln in lines), lines
     assert all(f"[op={op.id}]" in ln for ln in lines if "trainctl.workers" in ln), lines
