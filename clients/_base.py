@@ -28,9 +28,8 @@ from trainctl.api import (
     wire,
 )
 from trainctl.api.errors import STATUS_OF
-from trainctl.clients.errors import APIStatusError, error_for
+from trainctl.clients.errors import error_for
 
-T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -247,6 +246,3 @@ class Requests:
 
 def auth_headers(api_token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {api_token}"} if api_token else {}
-
-
-__all__ = ["APIStatusError", "Call", "Requests", "RetryPolicy", "T"]

@@ -9,7 +9,7 @@ import hashlib
 from typing import Any, TypeVar
 
 from fastapi import Request, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from trainctl.api import (
     InvalidRequestError,
@@ -103,6 +103,3 @@ def _floats(rows: list[list[float]] | None) -> list[Any] | None:
     import numpy as np
 
     return None if rows is None else [np.asarray(r, np.float32) for r in rows]
-
-
-__all__ = ["DecodedBody", "ValidationError", "decode_request", "encode_response"]

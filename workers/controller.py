@@ -67,6 +67,7 @@ from trainctl.workers.telemetry import ControllerMetrics
 log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
+RECOVERY_RETRY_S = 15.0
 FAILURE_GRACE_S = 10.0
 """After one rank fails, how long the others may take before the group counts as wedged."""
 CONTROLLER_NAME = "trainctl-controller"
@@ -116,18 +117,6 @@ def _versions() -> dict[str, str]:
             out[pkg] = "unknown"
     return out
 
-
-KINDS = (
-    "train_batch",
-    "eval_batch",
-    "logprobs",
-    "memory_profile_start",
-    "memory_profile_stop",
-    "checkpoint_save",
-    "checkpoint_load",
-    "export_hf",
-)
-"""Operations the controller runs; the gateway names one per call."""
 
 _FORWARDED_ENV = ("TRAINCTL_LOG_LEVEL", "TRAINCTL_LOG_FORMAT")
 
@@ -324,9 +313,7 @@ class Controller(OperationHost):
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
 
-    async def _on_all_ranks(
-        self, method: str, *args: Any, ranks: list[Any] | None = None
-    ) -> list[Any]:
+    async def _on_all_ranks(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every rank; a failure names each failing rank and its cause.
 
         A dead rank, or peers still blocked (in a collective) ``FAILURE_GRACE_S`` after a
@@ -334,9 +321,7 @@ class Controller(OperationHost):
         checkpoint (a ``recover`` operation, next in the queue) and the call gets a retryable
         503 at once.
         """
-        tasks = [
-            asyncio.ensure_future(getattr(r, method).remote(*args)) for r in ranks or self.ranks
-        ]
+        tasks = [asyncio.ensure_future(getattr(r, method).remote(*args)) for r in self.ranks]
         _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         if pending:
             _, pending = await asyncio.wait(pending, timeout=FAILURE_GRACE_S)
@@ -385,10 +370,25 @@ class Controller(OperationHost):
             return  # already recovering
         self.ready = False
         log.error("worker group lost (%s): rebuilding", cause)
-        self.queue.submit("recover", lambda h: self._recover(h, cause), front=True)
+        self._queue_recovery(cause, self.step)
 
-    async def _recover(self, h: Handle, cause: str) -> Info:
-        step_before = self.step
+    def _queue_recovery(self, cause: str, step_before: int) -> None:
+        if not self.draining:
+            run = lambda h: self._recover(h, cause, step_before)  # noqa: E731
+            self.queue.submit("recover", run, front=True)
+
+    async def _recover(self, h: Handle, cause: str, step_before: int) -> Info:
+        """Replace every rank actor and restore the latest checkpoint; retried while it fails
+        (e.g. the cluster has no room yet for a replacement)."""
+        try:
+            return await self._rebuild(h, cause, step_before)
+        except Exception:
+            log.exception("recovery failed; trying again in %.0fs", RECOVERY_RETRY_S)
+            loop = asyncio.get_running_loop()
+            loop.call_later(RECOVERY_RETRY_S, self._queue_recovery, cause, step_before)
+            raise
+
+    async def _rebuild(self, h: Handle, cause: str, step_before: int) -> Info:
         h.set_phase("rebuilding workers")
         for r in self.ranks:
             ray.kill(r, no_restart=True)
@@ -651,9 +651,9 @@ class Controller(OperationHost):
             world_size=cfg.layout.world_size,
             step=self.step,
             weights_digest=self._digest_of(digests) if digests else "",
-            ranks=[
+            ranks=[  # while recovering: no digests (the ranks may be gone)
                 RankInfo(rank=m["rank"], coords=m["coords"], weights_digest=d, pid=m.get("pid"))
-                for m, d in zip(self.rank_meta, digests, strict=True)
+                for m, d in zip(self.rank_meta, digests or [""] * len(self.rank_meta), strict=True)
             ],
             versions=_versions(),
             limits=self.limits,
