@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 _GRACE_S = 15.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now (another process may still take it first)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -39,7 +40,7 @@ class LocalRayHead:
         self.address = ""
 
     def __enter__(self) -> str:
-        port = _free_port()
+        port = free_port()
         cmd = [
             sys.executable,
             "-m",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,13 +20,7 @@ from pathlib import Path
 from types import TracebackType
 
 from trainctl.clients import TrainctlClient
-from trainctl.service.cluster import live_processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from trainctl.service.cluster import free_port, live_processes
 
 
 class LocalService:

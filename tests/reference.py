@@ -56,7 +56,8 @@ def reference_logprobs(
     return out
 
 
-def _single_rank_model(engine_cfg: dict[str, Any] | None) -> Any:
+def _single_rank_engine(engine_cfg: dict[str, Any] | None) -> Any:
+    """trainctl's engine on a world of one (gloo, initialised here once per process)."""
     import torch.distributed as dist
 
     from trainctl.workers.config import EngineConfig
@@ -67,24 +68,19 @@ def _single_rank_model(engine_cfg: dict[str, Any] | None) -> Any:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    return EngineShard(EngineConfig.from_dict(engine_cfg or {})).chunks[0].module.eval()
+    return EngineShard(EngineConfig.from_dict(engine_cfg or {}))
+
+
+def _single_rank_model(engine_cfg: dict[str, Any] | None) -> Any:
+    return _single_rank_engine(engine_cfg).chunks[0].module.eval()
 
 
 def reference_step(batch: list[dict[str, Any]], engine_cfg: dict[str, Any]) -> dict[str, float]:
     """eval, one train step and eval again on a single rank, through trainctl's engine."""
-    import torch.distributed as dist
-
-    from trainctl.workers.config import EngineConfig
-    from trainctl.workers.engine import EngineShard
     from trainctl.workers.plan import plan_step
 
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    cfg = EngineConfig.from_dict(engine_cfg)
-    eng = EngineShard(cfg)
+    eng = _single_rank_engine(engine_cfg)
+    cfg = eng.cfg
     from trainctl.api import TrainBatchRequest
     from trainctl.workers.controller import to_host_sequences
 
