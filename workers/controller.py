@@ -461,12 +461,7 @@ class Controller(OperationHost):
         target = self.export_root / name
         tmp = self.export_root / f".partial-{name}-{os.getpid()}"
         h.set_phase("gathering weights")
-        replica0 = [
-            r
-            for r, m in zip(self.ranks, self.rank_meta, strict=True)
-            if m["coords"]["dp"] == 0 and m["coords"]["cp"] == 0
-        ]
-        parts = [r.canonical_shards.remote() for r in replica0]
+        parts = [r.canonical_shards.remote() for r in self._replica0(self.ranks)]
         h.set_phase("writing safetensors")
         files = await self.ranks[0].write_hf.remote(str(tmp), parts)
         if target.exists():
@@ -617,13 +612,17 @@ class Controller(OperationHost):
         digests = await self._on_all_ranks("weights_digest")
         return self._digest_of(digests)
 
-    def _digest_of(self, digests: list[str]) -> str:
-        replica0 = [
-            d
-            for d, m in zip(digests, self.rank_meta, strict=True)
+    def _replica0(self, per_rank: list[Any]) -> list[Any]:
+        """The items of ``per_rank`` (one per rank, in rank order) of DP x CP replica 0: one
+        full copy of the model across TP and PP."""
+        return [
+            item
+            for item, m in zip(per_rank, self.rank_meta, strict=True)
             if m["coords"]["dp"] == 0 and m["coords"]["cp"] == 0
         ]
-        return hashlib.sha256("".join(replica0).encode()).hexdigest()
+
+    def _digest_of(self, digests: list[str]) -> str:
+        return hashlib.sha256("".join(self._replica0(digests)).encode()).hexdigest()
 
     async def info(self) -> Info:
         digests: list[str] = []
@@ -643,9 +642,7 @@ class Controller(OperationHost):
                 "clip_grad": cfg.optimizer.clip_grad,
                 "weight_decay": cfg.optimizer.weight_decay,
                 "parameters_per_replica": sum(
-                    m["parameters"]
-                    for m in self.rank_meta
-                    if m["coords"]["dp"] == 0 and m["coords"]["cp"] == 0
+                    m["parameters"] for m in self._replica0(self.rank_meta)
                 ),
             },
             world_size=cfg.layout.world_size,
