@@ -1,6 +1,6 @@
 """The parallel math over real gloo ranks against float64 single-process references.
 
-Acceptance tests of ALGORITHMS.md §7: T1.5-T1.11, T2.2, T3.1-T3.2 (TP), T4.1-T4.4, T5.2, plus
+Acceptance tests of docs/algorithms.md §7: T1.5-T1.11, T2.2, T3.1-T3.2 (TP), T4.1-T4.4, T5.2, plus
 the RL losses (importance sampling, PPO, KL) under every normalisation at dp2 x cp2 and cp4.
 """
 
@@ -18,8 +18,10 @@ from ops_cases import (
     grouped_ddp_case,
     logprob_tp_case,
     pp_broadcast_case,
+    pp_broadcast_refused_case,
     ppl_uneven_case,
     reassemble_grad_case,
+    scalar_mean_case,
     stats_case,
     zero_valid_shard_case,
 )
@@ -104,6 +106,28 @@ def test_t4_1_t4_2_every_stage_gets_metadata(pools: Pools, pp: int) -> None:
     assert roles == expected
     for per_rank in results:  # variable length: 3 then 5 sequences
         assert [len(r["cu"]) for r in per_rank] == [4, 6]
+
+
+@pytest.mark.parametrize("pp", [1, 4])
+def test_collated_cu_seqlens_reach_every_tp_rank_as_one_shape(pools: Pools, pp: int) -> None:
+    """megatron collates cu_seqlens as [1, n]: every TP rank, the sender included, holds the
+    same 1-D [n] tensor."""
+    results = pools(2 * pp).run(pp_broadcast_case, 2, pp, [3, 5], True, True)
+    shapes = {r["cu_shape"] for per_rank in results for r in per_rank}
+    assert shapes == {(4,), (6,)}
+    for per_rank in results:
+        assert [r["cu_shape"] for r in per_rank] == [(4,), (6,)]
+
+
+def test_cu_seqlens_of_several_rows_are_refused_on_every_tp_rank(pools: Pools) -> None:
+    assert pools(2).run(pp_broadcast_refused_case) == [
+        "cu_seqlens must be [n] or [1, n], got shape (2, 4)",
+        "TP source rank 0 refused its cu_seqlens",
+    ]
+
+
+def test_scalar_mean_over_ranks(pools: Pools) -> None:
+    assert pools(2).run(scalar_mean_case) == [2.0, 2.0]
 
 
 def test_t4_3_none_protocol(pools: Pools) -> None:

@@ -1,6 +1,10 @@
-"""Log-prob kernels on one rank (§3; T3.3-T3.7). TP > 1 is in tests/distributed."""
+"""Log-prob kernels on one rank (docs/algorithms.md §3; T3.3-T3.7).
+
+TP > 1 is in tests/distributed."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -130,3 +134,49 @@ def test_entropy_matches_reference() -> None:
         torch.testing.assert_close(
             vocab_parallel_entropy(logits, chunk_size=cs).double(), want, atol=1e-5, rtol=1e-5
         )
+
+
+@pytest.fixture
+def two_threads():
+    """torch with 2 intra-op threads, as on this project's CI machine (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize("cs", [1, 2])
+def test_chunked_bit_identical_at_qwen_vocab_with_two_threads(cs: int) -> None:
+    """At V = 151,936 torch sums one long row over threads in another order than a row among
+    several; the kernels' fixed block order keeps chunked == non-chunked bit for bit."""
+    torch.manual_seed(0)
+    v = 151_936
+    logits = torch.randn(3, v) * 2
+    target = torch.randint(0, v, (3,))
+    lp_full, g_full = _grad(logits, target, 0)
+    lp_chunk, g_chunk = _grad(logits, target, cs)
+    assert torch.equal(lp_chunk, lp_full)
+    assert torch.equal(g_chunk, g_full)
+    # And the value is right: equal to float64 log_softmax within fp32 rounding.
+    ref = torch.log_softmax(logits.double(), -1).gather(-1, target[:, None])[:, 0]
+    torch.testing.assert_close(lp_full.double(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("cs", [0, 1])
+def test_entropy_with_minus_inf_logits(cs: int) -> None:
+    """A -inf logit (masked or padded vocabulary) has p log p = 0, not 0 * -inf = NaN."""
+    got = vocab_parallel_entropy(torch.tensor([[0.0, 0.0, -torch.inf]] * 2), chunk_size=cs)
+    torch.testing.assert_close(got, torch.full((2,), math.log(2)), atol=1e-7, rtol=0)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 300, generator=gen)
+    logits[:, ::7] = -torch.inf
+    want = torch.distributions.Categorical(logits=logits.double()).entropy()
+    got = vocab_parallel_entropy(logits, chunk_size=cs).double()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_entropy_keeps_nan_from_nan_logits() -> None:
+    """Only -inf is forgiven: a NaN logit still poisons its row, so a bug stays visible."""
+    got = vocab_parallel_entropy(torch.tensor([[0.0, float("nan"), 1.0], [0.0, 0.0, 0.0]]))
+    assert torch.isnan(got[0]) and not torch.isnan(got[1])

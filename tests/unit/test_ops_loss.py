@@ -1,4 +1,5 @@
-"""Losses, dummy micro-batches and the stats tracker on one rank (T1.12, T2.1, T2.3, T2.4)."""
+"""Losses, dummy micro-batches and the stats tracker on one rank (docs/algorithms.md §7:
+T1.12, T2.1, T2.3, T2.4)."""
 
 from __future__ import annotations
 
@@ -113,6 +114,13 @@ def test_tracker_reductions() -> None:
         "sequences:sum": 5.0,
     }
     assert t.export() == {}
+
+
+def test_scalar_mean_counts_each_record_once() -> None:
+    t = StatsTracker()
+    t.scalar("kl", 1.0, Reduction.MEAN)
+    t.scalar("kl", 3.0, Reduction.MEAN)
+    assert t.export() == {"kl:mean": 2.0}
 
 
 def test_t1_12_single_key_export() -> None:

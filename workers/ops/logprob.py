@@ -1,4 +1,4 @@
-"""Vocab-parallel per-token log-probabilities (shared/design/ALGORITHMS.md §3).
+"""Vocab-parallel per-token log-probabilities (docs/algorithms.md §3).
 
 TP rank ``k`` holds logits for vocabulary columns ``[vocab_start, vocab_start + V_t)``. The
 log-softmax is computed without gathering the vocabulary: the row max and the sum of
@@ -34,12 +34,39 @@ def _all_reduce(x: Tensor, op: dist.ReduceOp.RedOpType, group: ProcessGroup | No
     return x
 
 
+VOCAB_BLOCK = 4096
+"""Columns summed as one block by ``_row_sum``; the block sums are then added left to right."""
+
+
+def _row_sum(e: Tensor) -> Tensor:
+    """Row sums ``[n, 1]`` of ``e [n, V]`` in an order fixed by ``V`` alone.
+
+    ``e.sum(-1)`` is not: torch splits a single long row over threads, but gives each row of a
+    many-row tensor to one thread, so the same row sums differently (by an ulp) depending on
+    how many rows come with it - and the chunked kernel sees fewer rows than the full one.
+    Here each ``VOCAB_BLOCK``-column block is a short row of its own (summed by one thread, the
+    same way whatever ``n`` is) and the block sums are added in column order.
+    """
+    n, v = e.shape
+    full = v - v % VOCAB_BLOCK
+    parts = []
+    if full:
+        parts.append(e[:, :full].reshape(n, full // VOCAB_BLOCK, VOCAB_BLOCK).sum(-1))
+    if full < v:
+        parts.append(e[:, full:].sum(-1, keepdim=True))
+    blocks = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    acc = blocks[:, :1].clone()
+    for j in range(1, blocks.shape[1]):
+        acc += blocks[:, j : j + 1]
+    return acc
+
+
 def _row_stats(x: Tensor, tp_group: ProcessGroup | None) -> tuple[Tensor, Tensor, Tensor]:
     """``(z, m, log_se)`` of rows ``x [n, V_t]``: ``z = x - m`` (new fp32 tensor), the row max
     ``m [n, 1]`` and ``log(sum(exp(z)))`` ``[n, 1]``, both reduced over the TP group."""
     m = _all_reduce(x.max(dim=-1, keepdim=True).values.float(), dist.ReduceOp.MAX, tp_group)
     z = x - m
-    se = _all_reduce(z.exp().sum(dim=-1, keepdim=True), dist.ReduceOp.SUM, tp_group)
+    se = _all_reduce(_row_sum(z.exp()), dist.ReduceOp.SUM, tp_group)
     return z, m, se.log_()
 
 
@@ -163,6 +190,9 @@ def vocab_parallel_entropy(
     for a in range(0, n, step):
         b = min(n, a + step)
         lsm = _log_softmax(x[a:b].float(), tp_group)
-        out[a:b] = -(lsm.exp() * lsm).sum(-1)
+        # p * log p -> 0 as p -> 0: a -inf logit (masked or padded vocabulary) adds nothing,
+        # where the plain product would be 0 * -inf = NaN.
+        plogp = lsm.exp().mul_(lsm).masked_fill_(lsm == -torch.inf, 0.0)
+        out[a:b] = _row_sum(plogp).squeeze(-1).neg_()
     _all_reduce(out, dist.ReduceOp.SUM, tp_group)
     return out.reshape(lead)

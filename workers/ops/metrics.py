@@ -1,4 +1,4 @@
-"""CP-invariant metrics (ALGORITHMS.md §1.7), each named with its reduction.
+"""CP-invariant metrics (docs/algorithms.md §1.7), each named with its reduction.
 
 A metric is recorded from a rank's local tensors and reduced over an explicit process group,
 so the exported value does not depend on how tokens were split over DP x CP ranks:
@@ -95,8 +95,14 @@ class StatsTracker:
             self._add(name, reduction, num, mask.sum(dtype=torch.float64))
 
     def scalar(self, name: str, value: float, reduction: Reduction = Reduction.SUM) -> None:
-        """A plain scalar (e.g. a loss term already scaled), reduced as ``reduction``."""
-        self._add(name, reduction, torch.tensor(float(value), dtype=torch.float64), None)
+        """A plain scalar (e.g. a loss term already scaled), reduced as ``reduction``.
+
+        Under ``MEAN`` each record counts once: records of 1.0 and 3.0, on one rank or on two,
+        export 2.0.
+        """
+        num = torch.tensor(float(value), dtype=torch.float64)
+        one = torch.ones((), dtype=torch.float64) if reduction is Reduction.MEAN else None
+        self._add(name, reduction, num, one)
 
     def _add(self, name: str, reduction: Reduction, num: Tensor, den: Tensor | None) -> None:
         key = f"{name}:{reduction.value}"

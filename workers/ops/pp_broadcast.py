@@ -1,4 +1,5 @@
-"""Broadcast a micro-batch from TP rank 0 to the other TP ranks of a pipeline stage (§4).
+"""Broadcast a micro-batch from TP rank 0 to the other TP ranks of a pipeline stage
+(docs/algorithms.md §4).
 
 The data reaches TP rank 0 of each stage; it broadcasts over the TP group what its stage needs.
 Every stage - first, intermediate *and* last - runs transformer layers, so every stage gets the
@@ -139,15 +140,32 @@ def broadcast_stage_batch(
     return replace(StageBatch(), loss_inputs=inputs, **plain)  # type: ignore[arg-type]
 
 
+_REFUSED = -1
+"""Element count the sender broadcasts when it refuses its own ``cu_seqlens``, so that the
+receivers raise too instead of waiting for data that never comes."""
+
+
 def _broadcast_varlen(t: Tensor | None, *, tp_group: ProcessGroup, src: int) -> Tensor | None:
-    n = torch.tensor([0 if t is None else t.numel()], dtype=torch.int64)
+    """``cu_seqlens`` as a 1-D int32 ``[n]`` on every rank, the sender included.
+
+    Megatron collates it as ``[1, n]`` (micro-batch size 1); the sender flattens that, so every
+    TP rank holds the same shape. Any other 2-D shape (several packed rows) is refused on all
+    ranks of the group.
+    """
+    sender = dist.get_rank() == src
+    problem = None
+    if sender and t is not None and not (t.dim() == 1 or (t.dim() == 2 and t.shape[0] == 1)):
+        problem = f"cu_seqlens must be [n] or [1, n], got shape {tuple(t.shape)}"
+    count = _REFUSED if problem else (0 if t is None else t.numel())
+    n = torch.tensor([count], dtype=torch.int64)
     dist.broadcast(n, src=src, group=tp_group)
+    if int(n) == _REFUSED:
+        raise ValueError(problem or f"TP source rank {src} refused its cu_seqlens")
     if int(n) == 0:
         return None  # both sides skip the data broadcast
-    buf = (
-        t.to(torch.int32).contiguous()
-        if dist.get_rank() == src and t is not None
-        else torch.empty(int(n), dtype=torch.int32)
-    )
+    if sender and t is not None:
+        buf = t.to(torch.int32).reshape(-1).contiguous()
+    else:
+        buf = torch.empty(int(n), dtype=torch.int32)
     dist.broadcast(buf, src=src, group=tp_group)
     return buf
