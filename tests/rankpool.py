@@ -41,18 +41,107 @@ def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
         world_size=world,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
+    baseline = _gloo_threads()
     while (item := inbox.get()) is not None:
         fn, args = item
         try:
-            outbox.put((rank, True, fn(*args)))
+            ok, value = True, fn(*args)
         except BaseException:
-            outbox.put((rank, False, traceback.format_exc()))
+            ok, value = False, traceback.format_exc()
+        try:
+            _release_case_groups()
+        except BaseException:
+            ok, value = False, "after the case:\n" + traceback.format_exc()
+        outbox.put((rank, ok, value, _settled(baseline)))
+
+
+def _settled(baseline: int, wait_s: float = 2.0) -> bool:
+    """Whether the gloo threads are back to ``baseline``; destroyed groups' threads take a
+    moment to exit, so this waits up to ``wait_s`` for them."""
+    deadline = time.monotonic() + wait_s
+    while _gloo_threads() > baseline:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _gloo_threads() -> int:
+    """Threads of gloo process groups in this process (each group has its own)."""
+    from pathlib import Path
+
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sum(n.startswith(("gloo_", "pt_gloo")) for n in names)
+
+
+def _clear_megatron_caches() -> None:
+    """Empty megatron's ``functools`` caches: some cache methods (``RotaryEmbedding.forward``),
+    so they hold the module, its process group, and the group's threads."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.") or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            members = vars(obj).values() if isinstance(obj, type) else [obj]
+            for m in members:
+                if callable(getattr(m, "cache_clear", None)):
+                    m.cache_clear()
+
+
+def _release_case_groups() -> None:
+    """Destroy what a case created, on every rank at the same point: megatron's parallel state
+    and every process group but the default one. Each gloo group keeps its own threads (and
+    polls while idle); kept across cases they pile up by the hundred per worker."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    dist.barrier()  # every rank has finished the case's collectives
+    try:
+        from megatron.core import parallel_state as mpu
+    except ImportError:  # the ops-only cases need no megatron
+        pass
+    else:
+        mpu.destroy_model_parallel()
+        # megatron-core 0.16.1's destroy misses a few globals (the intra-partial DP x CP
+        # groups); a group left in one keeps its threads alive.
+        for name, value in list(vars(mpu).items()):
+            if isinstance(value, dist.ProcessGroup):
+                setattr(mpu, name, None)
+        _clear_megatron_caches()
+        # The MoE aux-loss tracker keeps each loss's reduce group.
+        from megatron.core.transformer.moe import moe_utils
+
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    world = dist.group.WORLD
+    for pg in list(distributed_c10d._world.pg_map):
+        if pg is not world:
+            dist.destroy_process_group(pg)
+    gc.collect()
 
 
 class RankPool:
+    """``world_size`` ranks, started once. After each case every rank destroys the groups the
+    case created; if a case still left some alive (megatron's MoE layers keep their model, and
+    so its groups, reachable), the ranks are replaced before the next case, so idle groups never
+    pile up and poll in the background."""
+
     def __init__(self, world_size: int, timeout_s: float = 300.0) -> None:
-        ctx = mp.get_context("spawn")
         self.world_size, self.timeout_s = world_size, timeout_s
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        world_size = self.world_size
+        self._dirty = False
         port = _free_port()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         self._outbox = ctx.Queue()
@@ -68,6 +157,10 @@ class RankPool:
             p.start()
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        if self._dirty:
+            self.close()
+            self._start()
+            self.restarts += 1
         for box in self._inboxes:
             box.put((fn, args))
         results: dict[int, Any] = {}
@@ -76,7 +169,8 @@ class RankPool:
         for _ in range(self.world_size):
             while True:
                 try:
-                    rank, ok, value = self._outbox.get(timeout=1.0)
+                    rank, ok, value, clean = self._outbox.get(timeout=1.0)
+                    self._dirty |= not clean
                     break
                 except queue.Empty:
                     dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
@@ -93,6 +187,10 @@ class RankPool:
         if errors:
             raise RuntimeError("\n".join(errors))
         return [results[r] for r in range(self.world_size)]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
 
     def close(self) -> None:
         for box in self._inboxes:

@@ -3,11 +3,54 @@ process, so every test module shares one pool per world size."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from rankpool import RankPool
+
+IDLE_WINDOW_S = 3.0
+_idle_report: list[str] = []
+
+
+def _threads_and_cpu_s(pid: int) -> tuple[int, float]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    threads = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("Threads:")))
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime + stime
+    return threads, ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _report_idle(started: dict[int, RankPool]) -> None:
+    """Each pool worker's threads and CPU use while idle, once the tier is done."""
+    pids = {pid: ws for ws, pool in started.items() for pid in pool.pids}
+    before = {}
+    for pid in pids:
+        try:
+            before[pid] = _threads_and_cpu_s(pid)
+        except OSError:  # a worker that died (its test failed and says so)
+            continue
+    time.sleep(IDLE_WINDOW_S)
+    for pid, ws in sorted(pids.items(), key=lambda kv: kv[1]):
+        if pid not in before:
+            continue
+        threads, cpu = _threads_and_cpu_s(pid)
+        busy = 100 * (cpu - before[pid][1]) / IDLE_WINDOW_S
+        _idle_report.append(
+            f"pool {ws} worker {pid}: {threads} threads, {busy:.1f}% CPU idle "
+            f"(pool restarted {started[ws].restarts}x after cases that left groups alive)"
+        )
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _idle_report:
+        terminalreporter.section("rank pools after the distributed tier")
+        for line in _idle_report:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +63,7 @@ def pools() -> Iterator[Callable[[int], RankPool]]:
         return started[world_size]
 
     yield get
+    _report_idle(started)
     for pool in started.values():
         pool.close()
 

@@ -27,7 +27,6 @@ from trainctl.workers.plan import pack, sequence_scales
 # -- process groups -------------------------------------------------------------------------
 
 _AXES = ("tp", "cp", "dp", "pp")  # megatron's order: TP fastest
-_GRIDS: dict[tuple[int, ...], Grid] = {}
 
 
 @dataclass
@@ -47,10 +46,10 @@ class Grid:
 
 
 def grid(tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1) -> Grid:
-    """This rank's coordinates and groups; every rank creates every group in the same order."""
+    """This rank's coordinates and groups; every rank creates every group in the same order.
+
+    The groups live for one case: the rank pool destroys them when the case returns."""
     key = (tp, cp, dp, pp)
-    if key in _GRIDS:
-        return _GRIDS[key]
     sizes = dict(zip(_AXES, key, strict=True))
     world = tp * cp * dp * pp
     assert world == dist.get_world_size(), (sizes, dist.get_world_size())
@@ -80,8 +79,7 @@ def grid(tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1) -> Grid:
             g = dist.new_group(members[k])
             if k == mine:
                 groups[name] = g
-    _GRIDS[key] = Grid(sizes, me, groups)
-    return _GRIDS[key]
+    return Grid(sizes, me, groups)
 
 
 # -- vocab-parallel log-prob ----------------------------------------------------------------
@@ -101,8 +99,8 @@ def logprob_tp_case(b: int, s: int, v: int, cs: int, oov: bool) -> dict[str, Any
     full = logits.double().requires_grad_()
     ref = torch.log_softmax(full, -1)
     inside = target < v
-    # An out-of-vocabulary target has log-prob 0 and, as upstream defines it (§3), the gradient
-    # of "no target": -softmax. -lse + lse.detach() is 0 with exactly that gradient.
+    # An out-of-vocabulary target has log-prob 0 and, as docs/algorithms.md §3 defines it, the
+    # gradient of "no target": -softmax. -lse + lse.detach() is 0 with exactly that gradient.
     lse = torch.logsumexp(full, -1)
     no_target = -lse + lse.detach()
     ref_lp = torch.where(
@@ -337,7 +335,7 @@ def stats_case() -> dict[str, float]:
 
 
 def ppl_uneven_case() -> float:
-    """§1.7's example: NLLs 0.9 on rank 0 and 0.3, 0.3 on rank 1 -> ppl e^0.5."""
+    """docs/algorithms.md §1.7's example: NLLs 0.9 on rank 0 and 0.3, 0.3 on rank 1 -> ppl e^0.5."""
     g = grid(cp=2)
     r = g.coords["cp"]
     nll = (
@@ -467,9 +465,11 @@ def _stage_batch(n_seqs: int, seq_length: int, loss_inputs: tuple[str, ...]):
 
 
 def pp_broadcast_case(
-    tp: int, pp: int, seq_counts: list[int], with_cu: bool = True
+    tp: int, pp: int, seq_counts: list[int], with_cu: bool = True, collated: bool = False
 ) -> list[dict[str, Any]]:
-    """Every TP rank of every stage gets what its stage needs; returns what each call sent."""
+    """Every TP rank of every stage gets what its stage needs; returns what each call sent.
+
+    ``collated``: the sender's ``cu_seqlens`` is ``[1, n]``, as megatron collates it."""
     from trainctl.workers.ops import pp_broadcast as ppb
 
     g = grid(tp=tp, pp=pp)
@@ -492,16 +492,15 @@ def pp_broadcast_case(
             full = _stage_batch(n, 24, inputs)
             if not with_cu:
                 full = ppb.replace(full, cu_seqlens=None)
+            elif collated:
+                full = ppb.replace(full, cu_seqlens=full.cu_seqlens[None])
             got = ppb.broadcast_stage_batch(
                 full if sender else None, role=role, cfg=cfg, tp_group=g.groups["tp"], src=src
             )
             res: dict[str, Any] = {"role": role.value}
             if with_cu:
                 assert got.cu_seqlens is not None and got.cu_seqlens.dtype == torch.int32
-                assert torch.equal(got.cu_seqlens, full.cu_seqlens), (
-                    got.cu_seqlens,
-                    full.cu_seqlens,
-                )
+                assert torch.equal(got.cu_seqlens.reshape(-1), full.cu_seqlens.reshape(-1))
                 assert got.max_seqlen is not None and got.max_seqlen.dtype == torch.int32
                 assert torch.equal(got.max_seqlen, full.max_seqlen)
             else:
@@ -518,6 +517,7 @@ def pp_broadcast_case(
                     got.loss_inputs["advantages"], full.loss_inputs["advantages"].double()
                 )
             res["cu"] = None if got.cu_seqlens is None else got.cu_seqlens.tolist()
+            res["cu_shape"] = None if got.cu_seqlens is None else tuple(got.cu_seqlens.shape)
             out.append(res)
     finally:
         ppb.dist.broadcast = real  # type: ignore[assignment]
@@ -526,3 +526,33 @@ def pp_broadcast_case(
     dist.all_gather_object(seqs, calls, group=g.groups["tp"])
     assert all(s == seqs[0] for s in seqs), seqs
     return out
+
+
+def pp_broadcast_refused_case() -> str:
+    """A sender with several packed rows (``[2, n]`` cu_seqlens) is refused on every TP rank."""
+    from trainctl.workers.ops import pp_broadcast as ppb
+
+    g = grid(tp=2)
+    src = g.src_of("tp")
+    full = _stage_batch(3, 24, ())
+    assert full.cu_seqlens is not None
+    full = ppb.replace(full, cu_seqlens=full.cu_seqlens.repeat(2, 1))
+    cfg = ppb.BroadcastConfig(seq_length=24)
+    try:
+        ppb.broadcast_stage_batch(
+            full if dist.get_rank() == src else None,
+            role=ppb.StageRole.ONLY,
+            cfg=cfg,
+            tp_group=g.groups["tp"],
+            src=src,
+        )
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def scalar_mean_case() -> float:
+    """One scalar record per rank, 1.0 and 3.0, exported as a mean over the group: 2.0."""
+    tracker = StatsTracker()
+    tracker.scalar("x", 1.0 + 2.0 * dist.get_rank(), Reduction.MEAN)
+    return tracker.export(group=dist.group.WORLD)["x:mean"]
