@@ -5,7 +5,7 @@
     trainctl eval-batch batch.jsonl
     trainctl logprobs batch.jsonl [--entropy] [-o out.jsonl]
     trainctl memory-profile start|stop|list
-    trainctl memory-profile download PROFILE_ID [-d DIR]
+    trainctl memory-profile download PROFILE_ID [-o DIR]   (files go to DIR/PROFILE_ID/)
     trainctl checkpoint save|list|load [CHECKPOINT_ID]
     trainctl export-hf [--name NAME]
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -142,18 +143,19 @@ def _memory_profile(args: argparse.Namespace, c: TrainctlClient) -> int:
     elif args.action == "download":
         if not args.profile_id:
             raise SystemExit("trainctl: memory-profile download needs a PROFILE_ID")
-        target = Path(args.dir) / args.profile_id
-        target.mkdir(parents=True, exist_ok=True)
         profile = next(
             (p for p in c.list_memory_profiles().profiles if p.profile_id == args.profile_id),
             None,
         )
         if profile is None:
             raise SystemExit(f"trainctl: no memory profile {args.profile_id!r}")
-        for f in profile.files:
-            for name in filter(None, (f.name, f.picture)):
-                (target / name).write_bytes(c.download_profile_file(args.profile_id, name))
-                print(target / name)
+        target = Path(args.output) / args.profile_id
+        names = [n for f in profile.files for n in (f.name, f.picture) if n]
+        print(f"downloading {len(names)} file(s) into {target.resolve()}/", file=sys.stderr)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            (target / name).write_bytes(c.download_profile_file(args.profile_id, name))
+            print(target / name)
     return 0
 
 
@@ -190,7 +192,16 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("action", choices=["start", "stop", "list", "download"])
     q.add_argument("profile_id", nargs="?")
     q.add_argument("--max-entries", type=int, default=100_000)
-    q.add_argument("-d", "--dir", default=".", help="download into DIR/PROFILE_ID/")
+    q.add_argument(
+        "-o",
+        "--output",
+        "-d",
+        "--dir",
+        dest="output",
+        default=".",
+        metavar="DIR",
+        help="download: write the files into DIR/PROFILE_ID/ (default: ./PROFILE_ID/)",
+    )
     q = sub.add_parser("checkpoint", help="save, list or load training checkpoints")
     q.add_argument("action", choices=["save", "list", "load"])
     q.add_argument("checkpoint_id", nargs="?")
@@ -199,19 +210,37 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _serve(argv: list[str]) -> int:
+    try:
+        from trainctl.service.cli import main as serve_main
+    except ImportError as e:  # a bare SDK install: no torch, Ray or FastAPI
+        print(
+            f"trainctl: 'trainctl serve' needs the server extra (missing: {e.name or e}); "
+            "install it with: pip install 'trainctl[server]'",
+            file=sys.stderr,
+        )
+        return 2
+    return serve_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
-        from trainctl.service.cli import main as serve_main  # needs the server extra
-
-        return serve_main(argv)
+        return _serve(argv)
     args = parser().parse_args(argv)
     try:
         with TrainctlClient(args.url, api_token=args.token, binary=not args.json) as c:
-            return _client_commands(args, c)
+            rc = _client_commands(args, c)
+        sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
+        return rc
     except TrainctlClientError as e:
         print(f"trainctl: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader left (`trainctl info | head`): stop quietly, as a Unix tool does, and
+        # keep Python from complaining again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -21,7 +21,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from trainctl.api import Info
+from trainctl.service import ray_auth
 from trainctl.service.cluster import LocalRayHead
+from trainctl.service.ray_auth import StartupError
 from trainctl.service.settings import Settings
 from trainctl.workers import logs
 
@@ -61,10 +63,61 @@ def engine_config_dict(s: Settings) -> dict[str, Any]:
 
 
 def serve_main(s: Settings) -> int:
-    if not s.ray_address:
-        # Token authentication on our own head and in this driver; must be set before Ray is
-        # imported (its C++ side reads the mode once). Both use the token in ~/.ray/auth_token.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    """Run the service until SIGINT/SIGTERM; a start-up failure is one line on stderr."""
+    try:
+        return _serve(s)
+    except StartupError as e:
+        print(f"trainctl: {e}", file=sys.stderr)
+        return 2
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before starting anything if the gateway's port is taken."""
+    if port == 0:
+        return
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise StartupError(
+                f"cannot listen on {host}:{port} ({e.strerror}); stop what holds the port "
+                "or pass another --port"
+            ) from None
+
+
+def _check_reachable(address: str) -> None:
+    """A ``host:port`` cluster address must accept a TCP connection: ``ray.init`` against a
+    dead address retries for many minutes before it says anything."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto", "ray://..." (Ray Client) and the like: left to Ray
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as e:
+        raise StartupError(
+            f"cannot reach the Ray cluster at {address} ({e.strerror or e}); check "
+            "--ray-address and that the cluster is running"
+        ) from None
+
+
+def _serve(s: Settings) -> int:
+    _check_port(s.host, s.port)
+    # Before Ray is imported: its C++ core reads the auth mode once.
+    if s.ray_address:
+        _check_reachable(s.ray_address)
+        source = ray_auth.joining_token()
+        if source is None:
+            log.warning(
+                "joining %s without a Ray auth token (none in $%s, $%s or %s)",
+                s.ray_address,
+                ray_auth.TOKEN_ENV,
+                ray_auth.PATH_ENV,
+                ray_auth.HOME_TOKEN,
+            )
+        else:
+            log.info("joining %s with the Ray auth token from %s", s.ray_address, source)
+    else:
+        log.info("Ray token authentication: token from %s", ray_auth.own_cluster_token(s.data_dir))
     import ray
     from ray import serve
 
@@ -74,9 +127,10 @@ def serve_main(s: Settings) -> int:
 
     try:
         cfg = engine_config_dict(s)
+    except OSError as e:
+        raise StartupError(f"cannot read {e.filename}: {e.strerror}") from None
     except (ConfigError, TypeError, ValueError) as e:
-        print(f"trainctl: invalid configuration: {e}", file=sys.stderr)
-        return 2
+        raise StartupError(f"invalid configuration: {_first_line(e)}") from None
 
     stop = threading.Event()
     started = threading.Event()
@@ -96,11 +150,14 @@ def serve_main(s: Settings) -> int:
         else:
             head = LocalRayHead(num_cpus=s.num_cpus, log_path=s.data_dir.resolve() / "ray-head.log")
             address = head.__enter__()
-        _connect(address)
-        # After ray.init: Ray's core worker installs a SIGTERM handler that aborts the process;
-        # ours replaces it so a SIGTERM drains instead.
-        signal.signal(signal.SIGINT, _on_signal)
-        signal.signal(signal.SIGTERM, _on_signal)
+        # Ours before ray.init, so a signal while connecting stops start-up; and again after:
+        # Ray's core worker installs a SIGTERM handler that aborts the process, and ours
+        # replaces it so a SIGTERM drains instead.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _on_signal)
+        _connect(address, head, timeout_s=120.0 if head is not None else 0.0)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _on_signal)
         env = {"TRAINCTL_LOG_LEVEL": s.log_level, "TRAINCTL_LOG_FORMAT": s.log_format}
         controller = ControllerActor.options(
             name=CONTROLLER_NAME,
@@ -129,8 +186,7 @@ def serve_main(s: Settings) -> int:
         try:
             info: Info = ray.get(controller.start.remote())  # type: ignore[attr-defined,assignment]
         except ray.exceptions.RayTaskError as e:
-            print(f"trainctl: could not start the workers: {e.cause}", file=sys.stderr)
-            return 2
+            raise StartupError(f"could not start the workers: {e.cause}") from None
         log.info("model: %s parameters per replica", info.engine["parameters_per_replica"])
         serve.start(http_options={"host": s.host, "port": s.port})
         serve.run(
@@ -156,6 +212,16 @@ def serve_main(s: Settings) -> int:
             pass
     except KeyboardInterrupt:
         log.info("interrupted during start-up")
+    except StartupError:
+        raise
+    except Exception as e:
+        if started.is_set():
+            raise
+        log.debug("start-up failed", exc_info=True)
+        raise StartupError(
+            f"start-up failed: {type(e).__name__}: {_first_line(e)} "
+            "(run with --log-level DEBUG for the traceback)"
+        ) from None
     finally:
         _shutdown(controller, checkpoint=s.checkpoint_on_exit)
         if head is not None:
@@ -164,8 +230,17 @@ def serve_main(s: Settings) -> int:
     return 0
 
 
-def _connect(address: str, timeout_s: float = 120.0) -> None:
-    """``ray.init`` against ``address``, retrying while a fresh head is still starting."""
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def _connect(address: str, head: LocalRayHead | None, timeout_s: float = 120.0) -> None:
+    """``ray.init`` against ``address``, retrying while a fresh head is still starting
+    (``timeout_s`` 0: one attempt, for a cluster that should already be up).
+
+    Ray reports a refused token as a plain connection failure (after about 20 s), so the
+    final error when joining names the token as a possible cause.
+    """
     import ray
 
     from trainctl.workers.controller import NAMESPACE
@@ -175,9 +250,19 @@ def _connect(address: str, timeout_s: float = 120.0) -> None:
         try:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
             return
+        except ray.exceptions.AuthenticationError:
+            raise StartupError(ray_auth.missing_token_hint(address)) from None
         except (ConnectionError, RuntimeError) as e:
+            if head is not None and not head.running():
+                raise StartupError(
+                    f"the local Ray head exited during start-up; see {head.log_path}"
+                ) from None
             if time.monotonic() > deadline:
-                raise RuntimeError(f"could not reach the Ray cluster at {address}: {e}") from e
+                hint = "" if head is not None else ray_auth.TOKEN_HINT
+                raise StartupError(
+                    f"could not reach the Ray cluster at {address} within {timeout_s:.0f}s "
+                    f"({_first_line(e)}); check --ray-address{hint}"
+                ) from None
             time.sleep(1.0)
 
 
@@ -223,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             settings = _settings_from(args)
         except ValidationError as e:
-            print(f"trainctl: invalid settings:\n{e}", file=sys.stderr)
+            problems = "; ".join(
+                f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}"
+                for err in e.errors()
+            )
+            print(f"trainctl: invalid settings: {problems}", file=sys.stderr)
             return 2
         logs.configure(settings.log_level, settings.log_format)
         return serve_main(settings)

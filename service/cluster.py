@@ -67,6 +67,9 @@ class LocalRayHead:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def stop(self) -> None:
         if self.proc is None:
             return

@@ -3,7 +3,8 @@
     with LocalService(Path("data"), "--dp=2") as svc:
         svc.client().train_batch(...)
 
-Starts the service in its own process session, waits until ``/v1/ready``, and on exit sends
+Starts the service in its own process session (``env`` adds variables; a None value unsets
+one), waits until ``/v1/ready``, and on exit sends
 SIGTERM to the service's pid only (as Kubernetes does), waits for it, and kills whatever is
 left of its session. ``returncode`` and ``leftovers`` say how the stop went.
 """
@@ -31,7 +32,7 @@ class LocalService:
         num_cpus: int = 2,
         start_timeout_s: float = 300,
         stop_timeout_s: float = 120,
-        env: dict[str, str] | None = None,
+        env: dict[str, str | None] | None = None,
     ) -> None:
         self.data_dir, self.flags = data_dir, flags
         self.port = free_port()
@@ -51,12 +52,13 @@ class LocalService:
 
     def start(self) -> LocalService:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        env = {
+        merged = {
             **os.environ,
             "TRAINCTL_DATA_DIR": str(self.data_dir),
             "PYTHONUNBUFFERED": "1",
             **self.env,
         }
+        env = {k: v for k, v in merged.items() if v is not None}  # None: unset
         cmd = [sys.executable, "-m", "trainctl.service.cli", "serve", "--port", str(self.port)]
         cmd += ["--num-cpus", str(self.num_cpus), *self.flags]
         with self.log_path.open("ab") as out:

@@ -22,7 +22,7 @@ from trainctl.clients import (
     TrainctlClient,
 )
 
-from conftest import Service, running_service
+from conftest import Service, digest, running_service
 from test_service import ragged_batch
 
 TOKEN = "tok-" + "x" * 24
@@ -80,7 +80,7 @@ def test_an_oversize_body_is_413_and_changes_nothing(svc: Service) -> None:
         timeout=60,
     )
     assert r.status_code == 413 and r.json()["type"] == "payload_too_large", r.text[:300]
-    assert client(svc).info().weights_digest == before.weights_digest
+    assert digest(client(svc).info().weights_digest) == digest(before.weights_digest)
 
 
 def test_checkpoint_round_trip_is_bit_for_bit(svc: Service) -> None:
@@ -91,14 +91,14 @@ def test_checkpoint_round_trip_is_bit_for_bit(svc: Service) -> None:
     assert saved.step == c.info().step and saved.checkpoint_id in {
         ck.checkpoint_id for ck in c.list_checkpoints().checkpoints
     }
-    assert saved.weights_digest == c.info().weights_digest
+    assert digest(saved.weights_digest) == digest(c.info().weights_digest)
     first = c.train_batch(batch)  # the step right after the checkpoint...
     c.train_batch(batch)
-    assert c.info().weights_digest != saved.weights_digest
+    assert digest(c.info().weights_digest) != digest(saved.weights_digest)
     loaded = c.load_checkpoint(saved.checkpoint_id)
     info = c.info()
     assert loaded.step == info.step == saved.step
-    assert info.weights_digest == saved.weights_digest  # weights bit for bit
+    assert digest(info.weights_digest) == digest(saved.weights_digest)  # weights bit for bit
     again = c.train_batch(batch)  # ...is taken again identically: optimizer state restored
     assert (again.loss, again.metrics["grad_norm:value"]) == (
         first.loss,
@@ -116,7 +116,9 @@ def test_a_failing_rank_applies_nothing_on_any_rank(svc: Service) -> None:
     assert "rank 1" in e.value.message and "injected fault" in e.value.message
     after = c.info()
     assert after.step == before.step
-    assert [rk.weights_digest for rk in after.ranks] == [rk.weights_digest for rk in before.ranks]
+    assert [digest(rk.weights_digest) for rk in after.ranks] == [
+        digest(rk.weights_digest) for rk in before.ranks
+    ]
     # The failure applied nothing, so the same key may run again, and succeeds.
     assert c.train_batch(ragged_batch(seed=22), idempotency_key="fault-1").step == before.step + 1
 
@@ -133,8 +135,8 @@ def test_a_rank_failing_in_the_optimizer_update_rolls_back_to_the_checkpoint(
     c.wait_ready(timeout=180)
     info = c.info()
     # Rank 0 had applied the update, rank 1 had not: both are back at the checkpoint.
-    assert info.step == saved.step and info.weights_digest == saved.weights_digest
-    assert len({rk.weights_digest for rk in info.ranks}) == 1
+    assert info.step == saved.step and digest(info.weights_digest) == digest(saved.weights_digest)
+    assert len({digest(rk.weights_digest) for rk in info.ranks}) == 1
     assert info.recovery is not None and info.recovery.step_before == saved.step + 1
 
 
@@ -187,6 +189,6 @@ def test_a_killed_rank_is_replaced_and_the_latest_checkpoint_restored(svc: Servi
     info = c.info()
     assert info.recovery is not None and info.recovery.restored_checkpoint == saved.checkpoint_id
     assert info.step == saved.step and info.steps_lost >= 1
-    assert info.weights_digest == saved.weights_digest
+    assert digest(info.weights_digest) == digest(saved.weights_digest)
     assert all(rk.pid != victim for rk in info.ranks)
     assert c.train_batch(ragged_batch(seed=26)).step == saved.step + 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ import pytest
 
 from trainctl.clients import BadRequestError, ConflictError, TrainctlClient
 
-from conftest import Service
+from conftest import RAY_AUTH_VARS, Service, digest
 
 REFERENCE = Path(__file__).parents[1] / "reference.py"
 
@@ -33,12 +34,44 @@ def ragged_batch(seed: int, vocab: int = 512) -> list[dict]:
     return out
 
 
+def test_started_as_on_a_fresh_machine(service: Service) -> None:
+    """An empty HOME and no RAY_AUTH_* variables: trainctl made its own token, owner-only,
+    under its data directory, ran Ray in token mode, and wrote nothing into HOME."""
+    env = service.env
+    assert all(env[k] is None for k in RAY_AUTH_VARS)
+    token = service.data_dir / "ray" / "auth_token"
+    assert token.stat().st_mode & 0o777 == 0o600
+    assert len(token.read_text().strip()) == 64
+    assert not (Path(str(env["HOME"])) / ".ray").exists()
+    assert f"Ray token authentication: token from {token.resolve()}" in service.log()
+    # The head really runs in token mode: a driver with that token connects, one with another
+    # token is refused.
+    port = re.search(r"starting a local Ray head on port (\d+)", service.log())
+    assert port is not None
+    probe = f"import ray; ray.init(address='127.0.0.1:{port[1]}'); print(ray.is_initialized())"
+
+    def connect(**auth: str) -> subprocess.CompletedProcess[str]:
+        env_ = {"HOME": str(env["HOME"]), "PATH": "/usr/bin:/bin", "RAY_AUTH_MODE": "token"}
+        return subprocess.run(
+            [sys.executable, "-c", probe],
+            env={**env_, **auth},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    ok = connect(RAY_AUTH_TOKEN_PATH=str(token))
+    assert ok.returncode == 0 and ok.stdout.strip() == "True", ok.stderr[-2000:]
+    refused = connect(RAY_AUTH_TOKEN="0" * 64)
+    assert refused.returncode != 0 and "Failed to connect" in refused.stderr
+
+
 def test_info_describes_the_dp2_service(service: Service) -> None:
     info = service.client().info()
     assert info.world_size == 2 and info.layout["dp"] == 2 and info.step == 0
     assert sorted(r.coords["dp"] for r in info.ranks) == [0, 1]
     # DP replicas hold identical weights.
-    assert info.ranks[0].weights_digest == info.ranks[1].weights_digest
+    assert digest(info.ranks[0].weights_digest) == digest(info.ranks[1].weights_digest)
     assert info.versions["megatron-core"] == "0.16.1"
 
 
@@ -80,7 +113,10 @@ def test_bad_input_is_rejected_and_changes_nothing(
     err = r.json()
     assert err["type"] == "invalid_request" and err["message"].startswith(f"{field}:"), err
     after = client.info()
-    assert (after.step, after.weights_digest) == (before.step, before.weights_digest)
+    assert (after.step, digest(after.weights_digest)) == (
+        before.step,
+        digest(before.weights_digest),
+    )
 
 
 def test_sdk_raises_bad_request(service: Service) -> None:
@@ -102,7 +138,9 @@ def test_five_train_batches_lower_the_loss(service: Service) -> None:
     assert r.metrics["tokens:sum"] == sum(len(s["tokens"]) for s in batch)
     assert {"plan_s", "total_s", "forward_backward_max_s", "optimizer_max_s"} <= set(r.timings)
     info = client.info()
-    assert info.step == start + 5 and info.ranks[0].weights_digest == info.ranks[1].weights_digest
+    assert info.step == start + 5 and digest(info.ranks[0].weights_digest) == digest(
+        info.ranks[1].weights_digest
+    )
 
 
 def test_memory_profile_round_trip(service: Service) -> None:
@@ -159,10 +197,10 @@ def test_three_retries_with_one_key_step_once(service: Service) -> None:
     after = client.info()
     assert after.step == before.step + 1
     assert results[0] == results[1] == results[2]
-    assert after.weights_digest != before.weights_digest
+    assert digest(after.weights_digest) != digest(before.weights_digest)
     # A further retry changes nothing either.
     client.train_batch(batch, idempotency_key="retry-me")
-    assert client.info().weights_digest == after.weights_digest
+    assert digest(client.info().weights_digest) == digest(after.weights_digest)
 
 
 def test_a_retry_while_the_first_call_runs_joins_it(service: Service) -> None:
@@ -253,4 +291,8 @@ def test_every_log_line_of_an_operation_carries_its_id(service: Service) -> None
             break
         time.sleep(0.5)
     assert any("eval_batch started" in ln for ln in lines), lines
-    assert all(f"[op={op.id}]" in ln for ln in lines if "trainctl.workers" in ln), lines
+    # Every worker line that names the operation carries its id in the tag - and there are such
+    # lines, or the check below would pass on nothing.
+    workers = [ln for ln in lines if "trainctl.workers" in ln]
+    assert workers, lines
+    assert all(f"[op={op.id}]" in ln for ln in workers), workers

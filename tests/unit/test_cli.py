@@ -1,0 +1,107 @@
+"""The ``trainctl`` command line as a user runs it: a real process, real HTTP, against the
+gateway app with a fake controller served by uvicorn on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from trainctl.service.app import create_app
+from trainctl.service.cluster import free_port
+
+from fakes import FakeController
+
+
+@pytest.fixture
+def url(fake: FakeController) -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(fake), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield base
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def trainctl(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "trainctl.clients.cli", *args]
+    return subprocess.run(cmd, text=True, timeout=60, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+
+def test_output_into_a_closed_pipe_ends_quietly(url: str) -> None:
+    """`trainctl info | head`: once the reader is gone, exit like a Unix tool, no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader at all: the first write fails, deterministically
+    try:
+        r = trainctl("--url", url, "info", stdout=write_end, stderr=subprocess.PIPE)
+    finally:
+        os.close(write_end)
+    assert r.stderr == "", r.stderr
+    assert r.returncode == 128 + signal.SIGPIPE
+
+
+def test_memory_profile_download_says_where_files_go(url: str, tmp_path: Path) -> None:
+    httpx.post(f"{url}/v1/memory_profile/start", json={}).raise_for_status()
+    httpx.post(f"{url}/v1/memory_profile/stop").raise_for_status()
+    r = trainctl(
+        "--url", url, "memory-profile", "download", "p1", "-o", str(tmp_path), capture_output=True
+    )
+    assert r.returncode == 0, r.stderr
+    target = tmp_path / "p1"
+    assert f"downloading 2 file(s) into {target.resolve()}/" in r.stderr
+    names = {"snapshot_rank00_p0d0c0t0.trace.json", "snapshot_rank00_p0d0c0t0.png"}
+    assert {p.name for p in target.iterdir()} == names
+    assert set(r.stdout.split()) == {str(target / n) for n in names}
+    assert (target / "snapshot_rank00_p0d0c0t0.trace.json").read_bytes() == b'{"traceEvents": []}'
+
+
+def test_serve_settings_errors_are_one_line() -> None:
+    r = trainctl("serve", "--dp", "0", capture_output=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "trainctl: invalid settings: --dp: Input should be greater than or equal to 1"
+    ]
+
+
+def test_serve_on_a_taken_port_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = trainctl("serve", "--port", str(port), "--data-dir", str(tmp_path), capture_output=True)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"trainctl: cannot listen on 127.0.0.1:{port}")
+    assert "pass another --port" in lines[0]
+
+
+def test_serve_against_an_unreachable_cluster_is_one_line(tmp_path: Path) -> None:
+    port = free_port()
+    r = trainctl(
+        "serve", "--ray-address", f"127.0.0.1:{port}", "--data-dir", str(tmp_path),
+        capture_output=True,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"trainctl: cannot reach the Ray cluster at 127.0.0.1:{port} (Connection refused); "
+        "check --ray-address and that the cluster is running"
+    ], r.stderr
