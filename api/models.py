@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainctl.api.errors import ErrorBody, field_error
+from trainctl.api.errors import ConflictError, ErrorBody, field_error
 
 API_VERSION = "v1"
 
@@ -194,6 +194,17 @@ class TrainBatchRequest(_BatchRequest):
         "(409 otherwise, the model untouched): guards against a stale or duplicated update.",
     )
 
+    def check_expected_step(self, step: int) -> None:
+        """Raise a 409 ``ConflictError`` unless the model at ``step`` is the one asked for.
+
+        The controller calls this when the operation runs, before touching any rank."""
+        if self.expected_step is not None and self.expected_step != step:
+            raise ConflictError(
+                f"expected_step is {self.expected_step} but the model is at step {step}; "
+                "nothing was applied",
+                details={"expected_step": self.expected_step, "step": step},
+            )
+
 
 class EvalBatchRequest(_BatchRequest):
     """The same loss as ``train_batch``, without backward or update."""
@@ -296,7 +307,9 @@ class Operation(BaseModel):
 class RankInfo(BaseModel):
     rank: int
     coords: dict[str, int]
-    weights_digest: str
+    weights_digest: str | None = Field(
+        description="sha256 of this rank's shards; null while the workers are being rebuilt."
+    )
     pid: int | None = Field(default=None, description="Process id of the rank actor.")
 
 
@@ -356,8 +369,9 @@ class Info(BaseModel):
     engine: dict[str, float | int | str]
     world_size: int
     step: int
-    weights_digest: str = Field(
-        description="sha256 over the DP-replica-0 shards: equal digests, equal weights."
+    weights_digest: str | None = Field(
+        description="sha256 over the DP-replica-0 shards: equal digests, equal weights. "
+        "null only while the workers are being rebuilt (not ready)."
     )
     ranks: list[RankInfo]
     versions: dict[str, str]

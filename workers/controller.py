@@ -505,12 +505,7 @@ class Controller(OperationHost):
     async def _train(
         self, h: Handle, req: TrainBatchRequest, plan: StepPlan, t_plan: float
     ) -> StepResult:
-        if req.expected_step is not None and req.expected_step != self.step:
-            raise ConflictError(
-                f"expected_step is {req.expected_step} but the model is at step {self.step}; "
-                "nothing was applied",
-                details={"expected_step": req.expected_step, "step": self.step},
-            )
+        req.check_expected_step(self.step)
         t0 = time.perf_counter()
         ref = ray.put(plan)
         h.set_phase("forward_backward")
@@ -625,12 +620,13 @@ class Controller(OperationHost):
         return hashlib.sha256("".join(self._replica0(digests)).encode()).hexdigest()
 
     async def info(self) -> Info:
-        digests: list[str] = []
+        """What is served. While ready, every rank's digest is read, and a rank that cannot
+        answer is an error (never an empty digest); while the workers are rebuilt the digests
+        are null, so that ``info`` keeps answering."""
+        digests: list[str] | None = None
         if self.ready:
-            try:
-                digests = await self._on_all_ranks("weights_digest")
-            except TrainctlError:
-                digests = []
+            digests = await self._on_all_ranks("weights_digest")
+        per_rank: list[str | None] = [None] * len(self.rank_meta) if digests is None else [*digests]
         cfg = self.cfg
         return Info(
             model={k: v for k, v in cfg.to_dict()["model"].items()},
@@ -647,10 +643,10 @@ class Controller(OperationHost):
             },
             world_size=cfg.layout.world_size,
             step=self.step,
-            weights_digest=self._digest_of(digests) if digests else "",
+            weights_digest=None if digests is None else self._digest_of(digests),
             ranks=[  # while recovering: no digests (the ranks may be gone)
                 RankInfo(rank=m["rank"], coords=m["coords"], weights_digest=d, pid=m.get("pid"))
-                for m, d in zip(self.rank_meta, digests or [""] * len(self.rank_meta), strict=True)
+                for m, d in zip(self.rank_meta, per_rank, strict=True)
             ],
             versions=_versions(),
             limits=self.limits,

@@ -32,6 +32,7 @@ class FakeController(OperationHost):
     def __init__(self, vocab_size: int = 100, max_seq_len: int = 16, max_queued: int = 64) -> None:
         self.limits = ModelLimits(vocab_size=vocab_size, max_seq_len=max_seq_len)
         self.calls: list[str] = []
+        self.requests: list[Any] = []  # what reached the controller, as the gateway sent it
         self.step = 0
         self.profiling = False
         self.ready = True
@@ -71,13 +72,14 @@ class FakeController(OperationHost):
 
     def _train(self, req: TrainBatchRequest) -> StepResult:
         self.calls.append("train_batch")
-        if req.expected_step is not None and req.expected_step != self.step:
-            raise ConflictError(f"expected_step is {req.expected_step}, model at {self.step}")
+        self.requests.append(req)
+        req.check_expected_step(self.step)  # the controller's own rule, not a copy
         self.step += 1
         return self._result(req)
 
     def _eval(self, req: EvalBatchRequest) -> StepResult:
         self.calls.append("eval_batch")
+        self.requests.append(req)
         return self._result(req)
 
     def _logprobs(self, req: LogProbsRequest) -> LogProbsResult:

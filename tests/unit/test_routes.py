@@ -116,9 +116,18 @@ def _rl(n: int, **extra: object) -> dict:
 
 
 def test_rl_loss_reaches_controller(http: TestClient, fake: FakeController) -> None:
-    body = {"sequences": [_rl(4), _rl(3)], "loss": {"kind": "ppo", "clip_high": 0.28}}
+    """The loss config and the per-token RL inputs arrive at the controller as sent."""
+    seqs = [_rl(4, advantages=[0.0, 1.5, -2.0, 0.25]), _rl(3, old_logprobs=[-0.5, -1.25, -3.0])]
+    body = {"sequences": seqs, "loss": {"kind": "ppo", "clip_low": 0.1, "clip_high": 0.28}}
     assert http.post("/v1/train_batch", json=body).status_code == 200
     assert fake.calls == ["train_batch"]
+    (req,) = fake.requests
+    assert req.loss.kind.value == "ppo"
+    assert (req.loss.clip_low, req.loss.clip_high) == (0.1, 0.28)
+    for got, sent in zip(req.sequences, seqs, strict=True):
+        assert list(got.tokens) == sent["tokens"]
+        assert list(got.advantages) == sent["advantages"]
+        assert list(got.old_logprobs) == sent["old_logprobs"]
 
 
 @pytest.mark.parametrize(
@@ -229,9 +238,15 @@ def test_retries_with_one_key_step_once(http: TestClient, fake: FakeController) 
 
 
 def test_expected_step_mismatch_is_409(http: TestClient, fake: FakeController) -> None:
+    """The rule is ``TrainBatchRequest.check_expected_step``, which the controller calls."""
     r = http.post("/v1/train_batch", json={**GOOD, "expected_step": 3})
     assert r.status_code == 409 and fake.step == 0
+    err = r.json()
+    assert err["type"] == "conflict" and err["details"] == {"expected_step": 3, "step": 0}
+    assert "nothing was applied" in err["message"]
     assert http.post("/v1/train_batch", json={**GOOD, "expected_step": 0}).status_code == 200
+    assert http.post("/v1/train_batch", json={**GOOD, "expected_step": 0}).status_code == 409
+    assert fake.step == 1
 
 
 def test_respond_async_is_202_then_polled(http: TestClient, fake: FakeController) -> None:
