@@ -10,7 +10,7 @@ and ``advantages[t]`` / ``old_logprobs[t]`` / ``ref_logprobs[t]`` belong to toke
 
 Packing rolls every per-token array by one *before* any context-parallel split: position ``t``
 then carries ``labels[t] = tokens[t+1]`` and the loss inputs of token ``t+1``, and the last
-position of every sequence and every pad get mask 0 (shared/design/ALGORITHMS.md §1.4).
+position of every sequence and every pad get mask 0 (docs/algorithms.md §1.4).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Assumes ``torch.distributed`` is initialised (the rank actor does that). Builds 
 parallel state for the configured layout, reads the process groups from it *once*, and passes
 them down to the math in ``workers/ops`` explicitly.
 
-Loss scaling (ALGORITHMS.md §1.5, variant A): each micro-batch's loss on this rank is
+Loss scaling (docs/algorithms.md §1.5): each micro-batch's loss on this rank is
 ``sum(term * loss_scale)`` over its own tokens, the scale carrying the global normaliser. megatron's
 schedule leaves it alone (``calculate_per_token_loss``) and DDP sums gradients over DP x CP,
 so the gradient is that of the global token mean, whatever the layout.

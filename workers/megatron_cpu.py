@@ -1,7 +1,7 @@
 """Everything megatron-core 0.16.1 needs to run without CUDA, in one place.
 
 megatron-core assumes a CUDA device in a handful of spots (measured; see
-shared/design/MEGATRON_CPU.md). This module patches exactly those, and only when
+docs/megatron_cpu.md). This module patches exactly those, and only when
 ``torch.cuda.is_available()`` is False; on a GPU it does nothing.
 
 * ``install()`` (once per process, before building a model):

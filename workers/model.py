@@ -76,7 +76,7 @@ def _moe_options(cfg: EngineConfig) -> dict[str, object]:
         "moe_router_topk": m.moe_topk,
         "moe_ffn_hidden_size": m.moe_ffn_hidden_size,
         "expert_model_parallel_size": cfg.layout.ep,
-        # The all-gather dispatcher runs without CUDA streams (MEGATRON_CPU.md).
+        # The all-gather dispatcher runs without CUDA streams (docs/megatron_cpu.md).
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
         # No auxiliary loss: it is computed per rank's tokens, so it would depend on the layout.

@@ -5,7 +5,7 @@ Pure host-side numpy, run once per step by the controller:
    the fewest tokens so far (balanced by token count);
 2. each rank's sequences are cut into micro-batches under a token budget (first-fit decreasing);
 3. ranks with fewer micro-batches get dummy micro-batches so every rank runs the same number
-   (their collectives stay in step; shared/design/ALGORITHMS.md §2);
+   (their collectives stay in step; docs/algorithms.md §2);
 4. the loss normalisers (global counts of loss tokens and sequences) are computed once, here,
    and folded into a per-token ``loss_scale``, so every rank's local loss sum adds up to the
    single-process loss.

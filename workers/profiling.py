@@ -1,4 +1,4 @@
-"""Per-rank memory profiling between ``start`` and ``stop`` (ALGORITHMS.md §6).
+"""Per-rank memory profiling between ``start`` and ``stop`` (docs/algorithms.md §6).
 
 On CUDA: ``torch.cuda.memory`` allocation history, dumped as a snapshot pickle (viewable at
 pytorch.org/memory_viz). On CPU: ``torch.profiler`` with memory profiling, exported as a

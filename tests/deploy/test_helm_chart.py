@@ -18,7 +18,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "trainctl"
-SCHEMA = ROOT.parent / "shared" / "schemas" / "rayservice_v1.json"
+SCHEMA = Path(__file__).parent / "schemas" / "rayservice_v1.json"  # see schemas/README.md
 KUBE = "1.30.0"
 
 

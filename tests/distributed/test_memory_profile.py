@@ -1,5 +1,6 @@
 """Memory profiles from a cp2 x tp2 engine: one file per rank, named with its coordinates,
-recording the allocations of the step (ALGORITHMS.md §6: T6.2, T6.4 on CPU)."""
+recording the allocations of the step (docs/algorithms.md §6: T6.2, T6.4
+on CPU)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Zigzag CP split (ALGORITHMS.md §1.2-§1.4; acceptance tests T1.1-T1.4)."""
+"""Zigzag CP split (docs/algorithms.md §1.2-§1.4; acceptance tests T1.1-T1.4)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _seq(tokens: list[int], mask: list[int]) -> HostSequence:
 
 
 def _example():
-    # §1.3: c = 2, lengths 5 and 7, A's prompt a0 a1, B's prompt b0 b1 b2.
+    # docs/algorithms.md §1.3: c = 2, lengths 5 and 7, A's prompt a0 a1, B's prompt b0 b1 b2.
     a = _seq([10, 11, 12, 13, 14], [0, 0, 1, 1, 1])
     b = _seq([20, 21, 22, 23, 24, 25, 26], [0, 0, 0, 1, 1, 1, 1])
     return packed_tokens(pack([a, b], [0, 1], pad_multiple=4))

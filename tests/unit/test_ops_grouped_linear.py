@@ -1,4 +1,4 @@
-"""Grouped linear with zero-token experts (§5; T5.1, T5.3, T5.4)."""
+"""Grouped linear with zero-token experts (docs/algorithms.md §5; T5.1, T5.3, T5.4)."""
 
 from __future__ import annotations
 

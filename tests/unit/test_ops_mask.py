@@ -1,4 +1,4 @@
-"""Blockwise causal mask (§2.3; T2.5, T2.6)."""
+"""Blockwise causal mask (docs/algorithms.md §2.3; T2.5, T2.6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Context-parallel split of packed sequences: the zigzag layout (ALGORITHMS.md §1.1-§1.4).
+"""Context-parallel split of packed sequences: the zigzag layout (docs/algorithms.md §1.1-§1.4).
 
 Every packed sequence ``i`` is padded to a length ``L_i`` that is a multiple of ``2c`` and cut
 into ``2c`` chunks of ``H_i = L_i / 2c`` tokens. CP rank ``r`` keeps chunk ``r`` followed by
@@ -8,7 +8,7 @@ causal attention. The local buffer is ``sum(L_i) / c`` long and the local bounda
 
 Everything token-aligned (tokens, labels, loss mask and every per-token loss input) is rolled on
 the *global* packed sequence first and then split with the same map: after the split a local
-neighbour is no longer the next token (§1.4).
+neighbour is no longer the next token (docs/algorithms.md §1.4).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class _GatherFromCP(torch.autograd.Function):
 
     Backward: all-reduce the full gradient over CP, then keep this rank's slice. If every CP
     rank computes the same full loss, the gradient arrives ``c`` times (normalise by ``c * N``,
-    ALGORITHMS.md §1.5 variant B). Works on gloo, which has no reduce-scatter.
+    docs/algorithms.md §1.5, the gathering design). Works on gloo, which has no reduce-scatter.
     """
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""Grouped linear for MoE experts, correct when some or all experts get zero tokens (§5).
+"""Grouped linear for MoE experts, correct when some or all experts get zero tokens
+(docs/algorithms.md §5).
 
 Input ``x [M, K]`` holds the tokens of ``E`` experts back to back (``m_splits[e]`` rows each);
 expert ``e`` has ``W_e [N, K]`` and optionally ``b_e [N]``:

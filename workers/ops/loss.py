@@ -1,4 +1,4 @@
-"""Per-token losses reduced CP-locally against global normalisers (ALGORITHMS.md §1.5, §2).
+"""Per-token losses reduced CP-locally against global normalisers (docs/algorithms.md §1.5, §2).
 
 The host folds the normaliser into a per-token ``loss_scale`` (``mask * weight / N``, or
 ``/ (S * n_i)`` for the sequence mean, see ``workers/plan.py``), computed on the *global*

@@ -1,4 +1,5 @@
-"""Blockwise construction of the causal mask for packed and prefix-shared (trie) layouts (§2.3).
+"""Blockwise construction of the causal mask for packed and prefix-shared (trie) layouts
+(docs/algorithms.md §2.3).
 
 ``mask[i, j]`` is True where packed position ``i`` may attend to position ``j``. For each
 sequence, given its packed positions ``pos[0..L)`` in order (possibly non-contiguous trie
