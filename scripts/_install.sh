@@ -1,9 +1,12 @@
 # Sourced by scripts/serve and scripts/test: a virtual environment with trainctl installed.
 #   $1: extras, e.g. "server" or "server,dev"
-# torch is installed first on its own, pinned: on a CPU machine `torch==2.13.0` takes the local
-# CPU wheel; any looser spec would pull the CUDA build (several GB) from the registry.
+# TRAINCTL_VENV: where the environment lives (default .venv; relative to the repository or
+# absolute). torch is installed first on its own, pinned: on a CPU machine `torch==2.13.0`
+# takes the local CPU wheel; any looser spec would pull the CUDA build (several GB) from the
+# registry.
 set -euo pipefail
 VENV="${TRAINCTL_VENV:-.venv}"
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 LOG="${VENV}.install.log"
 extras="$1"
 if [ ! -x "$VENV/bin/python" ]; then
@@ -15,4 +18,4 @@ echo "installing trainctl[$extras] into $VENV (log: $LOG)"
   "$VENV/bin/pip" install --disable-pip-version-check -q -e ".[$extras]" \
     --config-settings editable_mode=strict
 } >"$LOG" 2>&1 || { grep -v "is ignored" "$LOG" | tail -40; echo "install failed" >&2; exit 1; }
-export PATH="$PWD/$VENV/bin:$PATH"
+export PATH="$VENV/bin:$PATH"
