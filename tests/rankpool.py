@@ -41,6 +41,7 @@ def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
         world_size=world,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
+    dist.barrier()  # the default group's gloo threads start on its first collective
     baseline = _gloo_threads()
     while (item := inbox.get()) is not None:
         fn, args = item

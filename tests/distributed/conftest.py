@@ -14,6 +14,9 @@ import pytest
 from rankpool import RankPool
 
 IDLE_WINDOW_S = 3.0
+MAX_IDLE_THREADS = 32
+"""A pool worker between cases: the main thread, queue feeders, the default group's gloo
+threads. Hundreds mean some case's process groups outlived it."""
 _idle_report: list[str] = []
 
 
@@ -25,8 +28,10 @@ def _threads_and_cpu_s(pid: int) -> tuple[int, float]:
     return threads, ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _report_idle(started: dict[int, RankPool]) -> None:
-    """Each pool worker's threads and CPU use while idle, once the tier is done."""
+def _report_idle(started: dict[int, RankPool]) -> list[str]:
+    """Each pool worker's threads and CPU use while idle, once the tier is done; returns the
+    workers with more than ``MAX_IDLE_THREADS`` threads."""
+    crowded = []
     pids = {pid: ws for ws, pool in started.items() for pid in pool.pids}
     before = {}
     for pid in pids:
@@ -40,10 +45,14 @@ def _report_idle(started: dict[int, RankPool]) -> None:
             continue
         threads, cpu = _threads_and_cpu_s(pid)
         busy = 100 * (cpu - before[pid][1]) / IDLE_WINDOW_S
-        _idle_report.append(
+        line = (
             f"pool {ws} worker {pid}: {threads} threads, {busy:.1f}% CPU idle "
             f"(pool restarted {started[ws].restarts}x after cases that left groups alive)"
         )
+        _idle_report.append(line)
+        if threads > MAX_IDLE_THREADS:
+            crowded.append(line)
+    return crowded
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -63,7 +72,8 @@ def pools() -> Iterator[Callable[[int], RankPool]]:
         return started[world_size]
 
     yield get
-    _report_idle(started)
+    crowded = _report_idle(started)
+    assert not crowded, f"pool workers kept more than {MAX_IDLE_THREADS} threads: {crowded}"
     for pool in started.values():
         pool.close()
 
