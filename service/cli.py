@@ -259,8 +259,9 @@ def _connect(address: str, head: LocalRayHead | None, timeout_s: float = 120.0) 
                 ) from None
             if time.monotonic() > deadline:
                 hint = "" if head is not None else ray_auth.TOKEN_HINT
+                waited = f" within {timeout_s:.0f}s" if timeout_s else ""
                 raise StartupError(
-                    f"could not reach the Ray cluster at {address} within {timeout_s:.0f}s "
+                    f"could not reach the Ray cluster at {address}{waited} "
                     f"({_first_line(e)}); check --ray-address{hint}"
                 ) from None
             time.sleep(1.0)
