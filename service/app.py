@@ -261,12 +261,18 @@ def _add_operation_route(
 
 
 def _router() -> APIRouter:
-    r = APIRouter(prefix=f"/{API_VERSION}", responses=_ERROR_RESPONSES)
+    # operationId = the route's RPC name (train_batch, start_memory_profile, ...), so that
+    # generated clients read naturally; FastAPI's default appends the path and method.
+    r = APIRouter(
+        prefix=f"/{API_VERSION}",
+        responses=_ERROR_RESPONSES,
+        generate_unique_id_function=lambda route: route.name,
+    )
     for kind, model, result, doc in _OPERATION_ROUTES:
         _add_operation_route(r, kind, model, result, doc)
 
     @r.get("/operations/{op_id}", response_model=Operation, tags=["training"])
-    async def operation(
+    async def get_operation(
         request: Request,
         op_id: str,
         controller: ControllerDep,

@@ -31,7 +31,8 @@ def _schemathesis(svc: Service, report: Path, *args: str) -> tuple[int, str, int
         "--phases", "examples,coverage,fuzzing", "--generation-database", "none",
         "--no-color", "--report", "ndjson", "--report-ndjson-path", str(report), *args,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    # In the test's own directory: schemathesis leaves a .schemathesis/ cache where it runs.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=report.parent)
     cases = 0  # test cases sent: each finished scenario records its cases
     for line in report.read_text().splitlines():
         event = json.loads(line)

@@ -106,6 +106,30 @@ def test_openapi_documents_every_route(http: TestClient) -> None:
     assert http.get("/docs").status_code == 200
 
 
+def test_operation_ids_are_the_rpc_names(http: TestClient) -> None:
+    """Generated clients get ``train_batch(...)``, not ``train_batch_v1_train_batch_post``."""
+    paths = http.get("/openapi.json").json()["paths"]
+    ids = {(m.upper(), p): op["operationId"] for p, ops in paths.items() for m, op in ops.items()}
+    assert ids == {
+        ("POST", "/v1/train_batch"): "train_batch",
+        ("POST", "/v1/eval_batch"): "eval_batch",
+        ("POST", "/v1/logprobs"): "logprobs",
+        ("GET", "/v1/operations/{op_id}"): "get_operation",
+        ("POST", "/v1/memory_profile/start"): "start_memory_profile",
+        ("POST", "/v1/memory_profile/stop"): "stop_memory_profile",
+        ("GET", "/v1/memory_profiles"): "list_memory_profiles",
+        ("GET", "/v1/memory_profiles/{profile_id}"): "get_memory_profile",
+        ("GET", "/v1/memory_profiles/{profile_id}/files/{name}"): "download_memory_profile_file",
+        ("POST", "/v1/checkpoints"): "save_checkpoint",
+        ("GET", "/v1/checkpoints"): "list_checkpoints",
+        ("POST", "/v1/checkpoints/{checkpoint_id}/load"): "load_checkpoint",
+        ("POST", "/v1/export/hf"): "export_hf",
+        ("GET", "/v1/info"): "info",
+        ("GET", "/v1/health"): "health",
+        ("GET", "/v1/ready"): "ready",
+    }
+
+
 def _rl(n: int, **extra: object) -> dict:
     return {
         "tokens": list(range(1, n + 1)),
