@@ -92,10 +92,10 @@ def direct_step_case(n_seqs: int, seq_len: int, steps: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from trainctl.workers.config import EngineConfig, ParallelLayout
-    from trainctl.workers.controller import to_host_sequences
-    from trainctl.workers.engine import EngineShard
-    from trainctl.workers.plan import plan_step
+    from trainctl.workers.control.controller import to_host_sequences
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.config import EngineConfig, ParallelLayout
+    from trainctl.workers.engine.shard import EngineShard
 
     torch.set_num_threads(1)  # as a rank actor runs
     with socket.socket() as s:

@@ -181,10 +181,10 @@ def _step_rank(
 ) -> None:
     import numpy as np
 
-    from trainctl.workers.batch import HostSequence
-    from trainctl.workers.config import EngineConfig, ParallelLayout
-    from trainctl.workers.engine import EngineShard
-    from trainctl.workers.plan import plan_step
+    from trainctl.workers.control.batch import HostSequence
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.config import EngineConfig, ParallelLayout
+    from trainctl.workers.engine.shard import EngineShard
 
     torch.set_num_threads(1)
     dist.init_process_group(

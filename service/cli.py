@@ -25,7 +25,7 @@ from trainctl.service import ray_auth
 from trainctl.service.cluster import LocalRayHead
 from trainctl.service.ray_auth import StartupError
 from trainctl.service.settings import Settings
-from trainctl.workers import logs
+from trainctl.workers.control import logs
 
 log = logging.getLogger("trainctl.serve")
 
@@ -46,7 +46,7 @@ def _settings_from(args: argparse.Namespace) -> Settings:
 
 def engine_config_dict(s: Settings) -> dict[str, Any]:
     """The engine config: the embedded tiny model unless a config file is named."""
-    from trainctl.workers.config import EngineConfig
+    from trainctl.workers.engine.config import EngineConfig
 
     base: dict[str, Any] = {}
     if s.engine_config is not None:
@@ -56,7 +56,7 @@ def engine_config_dict(s: Settings) -> dict[str, Any]:
     base.setdefault("optimizer", {}).setdefault("lr", s.lr)
     base.setdefault("max_tokens_per_microbatch", s.max_tokens_per_microbatch)
     if s.init_hf is not None:
-        from trainctl.workers import hf
+        from trainctl.workers.engine import hf
 
         base = hf.engine_dict_from(s.init_hf, base)
     return EngineConfig.from_dict(base).validate().to_dict()
@@ -122,8 +122,8 @@ def _serve(s: Settings) -> int:
     from ray import serve
 
     from trainctl.service.deployment import APP_NAME, gateway
-    from trainctl.workers.config import ConfigError
-    from trainctl.workers.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
+    from trainctl.workers.control.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
+    from trainctl.workers.engine.config import ConfigError
 
     try:
         cfg = engine_config_dict(s)
@@ -243,7 +243,7 @@ def _connect(address: str, head: LocalRayHead | None, timeout_s: float = 120.0) 
     """
     import ray
 
-    from trainctl.workers.controller import NAMESPACE
+    from trainctl.workers.control.controller import NAMESPACE
 
     deadline = time.monotonic() + timeout_s
     while True:

@@ -9,7 +9,7 @@ from ray import serve
 
 from trainctl.service.app import DEFAULT_MAX_BODY_BYTES, create_app
 from trainctl.service.controller_client import RayController
-from trainctl.workers import logs
+from trainctl.workers.control import logs
 
 DEPLOYMENT_NAME = "trainctl-gateway"
 APP_NAME = "trainctl"
@@ -45,7 +45,8 @@ def app_builder(args: dict[str, Any]) -> Any:
     """Application builder for ``serve deploy`` / KubeRay ``serveConfigV2``.
 
     ``import_path: trainctl.service.deployment:app_builder`` with ``args``:
-        engine             engine config dict (model, layout, optimizer, ...; workers/config.py)
+        engine             engine config dict (model, layout, optimizer, ...;
+                           workers/engine/config.py)
         checkpoint         Hugging Face Llama-style directory to start from (sets the model)
         profile_root       server-side directory for memory profiles
         rank_num_cpus      CPUs reserved per rank actor (default 1)
@@ -61,14 +62,14 @@ def app_builder(args: dict[str, Any]) -> Any:
     """
     import ray
 
-    from trainctl.workers.config import EngineConfig
-    from trainctl.workers.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
+    from trainctl.workers.control.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
+    from trainctl.workers.engine.config import EngineConfig
 
     engine = dict(args.get("engine", {}))
     if args.get("checkpoint"):  # a Hugging Face Llama-style directory to start from
         from pathlib import Path
 
-        from trainctl.workers import hf
+        from trainctl.workers.engine import hf
 
         engine = hf.engine_dict_from(Path(args["checkpoint"]), engine)
     cfg = EngineConfig.from_dict(engine).validate().to_dict()

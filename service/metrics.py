@@ -1,7 +1,7 @@
 """The gateway's Prometheus metrics (requests, latency, errors by type) and ``/metrics``.
 
 ``/metrics`` serves these followed by the controller's (steps, tokens, operation latency,
-queue depth: ``workers/telemetry.py``). Each registry is private: Ray's own metrics use
+queue depth: ``workers/control/telemetry.py``). Each registry is private: Ray's own metrics use
 prometheus_client's global one.
 """
 

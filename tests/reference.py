@@ -19,7 +19,7 @@ def reference_loss(batch: list[dict[str, Any]], engine_cfg: dict[str, Any] | Non
     import torch
     import torch.nn.functional as F
 
-    from trainctl.workers import megatron_cpu
+    from trainctl.workers.engine import megatron_cpu
 
     model = _single_rank_model(engine_cfg)
     total, count = 0.0, 0
@@ -43,7 +43,7 @@ def reference_logprobs(
     import torch
     import torch.nn.functional as F
 
-    from trainctl.workers import megatron_cpu
+    from trainctl.workers.engine import megatron_cpu
 
     model = _single_rank_model(engine_cfg)
     out = []
@@ -60,8 +60,8 @@ def _single_rank_engine(engine_cfg: dict[str, Any] | None) -> Any:
     """trainctl's engine on a world of one (gloo, initialised here once per process)."""
     import torch.distributed as dist
 
-    from trainctl.workers.config import EngineConfig
-    from trainctl.workers.engine import EngineShard
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.shard import EngineShard
 
     if not dist.is_initialized():
         with socket.socket() as s:
@@ -77,12 +77,12 @@ def _single_rank_model(engine_cfg: dict[str, Any] | None) -> Any:
 
 def reference_step(batch: list[dict[str, Any]], engine_cfg: dict[str, Any]) -> dict[str, float]:
     """eval, one train step and eval again on a single rank, through trainctl's engine."""
-    from trainctl.workers.plan import plan_step
+    from trainctl.workers.control.plan import plan_step
 
     eng = _single_rank_engine(engine_cfg)
     cfg = eng.cfg
     from trainctl.api import TrainBatchRequest
-    from trainctl.workers.controller import to_host_sequences
+    from trainctl.workers.control.controller import to_host_sequences
 
     req = TrainBatchRequest(sequences=batch)
     plan = plan_step(to_host_sequences(req.sequences), cfg)

@@ -225,7 +225,7 @@ def test_ray_version_service_and_gateway() -> None:
 def test_serve_config_validates_against_ray() -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    from trainctl.workers.config import EngineConfig
+    from trainctl.workers.engine.config import EngineConfig
 
     cfg = yaml.safe_load((ROOT / "deploy" / "serve-config.yaml").read_text())
     ServeDeploySchema.model_validate(cfg)

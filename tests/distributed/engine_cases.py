@@ -36,7 +36,7 @@ def ragged_batch(seed: int = 0, vocab: int = 512) -> list[dict[str, Any]]:
 
 
 def to_host(batch: list[dict[str, Any]]) -> list[Any]:
-    from trainctl.workers.batch import HostSequence
+    from trainctl.workers.control.batch import HostSequence
 
     def arr(s: dict[str, Any], k: str) -> np.ndarray | None:
         return None if k not in s else np.asarray(s[k], np.float32)
@@ -88,10 +88,10 @@ def step_and_collect(
     with the last loss and the parameters after it - gradients and parameters as full-tensor
     shards by canonical name (DP/CP replica 0 only)."""
     from trainctl.api.models import LossKind, Normalization
-    from trainctl.workers.batch import LossSpec
-    from trainctl.workers.config import EngineConfig
-    from trainctl.workers.engine import EngineShard
-    from trainctl.workers.plan import plan_step
+    from trainctl.workers.control.batch import LossSpec
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.shard import EngineShard
 
     eng = EngineShard(EngineConfig.from_dict(cfg))
     if route_offsets is not None:
@@ -150,7 +150,7 @@ def full_tensors(
     """Merge the DP-replica-0 shards of every rank into full canonical tensors."""
     import torch
 
-    from trainctl.workers.weights import shard_rule
+    from trainctl.workers.engine.weights import shard_rule
 
     by_name: dict[str, dict[int, np.ndarray]] = {}
     for r in results:
@@ -173,9 +173,9 @@ def profile_step(
 
     import torch
 
-    from trainctl.workers.config import EngineConfig
-    from trainctl.workers.engine import EngineShard
-    from trainctl.workers.plan import plan_step
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.shard import EngineShard
 
     eng = EngineShard(EngineConfig.from_dict(cfg))
     plan = plan_step(to_host(batch), eng.cfg)

@@ -10,11 +10,11 @@ from typing import Any
 def logprobs_from_hf(directory: str, layout: dict[str, int], batch: list[list[int]]) -> Any:
     """Build the engine from a Llama checkpoint and return its per-token log-probs."""
     from trainctl.api import LogProbsRequest
-    from trainctl.workers import hf
-    from trainctl.workers.config import EngineConfig, ModelConfig, ParallelLayout
-    from trainctl.workers.controller import to_host_sequences
-    from trainctl.workers.engine import EngineShard
-    from trainctl.workers.plan import plan_step
+    from trainctl.workers.control.controller import to_host_sequences
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine import hf
+    from trainctl.workers.engine.config import EngineConfig, ModelConfig, ParallelLayout
+    from trainctl.workers.engine.shard import EngineShard
 
     model = hf.model_config_from_hf(hf.read_config(Path(directory)), ModelConfig())
     cfg = EngineConfig(

@@ -16,13 +16,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainctl.api.models import LossKind, Normalization
-from trainctl.workers.batch import HostSequence, LossSpec
-from trainctl.workers.ops.cp import gather_from_cp, packed_tokens, split_for_cp
+from trainctl.workers.control.batch import HostSequence, LossSpec
+from trainctl.workers.control.plan import pack, sequence_scales
+from trainctl.workers.engine.inputs import packed_tokens
+from trainctl.workers.ops.cp import gather_from_cp, split_for_cp
 from trainctl.workers.ops.grouped_linear import GroupedLinear
 from trainctl.workers.ops.logprob import vocab_parallel_logprob
 from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
 from trainctl.workers.ops.metrics import Reduction, StatsTracker, sequence_log_ppl
-from trainctl.workers.plan import pack, sequence_scales
 
 # -- process groups -------------------------------------------------------------------------
 
@@ -224,7 +225,7 @@ def cp_loss_case(dp: int, cp: int, kind: str, normalization: str, kl: float) -> 
     lp = torch.log_softmax(local_logits, -1).gather(-1, t.labels[:, None])[:, 0]
     terms = per_token_terms(
         lp,
-        spec=spec,
+        **spec.options(),
         loss_mask=t.loss_mask.double(),
         advantages=t.advantages.double(),
         old_logprobs=t.old_logprobs.double(),
@@ -282,7 +283,7 @@ def zero_valid_shard_case() -> dict[str, Any]:
     logits = model(shard.tokens.input_ids)
     lp = vocab_parallel_logprob(logits, shard.tokens.labels)
     loss = local_loss(
-        per_token_terms(lp, spec=LossSpec(), loss_mask=shard.tokens.loss_mask),
+        per_token_terms(lp, loss_mask=shard.tokens.loss_mask),
         shard.tokens.loss_scale,
     )
     loss.backward()

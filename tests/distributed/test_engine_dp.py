@@ -7,7 +7,7 @@ Also: the packed engine's eval loss equals a per-sequence float64 reference.
 
 from __future__ import annotations
 
-from trainctl.workers.plan import make_plan
+from trainctl.workers.control.plan import make_plan
 
 from engine_cases import ragged_batch, step_and_collect, to_host
 from rankpool import RankPool

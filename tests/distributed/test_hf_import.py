@@ -56,9 +56,9 @@ def test_llama_checkpoint_imports_exactly(pools: Callable[[int], RankPool], tmp_
 
 
 def test_export_mapping_inverts_import() -> None:
-    from trainctl.workers import hf
-    from trainctl.workers.config import ModelConfig
-    from trainctl.workers.weights import init_full
+    from trainctl.workers.engine import hf
+    from trainctl.workers.engine.config import ModelConfig
+    from trainctl.workers.engine.weights import init_full
 
     m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
     shapes = {

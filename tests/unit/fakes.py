@@ -25,7 +25,7 @@ from trainctl.api import (
     StepResult,
     TrainBatchRequest,
 )
-from trainctl.workers.operations import Handle, OperationHost, OperationQueue
+from trainctl.workers.control.operations import Handle, OperationHost, OperationQueue
 
 
 class FakeController(OperationHost):

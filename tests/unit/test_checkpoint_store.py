@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainctl.api import InvalidRequestError, NotFoundError
-from trainctl.workers.checkpoints import CheckpointStore
+from trainctl.workers.control.checkpoints import CheckpointStore
 
 
 def _write(store: CheckpointStore, step: int, payload: bytes) -> Path:

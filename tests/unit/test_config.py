@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from trainctl.workers.config import ConfigError, EngineConfig, ModelConfig, ParallelLayout
+from trainctl.workers.engine.config import ConfigError, EngineConfig, ModelConfig, ParallelLayout
 
 
 @pytest.mark.parametrize(

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from trainctl.workers.batch import HostSequence
+from trainctl.workers.control.batch import HostSequence
+from trainctl.workers.control.plan import pack
+from trainctl.workers.engine.inputs import packed_tokens
 from trainctl.workers.ops.cp import (
-    packed_tokens,
     reassemble,
     split_for_cp,
     zigzag_inverse,
     zigzag_positions,
 )
-from trainctl.workers.plan import pack
 
 
 def _seq(tokens: list[int], mask: list[int]) -> HostSequence:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trainctl.api.models import LossKind
-from trainctl.workers.batch import LossSpec
+from trainctl.workers.control.batch import LossSpec
 from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
 from trainctl.workers.ops.metrics import Reduction, StatsTracker, sequence_log_ppl
 
@@ -62,13 +62,13 @@ def test_loss_terms_match_their_formulas() -> None:
     }
     for kind, w in want.items():
         spec = LossSpec(kind=kind, clip_low=0.2, clip_high=0.28, kl_coef=0.1)
-        got = per_token_terms(lp, spec=spec, **kw)
+        got = per_token_terms(lp, **spec.options(), **kw)
         k3 = (ref - lp).exp() - (ref - lp) - 1
         torch.testing.assert_close(got, (w + 0.1 * k3) * m)
     spec = LossSpec(kind=LossKind.PPO)
     assert spec.needs() == ("advantages", "old_logprobs")
     with pytest.raises(ValueError, match="needs advantages"):
-        per_token_terms(lp, spec=spec, loss_mask=m)
+        per_token_terms(lp, **spec.options(), loss_mask=m)
 
 
 def test_masked_positions_never_overflow() -> None:
@@ -76,7 +76,7 @@ def test_masked_positions_never_overflow() -> None:
     zeros = torch.zeros(2)
     terms = per_token_terms(
         lp,
-        spec=LossSpec(kind=LossKind.PPO, kl_coef=1.0),
+        **LossSpec(kind=LossKind.PPO, kl_coef=1.0).options(),
         loss_mask=torch.tensor([0.0, 1.0]),
         advantages=torch.ones(2),
         old_logprobs=zeros,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from trainctl.api.models import LossKind, Normalization
-from trainctl.workers.batch import HostSequence, LossSpec
-from trainctl.workers.plan import balance_over_dp, make_plan, pack
+from trainctl.workers.control.batch import HostSequence, LossSpec
+from trainctl.workers.control.plan import balance_over_dp, make_plan, pack
 
 
 def seq(tokens: list[int], mask: list[int] | None = None, w: list[float] | None = None):

@@ -18,13 +18,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
-
-from trainctl.workers.batch import PackedMicroBatch
 
 
 def zigzag_positions(padded_cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tensor:
@@ -106,16 +103,6 @@ class CPShard:
     @property
     def local_cu_seqlens(self) -> Tensor:
         return self.tokens.cu_seqlens
-
-
-def packed_tokens(mb: PackedMicroBatch) -> PackedTokens:
-    """The host micro-batch as tensors (copies: object-store arrays are read-only)."""
-
-    def t(x: np.ndarray | None) -> Tensor | None:
-        return None if x is None else torch.from_numpy(np.array(x))
-
-    fields = {f.name: t(getattr(mb, f.name)) for f in dataclasses.fields(PackedTokens)}
-    return PackedTokens(**fields)  # type: ignore[arg-type]
 
 
 def split_for_cp(batch: PackedTokens, *, cp_size: int, cp_rank: int) -> CPShard:

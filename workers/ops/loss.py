@@ -1,7 +1,7 @@
 """Per-token losses reduced CP-locally against global normalisers (docs/algorithms.md §1.5, §2).
 
 The host folds the normaliser into a per-token ``loss_scale`` (``mask * weight / N``, or
-``/ (S * n_i)`` for the sequence mean, see ``workers/plan.py``), computed on the *global*
+``/ (S * n_i)`` for the sequence mean, see ``workers/control/plan.py``), computed on the *global*
 batch and split like every other token field. Each rank's loss is then
 ``sum(term_t * loss_scale_t)`` over its own tokens, never gathering logits, and the sum over
 all DP x CP ranks is exactly the single-process loss. The gradient sync must therefore *sum*
@@ -19,9 +19,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainctl.api.models import LossKind
-from trainctl.workers.batch import LossSpec
-
 _MAX_LOG_RATIO = 20.0  # keeps exp() finite (e^20 ~ 5e8) when a token's log-ratio explodes
 
 
@@ -33,6 +30,9 @@ def connected_zero(output: Tensor) -> Tensor:
     return output.sum() * 0.0
 
 
+_KINDS = ("cross_entropy", "importance_sampling", "ppo")
+
+
 def _masked(x: Tensor, mask: Tensor) -> Tensor:
     """``x`` where the mask is set, 0 elsewhere: pads never reach ``exp``."""
     return torch.where(mask > 0, x, torch.zeros_like(x))
@@ -41,29 +41,38 @@ def _masked(x: Tensor, mask: Tensor) -> Tensor:
 def per_token_terms(
     logprobs: Tensor,
     *,
-    spec: LossSpec,
+    kind: str = "cross_entropy",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    kl_coef: float = 0.0,
     loss_mask: Tensor,
     advantages: Tensor | None = None,
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
 ) -> Tensor:
-    """Loss term of every token ``[T]`` (0 where the mask is 0)."""
-    if spec.kind is LossKind.CROSS_ENTROPY:
+    """Loss term of every token ``[T]`` (0 where the mask is 0).
+
+    ``kind``: ``cross_entropy``, ``importance_sampling`` (``-ratio * advantage``) or ``ppo``
+    (the ratio clipped to ``[1 - clip_low, 1 + clip_high]``); ``kl_coef`` adds the k3 estimate
+    of the KL to the reference policy."""
+    if kind not in _KINDS:
+        raise ValueError(f"unknown loss kind {kind!r}; one of {_KINDS}")
+    if kind == "cross_entropy":
         terms = -logprobs
     else:
         if advantages is None or old_logprobs is None:
-            raise ValueError(f"{spec.kind.value} loss needs advantages and old_logprobs")
+            raise ValueError(f"{kind} loss needs advantages and old_logprobs")
         log_ratio = _masked(logprobs - old_logprobs, loss_mask).clamp(max=_MAX_LOG_RATIO)
         ratio = log_ratio.exp()
         terms = -ratio * advantages
-        if spec.kind is LossKind.PPO:
-            clipped = -ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high) * advantages
+        if kind == "ppo":
+            clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
             terms = torch.maximum(terms, clipped)
-    if spec.kl_coef:
+    if kl_coef:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
         d = _masked(ref_logprobs - logprobs, loss_mask).clamp(max=_MAX_LOG_RATIO)
-        terms = terms + spec.kl_coef * (d.exp() - d - 1.0)
+        terms = terms + kl_coef * (d.exp() - d - 1.0)
     return _masked(terms, loss_mask)
 
 

@@ -173,7 +173,7 @@ class EngineConfig:
     """torch.distributed backend; auto picks NCCL when CUDA is present, else gloo."""
     init_hf: str = ""
     """Start from this Hugging Face Llama-style checkpoint directory instead of the seeded
-    initialisation (``model`` must match its config.json: ``workers/hf.py``)."""
+    initialisation (``model`` must match its config.json: ``workers/engine/hf.py``)."""
 
     def validate(self) -> EngineConfig:
         self.model.validate()

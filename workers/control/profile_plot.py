@@ -1,6 +1,6 @@
 """Pictures of memory profiles: allocated bytes over time, one PNG per rank (no torch).
 
-Reads what ``workers/profiling.py`` writes: the CPU profiler's Chrome trace (its ``[memory]``
+Reads what ``workers/engine/profiling.py`` writes: the CPU profiler's Chrome trace (its ``[memory]``
 instant events carry the running ``Total Allocated``) or the CUDA allocator snapshot pickle
 (``device_traces``: alloc / free events with sizes, replayed into a running total).
 """

@@ -1,10 +1,10 @@
 """The controller: one named Ray actor per served model.
 
 It owns the rank actors (one per global rank, in a placement group), plans each step on the
-host (``workers/plan.py``), puts the plan in the object store once, fans it out to every rank
-and merges the ranks' reports into one result. Every call that touches the ranks is an
-operation (``workers/operations.py``): queued, run one at a time in arrival order, idempotent
-under a key. It imports no torch: the engine lives in the rank actors.
+host (``workers/control/plan.py``), puts the plan in the object store once, fans it out to
+every rank and merges the ranks' reports into one result. Every call that touches the ranks is
+an operation (``workers/control/operations.py``): queued, run one at a time in arrival order,
+idempotent under a key. It imports no torch: the engine lives in the rank actors.
 
 A train step has two phases so that no rank applies a step another rank failed: every rank
 accumulates gradients; only if all succeed does every rank apply the optimizer step. If any
@@ -54,15 +54,15 @@ from trainctl.api import (
 from trainctl.api import Sequence as ApiSequence
 from trainctl.api.errors import ConflictError, TrainctlError
 from trainctl.api.models import LossConfig
-from trainctl.workers import logs
-from trainctl.workers.batch import HostSequence, LossSpec, StepPlan
-from trainctl.workers.checkpoints import CheckpointStore
-from trainctl.workers.config import ConfigError, EngineConfig
-from trainctl.workers.operations import Handle, OperationHost, OperationQueue
-from trainctl.workers.plan import plan_step
-from trainctl.workers.profile_store import ProfileStore
-from trainctl.workers.rank import RankWorker
-from trainctl.workers.telemetry import ControllerMetrics
+from trainctl.workers.control import logs
+from trainctl.workers.control.batch import HostSequence, LossSpec, StepPlan
+from trainctl.workers.control.checkpoints import CheckpointStore
+from trainctl.workers.control.operations import Handle, OperationHost, OperationQueue
+from trainctl.workers.control.plan import plan_step
+from trainctl.workers.control.profile_store import ProfileStore
+from trainctl.workers.control.rank import RankWorker
+from trainctl.workers.control.telemetry import ControllerMetrics
+from trainctl.workers.engine.config import ConfigError, EngineConfig
 
 log = logging.getLogger(__name__)
 

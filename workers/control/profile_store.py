@@ -17,7 +17,7 @@ from typing import Any
 
 from trainctl.api import InvalidRequestError, MemoryProfileList, MemoryProfileResult, ProfileFile
 from trainctl.api.errors import NotFoundError
-from trainctl.workers.profile_plot import memory_timeline, render_png
+from trainctl.workers.control.profile_plot import memory_timeline, render_png
 
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from trainctl.api.models import Normalization
-from trainctl.workers.batch import (
+from trainctl.workers.control.batch import (
     LOSS_INPUTS,
     HostSequence,
     LossSpec,
     PackedMicroBatch,
     StepPlan,
 )
-from trainctl.workers.config import EngineConfig
+from trainctl.workers.engine.config import EngineConfig
 
 CROSS_ENTROPY = LossSpec()
 

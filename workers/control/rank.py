@@ -17,10 +17,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from trainctl.workers import logs
-from trainctl.workers.batch import StepPlan
-from trainctl.workers.config import EngineConfig
-from trainctl.workers.operations import current_operation
+from trainctl.workers.control import logs
+from trainctl.workers.control.batch import StepPlan
+from trainctl.workers.control.operations import current_operation
+from trainctl.workers.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class RankWorker:
         )
 
     def build(self, cfg: dict[str, Any]) -> dict[str, Any]:
-        from trainctl.workers.engine import EngineShard
+        from trainctl.workers.engine.shard import EngineShard
 
         self.engine = EngineShard(EngineConfig.from_dict(cfg))
         c = self.engine.coords
@@ -191,7 +191,7 @@ class RankWorker:
         """On one rank: merge every rank's ``canonical_shards`` and write a Llama checkpoint."""
         import ray
 
-        from trainctl.workers import hf, weights
+        from trainctl.workers.engine import hf, weights
 
         got = ray.get(parts)
         names = {n for g in got for n in g["shards"]}

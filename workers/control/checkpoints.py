@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainctl.api import CheckpointInfo, CheckpointList, NotFoundError
-from trainctl.workers.profile_store import checked_name, write_atomic
+from trainctl.workers.control.profile_store import checked_name, write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -30,17 +30,17 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from trainctl.workers import hf, megatron_cpu, weights
-from trainctl.workers.batch import LossSpec, PackedMicroBatch
-from trainctl.workers.config import EngineConfig
-from trainctl.workers.inputs import RankMicroBatch, StageInputs
-from trainctl.workers.model import build_gpt, build_optimizer, transformer_config, wrap_ddp
+from trainctl.workers.control.batch import LossSpec, PackedMicroBatch
+from trainctl.workers.engine import hf, megatron_cpu, weights
+from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.inputs import RankMicroBatch, StageInputs
+from trainctl.workers.engine.model import build_gpt, build_optimizer, transformer_config, wrap_ddp
+from trainctl.workers.engine.profiling import MemoryProfiler, RankCoords
+from trainctl.workers.engine.routing import RoutingStats
 from trainctl.workers.ops.cp import gather_from_cp
 from trainctl.workers.ops.logprob import vocab_parallel_entropy, vocab_parallel_logprob
 from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
 from trainctl.workers.ops.pp_broadcast import StageRole
-from trainctl.workers.profiling import MemoryProfiler, RankCoords
-from trainctl.workers.routing import RoutingStats
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,15 @@ class EngineShard:
         else:
             assert b.loss_mask is not None
             lp = self._logprob(mb, logits)
-            extra = {k: v[0] for k, v in b.loss_inputs.items() if k != "loss_scale"}
-            terms = per_token_terms(lp, spec=spec, loss_mask=b.loss_mask[0], **extra)
+            inputs = {k: v[0] for k, v in b.loss_inputs.items()}
+            terms = per_token_terms(
+                lp,
+                **spec.options(),
+                loss_mask=b.loss_mask[0],
+                advantages=inputs.get("advantages"),
+                old_logprobs=inputs.get("old_logprobs"),
+                ref_logprobs=inputs.get("ref_logprobs"),
+            )
             loss = local_loss(terms, b.loss_inputs["loss_scale"][0])
             n = int(torch.count_nonzero(b.loss_mask))
         return loss, torch.tensor(n, dtype=torch.int), {"loss": loss.detach().clone()}

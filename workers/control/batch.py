@@ -16,10 +16,20 @@ position of every sequence and every pad get mask 0 (docs/algorithms.md §1.4).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 
 from trainctl.api.models import LossKind, Normalization
+
+
+class LossOptions(TypedDict):
+    """Keyword arguments of ``ops.loss.per_token_terms``."""
+
+    kind: str
+    clip_low: float
+    clip_high: float
+    kl_coef: float
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,6 +43,15 @@ class LossSpec:
     """PPO: upper ratio clip ``1 + clip_high`` (decoupled from the lower one)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL estimate to the reference policy; needs ``ref_logprobs``."""
+
+    def options(self) -> LossOptions:
+        """The keyword arguments of ``ops.loss.per_token_terms`` for this loss."""
+        return {
+            "kind": self.kind.value,
+            "clip_low": self.clip_low,
+            "clip_high": self.clip_high,
+            "kl_coef": self.kl_coef,
+        }
 
     def needs(self) -> tuple[str, ...]:
         """The per-token inputs this loss reads besides the log-probs."""

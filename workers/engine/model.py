@@ -1,7 +1,7 @@
 """Build this rank's megatron-core GPT shard, its DDP wrapper and its optimizer.
 
 The model is megatron-core's ``GPTModel`` on the local (non-TransformerEngine) layer spec, with
-our packed-sequence core attention (``workers/attention.py``) in place of the local one.
+our packed-sequence core attention (``workers/engine/attention.py``) in place of the local one.
 Llama-style: RMSNorm, SwiGLU MLP, rotary positions, no biases, untied output layer.
 """
 
@@ -18,9 +18,9 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
 
-from trainctl.workers import megatron_cpu
-from trainctl.workers.attention import PackedCoreAttention
-from trainctl.workers.config import EngineConfig
+from trainctl.workers.engine import megatron_cpu
+from trainctl.workers.engine.attention import PackedCoreAttention
+from trainctl.workers.engine.config import EngineConfig
 
 
 def transformer_config(cfg: EngineConfig) -> TransformerConfig:
@@ -45,7 +45,7 @@ def transformer_config(cfg: EngineConfig) -> TransformerConfig:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
-        # workers/weights.py initialises every parameter by its canonical name instead, so a
+        # workers/engine/weights.py initialises every parameter by its canonical name instead, so a
         # model is the same on every layout.
         perform_initialization=False,
         params_dtype=torch.float32,

@@ -1,7 +1,7 @@
 """Hugging Face Llama-format weights: export for inference engines, import as a start.
 
 The served model is Llama-shaped (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases,
-untied output), so its canonical parameters (``workers/weights.py``) map one to one onto a
+untied output), so its canonical parameters (``workers/engine/weights.py``) map one to one onto a
 ``LlamaForCausalLM`` checkpoint (``config.json`` + ``model.safetensors``), except two fused
 megatron tensors:
 
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainctl.workers.config import ConfigError, ModelConfig
+from trainctl.workers.engine.config import ConfigError, ModelConfig
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 

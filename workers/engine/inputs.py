@@ -10,15 +10,18 @@ under CP and RoPE need them; the local boundaries are ``cu // cp``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from trainctl.workers.batch import LOSS_INPUTS, PackedMicroBatch
-from trainctl.workers.ops.cp import packed_tokens, split_for_cp
+from trainctl.workers.control.batch import LOSS_INPUTS, PackedMicroBatch
+from trainctl.workers.ops.cp import PackedTokens, split_for_cp
 from trainctl.workers.ops.pp_broadcast import (
     BroadcastConfig,
     StageBatch,
@@ -87,3 +90,13 @@ class StageInputs:
             cu_seqlens=torch.from_numpy(mb.cu_seqlens.copy()),
             max_seqlen=torch.tensor([mb.max_seqlen], dtype=torch.int32),
         )
+
+
+def packed_tokens(mb: PackedMicroBatch) -> PackedTokens:
+    """The host micro-batch as tensors (copies: object-store arrays are read-only)."""
+
+    def t(x: np.ndarray | None) -> Tensor | None:
+        return None if x is None else torch.from_numpy(np.array(x))
+
+    fields = {f.name: t(getattr(mb, f.name)) for f in dataclasses.fields(PackedTokens)}
+    return PackedTokens(**fields)  # type: ignore[arg-type]
