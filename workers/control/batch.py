@@ -20,7 +20,7 @@ from typing import TypedDict
 
 import numpy as np
 
-from trainctl.api.models import LossKind, Normalization
+from trainctl.api.models import LossKind
 
 
 class LossOptions(TypedDict):
@@ -138,7 +138,6 @@ class StepPlan:
     num_tokens: int
     """Real (unpadded) tokens in the request."""
     loss: LossSpec = LossSpec()
-    normalization: Normalization = Normalization.TOKEN_MEAN
 
     @property
     def num_microbatches(self) -> int:

@@ -232,7 +232,6 @@ def make_plan(
         raise ValueError(f"the {loss.kind.value} loss needs per-token {', '.join(missing)}")
     return StepPlan(
         loss=loss,
-        normalization=normalization,
         microbatches=tuple(shards),
         loss_normalizer=float(n_tokens),
         num_loss_sequences=n_seqs,
