@@ -153,11 +153,9 @@ def _serve(s: Settings) -> int:
         # Ours before ray.init, so a signal while connecting stops start-up; and again after:
         # Ray's core worker installs a SIGTERM handler that aborts the process, and ours
         # replaces it so a SIGTERM drains instead.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, _on_signal)
+        _handle_signals(_on_signal)
         _connect(address, head, timeout_s=120.0 if head is not None else 0.0)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, _on_signal)
+        _handle_signals(_on_signal)
         env = {"TRAINCTL_LOG_LEVEL": s.log_level, "TRAINCTL_LOG_FORMAT": s.log_format}
         controller = ControllerActor.options(
             name=CONTROLLER_NAME,
@@ -228,6 +226,11 @@ def _serve(s: Settings) -> int:
             head.stop()
     log.info("stopped")
     return 0
+
+
+def _handle_signals(handler: Any) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
 
 
 def _first_line(e: BaseException) -> str:

@@ -45,6 +45,17 @@ def _read_token_file(path: Path, named_by: str) -> str:
     return token
 
 
+def _given_token() -> str | None:
+    """Where the user gave a token: ``$RAY_AUTH_TOKEN``, or the (readable, non-empty) file
+    ``RAY_AUTH_TOKEN_PATH`` names; None when neither is set."""
+    if os.environ.get(TOKEN_ENV, "").strip():
+        return f"${TOKEN_ENV}"
+    if given := os.environ.get(PATH_ENV):
+        _read_token_file(Path(given), PATH_ENV)
+        return given
+    return None
+
+
 def own_cluster_token(data_dir: Path) -> str:
     """Set up token mode for a head trainctl starts itself; returns where the token is from.
 
@@ -53,10 +64,7 @@ def own_cluster_token(data_dir: Path) -> str:
     mode = os.environ.setdefault(MODE_ENV, "token").lower()
     if mode != "token":
         return f"none ({MODE_ENV}={mode}: anyone who can reach the Ray ports can run code)"
-    if os.environ.get(TOKEN_ENV, "").strip():
-        return f"${TOKEN_ENV}"
-    if given := os.environ.get(PATH_ENV):
-        _read_token_file(Path(given), PATH_ENV)
+    if (given := _given_token()) is not None:
         return given
     path = (data_dir / "ray" / "auth_token").resolve()
     try:
@@ -88,13 +96,8 @@ def joining_token() -> str | None:
 
     An explicit ``RAY_AUTH_MODE=token`` with no token anywhere is an error.
     """
-    found: str | None = None
-    if os.environ.get(TOKEN_ENV, "").strip():
-        found = f"${TOKEN_ENV}"
-    elif given := os.environ.get(PATH_ENV):
-        _read_token_file(Path(given), PATH_ENV)
-        found = given
-    elif HOME_TOKEN.expanduser().is_file():
+    found = _given_token()
+    if found is None and HOME_TOKEN.expanduser().is_file():
         _read_token_file(HOME_TOKEN.expanduser(), "the default token file")
         found = str(HOME_TOKEN)
     mode = os.environ.get(MODE_ENV)
