@@ -11,21 +11,14 @@ of the batch, whatever the parallel layout.
 
 from __future__ import annotations
 
-import math
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictInt,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, model_validator
 
-from trainctl.api.errors import ConflictError, ErrorBody, field_error
+from trainctl.api.batch import SequenceBatch
+from trainctl.api.errors import ConflictError, field_error
+from trainctl.api.fields import OPTIONAL_FIELDS, PER_TOKEN_FIELDS, FieldKind, TokenField
 
 API_VERSION = "v1"
 
@@ -52,40 +45,29 @@ class Normalization(str, Enum):
     """No division."""
 
 
-class Sequence(BaseModel):
-    """One token sequence with its per-token loss mask and optional weights."""
+def _annotation(f: TokenField) -> Any:
+    if f.kind is FieldKind.TOKEN:
+        return list[StrictInt]
+    if f.kind is FieldKind.MASK:
+        return list[Annotated[int, Field(ge=0, le=1, strict=True)]] | None
+    return list[float] | None
 
-    model_config = ConfigDict(extra="forbid")
 
-    tokens: list[StrictInt] = Field(min_length=1, description="Token ids.")
-    loss_mask: list[Annotated[int, Field(ge=0, le=1, strict=True)]] | None = Field(
-        default=None, description="0/1 per token; 1 = train on this token. Default: all ones."
-    )
-    weights: list[float] | None = Field(
-        default=None, description="Per-token loss weights; default 1."
-    )
-    advantages: list[float] | None = Field(
-        default=None, description="Per-token advantages (importance_sampling and ppo losses)."
-    )
-    old_logprobs: list[float] | None = Field(
-        default=None,
-        description="Per-token log-probs of each token under the behaviour (sampling) policy.",
-    )
-    ref_logprobs: list[float] | None = Field(
-        default=None, description="Per-token log-probs under the reference policy (KL term)."
-    )
-
-    @field_validator("loss_mask", "weights", "advantages", "old_logprobs", "ref_logprobs")
-    @classmethod
-    def _same_length_as_tokens(cls, value: list[Any] | None, info: ValidationInfo) -> Any:
-        tokens = info.data.get("tokens")
-        if value is not None and tokens is not None and len(value) != len(tokens):
-            raise ValueError(f"has {len(value)} entries but tokens has {len(tokens)}")
-        floats = info.field_name != "loss_mask"
-        finite = value is None or not floats or all(map(math.isfinite, value))
-        if not finite:
-            raise ValueError("must be finite (no NaN or inf)")
-        return value
+_SEQUENCE_FIELDS: dict[str, Any] = {
+    "tokens": (_annotation(PER_TOKEN_FIELDS[0]), Field(min_length=1, description="Token ids.")),
+    **{
+        f.name: (_annotation(f), Field(default=None, description=f.description))
+        for f in OPTIONAL_FIELDS
+    },
+}
+Sequence: type[BaseModel] = create_model(
+    "Sequence",
+    __config__=ConfigDict(extra="forbid"),
+    __doc__="One token sequence with its per-token fields (``api/fields.py``), as JSON.",
+    **_SEQUENCE_FIELDS,
+)
+"""The JSON shape of one sequence: types are checked here (with field locations), values by
+``SequenceBatch`` (lengths, 0/1 masks, finite floats), for JSON and binary bodies alike."""
 
 
 class ModelLimits(BaseModel):
@@ -114,35 +96,29 @@ class LossConfig(BaseModel):
             out += ("ref_logprobs",)
         return out
 
-
-_PER_TOKEN_INPUTS = ("advantages", "old_logprobs", "ref_logprobs")
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of ``workers/ops/loss.per_token_terms`` for this loss (the
+        normalisation is not among them: the host folds it into each token's loss scale)."""
+        return {
+            "kind": self.kind.value,
+            "clip_low": self.clip_low,
+            "clip_high": self.clip_high,
+            "kl_coef": self.kl_coef,
+        }
 
 
 class _SequencesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    sequences: list[Sequence] = Field(min_length=1, description="The batch; at least one.")
+    sequences: SequenceBatch = Field(description="The batch; at least one sequence.")
 
     def check_limits(self, limits: ModelLimits) -> None:
         """Raise ``InvalidRequestError`` naming the first field that the model cannot take."""
-        for i, seq in enumerate(self.sequences):
-            if len(seq.tokens) > limits.max_seq_len:
-                raise field_error(
-                    f"sequences[{i}].tokens",
-                    f"length {len(seq.tokens)} exceeds the model's max_seq_len "
-                    f"{limits.max_seq_len}",
-                )
-            tokens, vocab = seq.tokens, limits.vocab_size
-            if min(tokens) < 0 or max(tokens) >= vocab:  # python ints: no overflow on 2**70
-                j = next(k for k, t in enumerate(tokens) if not 0 <= t < vocab)
-                raise field_error(
-                    f"sequences[{i}].tokens[{j}]",
-                    f"token id {tokens[j]} is outside the vocabulary [0, {vocab})",
-                )
+        self.sequences.check_limits(vocab_size=limits.vocab_size, max_seq_len=limits.max_seq_len)
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.sequences)
+        return self.sequences.num_tokens
 
 
 class _BatchRequest(_SequencesRequest):
@@ -152,36 +128,21 @@ class _BatchRequest(_SequencesRequest):
 
     @model_validator(mode="after")
     def _loss_inputs_present(self) -> _BatchRequest:
-        required = self.loss.required_inputs()
-        first = [k for k in _PER_TOKEN_INPUTS if getattr(self.sequences[0], k) is not None]
-        for i, seq in enumerate(self.sequences):
-            for k in required:
-                if getattr(seq, k) is None:
-                    raise ValueError(
-                        f"sequences[{i}].{k} is required by the {self.loss.kind.value} loss"
-                        + (" with kl_coef > 0" if k == "ref_logprobs" else "")
-                    )
-            have = [k for k in _PER_TOKEN_INPUTS if getattr(seq, k) is not None]
-            if have != first:
+        for k in self.loss.required_inputs():
+            if k not in self.sequences.present:
                 raise ValueError(
-                    f"sequences[{i}] carries {have or 'no'} per-token loss inputs but "
-                    f"sequences[0] carries {first or 'none'}: every sequence needs the same"
+                    f"sequences[0].{k} is required by the {self.loss.kind.value} loss"
+                    + (" with kl_coef > 0" if k == "ref_logprobs" else "")
                 )
         return self
 
     def check_limits(self, limits: ModelLimits) -> None:
         super().check_limits(limits)
-        if not any(_num_targets(s) for s in self.sequences):
+        if not self.sequences.num_targets().any():
             raise field_error(
                 "sequences",
                 "no sequence has a target token (loss_mask = 1 at a position after the first)",
             )
-
-
-def _num_targets(seq: Sequence) -> int:
-    if seq.loss_mask is None:
-        return len(seq.tokens) - 1
-    return sum(seq.loss_mask[1:])
 
 
 class TrainBatchRequest(_BatchRequest):
@@ -274,34 +235,6 @@ class MemoryProfileResult(BaseModel):
 
 class MemoryProfileList(BaseModel):
     profiles: list[MemoryProfileResult] = Field(description="Oldest first.")
-
-
-class OperationStatus(str, Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-
-
-class Operation(BaseModel):
-    """A long call run in arrival order; poll ``GET /v1/operations/{id}`` until it finishes."""
-
-    id: str
-    kind: str = Field(description="train_batch, eval_batch, logprobs, ...")
-    status: OperationStatus
-    phase: str | None = Field(default=None, description="While running: what it is doing now.")
-    queue_position: int | None = Field(
-        default=None, description="While queued: operations ahead of this one."
-    )
-    created_at: float = Field(description="Unix seconds.")
-    started_at: float | None = None
-    finished_at: float | None = None
-    result: Any = Field(default=None, description="When done: the call's result body.")
-    error: ErrorBody | None = Field(default=None, description="When failed: the error.")
-
-    @property
-    def finished(self) -> bool:
-        return self.status in (OperationStatus.DONE, OperationStatus.FAILED)
 
 
 class RankInfo(BaseModel):

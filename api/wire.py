@@ -13,14 +13,14 @@ Frame layout::
               "arrays": [{"name", "dtype", "shape", "offset", "nbytes"}, ...]}
 
 ``offset``/``nbytes`` index the (decompressed) payload. A batch of sequences is sent as flat
-arrays: ``lengths [n]`` and, concatenated in sequence order, ``tokens [sum(lengths)]`` plus
-each optional per-token field (``loss_mask`` as uint8). bfloat16 has no numpy dtype: it travels
-as its raw 16 bits and decodes to float32 (exact).
+arrays: ``lengths [n]`` and, concatenated in sequence order, one array per per-token field of
+``api/fields.py`` that the batch carries (``tokens``, ``loss_mask`` as uint8, the floats).
+bfloat16 has no numpy dtype: it travels as its raw 16 bits and decodes to float32 (exact).
+A decoded batch is a ``SequenceBatch`` of views into the body: no Python lists on the way.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import struct
 import zlib
@@ -28,6 +28,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from trainctl.api.batch import SequenceBatch
+from trainctl.api.errors import InvalidRequestError
+from trainctl.api.fields import OPTIONAL_FIELDS, FieldKind
 
 CONTENT_TYPE = "application/vnd.trainctl.tensors"
 JSON_CONTENT_TYPE = "application/json"
@@ -48,15 +52,8 @@ DTYPES: dict[str, np.dtype[Any]] = {
 }
 _NAME_OF = {v: k for k, v in DTYPES.items() if k != "bfloat16"}
 
-PER_TOKEN_FLOATS = ("weights", "advantages", "old_logprobs", "ref_logprobs")
-"""Optional per-token float fields of a sequence, in frame order."""
 
-
-_DEFAULT_ONE = ("loss_mask", "weights")
-"""Per-token fields whose absence means all ones: filled in where only some sequences send one."""
-
-
-class WireError(ValueError):
+class WireError(InvalidRequestError):
     """A frame that cannot be decoded; the message names the field and the problem."""
 
 
@@ -152,49 +149,51 @@ def _array(spec: Any, payload: bytes | memoryview) -> tuple[str, np.ndarray]:
 
 
 def encode_sequences(
-    sequences: list[Mapping[str, Any]],
+    sequences: list[Mapping[str, Any]] | SequenceBatch,
     fields: Mapping[str, Any],
     *,
     float_dtype: str = "float32",
     compress: bool = False,
 ) -> bytes:
-    """A request body: ``sequences`` (dicts with ``tokens`` and optional per-token fields,
-    lists or arrays) as flat arrays, the other request ``fields`` in the header."""
-    lengths = np.array([len(s["tokens"]) for s in sequences], dtype=np.int64)
-    parts = [np.asarray(s["tokens"], dtype=np.int64) for s in sequences]
-    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    """A request body: ``sequences`` (a ``SequenceBatch``, or dicts with ``tokens`` and
+    optional per-token fields as lists or arrays) as flat arrays, the other request ``fields``
+    in the header."""
+    batch = sequences if isinstance(sequences, SequenceBatch) else _batch_of(sequences)
+    tokens = batch.columns["tokens"]
     small = tokens.size == 0 or (tokens.min() >= -(2**31) and tokens.max() < 2**31)
     arrays: dict[str, np.ndarray] = {
-        "lengths": lengths,
-        "tokens": tokens.astype(np.int32) if small else tokens,
+        "lengths": batch.lengths.astype(np.int64, copy=False),
+        "tokens": tokens.astype(np.int32 if small else np.int64, copy=False),
     }
-    for name in ("loss_mask", *PER_TOKEN_FLOATS):
-        present = [s.get(name) is not None for s in sequences]
-        if not any(present):
+    for f in OPTIONAL_FIELDS:
+        col = batch.column(f.name)
+        if col is None:
             continue
-        if not all(present) and name not in _DEFAULT_ONE:
-            i = present.index(False)
-            raise WireError(f"sequences[{i}].{name}: every sequence or none must carry it")
-        flat = np.concatenate(
-            [
-                np.asarray(s[name]).reshape(-1) if s.get(name) is not None else np.ones(n)
-                for s, n in zip(sequences, lengths.tolist(), strict=True)
-            ]
-        )
-        if name == "loss_mask":
-            arrays[name] = flat.astype(np.uint8)
+        if f.kind is FieldKind.MASK:
+            arrays[f.name] = col.astype(np.uint8, copy=False)
         elif float_dtype == "bfloat16":
-            arrays[name] = to_bfloat16(flat)
+            arrays[f.name] = to_bfloat16(col)
         else:
-            arrays[name] = flat.astype(DTYPES[float_dtype])
+            arrays[f.name] = col.astype(DTYPES[float_dtype], copy=False)
     return encode(fields, arrays, compress=compress)
 
 
-def decode_sequences(body: bytes) -> dict[str, Any]:
-    """The JSON-shaped request of a sequences frame: ``{**fields, "sequences": [...]}``.
+def _batch_of(sequences: list[Mapping[str, Any]]) -> SequenceBatch:
+    """Dicts of lists or arrays as columns; arrays keep their dtype (floats are not rounded
+    to float32 before the caller's ``float_dtype`` is applied)."""
+    try:
+        return SequenceBatch.from_sequences(
+            [{k: np.asarray(v) for k, v in s.items() if v is not None} for s in sequences]
+        )
+    except InvalidRequestError as e:
+        raise WireError(e.message, e.details) from None
 
-    Array sizes are checked here (naming the field); values are validated by the request
-    model exactly as for JSON, so both encodings accept and reject the same batches.
+
+def decode_sequences(body: bytes) -> dict[str, Any]:
+    """The request of a sequences frame: ``{**fields, "sequences": SequenceBatch}``.
+
+    The batch is validated here (sizes, dtypes, 0/1 masks, finite floats; vectorised, naming
+    the field); the request model then checks the rest exactly as for JSON.
     """
     fields, arrays = decode(body)
     if "sequences" in fields:
@@ -202,23 +201,16 @@ def decode_sequences(body: bytes) -> dict[str, Any]:
     for required in ("lengths", "tokens"):
         if required not in arrays:
             raise WireError(f"{required}: missing from the frame")
-    lengths, tokens = arrays.pop("lengths"), arrays.pop("tokens")
+    lengths = arrays.pop("lengths")
     if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or (lengths < 0).any():
         raise WireError("lengths: must be a 1-D array of non-negative integers")
-    if tokens.dtype.kind not in "iu":
-        raise WireError(f"tokens: must be integers, got {tokens.dtype}")
+    if arrays["tokens"].dtype.kind not in "iu":
+        raise WireError(f"tokens: must be integers, got {arrays['tokens'].dtype}")
     total = int(lengths.sum())
-    for name, a in {"tokens": tokens, **arrays}.items():
-        if name not in ("tokens", "loss_mask", *PER_TOKEN_FLOATS):
-            raise WireError(f"{name}: not a per-token field of a sequence")
+    for name, a in arrays.items():
         if a.ndim != 1 or a.shape[0] != total:
             raise WireError(f"{name}: has {a.size} entries but the lengths add up to {total}")
-    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-    columns = {"tokens": tokens.tolist(), **{k: v.tolist() for k, v in arrays.items()}}
-    sequences = []
-    for a, b in itertools.pairwise(bounds):
-        sequences.append({k: col[a:b] for k, col in columns.items()})
-    return {**fields, "sequences": sequences}
+    return {**fields, "sequences": SequenceBatch(lengths, arrays)}
 
 
 def encode_per_sequence(

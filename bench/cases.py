@@ -181,7 +181,7 @@ def _step_rank(
 ) -> None:
     import numpy as np
 
-    from trainctl.workers.control.batch import HostSequence
+    from trainctl.api import TokenSequence
     from trainctl.workers.control.plan import plan_step
     from trainctl.workers.engine.config import EngineConfig, ParallelLayout
     from trainctl.workers.engine.shard import EngineShard
@@ -193,7 +193,7 @@ def _step_rank(
     eng = EngineShard(EngineConfig(layout=ParallelLayout(**layout)))
     rng = np.random.default_rng(0)
     seqs = [
-        HostSequence(
+        TokenSequence(
             tokens=rng.integers(0, 512, seq_len).astype(np.int64),
             loss_mask=np.ones(seq_len, np.float32),
         )

@@ -82,10 +82,9 @@ def reference_step(batch: list[dict[str, Any]], engine_cfg: dict[str, Any]) -> d
     eng = _single_rank_engine(engine_cfg)
     cfg = eng.cfg
     from trainctl.api import TrainBatchRequest
-    from trainctl.workers.control.controller import to_host_sequences
 
     req = TrainBatchRequest(sequences=batch)
-    plan = plan_step(to_host_sequences(req.sequences), cfg)
+    plan = plan_step(list(req.sequences), cfg)
     mbs = plan.microbatches[0]
     before = eng.eval_batch(mbs, plan.loss).loss
     step = eng.train_batch(mbs, plan.loss)

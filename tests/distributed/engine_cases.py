@@ -36,13 +36,13 @@ def ragged_batch(seed: int = 0, vocab: int = 512) -> list[dict[str, Any]]:
 
 
 def to_host(batch: list[dict[str, Any]]) -> list[Any]:
-    from trainctl.workers.control.batch import HostSequence
+    from trainctl.api import TokenSequence
 
     def arr(s: dict[str, Any], k: str) -> np.ndarray | None:
         return None if k not in s else np.asarray(s[k], np.float32)
 
     return [
-        HostSequence(
+        TokenSequence(
             tokens=np.asarray(s["tokens"], np.int64),
             loss_mask=np.asarray(s["loss_mask"], np.float32),
             weights=arr(s, "weights"),
@@ -61,7 +61,7 @@ def _keep(eng: Any, shards: dict[str, Any]) -> dict[str, np.ndarray]:
     return {
         k: v.numpy()
         for k, v in shards.items()
-        if (eng.expert_dp_rank == 0 if ".local_experts." in k else dense0)
+        if (eng.dims.expert_dp_rank == 0 if ".local_experts." in k else dense0)
     }
 
 
@@ -87,8 +87,7 @@ def step_and_collect(
     """For every loss: eval loss, train loss, gradients and grad norm; then one optimizer step
     with the last loss and the parameters after it - gradients and parameters as full-tensor
     shards by canonical name (DP/CP replica 0 only)."""
-    from trainctl.api.models import LossKind, Normalization
-    from trainctl.workers.control.batch import LossSpec
+    from trainctl.api.models import LossConfig, LossKind, Normalization
     from trainctl.workers.control.plan import plan_step
     from trainctl.workers.engine.config import EngineConfig
     from trainctl.workers.engine.shard import EngineShard
@@ -107,8 +106,8 @@ def step_and_collect(
         "per_loss": {},
     }
     for i, (kind, norm, options) in enumerate(losses):
-        spec = LossSpec(kind=LossKind(kind), **options)
-        plan = plan_step(to_host(batch), eng.cfg, loss=spec, normalization=Normalization(norm))
+        spec = LossConfig(kind=LossKind(kind), normalization=Normalization(norm), **options)
+        plan = plan_step(to_host(batch), eng.cfg, loss=spec)
         mbs = plan.microbatches[eng.coords.dp]
         ev = eng.eval_batch(mbs, spec)
         r: dict[str, Any] = {

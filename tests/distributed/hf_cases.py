@@ -10,7 +10,6 @@ from typing import Any
 def logprobs_from_hf(directory: str, layout: dict[str, int], batch: list[list[int]]) -> Any:
     """Build the engine from a Llama checkpoint and return its per-token log-probs."""
     from trainctl.api import LogProbsRequest
-    from trainctl.workers.control.controller import to_host_sequences
     from trainctl.workers.control.plan import plan_step
     from trainctl.workers.engine import hf
     from trainctl.workers.engine.config import EngineConfig, ModelConfig, ParallelLayout
@@ -25,6 +24,6 @@ def logprobs_from_hf(directory: str, layout: dict[str, int], batch: list[list[in
     )
     eng = EngineShard(cfg)
     req = LogProbsRequest(sequences=[{"tokens": t} for t in batch])
-    plan = plan_step(to_host_sequences(req.sequences, all_targets=True), eng.cfg)
+    plan = plan_step(list(req.sequences.without(*req.sequences.present)), eng.cfg)
     out = eng.logprobs(plan.microbatches[eng.coords.dp], entropy=False)
     return {i: lp.tolist() for i, (lp, _) in out.items()}, dataclasses.asdict(model)

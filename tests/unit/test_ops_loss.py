@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainctl.api.models import LossKind
-from trainctl.workers.control.batch import LossSpec
+from trainctl.api.models import LossConfig, LossKind
 from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
 from trainctl.workers.ops.metrics import Reduction, StatsTracker, sequence_log_ppl
 
@@ -61,12 +60,12 @@ def test_loss_terms_match_their_formulas() -> None:
         LossKind.PPO: torch.maximum(-r * a, -r.clamp(0.8, 1.28) * a),
     }
     for kind, w in want.items():
-        spec = LossSpec(kind=kind, clip_low=0.2, clip_high=0.28, kl_coef=0.1)
+        spec = LossConfig(kind=kind, clip_low=0.2, clip_high=0.28, kl_coef=0.1)
         got = per_token_terms(lp, **spec.options(), **kw)
         k3 = (ref - lp).exp() - (ref - lp) - 1
         torch.testing.assert_close(got, (w + 0.1 * k3) * m)
-    spec = LossSpec(kind=LossKind.PPO)
-    assert spec.needs() == ("advantages", "old_logprobs")
+    spec = LossConfig(kind=LossKind.PPO)
+    assert spec.required_inputs() == ("advantages", "old_logprobs")
     with pytest.raises(ValueError, match="needs advantages"):
         per_token_terms(lp, **spec.options(), loss_mask=m)
 
@@ -76,7 +75,7 @@ def test_masked_positions_never_overflow() -> None:
     zeros = torch.zeros(2)
     terms = per_token_terms(
         lp,
-        **LossSpec(kind=LossKind.PPO, kl_coef=1.0).options(),
+        **LossConfig(kind=LossKind.PPO, kl_coef=1.0).options(),
         loss_mask=torch.tensor([0.0, 1.0]),
         advantages=torch.ones(2),
         old_logprobs=zeros,

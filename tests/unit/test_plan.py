@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from trainctl.api import LossConfig, TokenSequence
 from trainctl.api.models import LossKind, Normalization
-from trainctl.workers.control.batch import HostSequence, LossSpec
 from trainctl.workers.control.plan import balance_over_dp, make_plan, pack
 
 
 def seq(tokens: list[int], mask: list[int] | None = None, w: list[float] | None = None):
     n = len(tokens)
-    return HostSequence(
+    return TokenSequence(
         tokens=np.asarray(tokens, np.int64),
         loss_mask=np.asarray(mask if mask is not None else [1] * n, np.float32),
         weights=None if w is None else np.asarray(w, np.float32),
@@ -88,7 +88,11 @@ def test_plan_rejects_oversize_and_empty() -> None:
 def test_loss_scale_folds_the_global_normaliser(normalization: Normalization) -> None:
     seqs = [seq([1, 2, 3, 4], [0, 1, 1, 1]), seq([5, 6], [0, 1], [1.0, 4.0]), seq([7, 8], [1, 0])]
     plan = make_plan(
-        seqs, dp=2, max_tokens_per_microbatch=8, pad_multiple=1, normalization=normalization
+        seqs,
+        dp=2,
+        max_tokens_per_microbatch=8,
+        pad_multiple=1,
+        loss=LossConfig(normalization=normalization),
     )
     assert (plan.loss_normalizer, plan.num_loss_sequences) == (4, 2)
     scale = {
@@ -120,5 +124,5 @@ def test_plan_requires_the_losses_inputs() -> None:
             dp=1,
             max_tokens_per_microbatch=8,
             pad_multiple=1,
-            loss=LossSpec(kind=LossKind.PPO),
+            loss=LossConfig(kind=LossKind.PPO),
         )

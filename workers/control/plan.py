@@ -18,17 +18,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from trainctl.api.models import Normalization
-from trainctl.workers.control.batch import (
-    LOSS_INPUTS,
-    HostSequence,
-    LossSpec,
-    PackedMicroBatch,
-    StepPlan,
-)
+from trainctl.api.batch import TokenSequence
+from trainctl.api.fields import LOSS_INPUTS
+from trainctl.api.models import LossConfig, Normalization
+from trainctl.workers.control.batch import PACKED_FIELDS, PackedMicroBatch, StepPlan
 from trainctl.workers.engine.config import EngineConfig
 
-CROSS_ENTROPY = LossSpec()
+CROSS_ENTROPY = LossConfig()
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -36,7 +32,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def sequence_scales(
-    seqs: Sequence[HostSequence], normalization: Normalization
+    seqs: Sequence[TokenSequence], normalization: Normalization
 ) -> tuple[list[float], int, int]:
     """Per-sequence factor on ``mask * weight``, from the *global* batch; plus N and S.
 
@@ -57,7 +53,7 @@ def sequence_scales(
 
 
 def pack(
-    seqs: Sequence[HostSequence],
+    seqs: Sequence[TokenSequence],
     indices: Sequence[int],
     *,
     pad_multiple: int,
@@ -71,10 +67,8 @@ def pack(
     a trailing pad-only sequence fills the pack up to it.
     """
     scales = [1.0] * len(seqs) if scales is None else scales
-    cols: dict[str, list[np.ndarray]] = {k: [] for k in _PACKED}
-    present = [k for k in LOSS_INPUTS if seqs and getattr(seqs[0], k) is not None]
-    for k in present:
-        cols[k] = []
+    present = _loss_inputs(seqs[0]) if seqs else []
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in (*PACKED_FIELDS, *present)}
     cu: list[int] = [0]
     seq_lens: list[int] = []
 
@@ -88,17 +82,17 @@ def pack(
 
     for seq, scale in zip(seqs, scales, strict=True):
         n = len(seq)
-        mask = seq.rolled("loss_mask").astype(np.float32)
-        weight = mask if seq.weights is None else mask * seq.rolled("weights")
+        mask = _rolled(seq.loss_mask, n).astype(np.float32)
+        weight = mask if seq.weights is None else mask * _rolled(seq.weights, n)
         values = {
-            "input_ids": seq.tokens,
-            "labels": seq.rolled("tokens"),
+            "input_ids": seq.tokens.astype(np.int64),
+            "labels": _rolled(seq.tokens, n).astype(np.int64),
             "loss_mask": mask,
             # float64: 1/N in fp32 would cost ~1e-7 relative on the loss of every rank.
             "loss_scale": weight.astype(np.float64) * scale,
         }
         for k in present:
-            values[k] = seq.rolled(k).astype(np.float32)
+            values[k] = _rolled(seq.get(k), n).astype(np.float32)
         add(n, _round_up(n, pad_multiple), values)
     index = list(indices)
     if total_len is not None and total_len > cu[-1]:
@@ -115,33 +109,45 @@ def pack(
         }
         add(0, fill, values)
         index.append(-1)
-    packed = {k: np.concatenate(v) for k, v in cols.items()}
+    per_token: dict[str, np.ndarray] = {k: np.concatenate(v) for k, v in cols.items()}
     return PackedMicroBatch(
-        **packed,  # type: ignore[arg-type]
+        per_token=per_token,
         cu_seqlens=np.asarray(cu, dtype=np.int32),
         seq_index=np.asarray(index, dtype=np.int64),
         seq_lens=np.asarray(seq_lens, dtype=np.int64),
     )
 
 
-_PACKED = ("input_ids", "position_ids", "labels", "loss_mask", "loss_scale", "seq_id")
+def _rolled(x: np.ndarray | None, n: int) -> np.ndarray:
+    """``x`` shifted so position ``t`` holds token ``t+1``'s value; 0 at the last position
+    (the mask is 0 there, so it never counts). ``None`` (a mask of all ones) as ones."""
+    out = np.zeros(n, np.float64 if x is None else x.dtype)
+    out[:-1] = 1 if x is None else x[1:]
+    return out
+
+
+def _loss_inputs(seq: TokenSequence) -> list[str]:
+    return [k for k in LOSS_INPUTS if seq.get(k) is not None]
 
 
 def dummy_microbatch(*, length: int, loss_inputs: Sequence[str] = ()) -> PackedMicroBatch:
     """A pad-only micro-batch of ``length`` tokens that contributes zero loss."""
     z = np.zeros(length, np.float32)
+    per_token: dict[str, np.ndarray] = {
+        "input_ids": z.astype(np.int64),
+        "position_ids": np.arange(length, dtype=np.int64),
+        "labels": z.astype(np.int64),
+        "loss_mask": z,
+        "loss_scale": z.astype(np.float64),
+        "seq_id": np.zeros(length, np.int64),
+        **{k: z for k in loss_inputs},
+    }
     return PackedMicroBatch(
-        input_ids=z.astype(np.int64),
-        position_ids=np.arange(length, dtype=np.int64),
-        labels=z.astype(np.int64),
-        loss_mask=z,
-        loss_scale=z.astype(np.float64),
-        seq_id=np.zeros(length, np.int64),
+        per_token=per_token,
         cu_seqlens=np.asarray([0, length], np.int32),
         seq_index=np.asarray([-1], np.int64),
         seq_lens=np.asarray([0], np.int64),
         is_dummy=True,
-        **{k: z for k in loss_inputs},
     )
 
 
@@ -175,26 +181,25 @@ def cut_microbatches(
 
 
 def make_plan(
-    seqs: Sequence[HostSequence],
+    seqs: Sequence[TokenSequence],
     *,
     dp: int,
     max_tokens_per_microbatch: int,
     pad_multiple: int,
     uniform_length: bool = False,
-    normalization: Normalization = Normalization.TOKEN_MEAN,
-    loss: LossSpec = CROSS_ENTROPY,
+    loss: LossConfig = CROSS_ENTROPY,
     microbatch_multiple: int = 1,
 ) -> StepPlan:
-    """Build the step plan. ``uniform_length`` pads every micro-batch to one length (PP);
-    ``microbatch_multiple`` rounds the micro-batch count up (the interleaved PP schedule
-    needs a multiple of the pipeline size)."""
+    """Build the step plan; ``loss`` carries the normalisation. ``uniform_length`` pads every
+    micro-batch to one length (PP); ``microbatch_multiple`` rounds the micro-batch count up
+    (the interleaved PP schedule needs a multiple of the pipeline size)."""
     if not seqs:
         raise ValueError("empty batch")
-    present = [k for k in LOSS_INPUTS if getattr(seqs[0], k) is not None]
+    present = _loss_inputs(seqs[0])
     for i, s in enumerate(seqs):
-        if [k for k in LOSS_INPUTS if getattr(s, k) is not None] != present:
+        if _loss_inputs(s) != present:
             raise ValueError(f"sequence {i} carries other per-token loss inputs than sequence 0")
-    scales, n_tokens, n_seqs = sequence_scales(seqs, normalization)
+    scales, n_tokens, n_seqs = sequence_scales(seqs, loss.normalization)
     padded = [_round_up(len(s), pad_multiple) for s in seqs]
     if max(padded) > max_tokens_per_microbatch:
         raise ValueError(
@@ -227,7 +232,7 @@ def make_plan(
             for _ in range(num_mb - len(mbs))
         ]
         shards.append(tuple(mbs))
-    missing = [k for k in loss.needs() if k not in present]
+    missing = [k for k in loss.required_inputs() if k not in present]
     if missing:
         raise ValueError(f"the {loss.kind.value} loss needs per-token {', '.join(missing)}")
     return StepPlan(
@@ -241,11 +246,10 @@ def make_plan(
 
 
 def plan_step(
-    seqs: Sequence[HostSequence],
+    seqs: Sequence[TokenSequence],
     cfg: EngineConfig,
     *,
-    loss: LossSpec = CROSS_ENTROPY,
-    normalization: Normalization = Normalization.TOKEN_MEAN,
+    loss: LossConfig = CROSS_ENTROPY,
 ) -> StepPlan:
     """``make_plan`` with everything the engine's layout dictates."""
     lay = cfg.layout
@@ -257,7 +261,6 @@ def plan_step(
         # PP sends fixed-shape activations; MoE's all-gather dispatcher gathers equal-sized
         # token blocks over the EP group.
         uniform_length=lay.pp > 1 or lay.ep > 1,
-        normalization=normalization,
         loss=loss,
         microbatch_multiple=lay.pp if lay.vp > 1 else 1,
     )

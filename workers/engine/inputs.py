@@ -1,16 +1,15 @@
 """Turn a host micro-batch into what this rank's pipeline stage needs.
 
 TP rank 0 of each (DP, CP, PP) slot reads the host arrays, cuts its CP shard (zigzag, every
-token field by one map) and broadcasts over its TP group what the stage needs
-(``workers/ops/pp_broadcast.py``): tokens and positions on the first stage; labels, loss mask
-and per-token loss inputs on the last; the packed-sequence metadata on every stage. The other
-TP ranks only learn shapes from the plan. ``cu_seqlens`` stay *global* (padded): attention
-under CP and RoPE need them; the local boundaries are ``cu // cp``.
+per-token field by one map: ``workers/ops/cp.py``) and broadcasts over its TP group what the
+stage needs (``workers/ops/pp_broadcast.py``): tokens and positions on the first stage; labels,
+loss mask and per-token loss inputs on the last; the packed-sequence metadata on every stage.
+The other TP ranks only learn shapes from the plan. ``cu_seqlens`` stay *global* (padded):
+attention under CP and RoPE need them; the local boundaries are ``cu // cp``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,16 +17,11 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
-from trainctl.workers.control.batch import LOSS_INPUTS, PackedMicroBatch
-from trainctl.workers.ops.cp import PackedTokens, split_for_cp
-from trainctl.workers.ops.pp_broadcast import (
-    BroadcastConfig,
-    StageBatch,
-    StageRole,
-    broadcast_stage_batch,
-)
+from trainctl.workers.control.batch import PackedMicroBatch
+from trainctl.workers.engine.parallel import ParallelDims
+from trainctl.workers.ops.cp import split_for_cp
+from trainctl.workers.ops.pp_broadcast import BroadcastConfig, StageBatch, broadcast_stage_batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,27 +34,45 @@ class RankMicroBatch:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PackedTensors:
+    """A host micro-batch as tensors, before any CP split (``PackedMicroBatch``'s names)."""
+
+    per_token: dict[str, Tensor]
+    cu_seqlens: Tensor  # [B+1] int32, padded boundaries (global)
+
+    def __getattr__(self, name: str) -> Tensor:
+        try:
+            return self.per_token[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.per_token["input_ids"].shape[0])
+
+
+def packed_tokens(mb: PackedMicroBatch) -> PackedTensors:
+    """The host micro-batch as tensors (copies: object-store arrays are read-only)."""
+    return PackedTensors(
+        per_token={k: torch.from_numpy(np.array(v)) for k, v in mb.per_token.items()},
+        cu_seqlens=torch.from_numpy(np.array(mb.cu_seqlens)),
+    )
+
+
+@dataclass(frozen=True)
 class StageInputs:
-    """Prepares micro-batches for one rank; built once per engine from its coordinates."""
+    """Prepares micro-batches for one rank; built once per engine from its ``ParallelDims``."""
 
-    role: StageRole
-    cp_size: int
-    cp_rank: int
-    tp_group: ProcessGroup
-    tp_src: int
-    """Global rank of TP rank 0 of this rank's TP group: the one that reads host data."""
-
-    def loss_inputs(self, mb: PackedMicroBatch) -> tuple[str, ...]:
-        return ("loss_scale", *(k for k in LOSS_INPUTS if getattr(mb, k) is not None))
+    dims: ParallelDims
 
     def prepare(self, mb: PackedMicroBatch) -> RankMicroBatch:
-        sender = dist.get_rank() == self.tp_src
-        inputs = self.loss_inputs(mb)
-        batch = self._read(mb, inputs) if sender else None
-        if dist.get_world_size(self.tp_group) > 1:
-            cfg = BroadcastConfig(seq_length=mb.num_tokens // self.cp_size, loss_inputs=inputs)
+        d = self.dims
+        inputs = ("loss_scale", *mb.loss_inputs)
+        batch = self._read(mb, inputs) if dist.get_rank() == d.tp_src else None
+        if d.layout.tp > 1:
+            cfg = BroadcastConfig(seq_length=mb.num_tokens // d.layout.cp, loss_inputs=inputs)
             batch = broadcast_stage_batch(
-                batch, role=self.role, cfg=cfg, tp_group=self.tp_group, src=self.tp_src
+                batch, role=d.stage_role, cfg=cfg, tp_group=d.tp_group, src=d.tp_src
             )
         assert batch is not None and batch.cu_seqlens is not None
         assert batch.max_seqlen is not None
@@ -78,25 +90,19 @@ class StageInputs:
         )
 
     def _read(self, mb: PackedMicroBatch, inputs: tuple[str, ...]) -> StageBatch:
-        tokens = packed_tokens(mb)
-        if self.cp_size > 1:
-            tokens = split_for_cp(tokens, cp_size=self.cp_size, cp_rank=self.cp_rank).tokens
+        t = packed_tokens(mb)
+        per_token = t.per_token
+        if self.dims.layout.cp > 1:
+            cp = self.dims.layout.cp
+            per_token = split_for_cp(
+                per_token, t.cu_seqlens, cp_size=cp, cp_rank=self.dims.coords.cp
+            ).per_token
         return StageBatch(
-            tokens=tokens.input_ids[None],
-            position_ids=tokens.position_ids[None],
-            labels=tokens.labels[None],
-            loss_mask=tokens.loss_mask[None],
-            loss_inputs={k: getattr(tokens, k)[None] for k in inputs},
-            cu_seqlens=torch.from_numpy(mb.cu_seqlens.copy()),
+            tokens=per_token["input_ids"][None],
+            position_ids=per_token["position_ids"][None],
+            labels=per_token["labels"][None],
+            loss_mask=per_token["loss_mask"][None],
+            loss_inputs={k: per_token[k][None] for k in inputs},
+            cu_seqlens=t.cu_seqlens,
             max_seqlen=torch.tensor([mb.max_seqlen], dtype=torch.int32),
         )
-
-
-def packed_tokens(mb: PackedMicroBatch) -> PackedTokens:
-    """The host micro-batch as tensors (copies: object-store arrays are read-only)."""
-
-    def t(x: np.ndarray | None) -> Tensor | None:
-        return None if x is None else torch.from_numpy(np.array(x))
-
-    fields = {f.name: t(getattr(mb, f.name)) for f in dataclasses.fields(PackedTokens)}
-    return PackedTokens(**fields)  # type: ignore[arg-type]

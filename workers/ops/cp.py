@@ -13,8 +13,8 @@ neighbour is no longer the next token (docs/algorithms.md §1.4).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,61 +60,33 @@ def zigzag_inverse(padded_cu_seqlens: Tensor, cp_size: int) -> Tensor:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PackedTokens:
-    """One micro-batch, packed and padded, before any CP split. Token-aligned fields are ``[T]``.
-
-    Per-token loss inputs are already rolled: position ``t`` carries the values of the token it
-    predicts (``t + 1``), and 0 at each sequence's last token and at pads.
-    """
-
-    input_ids: Tensor  # [T] int64
-    position_ids: Tensor  # [T] int64, restarting per sequence
-    labels: Tensor  # [T] int64, next token
-    loss_mask: Tensor  # [T] fp32, 1 where the position's next token is a target
-    loss_scale: Tensor  # [T] fp64, weight / global normaliser; the loss is sum(term * scale)
-    seq_id: Tensor  # [T] int64, index of the packed sequence each position belongs to
-    advantages: Tensor | None = None  # [T] fp32
-    old_logprobs: Tensor | None = None  # [T] fp32, behaviour-policy log p(next token)
-    ref_logprobs: Tensor | None = None  # [T] fp32, reference-policy log p(next token)
-    cu_seqlens: Tensor  # [B+1] int32, padded boundaries (global)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def token_fields(self) -> list[str]:
-        return [
-            f.name
-            for f in dataclasses.fields(self)
-            if f.name != "cu_seqlens" and getattr(self, f.name) is not None
-        ]
-
-
-@dataclass(frozen=True, kw_only=True)
 class CPShard:
-    """What CP rank ``cp_rank`` holds of a micro-batch: every token field cut by one map."""
+    """What CP rank ``cp_rank`` holds of a micro-batch: every per-token tensor cut by one map."""
 
     cp_rank: int
     cp_size: int
-    tokens: PackedTokens  # token fields are [T / cp_size]; cu_seqlens is the LOCAL one
+    per_token: dict[str, Tensor]  # the same names as given, each [T / cp_size]
+    local_cu_seqlens: Tensor  # [B+1] int32, boundaries in the local buffer
     global_cu_seqlens: Tensor  # [B+1] int32, what context-parallel attention needs
     positions: Tensor  # [T / cp_size] int64, the global position of each local token
 
-    @property
-    def local_cu_seqlens(self) -> Tensor:
-        return self.tokens.cu_seqlens
 
+def split_for_cp(
+    per_token: Mapping[str, Tensor], cu_seqlens: Tensor, *, cp_size: int, cp_rank: int
+) -> CPShard:
+    """Cut every ``[T, ...]`` tensor of ``per_token`` with the zigzag map of ``cp_rank``.
 
-def split_for_cp(batch: PackedTokens, *, cp_size: int, cp_rank: int) -> CPShard:
-    """Cut every token-aligned field of ``batch`` with the zigzag map of ``cp_rank``."""
-    pos = zigzag_positions(batch.cu_seqlens, cp_size, cp_rank)
-    local = {name: getattr(batch, name)[pos] for name in batch.token_fields()}
-    local_cu = (batch.cu_seqlens // cp_size).to(batch.cu_seqlens.dtype)
+    ``cu_seqlens`` are the padded boundaries of the packed sequences (every length a multiple
+    of ``2 * cp_size``). The tensors' names mean nothing here: any per-token field is split
+    the same way.
+    """
+    pos = zigzag_positions(cu_seqlens, cp_size, cp_rank)
     return CPShard(
         cp_rank=cp_rank,
         cp_size=cp_size,
-        tokens=dataclasses.replace(batch, cu_seqlens=local_cu, **local),
-        global_cu_seqlens=batch.cu_seqlens,
+        per_token={name: t[pos] for name, t in per_token.items()},
+        local_cu_seqlens=(cu_seqlens // cp_size).to(cu_seqlens.dtype),
+        global_cu_seqlens=cu_seqlens,
         positions=pos,
     )
 

@@ -1,0 +1,71 @@
+"""The per-token fields of a sequence, declared once.
+
+Everything that handles per-token data derives from ``PER_TOKEN_FIELDS``: the pydantic
+``Sequence`` model (``api/models.py``), the binary codec (``api/wire.py``), the columnar batch
+and its validation (``api/batch.py``), the host-side packing and the context-parallel split
+(``workers/``). Adding a per-token input is one line here plus the loss code that reads it
+(and, if a loss kind requires it, one line in ``LossConfig.required_inputs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class FieldKind(str, Enum):
+    TOKEN = "token"
+    """Integer token ids; travel as int32 or int64."""
+    MASK = "mask"
+    """0/1 per token; travels as uint8."""
+    FLOAT = "float"
+    """Finite floats; travel in the caller's float dtype (fp16, bf16, fp32, fp64)."""
+
+
+@dataclass(frozen=True)
+class TokenField:
+    name: str
+    kind: FieldKind
+    description: str
+    default_one: bool = False
+    """Absent means 1 for every token; a batch may carry it for some sequences only."""
+    loss_input: bool = False
+    """Read by a loss on the last pipeline stage: rolled, CP-split and broadcast with it."""
+
+
+PER_TOKEN_FIELDS: tuple[TokenField, ...] = (
+    TokenField("tokens", FieldKind.TOKEN, "Token ids, each in [0, vocab_size)."),
+    TokenField(
+        "loss_mask",
+        FieldKind.MASK,
+        "0/1 per token; 1 = train on this token (predicted from the tokens before it). "
+        "Default: all ones.",
+        default_one=True,
+    ),
+    TokenField("weights", FieldKind.FLOAT, "Per-token loss weights; default 1.", default_one=True),
+    TokenField(
+        "advantages",
+        FieldKind.FLOAT,
+        "Per-token advantages (importance_sampling and ppo losses).",
+        loss_input=True,
+    ),
+    TokenField(
+        "old_logprobs",
+        FieldKind.FLOAT,
+        "Per-token log-probs of each token under the behaviour (sampling) policy.",
+        loss_input=True,
+    ),
+    TokenField(
+        "ref_logprobs",
+        FieldKind.FLOAT,
+        "Per-token log-probs under the reference policy (KL term).",
+        loss_input=True,
+    ),
+)
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in PER_TOKEN_FIELDS)
+OPTIONAL_FIELDS: tuple[TokenField, ...] = PER_TOKEN_FIELDS[1:]
+"""Every field but ``tokens``."""
+LOSS_INPUTS: tuple[str, ...] = tuple(f.name for f in PER_TOKEN_FIELDS if f.loss_input)
+"""Per-token inputs of the RL losses, in a fixed order."""
+BY_NAME: dict[str, TokenField] = {f.name: f for f in PER_TOKEN_FIELDS}
