@@ -1,18 +1,26 @@
-"""trainctl's wire contract: request/response models and the error model (no torch, no Ray)."""
+"""trainctl's wire contract: request/response models, the operation table, the per-token field
+list, the columnar batch and the error model (numpy and pydantic only: no torch, no Ray)."""
 
+from trainctl.api.batch import SequenceBatch, TokenSequence
 from trainctl.api.errors import (
     ConflictError,
     ErrorBody,
     ErrorType,
+    ForbiddenError,
+    InternalError,
     InvalidRequestError,
     NotFoundError,
     NotReadyError,
     PayloadTooLargeError,
     RateLimitedError,
+    ServerError,
     TrainctlError,
+    UnauthorizedError,
     UnsupportedMediaTypeError,
     WorkerError,
+    error_from,
 )
+from trainctl.api.fields import PER_TOKEN_FIELDS, FieldKind, TokenField
 from trainctl.api.models import (
     API_VERSION,
     CheckpointInfo,
@@ -32,8 +40,6 @@ from trainctl.api.models import (
     MemoryProfileStartRequest,
     ModelLimits,
     Normalization,
-    Operation,
-    OperationStatus,
     ProfileFile,
     RankInfo,
     RecoveryInfo,
@@ -41,9 +47,20 @@ from trainctl.api.models import (
     StepResult,
     TrainBatchRequest,
 )
+from trainctl.api.operations import (
+    OPERATIONS,
+    LoadCheckpointRequest,
+    NoArguments,
+    Operation,
+    OperationKind,
+    OperationSpec,
+    OperationStatus,
+)
 
 __all__ = [
     "API_VERSION",
+    "OPERATIONS",
+    "PER_TOKEN_FIELDS",
     "CheckpointInfo",
     "CheckpointList",
     "ConflictError",
@@ -52,9 +69,13 @@ __all__ = [
     "EvalBatchRequest",
     "ExportRequest",
     "ExportResult",
+    "FieldKind",
+    "ForbiddenError",
     "Health",
     "Info",
+    "InternalError",
     "InvalidRequestError",
+    "LoadCheckpointRequest",
     "LogProbsRequest",
     "LogProbsResult",
     "LossConfig",
@@ -64,10 +85,13 @@ __all__ = [
     "MemoryProfileStartRequest",
     "MemoryProfileStarted",
     "ModelLimits",
+    "NoArguments",
     "Normalization",
     "NotFoundError",
     "NotReadyError",
     "Operation",
+    "OperationKind",
+    "OperationSpec",
     "OperationStatus",
     "PayloadTooLargeError",
     "ProfileFile",
@@ -75,9 +99,15 @@ __all__ = [
     "RateLimitedError",
     "RecoveryInfo",
     "Sequence",
+    "SequenceBatch",
+    "ServerError",
     "StepResult",
+    "TokenField",
+    "TokenSequence",
     "TrainBatchRequest",
     "TrainctlError",
+    "UnauthorizedError",
     "UnsupportedMediaTypeError",
     "WorkerError",
+    "error_from",
 ]

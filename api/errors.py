@@ -1,7 +1,22 @@
-"""One error model end to end: workers raise these, the gateway maps them to HTTP, the SDK back.
+"""One error model end to end: workers raise these, the gateway maps them to HTTP, and the SDK
+raises the same classes again from the response (``error_from``).
 
 Every error body is ``{"type": ..., "message": ..., "details": ...}``; ``type`` is one of the
-``ErrorType`` values and says what kind of change would help.
+``ErrorType`` values and says what kind of change would help. The classes:
+
+    TrainctlError                    .type, .message, .details, .status, .retryable
+    ├── InvalidRequestError     422  fix the request; the message names the field
+    ├── UnauthorizedError       401
+    ├── ForbiddenError          403
+    ├── NotFoundError           404
+    ├── ConflictError           409  idempotency key reused, stale expected_step, ...
+    ├── PayloadTooLargeError    413
+    ├── UnsupportedMediaTypeError 415
+    ├── RateLimitedError        429  retry after ``retry_after_s``
+    └── ServerError             5xx  nothing was applied
+        ├── WorkerError         500  a rank failed the step
+        ├── NotReadyError       503  starting, recovering or shutting down
+        └── InternalError       500  a bug (or a proxy's 5xx)
 """
 
 from __future__ import annotations
@@ -60,14 +75,16 @@ class TrainctlError(Exception):
     retry_after_s: float | None = None
     """Sent as ``Retry-After`` where set (429, 503)."""
 
-    def __init__(self, message: str, details: Any = None) -> None:
+    def __init__(self, message: str, details: Any = None, *, status: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.details = details
+        self._status = status
 
     @property
     def status(self) -> int:
-        return STATUS_OF[self.type]
+        """The HTTP status: the type's, or the one the response carried (SDK side)."""
+        return self._status or STATUS_OF[self.type]
 
     @property
     def retryable(self) -> bool:
@@ -78,10 +95,16 @@ class TrainctlError(Exception):
         return ErrorBody(type=self.type, message=self.message, details=self.details)
 
     def __reduce__(self) -> tuple[Any, ...]:  # survive pickling through Ray
-        return (type(self), (self.message, self.details))
+        return (_rebuild, (type(self), self.message, self.details, self._status))
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.type.value}: {self.message}"
 
 
-class InvalidRequestError(TrainctlError):
+class InvalidRequestError(TrainctlError, ValueError):
+    """Also a ``ValueError``: a bad value, caught as such by callers and by pydantic (which
+    then carries it in its error's context: the gateway unwraps it)."""
+
     type = ErrorType.INVALID_REQUEST
 
 
@@ -101,18 +124,68 @@ class UnsupportedMediaTypeError(TrainctlError):
     type = ErrorType.UNSUPPORTED_MEDIA_TYPE
 
 
+class UnauthorizedError(TrainctlError):
+    type = ErrorType.UNAUTHORIZED
+
+
+class ForbiddenError(TrainctlError):
+    type = ErrorType.FORBIDDEN
+
+
 class RateLimitedError(TrainctlError):
     type = ErrorType.RATE_LIMITED
     retry_after_s = 1.0
 
 
-class NotReadyError(TrainctlError):
+class ServerError(TrainctlError):
+    """A 5xx: the service could not do it; nothing was applied, and a retry may succeed."""
+
+    type = ErrorType.INTERNAL
+
+
+class NotReadyError(ServerError):
     type = ErrorType.NOT_READY
     retry_after_s = 2.0
 
 
-class WorkerError(TrainctlError):
+class WorkerError(ServerError):
     type = ErrorType.WORKER_ERROR
+
+
+class InternalError(ServerError):
+    type = ErrorType.INTERNAL
+
+
+def _rebuild(
+    cls: type[TrainctlError], message: str, details: Any, status: int | None
+) -> TrainctlError:
+    return cls(message, details, status=status)
+
+
+ERROR_CLASSES: dict[ErrorType, type[TrainctlError]] = {
+    c.type: c
+    for c in (
+        InvalidRequestError, UnauthorizedError, ForbiddenError, NotFoundError, ConflictError,
+        PayloadTooLargeError, UnsupportedMediaTypeError, RateLimitedError, NotReadyError,
+        WorkerError, InternalError,
+    )
+}  # fmt: skip
+
+
+def error_from(status: int, body: Any) -> TrainctlError:
+    """The error of a 4xx/5xx response whose body is ``body``: the class of its ``type`` where
+    that type answers with this status, else the class of the status (a body from something
+    in between, e.g. a proxy, or a type that disagrees with the status)."""
+    typed = isinstance(body, dict) and body.get("type") in ErrorType._value2member_map_
+    by_status = {STATUS_OF[t]: c for t, c in ERROR_CLASSES.items()}  # 500: InternalError
+    cls = by_status.get(status, InternalError if status >= 500 else InvalidRequestError)
+    if typed and STATUS_OF[ErrorType(body["type"])] == status:
+        cls = ERROR_CLASSES[ErrorType(body["type"])]
+    if isinstance(body, dict):
+        message, details = str(body.get("message") or body), body.get("details")
+    else:
+        message, details = str(body)[:2000], None
+    return cls(message, details, status=status)
 
 
 def field_error(field: str, problem: str) -> InvalidRequestError:

@@ -10,63 +10,51 @@ import random
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar, cast
 
 import httpx
 from pydantic import BaseModel
 
 from trainctl.api import (
     API_VERSION,
-    EvalBatchRequest,
-    LogProbsRequest,
+    OPERATIONS,
     LogProbsResult,
     LossConfig,
     Operation,
-    Sequence,
-    StepResult,
-    TrainBatchRequest,
+    OperationKind,
+    SequenceBatch,
+    TokenSequence,
     wire,
 )
-from trainctl.api.errors import STATUS_OF
-from trainctl.clients.errors import error_for
+from trainctl.api.errors import STATUS_OF, error_from
+from trainctl.api.operations import route_of
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 600.0
 """A train step on a large batch can take minutes; connection failures still fail fast."""
 
-SequenceLike: TypeAlias = Sequence | Mapping[str, Any] | Iterable[int]
+SequenceLike: TypeAlias = BaseModel | TokenSequence | Mapping[str, Any] | Iterable[int]
+"""A ``Sequence`` model, a ``TokenSequence``, a dict of per-token lists or arrays
+(``tokens``, ``loss_mask``, ...), or a list of token ids."""
 LossLike: TypeAlias = LossConfig | Mapping[str, Any] | None
 
-RESULT_OF: dict[str, type[BaseModel]] = {
-    "train_batch": StepResult,
-    "eval_batch": StepResult,
-    "logprobs": LogProbsResult,
-}
-REQUEST_OF: dict[str, type[BaseModel]] = {
-    "train_batch": TrainBatchRequest,
-    "eval_batch": EvalBatchRequest,
-    "logprobs": LogProbsRequest,
-}
 
-
-def to_sequences(seqs: Iterable[SequenceLike]) -> list[Sequence]:
-    """Accept ``Sequence`` models, dicts (``tokens``, ``loss_mask``, ...) or token lists."""
-    out = []
+def to_batch(seqs: Iterable[SequenceLike] | SequenceBatch) -> SequenceBatch:
+    """The columnar batch of ``seqs`` (validated here: a bad batch fails before it is sent)."""
+    if isinstance(seqs, SequenceBatch):
+        return seqs
+    rows: list[Any] = []
     for s in seqs:
-        if isinstance(s, Sequence):
-            out.append(s)
-        elif isinstance(s, Mapping):
-            out.append(Sequence(**{k: _plain(v) for k, v in s.items()}))
+        if isinstance(s, BaseModel):
+            rows.append(s.model_dump(exclude_none=True))
+        elif isinstance(s, (Mapping, TokenSequence)):
+            rows.append(s)
         else:
-            out.append(Sequence(tokens=[int(t) for t in s]))
-    return out
-
-
-def _plain(v: Any) -> Any:
-    """numpy arrays (and the like) as lists, for the pydantic models."""
-    return v.tolist() if hasattr(v, "tolist") else v
+            rows.append({"tokens": [int(t) for t in cast(Iterable[int], s)]})
+    return SequenceBatch.from_sequences(rows)
 
 
 def path(name: str) -> str:
@@ -105,26 +93,26 @@ NO_RETRY = RetryPolicy(max_retries=0)
 
 
 @dataclass
-class Call:
-    """One HTTP request and how to read its answer."""
+class Call(Generic[T]):
+    """One HTTP request and how to read its answer (a ``T``)."""
 
     method: str
     url: str
-    parse: Callable[[httpx.Response], Any]
+    parse: Callable[[httpx.Response], T]
     content: bytes | None = None
     params: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
 
 
 def raise_for_status(response: httpx.Response) -> None:
-    """The matching ``APIStatusError`` for a 4xx/5xx response."""
+    """Raise the service's error class (``api/errors.py``) for a 4xx/5xx response."""
     if response.status_code < 400:
         return
     try:
         body: Any = response.json()
     except ValueError:
         body = response.text
-    raise error_for(response.status_code, body)
+    raise error_from(response.status_code, body)
 
 
 def parse_model(model: type[M]) -> Callable[[httpx.Response], M]:
@@ -164,12 +152,12 @@ def parse_text(response: httpx.Response) -> str:
     return response.text
 
 
-def operation_result(op: Operation) -> Any:
-    """A finished operation's typed result, or its error raised as the SDK's exception."""
+def operation_result(op: Operation) -> BaseModel:
+    """A finished operation's typed result (the table's result model for its kind), or its
+    error raised."""
     if op.error is not None:
-        raise error_for(STATUS_OF[op.error.type], op.error.model_dump(mode="json"))
-    model = RESULT_OF.get(op.kind)
-    return model.model_validate(op.result) if model is not None else op.result
+        raise error_from(STATUS_OF[op.error.type], op.error.model_dump(mode="json"))
+    return OPERATIONS[OperationKind(op.kind)].result.model_validate(op.result)
 
 
 class Requests:
@@ -182,18 +170,20 @@ class Requests:
 
     def batch(
         self,
-        kind: str,
-        sequences: Iterable[SequenceLike],
+        kind: OperationKind | str,
+        sequences: Iterable[SequenceLike] | SequenceBatch,
         *,
         loss: LossLike = None,
         expected_step: int | None = None,
         entropy: bool = False,
         idempotency_key: str | None = None,
-        respond_async: bool = False,
-    ) -> Call:
-        """``train_batch``, ``eval_batch`` or ``logprobs``; validated here before sending."""
+    ) -> tuple[BaseModel, dict[str, str], bytes]:
+        """The validated request of a batch operation, its headers and its body."""
+        spec = OPERATIONS[OperationKind(kind)]
+        if not spec.batch:
+            raise ValueError(f"{kind} is not a batch operation")
         fields: dict[str, Any] = {}
-        if kind == "logprobs":
+        if spec.kind is OperationKind.LOGPROBS:
             fields["entropy"] = entropy
         else:
             if loss is not None:
@@ -201,46 +191,62 @@ class Requests:
                 fields["loss"] = cfg.model_dump(mode="json")
             if expected_step is not None:
                 fields["expected_step"] = expected_step
-        req = REQUEST_OF[kind](sequences=to_sequences(sequences), **fields)
+        batch = to_batch(sequences)
+        req = spec.request(sequences=batch, **fields)
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
-        if respond_async:
-            headers["Prefer"] = "respond-async"
         if self.binary:
-            seqs = [s.model_dump(exclude_none=True) for s in req.sequences]  # type: ignore[attr-defined]
             content = wire.encode_sequences(
-                seqs, fields, float_dtype=self.float_dtype, compress=self.compress
+                batch,
+                fields,
+                float_dtype=self.float_dtype,
+                compress=self.compress,
             )
             headers["Content-Type"] = wire.CONTENT_TYPE
             headers["Accept"] = f"{wire.CONTENT_TYPE}, {wire.JSON_CONTENT_TYPE}"
         else:
             content = req.model_dump_json(exclude_none=True).encode()
             headers["Content-Type"] = wire.JSON_CONTENT_TYPE
-        parse = parse_model(Operation) if respond_async else parse_model(RESULT_OF[kind])
-        return Call("POST", path(kind), parse, content=content, headers=headers)
+        return req, headers, content
 
-    def operation(self, op_id: str, wait_s: float = 0.0) -> Call:
+    def run(self, kind: OperationKind, result: type[M], **kwargs: Any) -> Call[M]:
+        """A batch operation answered when done, as ``result``."""
+        req, headers, content = self.batch(kind, **kwargs)
+        url = path(route_of(OperationKind(kind), req).lstrip("/"))
+        return Call("POST", url, parse_model(result), content=content, headers=headers)
+
+    def submit(self, kind: OperationKind | str, **kwargs: Any) -> Call[Operation]:
+        """A batch operation answered at once (202) with the operation to poll."""
+        req, headers, content = self.batch(kind, **kwargs)
+        headers["Prefer"] = "respond-async"
+        url = path(route_of(OperationKind(kind), req).lstrip("/"))
+        return Call("POST", url, parse_model(Operation), content=content, headers=headers)
+
+    def call(self, kind: OperationKind, result: type[M], req: BaseModel | None = None) -> Call[M]:
+        """A non-batch operation (JSON body, or none) with a fresh idempotency key, reused by
+        every retry of this call."""
+        spec = OPERATIONS[kind]
+        req = req if req is not None else spec.request()
+        url = path(route_of(kind, req).lstrip("/"))
+        fields = {k: v for k, v in req.model_dump().items() if f"{{{k}}}" not in spec.path}
+        headers = {"Idempotency-Key": uuid.uuid4().hex}
+        content = None
+        if fields:
+            content = req.model_dump_json(exclude_none=True).encode()
+            headers["Content-Type"] = wire.JSON_CONTENT_TYPE
+        return Call("POST", url, parse_model(result), content=content, headers=headers)
+
+    def operation(self, op_id: str, wait_s: float = 0.0) -> Call[Operation]:
         return Call(
             "GET", path(f"operations/{op_id}"), parse_model(Operation), params={"wait": wait_s}
         )
 
-    def get(self, name: str, model: type[M]) -> Call:
+    def get(self, name: str, model: type[M]) -> Call[M]:
         return Call("GET", path(name), parse_model(model))
 
-    def post_json(
-        self, name: str, model: type[M], body: BaseModel | None = None, *, idempotent: bool = False
-    ) -> Call:
-        """A POST with an optional JSON body; ``idempotent`` adds a fresh idempotency key,
-        reused by every retry of this call."""
-        content = body.model_dump_json().encode() if body is not None else None
-        headers = {"Content-Type": wire.JSON_CONTENT_TYPE} if body is not None else {}
-        if idempotent:
-            headers["Idempotency-Key"] = uuid.uuid4().hex
-        return Call("POST", path(name), parse_model(model), content=content, headers=headers)
-
-    def download(self, profile_id: str, name: str) -> Call:
+    def download(self, profile_id: str, name: str) -> Call[bytes]:
         return Call("GET", path(f"memory_profiles/{profile_id}/files/{name}"), parse_bytes)
 
-    def metrics(self) -> Call:
+    def metrics(self) -> Call[str]:
         return Call("GET", "/metrics", parse_text)
 
 

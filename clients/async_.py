@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel
 
 from trainctl.api import (
     CheckpointInfo,
@@ -27,12 +28,15 @@ from trainctl.api import (
     ExportResult,
     Health,
     Info,
+    LoadCheckpointRequest,
     LogProbsResult,
     MemoryProfileList,
     MemoryProfileResult,
     MemoryProfileStarted,
     MemoryProfileStartRequest,
     Operation,
+    OperationKind,
+    SequenceBatch,
     StepResult,
 )
 from trainctl.clients._base import (
@@ -47,7 +51,10 @@ from trainctl.clients._base import (
     auth_headers,
     operation_result,
 )
-from trainctl.clients.errors import APIConnectionError, APIStatusError
+from trainctl.clients.errors import APIConnectionError, TrainctlError
+
+T = TypeVar("T")
+Sequences = Iterable[SequenceLike] | SequenceBatch
 
 
 class AsyncTrainctlClient:
@@ -78,7 +85,7 @@ class AsyncTrainctlClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _send(self, call: Call, retry: RetryPolicy | None = None) -> Any:
+    async def _send(self, call: Call[T], retry: RetryPolicy | None = None) -> T:
         policy = retry or self._retry
         attempt = 0
         while True:
@@ -105,7 +112,7 @@ class AsyncTrainctlClient:
 
     async def train_batch(
         self,
-        sequences: Iterable[SequenceLike],
+        sequences: Sequences,
         loss: LossLike = None,
         *,
         expected_step: int | None = None,
@@ -114,35 +121,33 @@ class AsyncTrainctlClient:
         """Forward/backward over ``sequences`` and one optimizer step (default loss:
         token-mean cross-entropy; see ``LossConfig`` for importance sampling and PPO).
         ``expected_step``: apply only if the model is at that step (else ``ConflictError``)."""
-        call = self._req.batch(
-            "train_batch", sequences, loss=loss, expected_step=expected_step,
-            idempotency_key=idempotency_key,
+        call = self._req.run(
+            OperationKind.TRAIN_BATCH, StepResult, sequences=sequences, loss=loss,
+            expected_step=expected_step, idempotency_key=idempotency_key,
         )  # fmt: skip
-        return await self._send(call)  # type: ignore[no-any-return]
+        return await self._send(call)
 
-    async def eval_batch(
-        self, sequences: Iterable[SequenceLike], loss: LossLike = None
-    ) -> StepResult:
+    async def eval_batch(self, sequences: Sequences, loss: LossLike = None) -> StepResult:
         """The loss of ``sequences`` without backward or update."""
-        return await self._send(self._req.batch("eval_batch", sequences, loss=loss))  # type: ignore[no-any-return]
+        call = self._req.run(OperationKind.EVAL_BATCH, StepResult, sequences=sequences, loss=loss)
+        return await self._send(call)
 
-    async def logprobs(
-        self, sequences: Iterable[SequenceLike], *, entropy: bool = False
-    ) -> LogProbsResult:
+    async def logprobs(self, sequences: Sequences, *, entropy: bool = False) -> LogProbsResult:
         """Per-token log-probs (and entropy) of each sequence under the current weights."""
-        call = self._req.batch("logprobs", sequences, entropy=entropy)
-        return await self._send(call)  # type: ignore[no-any-return]
+        call = self._req.run(
+            OperationKind.LOGPROBS, LogProbsResult, sequences=sequences, entropy=entropy
+        )
+        return await self._send(call)
 
     async def submit(
-        self, kind: str, sequences: Iterable[SequenceLike], **kwargs: Any
+        self, kind: OperationKind | str, sequences: Sequences, **kwargs: Any
     ) -> Operation:
         """Start ``train_batch``, ``eval_batch`` or ``logprobs`` and return its operation at
         once; ``wait(op)`` for the result."""
-        call = self._req.batch(kind, sequences, respond_async=True, **kwargs)
-        return await self._send(call)  # type: ignore[no-any-return]
+        return await self._send(self._req.submit(kind, sequences=sequences, **kwargs))
 
     async def operation(self, op_id: str, wait_s: float = 0.0) -> Operation:
-        return await self._send(self._req.operation(op_id, wait_s))  # type: ignore[no-any-return]
+        return await self._send(self._req.operation(op_id, wait_s))
 
     async def wait(
         self,
@@ -150,7 +155,7 @@ class AsyncTrainctlClient:
         *,
         timeout: float | None = None,
         on_update: Callable[[Operation], None] | None = None,
-    ) -> Any:
+    ) -> BaseModel:
         """Poll until ``op`` finishes; its typed result, or its error raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not op.finished:
@@ -165,58 +170,56 @@ class AsyncTrainctlClient:
 
     async def start_memory_profile(self, max_entries: int = 100_000) -> MemoryProfileStarted:
         body = MemoryProfileStartRequest(max_entries=max_entries)
-        call = self._req.post_json("memory_profile/start", MemoryProfileStarted, body)
-        return await self._send(call)  # type: ignore[no-any-return]
+        call = self._req.call(OperationKind.START_MEMORY_PROFILE, MemoryProfileStarted, body)
+        return await self._send(call)
 
     async def stop_memory_profile(self) -> MemoryProfileResult:
-        call = self._req.post_json("memory_profile/stop", MemoryProfileResult)
-        return await self._send(call)  # type: ignore[no-any-return]
+        return await self._send(
+            self._req.call(OperationKind.STOP_MEMORY_PROFILE, MemoryProfileResult)
+        )
 
     async def list_memory_profiles(self) -> MemoryProfileList:
-        return await self._send(self._req.get("memory_profiles", MemoryProfileList))  # type: ignore[no-any-return]
+        return await self._send(self._req.get("memory_profiles", MemoryProfileList))
 
     async def download_profile_file(self, profile_id: str, name: str) -> bytes:
         """One rank's profile file or picture (``ProfileFile.name`` / ``.picture``)."""
-        return await self._send(self._req.download(profile_id, name))  # type: ignore[no-any-return]
+        return await self._send(self._req.download(profile_id, name))
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     async def save_checkpoint(self) -> CheckpointInfo:
         """Save weights, optimizer state, step and RNG of every rank (atomically)."""
-        call = self._req.post_json("checkpoints", CheckpointInfo, idempotent=True)
-        return await self._send(call)  # type: ignore[no-any-return]
+        return await self._send(self._req.call(OperationKind.SAVE_CHECKPOINT, CheckpointInfo))
 
     async def list_checkpoints(self) -> CheckpointList:
-        return await self._send(self._req.get("checkpoints", CheckpointList))  # type: ignore[no-any-return]
+        return await self._send(self._req.get("checkpoints", CheckpointList))
 
     async def load_checkpoint(self, checkpoint_id: str) -> CheckpointInfo:
         """Restore a checkpoint of this layout: weights, optimizer state and step."""
-        name = f"checkpoints/{checkpoint_id}/load"
-        call = self._req.post_json(name, CheckpointInfo, idempotent=True)
-        return await self._send(call)  # type: ignore[no-any-return]
+        req = LoadCheckpointRequest(checkpoint_id=checkpoint_id)
+        return await self._send(self._req.call(OperationKind.LOAD_CHECKPOINT, CheckpointInfo, req))
 
     async def export_hf(self, name: str | None = None) -> ExportResult:
         """Write the model as a Hugging Face Llama checkpoint on the server."""
-        body = ExportRequest(name=name)
-        call = self._req.post_json("export/hf", ExportResult, body, idempotent=True)
-        return await self._send(call)  # type: ignore[no-any-return]
+        req = ExportRequest(name=name)
+        return await self._send(self._req.call(OperationKind.EXPORT_HF, ExportResult, req))
 
     # -- service -----------------------------------------------------------------------------
 
     async def info(self) -> Info:
-        return await self._send(self._req.get("info", Info))  # type: ignore[no-any-return]
+        return await self._send(self._req.get("info", Info))
 
     async def health(self) -> Health:
-        return await self._send(self._req.get("health", Health))  # type: ignore[no-any-return]
+        return await self._send(self._req.get("health", Health))
 
     async def metrics(self) -> str:
         """The Prometheus text of ``/metrics``."""
-        return await self._send(self._req.metrics())  # type: ignore[no-any-return]
+        return await self._send(self._req.metrics())
 
     async def is_ready(self) -> bool:
         try:
             await self._send(self._req.get("ready", Health), NO_RETRY)
-        except (APIConnectionError, APIStatusError):
+        except TrainctlError:
             return False
         return True
 

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainctl.api import LossConfig, Operation
-from trainctl.clients.errors import TrainctlClientError
+from trainctl.api import LossConfig, Operation, OperationKind
+from trainctl.clients.errors import TrainctlError
 from trainctl.clients.sync import TrainctlClient
 
 _SPINNER = "|/-\\"
@@ -76,7 +76,7 @@ def _print(model: Any) -> None:
     print(model.model_dump_json(indent=2))
 
 
-def _run_operation(c: TrainctlClient, kind: str, batch: list[Any], **kwargs: Any) -> Any:
+def _run_operation(c: TrainctlClient, kind: OperationKind, batch: list[Any], **kwargs: Any) -> Any:
     progress = Progress()
     op = c.submit(kind, batch, **kwargs)
     progress(op)
@@ -99,11 +99,13 @@ def _client_commands(args: argparse.Namespace, c: TrainctlClient) -> int:
     elif args.command == "train-batch":
         batch = read_batch(args.file)
         kw = {"loss": _loss(args), "expected_step": args.expected_step}
-        _print(_run_operation(c, "train_batch", batch, **kw))
+        _print(_run_operation(c, OperationKind.TRAIN_BATCH, batch, **kw))
     elif args.command == "eval-batch":
-        _print(_run_operation(c, "eval_batch", read_batch(args.file), loss=_loss(args)))
+        _print(_run_operation(c, OperationKind.EVAL_BATCH, read_batch(args.file), loss=_loss(args)))
     elif args.command == "logprobs":
-        result = _run_operation(c, "logprobs", read_batch(args.file), entropy=args.entropy)
+        result = _run_operation(
+            c, OperationKind.LOGPROBS, read_batch(args.file), entropy=args.entropy
+        )
         out = open(args.output, "w") if args.output != "-" else sys.stdout  # noqa: SIM115
         try:
             for i, lp in enumerate(result.logprobs):
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             rc = _client_commands(args, c)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return rc
-    except TrainctlClientError as e:
+    except TrainctlError as e:
         print(f"trainctl: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel
 
 from trainctl.api import (
     CheckpointInfo,
@@ -25,12 +26,15 @@ from trainctl.api import (
     ExportResult,
     Health,
     Info,
+    LoadCheckpointRequest,
     LogProbsResult,
     MemoryProfileList,
     MemoryProfileResult,
     MemoryProfileStarted,
     MemoryProfileStartRequest,
     Operation,
+    OperationKind,
+    SequenceBatch,
     StepResult,
 )
 from trainctl.clients._base import (
@@ -45,7 +49,10 @@ from trainctl.clients._base import (
     auth_headers,
     operation_result,
 )
-from trainctl.clients.errors import APIConnectionError, APIStatusError
+from trainctl.clients.errors import APIConnectionError, TrainctlError
+
+T = TypeVar("T")
+Sequences = Iterable[SequenceLike] | SequenceBatch
 
 
 class TrainctlClient:
@@ -76,7 +83,7 @@ class TrainctlClient:
     def close(self) -> None:
         self._http.close()
 
-    def _send(self, call: Call, retry: RetryPolicy | None = None) -> Any:
+    def _send(self, call: Call[T], retry: RetryPolicy | None = None) -> T:
         policy = retry or self._retry
         attempt = 0
         while True:
@@ -103,7 +110,7 @@ class TrainctlClient:
 
     def train_batch(
         self,
-        sequences: Iterable[SequenceLike],
+        sequences: Sequences,
         loss: LossLike = None,
         *,
         expected_step: int | None = None,
@@ -112,31 +119,31 @@ class TrainctlClient:
         """Forward/backward over ``sequences`` and one optimizer step (default loss:
         token-mean cross-entropy; see ``LossConfig`` for importance sampling and PPO).
         ``expected_step``: apply only if the model is at that step (else ``ConflictError``)."""
-        call = self._req.batch(
-            "train_batch", sequences, loss=loss, expected_step=expected_step,
-            idempotency_key=idempotency_key,
+        call = self._req.run(
+            OperationKind.TRAIN_BATCH, StepResult, sequences=sequences, loss=loss,
+            expected_step=expected_step, idempotency_key=idempotency_key,
         )  # fmt: skip
-        return self._send(call)  # type: ignore[no-any-return]
+        return self._send(call)
 
-    def eval_batch(self, sequences: Iterable[SequenceLike], loss: LossLike = None) -> StepResult:
+    def eval_batch(self, sequences: Sequences, loss: LossLike = None) -> StepResult:
         """The loss of ``sequences`` without backward or update."""
-        return self._send(self._req.batch("eval_batch", sequences, loss=loss))  # type: ignore[no-any-return]
+        call = self._req.run(OperationKind.EVAL_BATCH, StepResult, sequences=sequences, loss=loss)
+        return self._send(call)
 
-    def logprobs(
-        self, sequences: Iterable[SequenceLike], *, entropy: bool = False
-    ) -> LogProbsResult:
+    def logprobs(self, sequences: Sequences, *, entropy: bool = False) -> LogProbsResult:
         """Per-token log-probs (and entropy) of each sequence under the current weights."""
-        call = self._req.batch("logprobs", sequences, entropy=entropy)
-        return self._send(call)  # type: ignore[no-any-return]
+        call = self._req.run(
+            OperationKind.LOGPROBS, LogProbsResult, sequences=sequences, entropy=entropy
+        )
+        return self._send(call)
 
-    def submit(self, kind: str, sequences: Iterable[SequenceLike], **kwargs: Any) -> Operation:
+    def submit(self, kind: OperationKind | str, sequences: Sequences, **kwargs: Any) -> Operation:
         """Start ``train_batch``, ``eval_batch`` or ``logprobs`` and return its operation at
         once; ``wait(op)`` for the result."""
-        call = self._req.batch(kind, sequences, respond_async=True, **kwargs)
-        return self._send(call)  # type: ignore[no-any-return]
+        return self._send(self._req.submit(kind, sequences=sequences, **kwargs))
 
     def operation(self, op_id: str, wait_s: float = 0.0) -> Operation:
-        return self._send(self._req.operation(op_id, wait_s))  # type: ignore[no-any-return]
+        return self._send(self._req.operation(op_id, wait_s))
 
     def wait(
         self,
@@ -144,7 +151,7 @@ class TrainctlClient:
         *,
         timeout: float | None = None,
         on_update: Callable[[Operation], None] | None = None,
-    ) -> Any:
+    ) -> BaseModel:
         """Poll until ``op`` finishes; its typed result, or its error raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not op.finished:
@@ -159,58 +166,54 @@ class TrainctlClient:
 
     def start_memory_profile(self, max_entries: int = 100_000) -> MemoryProfileStarted:
         body = MemoryProfileStartRequest(max_entries=max_entries)
-        call = self._req.post_json("memory_profile/start", MemoryProfileStarted, body)
-        return self._send(call)  # type: ignore[no-any-return]
+        call = self._req.call(OperationKind.START_MEMORY_PROFILE, MemoryProfileStarted, body)
+        return self._send(call)
 
     def stop_memory_profile(self) -> MemoryProfileResult:
-        call = self._req.post_json("memory_profile/stop", MemoryProfileResult)
-        return self._send(call)  # type: ignore[no-any-return]
+        return self._send(self._req.call(OperationKind.STOP_MEMORY_PROFILE, MemoryProfileResult))
 
     def list_memory_profiles(self) -> MemoryProfileList:
-        return self._send(self._req.get("memory_profiles", MemoryProfileList))  # type: ignore[no-any-return]
+        return self._send(self._req.get("memory_profiles", MemoryProfileList))
 
     def download_profile_file(self, profile_id: str, name: str) -> bytes:
         """One rank's profile file or picture (``ProfileFile.name`` / ``.picture``)."""
-        return self._send(self._req.download(profile_id, name))  # type: ignore[no-any-return]
+        return self._send(self._req.download(profile_id, name))
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self) -> CheckpointInfo:
         """Save weights, optimizer state, step and RNG of every rank (atomically)."""
-        call = self._req.post_json("checkpoints", CheckpointInfo, idempotent=True)
-        return self._send(call)  # type: ignore[no-any-return]
+        return self._send(self._req.call(OperationKind.SAVE_CHECKPOINT, CheckpointInfo))
 
     def list_checkpoints(self) -> CheckpointList:
-        return self._send(self._req.get("checkpoints", CheckpointList))  # type: ignore[no-any-return]
+        return self._send(self._req.get("checkpoints", CheckpointList))
 
     def load_checkpoint(self, checkpoint_id: str) -> CheckpointInfo:
         """Restore a checkpoint of this layout: weights, optimizer state and step."""
-        name = f"checkpoints/{checkpoint_id}/load"
-        call = self._req.post_json(name, CheckpointInfo, idempotent=True)
-        return self._send(call)  # type: ignore[no-any-return]
+        req = LoadCheckpointRequest(checkpoint_id=checkpoint_id)
+        return self._send(self._req.call(OperationKind.LOAD_CHECKPOINT, CheckpointInfo, req))
 
     def export_hf(self, name: str | None = None) -> ExportResult:
         """Write the model as a Hugging Face Llama checkpoint on the server."""
-        body = ExportRequest(name=name)
-        call = self._req.post_json("export/hf", ExportResult, body, idempotent=True)
-        return self._send(call)  # type: ignore[no-any-return]
+        req = ExportRequest(name=name)
+        return self._send(self._req.call(OperationKind.EXPORT_HF, ExportResult, req))
 
     # -- service -----------------------------------------------------------------------------
 
     def info(self) -> Info:
-        return self._send(self._req.get("info", Info))  # type: ignore[no-any-return]
+        return self._send(self._req.get("info", Info))
 
     def health(self) -> Health:
-        return self._send(self._req.get("health", Health))  # type: ignore[no-any-return]
+        return self._send(self._req.get("health", Health))
 
     def metrics(self) -> str:
         """The Prometheus text of ``/metrics``."""
-        return self._send(self._req.metrics())  # type: ignore[no-any-return]
+        return self._send(self._req.metrics())
 
     def is_ready(self) -> bool:
         try:
             self._send(self._req.get("ready", Health), NO_RETRY)
-        except (APIConnectionError, APIStatusError):
+        except TrainctlError:
             return False
         return True
 

@@ -16,16 +16,17 @@ from trainctl.api import (
     ModelLimits,
     NotReadyError,
     Operation,
+    OperationKind,
     TrainctlError,
 )
 
 
 class ControllerAPI(Protocol):
     async def submit(
-        self, kind: str, req: Any = None, key: str | None = None, fingerprint: str = ""
+        self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
     ) -> Operation: ...
     async def run(
-        self, kind: str, req: Any = None, key: str | None = None, fingerprint: str = ""
+        self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
     ) -> Any: ...
     async def operation(self, op_id: str, wait_s: float = 0.0) -> Operation: ...
     async def list_profiles(self) -> MemoryProfileList: ...

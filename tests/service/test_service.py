@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from trainctl.clients import BadRequestError, ConflictError, TrainctlClient
+from trainctl.clients import ConflictError, InvalidRequestError, TrainctlClient
 
 from conftest import RAY_AUTH_VARS, Service, digest
 
@@ -120,7 +120,7 @@ def test_bad_input_is_rejected_and_changes_nothing(
 
 
 def test_sdk_raises_bad_request(service: Service) -> None:
-    with pytest.raises(BadRequestError, match=r"sequences\[0\]\.tokens\[1\]"):
+    with pytest.raises(InvalidRequestError, match=r"sequences\[0\]\.tokens\[1\]"):
         service.client().train_batch([[1, 99999]])
 
 

@@ -19,8 +19,10 @@ from trainctl.api import (
     MemoryProfileList,
     MemoryProfileResult,
     MemoryProfileStarted,
+    MemoryProfileStartRequest,
     ModelLimits,
     NotFoundError,
+    OperationKind,
     ProfileFile,
     StepResult,
     TrainBatchRequest,
@@ -44,11 +46,11 @@ class FakeController(OperationHost):
 
     def _prepare(self, kind: str, req: Any) -> Any:
         work = {
-            "train_batch": self._train,
-            "eval_batch": self._eval,
-            "logprobs": self._logprobs,
-            "memory_profile_start": self._start,
-            "memory_profile_stop": self._stop,
+            OperationKind.TRAIN_BATCH: self._train,
+            OperationKind.EVAL_BATCH: self._eval,
+            OperationKind.LOGPROBS: self._logprobs,
+            OperationKind.START_MEMORY_PROFILE: self._start,
+            OperationKind.STOP_MEMORY_PROFILE: self._stop,
         }
         if kind not in work:
             raise InvalidRequestError(f"no operation {kind!r}")
@@ -91,8 +93,8 @@ class FakeController(OperationHost):
             entropy=[[1.0] * len(r) for r in rows] if req.entropy else None,
         )
 
-    def _start(self, max_entries: int) -> MemoryProfileStarted:
-        self.calls.append(f"start_memory_profile({max_entries})")
+    def _start(self, req: MemoryProfileStartRequest) -> MemoryProfileStarted:
+        self.calls.append(f"start_memory_profile({req.max_entries})")
         if self.profiling:
             raise ConflictError("memory profile p1 is already recording")
         self.profiling = True

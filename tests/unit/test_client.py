@@ -10,13 +10,13 @@ from trainctl.api import Sequence
 from trainctl.clients import (
     APIConnectionError,
     AsyncTrainctlClient,
-    BadRequestError,
     ConflictError,
+    InvalidRequestError,
+    NotReadyError,
     RetryPolicy,
-    ServiceUnavailableError,
     TrainctlClient,
 )
-from trainctl.clients.errors import InternalServerError, error_for
+from trainctl.clients.errors import ServerError, error_from
 
 from fakes import FakeController
 
@@ -43,7 +43,7 @@ def test_invalid_input_raises_before_sending(client: TrainctlClient, fake: FakeC
 
 
 def test_server_side_rejection_maps_to_bad_request(client: TrainctlClient) -> None:
-    with pytest.raises(BadRequestError) as e:
+    with pytest.raises(InvalidRequestError) as e:
         client.train_batch([[1, 2, 500]])
     assert e.value.status == 422 and e.value.type == "invalid_request"
     assert "sequences[0].tokens[2]" in e.value.message
@@ -57,10 +57,8 @@ def test_conflict_and_unavailable(client: TrainctlClient, fake: FakeController) 
 
 
 def test_status_mapping() -> None:
-    assert isinstance(
-        error_for(503, {"type": "not_ready", "message": "x"}), ServiceUnavailableError
-    )
-    assert isinstance(error_for(502, "bad gateway"), InternalServerError)
+    assert isinstance(error_from(503, {"type": "not_ready", "message": "x"}), NotReadyError)
+    assert isinstance(error_from(502, "bad gateway"), ServerError)
 
 
 def test_connection_error_is_typed() -> None:
@@ -105,7 +103,7 @@ def test_gives_up_after_max_retries_and_never_retries_4xx() -> None:
     policy = RetryPolicy(max_retries=2, backoff_s=0.001)
     with (
         TrainctlClient(http_client=http, retry=policy) as c,
-        pytest.raises(ServiceUnavailableError),
+        pytest.raises(NotReadyError),
     ):
         c.train_batch([[1, 2, 3]])
     assert len(seen) == 3

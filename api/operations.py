@@ -1,0 +1,163 @@
+"""The one table of operations: each kind's request model, result model and route.
+
+An operation is a call that touches the ranks: it is queued, run one at a time in arrival
+order, and idempotent under a key (``workers/control/operations.py``). The SDK builds its
+calls from this table, the gateway registers one route per entry, and the controller
+dispatches on the kind; nothing else spells an operation's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainctl.api.errors import ErrorBody
+from trainctl.api.models import (
+    CheckpointInfo,
+    EvalBatchRequest,
+    ExportRequest,
+    ExportResult,
+    Info,
+    LogProbsRequest,
+    LogProbsResult,
+    MemoryProfileResult,
+    MemoryProfileStarted,
+    MemoryProfileStartRequest,
+    StepResult,
+    TrainBatchRequest,
+)
+
+
+class OperationKind(str, Enum):
+    """What an operation does; the value is its RPC name (and the route's ``operationId``)."""
+
+    TRAIN_BATCH = "train_batch"
+    EVAL_BATCH = "eval_batch"
+    LOGPROBS = "logprobs"
+    START_MEMORY_PROFILE = "start_memory_profile"
+    STOP_MEMORY_PROFILE = "stop_memory_profile"
+    SAVE_CHECKPOINT = "save_checkpoint"
+    LOAD_CHECKPOINT = "load_checkpoint"
+    EXPORT_HF = "export_hf"
+    RECOVER = "recover"
+    """Internal: rebuild the workers after a failure (queued ahead of everything; no route)."""
+
+    def __str__(self) -> str:  # logs and metric labels read the RPC name
+        return self.value
+
+
+class NoArguments(BaseModel):
+    """An operation that takes no arguments (``stop_memory_profile``, ``save_checkpoint``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class LoadCheckpointRequest(BaseModel):
+    """``load_checkpoint``: the id comes from the route's path."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_id: str = Field(description="As listed by GET /v1/checkpoints.")
+
+
+class OperationStatus(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Operation(BaseModel):
+    """A long call run in arrival order; poll ``GET /v1/operations/{id}`` until it finishes."""
+
+    id: str
+    kind: OperationKind
+    status: OperationStatus
+    phase: str | None = Field(default=None, description="While running: what it is doing now.")
+    queue_position: int | None = Field(
+        default=None, description="While queued: operations ahead of this one."
+    )
+    created_at: float = Field(description="Unix seconds.")
+    started_at: float | None = None
+    finished_at: float | None = None
+    result: Any = Field(default=None, description="When done: the call's result body.")
+    error: ErrorBody | None = Field(default=None, description="When failed: the error.")
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (OperationStatus.DONE, OperationStatus.FAILED)
+
+
+@dataclass(frozen=True)
+class OperationSpec:
+    kind: OperationKind
+    request: type[BaseModel]
+    result: type[BaseModel]
+    path: str
+    """Route under ``/v1`` (always POST); ``{checkpoint_id}`` is filled from the request."""
+    tag: str
+    summary: str
+    batch: bool = False
+    """The body is a batch of sequences (JSON or the binary frame; ``api/wire.py``)."""
+
+
+OPERATIONS: dict[OperationKind, OperationSpec] = {
+    s.kind: s
+    for s in (
+        OperationSpec(
+            OperationKind.TRAIN_BATCH, TrainBatchRequest, StepResult, "/train_batch", "training",
+            "Forward/backward over the batch on every rank, then one optimizer step.",
+            batch=True,
+        ),
+        OperationSpec(
+            OperationKind.EVAL_BATCH, EvalBatchRequest, StepResult, "/eval_batch", "training",
+            "The training loss, without backward or update.", batch=True,
+        ),
+        OperationSpec(
+            OperationKind.LOGPROBS, LogProbsRequest, LogProbsResult, "/logprobs", "training",
+            "Forward only: per-token log-probs (and entropy) of each sequence, in request order.",
+            batch=True,
+        ),
+        OperationSpec(
+            OperationKind.START_MEMORY_PROFILE, MemoryProfileStartRequest, MemoryProfileStarted,
+            "/memory_profile/start", "profiling", "Every rank starts recording its allocations.",
+        ),
+        OperationSpec(
+            OperationKind.STOP_MEMORY_PROFILE, NoArguments, MemoryProfileResult,
+            "/memory_profile/stop", "profiling",
+            "Every rank stops recording; the controller stores one file and one picture per rank.",
+        ),
+        OperationSpec(
+            OperationKind.SAVE_CHECKPOINT, NoArguments, CheckpointInfo,
+            "/checkpoints", "checkpoints",
+            "Save the whole training state (weights, optimizer, step, RNG) of every rank; the "
+            "checkpoint appears only once complete.",
+        ),
+        OperationSpec(
+            OperationKind.LOAD_CHECKPOINT, LoadCheckpointRequest, CheckpointInfo,
+            "/checkpoints/{checkpoint_id}/load", "checkpoints",
+            "Restore a checkpoint saved with this layout: weights, optimizer state and step.",
+        ),
+        OperationSpec(
+            OperationKind.EXPORT_HF, ExportRequest, ExportResult, "/export/hf", "checkpoints",
+            "Write the full model as a Hugging Face Llama checkpoint (config.json and "
+            "model.safetensors) under the server's export root.",
+        ),
+        OperationSpec(
+            OperationKind.RECOVER, NoArguments, Info, "", "service",
+            "Rebuild the workers and restore the latest checkpoint (internal).",
+        ),
+    )
+}  # fmt: skip
+
+ROUTED: tuple[OperationSpec, ...] = tuple(s for s in OPERATIONS.values() if s.path)
+"""The operations callable over HTTP (all but ``recover``)."""
+
+
+def route_of(kind: OperationKind, req: BaseModel) -> str:
+    """The path under ``/v1`` that runs ``req``."""
+    path = OPERATIONS[kind].path
+    return path.format(**req.model_dump()) if "{" in path else path

@@ -1,0 +1,87 @@
+"""The gateway's error bodies: every 4xx/5xx is ``{"type", "message", "details"}``.
+
+A validation error names the field (``sequences[0].tokens[3]: ...``); a ``TrainctlError`` keeps
+its type, message and ``Retry-After``; the router's own 404/405 and anything unexpected get
+the same shape.
+"""
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from trainctl.api import ErrorBody, ErrorType, TrainctlError
+from trainctl.service.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    """``('body', 'sequences', 0, 'tokens', 3)`` -> ``sequences[0].tokens[3]``."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] in ("body", "header", "query", "path") else loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+def error_response(
+    request: Request, status: int, body: ErrorBody, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    metrics: GatewayMetrics | None = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.errors.labels(body.type.value).inc()
+    return JSONResponse(status_code=status, content=body.model_dump(mode="json"), headers=headers)
+
+
+def _validation_error(request: Request, errors: list[Any]) -> JSONResponse:
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    ctx = first.get("ctx")
+    raised = ctx.get("error") if isinstance(ctx, dict) else None
+    if isinstance(raised, TrainctlError):  # our own check, run inside pydantic: it names its field
+        return error_response(request, raised.status, raised.body())
+    field = _loc(tuple(first.get("loc", ())))
+    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    details = [
+        {"field": _loc(tuple(e.get("loc", ()))), "problem": e.get("msg"), "type": e.get("type")}
+        for e in errors[:20]
+    ]
+    # A model-level check names its field in the message itself; a malformed body does not.
+    model_check = field == "body" and first.get("type") == "value_error"
+    message = msg if model_check else f"{field}: {msg}"
+    body = ErrorBody(type=ErrorType.INVALID_REQUEST, message=message, details=details)
+    return error_response(request, 422, body)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(request, list(exc.errors()))
+
+    @app.exception_handler(ValidationError)
+    async def _model_validation(request: Request, exc: ValidationError) -> JSONResponse:
+        return _validation_error(request, list(exc.errors(include_url=False)))
+
+    @app.exception_handler(TrainctlError)
+    async def _domain(request: Request, exc: TrainctlError) -> JSONResponse:
+        if exc.status >= 500:
+            log.error("%s %s failed: %s", request.method, request.url.path, exc.message)
+        headers = None
+        if exc.retry_after_s is not None:
+            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+        return error_response(request, exc.status, exc.body(), headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = ErrorType.NOT_FOUND if exc.status_code == 404 else ErrorType.INVALID_REQUEST
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(request, exc.status_code, ErrorBody(type=kind, message=message))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in %s %s", request.method, request.url.path)
+        body = ErrorBody(type=ErrorType.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+        return error_response(request, 500, body)

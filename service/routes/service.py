@@ -1,0 +1,32 @@
+"""The service itself: what is served, liveness and readiness."""
+
+from typing import Any
+
+from fastapi import Request
+
+from trainctl.api import ErrorBody, ErrorType, Health, Info
+from trainctl.service.errors import error_response
+from trainctl.service.routes.deps import ControllerDep, resource_router
+
+router = resource_router("service")
+
+
+@router.get("/info", response_model=Info)
+async def info(controller: ControllerDep) -> Info:
+    """Model config, parallel layout, step, weights digest and versions."""
+    return await controller.info()
+
+
+@router.get("/health", response_model=Health)
+async def health() -> Health:
+    """Liveness: the gateway answers."""
+    return Health(status="ok")
+
+
+@router.get("/ready", response_model=Health, responses={503: {"model": ErrorBody}})
+async def ready(request: Request, controller: ControllerDep) -> Any:
+    """Readiness: every rank is built and the service takes work."""
+    if await controller.is_ready():
+        return Health(status="ready")
+    body = ErrorBody(type=ErrorType.NOT_READY, message="workers not ready")
+    return error_response(request, 503, body, {"Retry-After": "2"})
