@@ -15,10 +15,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from trainctl.api import LossConfig, TokenSequence
 from trainctl.api.models import LossKind, Normalization
-from trainctl.workers.control.batch import HostSequence, LossSpec
 from trainctl.workers.control.plan import pack, sequence_scales
 from trainctl.workers.engine.inputs import packed_tokens
+from trainctl.workers.ops.aggregate import aggregate_loss
 from trainctl.workers.ops.cp import gather_from_cp, split_for_cp
 from trainctl.workers.ops.grouped_linear import GroupedLinear
 from trainctl.workers.ops.logprob import vocab_parallel_logprob
@@ -131,7 +132,7 @@ def logprob_tp_case(b: int, s: int, v: int, cs: int, oov: bool) -> dict[str, Any
 V = 32
 
 
-def _rl_sequences(seed: int, n_seqs: int) -> list[HostSequence]:
+def _rl_sequences(seed: int, n_seqs: int) -> list[TokenSequence]:
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n_seqs):
@@ -139,7 +140,7 @@ def _rl_sequences(seed: int, n_seqs: int) -> list[HostSequence]:
         prompt = int(rng.integers(1, n - 1))
         mask = np.r_[np.zeros(prompt), np.ones(n - prompt)].astype(np.float32)
         out.append(
-            HostSequence(
+            TokenSequence(
                 tokens=rng.integers(0, V, n).astype(np.int64),
                 loss_mask=mask,
                 weights=rng.uniform(0.5, 1.5, n).astype(np.float32),
@@ -151,7 +152,7 @@ def _rl_sequences(seed: int, n_seqs: int) -> list[HostSequence]:
     return out
 
 
-def _reference_terms(lp: Tensor, seq: HostSequence, spec: LossSpec) -> Tensor:
+def _reference_terms(lp: Tensor, seq: TokenSequence, spec: LossConfig) -> Tensor:
     """Per-target terms of one sequence, written out independently of ops.loss."""
     nxt = slice(1, None)
     adv, old, ref = (
@@ -174,7 +175,7 @@ def _reference_terms(lp: Tensor, seq: HostSequence, spec: LossSpec) -> Tensor:
 def cp_loss_case(dp: int, cp: int, kind: str, normalization: str, kl: float) -> dict[str, Any]:
     """Sum over DP x CP of the CP-local losses == the single-process loss; same for gradients."""
     g = grid(cp=cp, dp=dp)
-    spec = LossSpec(kind=LossKind(kind), clip_low=0.2, clip_high=0.28, kl_coef=kl)
+    spec = LossConfig(kind=LossKind(kind), clip_low=0.2, clip_high=0.28, kl_coef=kl)
     norm = Normalization(normalization)
     per_dp = [_rl_sequences(100 + d, 4) for d in range(dp)]
     everything = [s for seqs in per_dp for s in seqs]
@@ -219,19 +220,19 @@ def cp_loss_case(dp: int, cp: int, kind: str, normalization: str, kl: float) -> 
 
     # This rank: its DP micro-batch, its CP shard, local logits only.
     d, r = g.coords["dp"], g.coords["cp"]
-    shard = split_for_cp(packs[d], cp_size=cp, cp_rank=r)
-    t = shard.tokens
+    shard = split_for_cp(packs[d].per_token, packs[d].cu_seqlens, cp_size=cp, cp_rank=r)
+    t = shard.per_token
     local_logits = full_logits[d][shard.positions].clone().requires_grad_()
-    lp = torch.log_softmax(local_logits, -1).gather(-1, t.labels[:, None])[:, 0]
+    lp = torch.log_softmax(local_logits, -1).gather(-1, t["labels"][:, None])[:, 0]
     terms = per_token_terms(
         lp,
         **spec.options(),
-        loss_mask=t.loss_mask.double(),
-        advantages=t.advantages.double(),
-        old_logprobs=t.old_logprobs.double(),
-        ref_logprobs=t.ref_logprobs.double(),
+        loss_mask=t["loss_mask"].double(),
+        advantages=t["advantages"].double(),
+        old_logprobs=t["old_logprobs"].double(),
+        ref_logprobs=t["ref_logprobs"].double(),
     )
-    loss = local_loss(terms, t.loss_scale)
+    loss = local_loss(terms, t["loss_scale"])
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total, group=g.groups["dpcp"])
@@ -243,7 +244,7 @@ def cp_loss_case(dp: int, cp: int, kind: str, normalization: str, kl: float) -> 
     torch.testing.assert_close(
         local_logits.grad, leaves[d].grad[shard.positions], atol=1e-12, rtol=1e-10
     )
-    return {"loss": float(total), "ref": float(ref_loss), "local_valid": int(t.loss_mask.sum())}
+    return {"loss": float(total), "ref": float(ref_loss), "local_valid": int(t["loss_mask"].sum())}
 
 
 def eval_reduce_case() -> dict[str, float]:
@@ -256,8 +257,8 @@ def eval_reduce_case() -> dict[str, float]:
     gen = torch.Generator().manual_seed(9 + d)
     logits = torch.randn(mb.num_tokens, V, generator=gen, dtype=torch.float64)
     full_lp = torch.log_softmax(logits, -1).gather(-1, mb.labels[:, None])[:, 0]
-    shard = split_for_cp(mb, cp_size=2, cp_rank=r)
-    local = local_loss(-full_lp[shard.positions], shard.tokens.loss_scale)
+    shard = split_for_cp(mb.per_token, mb.cu_seqlens, cp_size=2, cp_rank=r)
+    local = local_loss(-full_lp[shard.positions], shard.per_token["loss_scale"])
     both, dp_only = local.clone(), local.clone()
     dist.all_reduce(both, group=g.groups["dpcp"])
     dist.all_reduce(dp_only, group=g.groups["dp"])
@@ -267,24 +268,53 @@ def eval_reduce_case() -> dict[str, float]:
     return {"dpcp": float(both), "dp_only": float(dp_only), "global": float(every)}
 
 
+def aggregate_case() -> dict[str, float]:
+    """dp2 x cp2: ``aggregate_loss`` of each rank's micro-batch loss shares (DP rank 1 with an
+    extra dummy micro-batch) is the global loss on every rank; summing over DP alone is not."""
+    g = grid(cp=2, dp=2)
+    per_dp = [_rl_sequences(200 + d, 3) for d in range(2)]
+    scales, _, _ = sequence_scales([s for x in per_dp for s in x], Normalization.TOKEN_MEAN)
+    d, r = g.coords["dp"], g.coords["cp"]
+    shares: list[Tensor] = []
+    reference = 0.0  # single-process: every DP slot's whole micro-batch, on every rank
+    for slot in range(2):
+        mb = packed_tokens(
+            pack(per_dp[slot], [0, 1, 2], pad_multiple=4, scales=scales[3 * slot : 3 * slot + 3])
+        )
+        gen = torch.Generator().manual_seed(9 + slot)
+        logits = torch.randn(mb.num_tokens, V, generator=gen, dtype=torch.float64)
+        full_lp = torch.log_softmax(logits, -1).gather(-1, mb.labels[:, None])[:, 0]
+        reference += float(local_loss(-full_lp, mb.loss_scale))
+        if slot == d:
+            shard = split_for_cp(mb.per_token, mb.cu_seqlens, cp_size=2, cp_rank=r)
+            shares.append(local_loss(-full_lp[shard.positions], shard.per_token["loss_scale"]))
+    if d == 1:
+        shares.append(connected_zero(torch.zeros(4, dtype=torch.float64, requires_grad=True)))
+    return {
+        "aggregate": float(aggregate_loss(shares, g.groups["dpcp"])),
+        "dp_only": float(aggregate_loss(shares, g.groups["dp"])),
+        "reference": reference,
+    }
+
+
 def zero_valid_shard_case() -> dict[str, Any]:
     """cp=2, CP rank 0's shard has no valid token: zero loss, zero (not None) gradients."""
     g = grid(cp=2)
     r = g.coords["cp"]
     # One sequence of 8 (H = 2): rank 1 holds positions 2..5; targets only there.
-    seq = HostSequence(
+    seq = TokenSequence(
         tokens=np.arange(1, 9, dtype=np.int64),
         loss_mask=np.asarray([0, 0, 0, 1, 1, 1, 1, 0], np.float32),
     )
     mb = packed_tokens(pack([seq], [0], pad_multiple=4, scales=[1 / seq.num_loss_tokens]))
-    shard = split_for_cp(mb, cp_size=2, cp_rank=r)
+    shard = split_for_cp(mb.per_token, mb.cu_seqlens, cp_size=2, cp_rank=r)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, V))
-    logits = model(shard.tokens.input_ids)
-    lp = vocab_parallel_logprob(logits, shard.tokens.labels)
+    logits = model(shard.per_token["input_ids"])
+    lp = vocab_parallel_logprob(logits, shard.per_token["labels"])
     loss = local_loss(
-        per_token_terms(lp, loss_mask=shard.tokens.loss_mask),
-        shard.tokens.loss_scale,
+        per_token_terms(lp, loss_mask=shard.per_token["loss_mask"]),
+        shard.per_token["loss_scale"],
     )
     loss.backward()
     grads_none = [n for n, p in model.named_parameters() if p.grad is None]
@@ -292,7 +322,7 @@ def zero_valid_shard_case() -> dict[str, Any]:
     for p in model.parameters():  # the DDP-style sync completes on both ranks
         dist.all_reduce(p.grad, group=g.groups["cp"])
     return {
-        "valid": int(shard.tokens.loss_mask.sum()),
+        "valid": int(shard.per_token["loss_mask"].sum()),
         "loss": float(loss),
         "grads_none": grads_none,
         "all_zero": zero,
@@ -310,14 +340,14 @@ def stats_case() -> dict[str, float]:
     mb = packed_tokens(pack(seqs, list(range(5)), pad_multiple=8))  # 8: valid for c in 1, 2, 4
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(mb.num_tokens, V, generator=gen, dtype=torch.float64)
-    shard = split_for_cp(mb, cp_size=c, cp_rank=g.coords["cp"])
-    t = shard.tokens
+    shard = split_for_cp(mb.per_token, mb.cu_seqlens, cp_size=c, cp_rank=g.coords["cp"])
+    t = shard.per_token
     x = logits[shard.positions]
-    nll = -torch.log_softmax(x, -1).gather(-1, t.labels[:, None])[:, 0]
+    nll = -torch.log_softmax(x, -1).gather(-1, t["labels"][:, None])[:, 0]
     seq_lens = torch.tensor([len(s) for s in seqs])
     cu = mb.cu_seqlens.long()
-    real = (shard.positions - cu[t.seq_id]) < seq_lens[t.seq_id]
-    valid = t.loss_mask > 0
+    real = (shard.positions - cu[t["seq_id"]]) < seq_lens[t["seq_id"]]
+    valid = t["loss_mask"] > 0
     tracker = StatsTracker()
     tracker.denominator(n_tokens=real, n_valid_tokens=valid, prompt_tokens=real & ~valid)
     tracker.stat(
@@ -328,7 +358,9 @@ def stats_case() -> dict[str, float]:
     )
     tracker.stat(denominator="n_valid_tokens", reduction=Reduction.MIN, vocab_min=x.min(-1).values)
     tracker.stat(denominator="n_valid_tokens", reduction=Reduction.MAX, vocab_max=x.max(-1).values)
-    log_ppl, has = sequence_log_ppl(nll, t.loss_mask, t.seq_id, len(seqs), cp_group=g.groups["cp"])
+    log_ppl, has = sequence_log_ppl(
+        nll, t["loss_mask"], t["seq_id"], len(seqs), cp_group=g.groups["cp"]
+    )
     for i in range(len(seqs)):
         if has[i]:
             tracker.scalar(f"log_ppl_seq{i}", float(log_ppl[i]), Reduction.MAX)
@@ -357,20 +389,17 @@ def reassemble_grad_case() -> dict[str, Any]:
     r = g.coords["cp"]
     cu = torch.tensor([0, 8, 20], dtype=torch.int32)
     full = torch.arange(20, dtype=torch.float64)
-    shard_pos = split_for_cp(
-        packed_tokens(
-            pack(
-                [
-                    HostSequence(tokens=np.arange(8), loss_mask=np.ones(8, np.float32)),
-                    HostSequence(tokens=np.arange(12), loss_mask=np.ones(12, np.float32)),
-                ],
-                [0, 1],
-                pad_multiple=4,
-            )
-        ),
-        cp_size=2,
-        cp_rank=r,
-    ).positions
+    mb = packed_tokens(
+        pack(
+            [
+                TokenSequence(tokens=np.arange(8), loss_mask=np.ones(8, np.float32)),
+                TokenSequence(tokens=np.arange(12), loss_mask=np.ones(12, np.float32)),
+            ],
+            [0, 1],
+            pad_multiple=4,
+        )
+    )
+    shard_pos = split_for_cp(mb.per_token, mb.cu_seqlens, cp_size=2, cp_rank=r).positions
     local = full[shard_pos].clone().requires_grad_()
     gathered = gather_from_cp(local, cu, g.groups["cp"])
     assert torch.equal(gathered, full)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from ops_cases import (
+    aggregate_case,
     cp_loss_case,
     dp_sync_dummy_case,
     eval_reduce_case,
@@ -69,6 +70,17 @@ def test_t1_7_eval_reduce_group(pools: Pools) -> None:
     for r in results:
         assert abs(r["dpcp"] - r["global"]) < 1e-12
         assert abs(r["dp_only"] - r["global"]) > 1e-6  # one CP slice is not the mean
+
+
+def test_dp_cp_aggregation_is_the_global_loss(pools: Pools) -> None:
+    """``ops.aggregate.aggregate_loss``: the DP x CP sum of every rank's loss shares (a dummy
+    micro-batch's zero included) is the single-process loss, the same on every rank."""
+    results = pools(4).run(aggregate_case)
+    assert len({r["aggregate"] for r in results}) == 1
+    for r in results:
+        assert r["reference"] > 0
+        assert abs(r["aggregate"] - r["reference"]) <= 1e-12 * r["reference"]
+        assert abs(r["dp_only"] - r["reference"]) > 1e-6  # a CP slice alone is not the loss
 
 
 def test_t1_8_to_t1_10_stats_are_cp_invariant(pools: Pools) -> None:

@@ -34,6 +34,7 @@ from trainctl.api import (
     ErrorType,
     NotFoundError,
     Operation,
+    OperationKind,
     OperationStatus,
     RateLimitedError,
     TrainctlError,
@@ -82,7 +83,7 @@ class OperationQueue:
 
     # -- submitting and waiting ------------------------------------------------------------
 
-    def find(self, kind: str, key: str | None, fingerprint: str) -> Operation | None:
+    def find(self, kind: OperationKind, key: str | None, fingerprint: str) -> Operation | None:
         """The operation submitted under ``key``, if any; a conflict if it was another request."""
         h = self._by_key.get(key) if key is not None else None
         if h is None:
@@ -97,7 +98,7 @@ class OperationQueue:
 
     def submit(
         self,
-        kind: str,
+        kind: OperationKind,
         run: Runner,
         *,
         key: str | None = None,
@@ -118,7 +119,12 @@ class OperationQueue:
             err.retry_after_s = max(1.0, round(self._avg_run_s * len(self._pending) / 4, 1))
             raise err
         op_id = f"op-{next(self._seq):06d}-{uuid.uuid4().hex[:8]}"
-        op = Operation(id=op_id, kind=kind, status=OperationStatus.QUEUED, created_at=time.time())
+        op = Operation(
+            id=op_id,
+            kind=OperationKind(kind),
+            status=OperationStatus.QUEUED,
+            created_at=time.time(),
+        )
         h = Handle(op=op, run=run, key=key, fingerprint=fingerprint)
         self._ops[op_id] = h
         if key is not None:
@@ -252,14 +258,14 @@ class OperationHost:
 
     queue: OperationQueue
 
-    def _prepare(self, kind: str, req: Any) -> Runner:
+    def _prepare(self, kind: OperationKind, req: Any) -> Runner:
         raise NotImplementedError
 
     def _check_serving(self) -> None:
         """Raise ``NotReadyError`` if no new work is taken now."""
 
     async def submit(
-        self, kind: str, req: Any = None, key: str | None = None, fingerprint: str = ""
+        self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
     ) -> Operation:
         """Queue an operation, or return the one already submitted under ``key``."""
         self._check_serving()
@@ -269,7 +275,7 @@ class OperationHost:
         return self.queue.submit(kind, self._prepare(kind, req), key=key, fingerprint=fingerprint)
 
     async def run(
-        self, kind: str, req: Any = None, key: str | None = None, fingerprint: str = ""
+        self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
     ) -> Any:
         """``submit`` and wait: the operation's result, or its error raised."""
         op = await self.submit(kind, req, key, fingerprint)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from trainctl.api import OperationStatus, StepResult
+from trainctl.api import OperationKind, OperationStatus, StepResult
 from trainctl.workers.control.operations import Handle
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -51,19 +51,17 @@ class ControllerMetrics:
     def observe(self, h: Handle) -> None:
         """Listener of the operation queue: called once per finished operation."""
         op = h.op
-        self.operations.labels(op.kind, op.status.value).inc()
+        kind = OperationKind(op.kind).value
+        self.operations.labels(kind, op.status.value).inc()
         if op.started_at is not None and op.finished_at is not None:
-            self.latency.labels(op.kind).observe(op.finished_at - op.started_at)
+            self.latency.labels(kind).observe(op.finished_at - op.started_at)
             self.queue_wait.observe(op.started_at - op.created_at)
         if op.status is OperationStatus.FAILED and op.error is not None:
             self.errors.labels(op.error.type.value).inc()
         elif isinstance(op.result, StepResult):
-            self.tokens.labels(op.kind).inc(op.result.metrics.get("tokens:sum", 0.0))
-            if op.kind == "train_batch":
+            self.tokens.labels(kind).inc(op.result.metrics.get("tokens:sum", 0.0))
+            if op.kind is OperationKind.TRAIN_BATCH:
                 self.steps.inc()
-
-    def count_tokens(self, kind: str, n: int) -> None:
-        self.tokens.labels(kind).inc(n)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainctl.workers.engine.config import ConfigError, ModelConfig
+from trainctl.workers.engine.config import ConfigError, EngineConfig, ModelConfig
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
@@ -210,6 +210,6 @@ def engine_dict_from(directory: Path, engine: dict[str, Any]) -> dict[str, Any]:
     model = model_config_from_hf(read_config(directory), ModelConfig(**out.get("model", {})))
     out["model"] = dataclasses.asdict(model)
     out["init_hf"] = str(Path(directory).resolve())
-    budget = out.get("max_tokens_per_microbatch", 4096)
+    budget = out.get("max_tokens_per_microbatch", EngineConfig().max_tokens_per_microbatch)
     out["max_tokens_per_microbatch"] = max(budget, model.max_seq_len)
     return out

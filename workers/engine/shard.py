@@ -1,8 +1,9 @@
 """One rank's engine shard: the megatron-core model, forward/backward and the optimizer step.
 
 Assumes ``torch.distributed`` is initialised (the rank actor does that). Builds megatron's
-parallel state for the configured layout, reads the process groups from it *once*, and passes
-them down to the math in ``workers/ops`` explicitly.
+parallel state for the configured layout and reads the process groups from it *once*
+(``ParallelDims``), then passes them down explicitly: to the schedule
+(``workers/engine/schedule.py``) and the math in ``workers/ops``.
 
 Loss scaling (docs/algorithms.md §1.5): each micro-batch's loss on this rank is
 ``sum(term * loss_scale)`` over its own tokens, the scale carrying the global normaliser. megatron's
@@ -16,31 +17,27 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from trainctl.workers.control.batch import LossSpec, PackedMicroBatch
+from trainctl.api.models import LossConfig
+from trainctl.workers.control.batch import PackedMicroBatch
 from trainctl.workers.engine import hf, megatron_cpu, weights
 from trainctl.workers.engine.config import EngineConfig
-from trainctl.workers.engine.inputs import RankMicroBatch, StageInputs
+from trainctl.workers.engine.inputs import StageInputs
 from trainctl.workers.engine.model import build_gpt, build_optimizer, transformer_config, wrap_ddp
+from trainctl.workers.engine.parallel import ParallelDims
 from trainctl.workers.engine.profiling import MemoryProfiler, RankCoords
 from trainctl.workers.engine.routing import RoutingStats
-from trainctl.workers.ops.cp import gather_from_cp
-from trainctl.workers.ops.logprob import vocab_parallel_entropy, vocab_parallel_logprob
-from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
-from trainctl.workers.ops.pp_broadcast import StageRole
+from trainctl.workers.engine.schedule import Schedule, per_sequence
 
 log = logging.getLogger(__name__)
 
@@ -66,53 +63,17 @@ class EngineShard:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg.validate()
         lay = cfg.layout
-        if dist.get_world_size() != lay.world_size:
-            raise ValueError(
-                f"layout {lay.describe()} needs {lay.world_size} ranks, "
-                f"the process group has {dist.get_world_size()}"
-            )
         megatron_cpu.install()
-        mpu.destroy_model_parallel()
-        mpu.initialize_model_parallel(
-            tensor_model_parallel_size=lay.tp,
-            pipeline_model_parallel_size=lay.pp,
-            virtual_pipeline_model_parallel_size=lay.vp if lay.vp > 1 else None,
-            context_parallel_size=lay.cp,
-            expert_model_parallel_size=lay.ep,
-            distributed_timeout_minutes=max(1, int(cfg.collective_timeout_s // 60)),
-        )
-        # Process groups and coordinates, read from megatron's global state here and only here.
-        self.tp_group = mpu.get_tensor_model_parallel_group()
-        self.dp_cp_group = mpu.get_data_parallel_group(with_context_parallel=True)
-        self.cp_group = mpu.get_context_parallel_group()
-        self.pp_group = mpu.get_pipeline_model_parallel_group()
-        self.mp_group = mpu.get_model_parallel_group()
-        self.coords = RankCoords(
-            rank=dist.get_rank(),
-            dp=mpu.get_data_parallel_rank(),
-            cp=mpu.get_context_parallel_rank(),
-            tp=mpu.get_tensor_model_parallel_rank(),
-            pp=mpu.get_pipeline_model_parallel_rank(),
-            ep=mpu.get_expert_model_parallel_rank(),
-        )
-        self.is_last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
-        self.vocab_start = self.coords.tp * (cfg.model.vocab_size // lay.tp)
-
+        self.dims = ParallelDims.build(lay, timeout_s=cfg.collective_timeout_s)
+        self.coords = self.dims.coords
+        self.is_last_stage = self.dims.is_last_stage
         megatron_cpu.seed_model_parallel_rng(
             cfg.model.seed,
             tp_rank=self.coords.tp,
             ep_rank=self.coords.ep,
-            etp_rank=mpu.get_expert_tensor_parallel_rank(),
-        )
-        self.inputs = StageInputs(
-            role=StageRole.of(self.coords.pp, lay.pp),
-            cp_size=lay.cp,
-            cp_rank=self.coords.cp,
-            tp_group=self.tp_group,
-            tp_src=mpu.get_tensor_model_parallel_src_rank(),
+            etp_rank=self.dims.expert_tp_rank,
         )
         self.local_experts = cfg.model.num_experts // lay.ep
-        self.expert_dp_rank = mpu.get_expert_data_parallel_rank()
         self.tc = transformer_config(cfg)
         self._grad_sync_s = 0.0
         self._pending_norm: float | None = None
@@ -121,14 +82,13 @@ class EngineShard:
             source = weights.from_dict(hf.load(Path(cfg.init_hf), cfg.model))
             log.info("rank %d: starting weights from %s", self.coords.rank, cfg.init_hf)
         self.chunks = []
-        for vp_stage in range(lay.vp):
-            vp = vp_stage if lay.vp > 1 else None
+        for vp_stage, (first, last) in enumerate(self.dims.stages):
             model = build_gpt(
                 cfg,
                 self.tc,
-                pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                vp_stage=vp,
+                pre_process=first,
+                post_process=last,
+                vp_stage=vp_stage if lay.vp > 1 else None,
             )
             self._assign(model, source)
             self.chunks.append(wrap_ddp(self.tc, model))
@@ -141,6 +101,14 @@ class EngineShard:
         self.optimizer = build_optimizer(cfg, self.chunks)
         self.routing = RoutingStats(
             self.chunks, num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts
+        )
+        self.schedule = Schedule(
+            chunks=self.chunks,
+            dims=self.dims,
+            inputs=StageInputs(self.dims),
+            routing=self.routing,
+            vocab_size=cfg.model.vocab_size,
+            logprob_chunk_size=cfg.logprob_chunk_size,
         )
         self.profiler = MemoryProfiler(self.coords)
         self.step = 0
@@ -168,98 +136,11 @@ class EngineShard:
     def num_parameters(self) -> int:
         return sum(p.numel() for c in self.chunks for p in c.parameters())
 
-    def _loss_func(
-        self, mb: RankMicroBatch, spec: LossSpec, collect: bool, logits: Tensor
-    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """``logits [1, t, V_t]`` (this rank's CP shard, its vocab slice) -> (loss, local token
-        count, metrics) for megatron's schedule. Never gathers logits over CP or TP."""
-        b = mb.batch
-        if collect:
-            self._collect(mb, logits)
-            zero = logits.new_zeros(())
-            return zero, torch.tensor(0, dtype=torch.int), {"loss": zero}
-        if mb.is_dummy:
-            loss = connected_zero(logits)
-            n = 0
-        else:
-            assert b.loss_mask is not None
-            lp = self._logprob(mb, logits)
-            inputs = {k: v[0] for k, v in b.loss_inputs.items()}
-            terms = per_token_terms(
-                lp,
-                **spec.options(),
-                loss_mask=b.loss_mask[0],
-                advantages=inputs.get("advantages"),
-                old_logprobs=inputs.get("old_logprobs"),
-                ref_logprobs=inputs.get("ref_logprobs"),
-            )
-            loss = local_loss(terms, b.loss_inputs["loss_scale"][0])
-            n = int(torch.count_nonzero(b.loss_mask))
-        return loss, torch.tensor(n, dtype=torch.int), {"loss": loss.detach().clone()}
-
-    def _logprob(self, mb: RankMicroBatch, logits: Tensor) -> Tensor:
-        """Per-token log p(label) of this rank's CP shard, from its vocab slice."""
-        assert mb.batch.labels is not None
-        return vocab_parallel_logprob(
-            logits[0],
-            mb.batch.labels[0],
-            vocab_start=self.vocab_start,
-            tp_group=self.tp_group,
-            chunk_size=self.cfg.logprob_chunk_size,
-        )
-
-    def _forward_step(
-        self, spec: LossSpec, collect: bool, data: Iterator[RankMicroBatch], model: Any
-    ) -> tuple[Tensor, Any]:
-        mb = next(data)
-        self.routing.counting = not mb.is_dummy
-        logits = model(
-            mb.batch.tokens,
-            mb.batch.position_ids,
-            attention_mask=None,
-            packed_seq_params=mb.packed,
-        )
-        return logits, partial(self._loss_func, mb, spec, collect)
-
-    def _run_schedule(
-        self,
-        mbs: Sequence[PackedMicroBatch],
-        spec: LossSpec,
-        *,
-        forward_only: bool,
-        collect: bool = False,
-    ) -> float:
-        """megatron's forward/backward schedule over this rank's micro-batches.
-
-        Returns the global loss, reduced over DP x CP (0.0 off the last stage).
-        """
-        tensors = [self.inputs.prepare(mb) for mb in mbs]
-        iters: Any = [iter(tensors) for _ in self.chunks] if len(self.chunks) > 1 else iter(tensors)
-        for c in self.chunks:
-            c.train(not forward_only)
-        with megatron_cpu.cuda_to_cpu():
-            out = get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, spec, collect),
-                data_iterator=iters,
-                model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-                num_microbatches=len(tensors),
-                seq_length=max(mb.num_tokens for mb in mbs),  # global: megatron divides by cp
-                micro_batch_size=1,
-                forward_only=forward_only,
-            )
-        self.routing.counting = False
-        local = torch.zeros((), dtype=torch.float64)
-        for item in out or []:
-            local += item["loss"].double()
-        if self.is_last_stage:
-            dist.all_reduce(local, group=self.dp_cp_group)
-        return float(local)
-
     # -- the RPC surface -------------------------------------------------------------------
 
-    def forward_backward(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> float:
-        """Accumulate gradients of the step's loss (synchronised over DP x CP)."""
-        return self._run_schedule(mbs, spec, forward_only=False)
+    def forward_backward(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> float:
+        """Accumulate gradients of the step's loss (synchronised over DP x CP); the loss."""
+        return self.schedule.run(mbs, loss, forward_only=False).loss
 
     def optimizer_step(self, grad_norm: float | None = None) -> float:
         """Clip by global norm, apply AdamW, zero the gradients; returns the pre-clip norm
@@ -297,9 +178,9 @@ class EngineShard:
                     dense += p.main_grad.double().pow(2).sum()
         # Each EP rank holds different experts: their squares add up over the EP group too.
         if self.cfg.layout.ep > 1:
-            dist.all_reduce(experts, group=mpu.get_expert_model_parallel_group())
+            dist.all_reduce(experts, group=self.dims.ep_group)
         sq = dense + experts
-        dist.all_reduce(sq, group=self.mp_group)
+        dist.all_reduce(sq, group=self.dims.mp_group)
         return float(sq.sqrt())
 
     def zero_grad(self) -> None:
@@ -307,7 +188,7 @@ class EngineShard:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def accumulate(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
+    def accumulate(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> StepReport:
         """Phase 1 of a step: forward/backward and the global gradient norm; nothing applied.
 
         Every collective of the step happens here, so phase 2 (``apply``) is local arithmetic
@@ -316,7 +197,7 @@ class EngineShard:
         t0 = time.perf_counter()
         self._grad_sync_s = 0.0
         try:
-            loss = self.forward_backward(mbs, spec)
+            value = self.forward_backward(mbs, loss)
             with megatron_cpu.cuda_to_cpu():
                 self._pending_norm = self.grad_norm()
         except BaseException:
@@ -325,7 +206,7 @@ class EngineShard:
         return StepReport(
             coords=self.coords,
             is_last_stage=self.is_last_stage,
-            loss=loss,
+            loss=value,
             grad_norm=self._pending_norm,
             metrics=self.routing.export(),
             timings={
@@ -340,20 +221,20 @@ class EngineShard:
         grad_norm = self.optimizer_step(self._pending_norm)
         return grad_norm, time.perf_counter() - t0
 
-    def train_batch(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
+    def train_batch(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> StepReport:
         """Both phases in one call (tests, benchmarks and the single-process reference)."""
-        report = self.accumulate(mbs, spec)
+        report = self.accumulate(mbs, loss)
         _, optimizer_s = self.apply()
         return dataclasses.replace(report, timings={**report.timings, "optimizer_s": optimizer_s})
 
     @torch.no_grad()
-    def eval_batch(self, mbs: Sequence[PackedMicroBatch], spec: LossSpec) -> StepReport:
+    def eval_batch(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> StepReport:
         t0 = time.perf_counter()
-        loss = self._run_schedule(mbs, spec, forward_only=True)
+        result = self.schedule.run(mbs, loss, forward_only=True)
         return StepReport(
             coords=self.coords,
             is_last_stage=self.is_last_stage,
-            loss=loss,
+            loss=result.loss,
             metrics=self.routing.export(),
             timings={"forward_s": time.perf_counter() - t0},
         )
@@ -364,45 +245,18 @@ class EngineShard:
     ) -> dict[int, tuple[np.ndarray, np.ndarray | None]]:
         """Per-token log-probs (and entropy) of every real sequence in ``mbs``, by request index.
 
-        Each value is aligned with the sequence's tokens: ``[t]`` is ``log p(tokens[t] |
-        tokens[:t])``, ``[0]`` is 0. Computed CP-locally like the loss; only the per-token
-        results (not logits) are gathered over CP. Reported by TP rank 0, CP rank 0 of the last
-        stage; every other rank returns ``{}``.
+        A forward pass that returns them: each value is aligned with the sequence's tokens,
+        ``[t]`` is ``log p(tokens[t] | tokens[:t])`` and ``[0]`` is 0. Computed CP-locally like
+        the loss; only the per-token results (not logits) are gathered over CP. Reported by TP
+        rank 0, CP rank 0 of the last stage; every other rank returns ``{}``.
         """
-        self._collected: list[tuple[Tensor, Tensor | None]] = []
-        self._collect_entropy = entropy
-        self._run_schedule(mbs, LossSpec(), forward_only=True, collect=True)
-        collected, self._collected = self._collected, []
-        if not (self.is_last_stage and self.coords.tp == 0 and self.coords.cp == 0):
+        outputs = ("logprobs", "entropy") if entropy else ("logprobs",)
+        result = self.schedule.run(mbs, LossConfig(), forward_only=True, outputs=outputs)
+        if not self.dims.reports_logprobs():
             return {}
-        out: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
-        for mb, (lp, ent) in zip(mbs, collected, strict=True):
-            for b, idx in enumerate(mb.seq_index.tolist()):
-                if idx < 0:
-                    continue
-                start, n = int(mb.cu_seqlens[b]), int(mb.seq_lens[b])
-                # Position t predicts token t + 1 (labels are rolled): shift right by one.
-                seq_lp = np.zeros(n, np.float32)
-                seq_lp[1:] = lp[start : start + n - 1].numpy()
-                seq_ent = None
-                if ent is not None:
-                    seq_ent = np.zeros(n, np.float32)
-                    seq_ent[1:] = ent[start : start + n - 1].numpy()
-                out[idx] = (seq_lp, seq_ent)
-        return out
-
-    def _collect(self, mb: RankMicroBatch, logits: Tensor) -> None:
-        """Loss-function side channel of ``logprobs``: this micro-batch's values, CP-gathered."""
-        b = mb.batch
-        assert b.cu_seqlens is not None
-        lp = self._logprob(mb, logits)
-        ent = None
-        if self._collect_entropy:
-            ent = vocab_parallel_entropy(
-                logits[0], tp_group=self.tp_group, chunk_size=self.cfg.logprob_chunk_size
-            )
-            ent = gather_from_cp(ent, b.cu_seqlens, self.cp_group)
-        self._collected.append((gather_from_cp(lp, b.cu_seqlens, self.cp_group), ent))
+        lps = per_sequence(mbs, [o["logprobs"] for o in result.outputs])
+        ents = per_sequence(mbs, [o["entropy"] for o in result.outputs]) if entropy else {}
+        return {i: (lp, ents.get(i)) for i, lp in lps.items()}
 
     def weights_digest(self) -> str:
         """sha256 over this rank's parameters (name order): equal digests, equal weights."""

@@ -1,0 +1,192 @@
+"""The rank group: one Ray actor per global rank, and every call that goes to all of them.
+
+It places the actors (a placement group, one bundle per rank), forms the process group,
+builds every engine shard, and calls a method on every rank at once. A failure is classified
+here: a dead rank, or peers still blocked in a collective ``FAILURE_GRACE_S`` after a rank
+failed, mean the group is lost (``GroupLostError``: the controller rebuilds it); a rank that
+raised and left the group healthy is a ``WorkerError`` naming it. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from trainctl.api import NotReadyError, TrainctlError, WorkerError
+from trainctl.workers.control.rank import RankWorker
+from trainctl.workers.engine.config import ConfigError, EngineConfig
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120.0
+FAILURE_GRACE_S = 10.0
+"""After one rank fails, how long the others may take before the group counts as wedged."""
+_FORWARDED_ENV = ("TRAINCTL_LOG_LEVEL", "TRAINCTL_LOG_FORMAT")
+
+
+class GroupLostError(NotReadyError):
+    """The process group is gone (a rank died or peers are stuck): nothing was applied, and
+    the workers must be rebuilt. ``cause`` says what happened, for the recovery record."""
+
+    def __init__(self, message: str, details: Any = None, *, cause: str = "") -> None:
+        super().__init__(message, details)
+        self.cause = cause or message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_group_lost, (self.message, self.details, self.cause))
+
+
+def _group_lost(message: str, details: Any, cause: str) -> GroupLostError:
+    return GroupLostError(message, details, cause=cause)
+
+
+class RankGroup:
+    def __init__(self, cfg: EngineConfig, *, num_cpus: float, num_gpus: float = 0.0) -> None:
+        self.cfg = cfg
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.ranks: list[Any] = []
+        self.meta: list[dict[str, Any]] = []
+        """Per rank, from its build: rank, coords, parameters, pid."""
+        self.pg: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg.layout.world_size
+
+    async def place(self) -> None:
+        """Reserve one bundle per rank; a clear error if the cluster cannot hold them."""
+        world = self.world_size
+        need = world * self.num_cpus
+        have = ray.cluster_resources().get("CPU", 0.0)
+        if need > have:
+            raise ConfigError(
+                f"{world} ranks x {self.num_cpus} CPU = {need:g} CPUs, but the Ray cluster "
+                f"has {have:g}: lower --rank-num-cpus or the parallel sizes, or add nodes"
+            )
+        bundle = {"CPU": self.num_cpus}
+        if self.num_gpus:
+            bundle["GPU"] = self.num_gpus  # one rank per GPU on GPU nodes
+        self.pg = placement_group([bundle] * world, strategy="PACK")
+        try:
+            await asyncio.wait_for(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            remove_placement_group(self.pg)
+            self.pg = None
+            raise NotReadyError(
+                f"the {world} rank actors could not be placed within {PLACEMENT_TIMEOUT_S:.0f}s "
+                f"({need:g} CPUs requested; {have:g} in the cluster, some may be in use)"
+            ) from None
+
+    async def spawn(self) -> None:
+        """Create one rank actor per bundle, form the process group, build every shard."""
+        world = self.world_size
+        actor_cls = ray.remote(RankWorker)
+        env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+        self.ranks = [
+            actor_cls.options(
+                num_cpus=self.num_cpus,
+                num_gpus=self.num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=i
+                ),
+                runtime_env={"env_vars": env},
+            ).remote(i, world)
+            for i in range(world)
+        ]
+        timeout = self.cfg.collective_timeout_s
+        host, port = await self.ranks[0].rendezvous_address.remote(timeout)
+        await asyncio.gather(
+            *[
+                r.init_process_group.remote(host, port, self.cfg.backend, timeout)
+                for r in self.ranks
+            ]
+        )
+        log.info("process group formed at %s:%d; building engine shards", host, port)
+        self.meta = await asyncio.gather(*[r.build.remote(self.cfg.to_dict()) for r in self.ranks])
+
+    def kill(self, *, release: bool = False) -> None:
+        """Stop every rank actor; ``release`` also frees the placement group."""
+        for r in self.ranks:
+            ray.kill(r, no_restart=True)
+        self.ranks = []
+        if release and self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    async def call(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        """``method`` (a ``RankWorker`` method) on every rank; the results in rank order, or
+        the failure classified."""
+        name = method.__name__
+        tasks = [asyncio.ensure_future(getattr(r, name).remote(*args)) for r in self.ranks]
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=FAILURE_GRACE_S)
+        failed = {
+            rank: t.exception()
+            for rank, t in enumerate(tasks)
+            if t.done() and t.exception() is not None
+        }
+        if not failed and not pending:
+            return [t.result() for t in tasks]
+        for t in pending:
+            t.cancel()
+        dead = [r for r, e in failed.items() if isinstance(e, ray.exceptions.RayActorError)]
+        causes = {
+            rank: f"{type(c).__name__}: {c}"
+            for rank, e in failed.items()
+            for c in [getattr(e, "cause", None) or e]
+        }
+        if dead or pending:
+            what = f"rank(s) {dead} died" if dead else f"rank(s) {sorted(causes)} failed"
+            stuck = f", {len(pending)} rank(s) stuck" if pending else ""
+            cause = f"{what} during {name}{stuck}"
+            raise GroupLostError(
+                f"{cause}; nothing was applied. The workers are being rebuilt from the latest "
+                "checkpoint: retry shortly",
+                details={"ranks": dead or sorted(causes), "method": name, "causes": causes},
+                cause=cause,
+            )
+        for e in failed.values():
+            c = getattr(e, "cause", None)
+            if isinstance(c, TrainctlError):
+                raise c
+        first = min(causes)
+        raise WorkerError(
+            f"rank {first} failed in {name}: {causes[first]}"
+            + (f" (and {len(causes) - 1} more rank(s))" if len(causes) > 1 else ""),
+            details={"method": name, "ranks": {str(r): c for r, c in causes.items()}},
+        )
+
+    async def call_quietly(self, method: Callable[..., Any]) -> None:
+        """``method`` on every rank that still answers; failures ignored (cleanup)."""
+        name = method.__name__
+        await asyncio.gather(
+            *[getattr(r, name).remote() for r in self.ranks], return_exceptions=True
+        )
+
+    def replica0(self, per_rank: list[Any]) -> list[Any]:
+        """The items of ``per_rank`` (one per rank, in rank order) of DP x CP replica 0: one
+        full copy of the model across TP and PP."""
+        return [
+            item
+            for item, m in zip(per_rank, self.meta, strict=True)
+            if m["coords"]["dp"] == 0 and m["coords"]["cp"] == 0
+        ]
+
+    def digest_of(self, digests: list[str]) -> str:
+        """One sha256 over the replica-0 shards' digests: equal digests, equal weights."""
+        return hashlib.sha256("".join(self.replica0(digests)).encode()).hexdigest()
+
+    async def digests(self) -> list[str]:
+        return await self.call(RankWorker.weights_digest)
+
+    def parameters_per_replica(self) -> int:
+        return sum(m["parameters"] for m in self.replica0(self.meta))

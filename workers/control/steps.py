@@ -1,0 +1,188 @@
+"""The step operations: ``train_batch``, ``eval_batch`` and ``logprobs``.
+
+Each is planned when it is submitted (a request the model cannot take is refused before it
+queues) and run later, in its turn, on the rank group. The plan travels to the ranks once,
+through the object store, and their reports are merged into one result.
+
+A train step has two phases so that no rank applies a step another rank failed: every rank
+accumulates gradients and the global norm; only if all succeed (and the norm is finite) does
+every rank apply the optimizer step. If phase 1 fails, all drop their gradients. If phase 2
+fails on some rank, the ranks may disagree: the group is rebuilt from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from trainctl.api import (
+    EvalBatchRequest,
+    InvalidRequestError,
+    LogProbsRequest,
+    LogProbsResult,
+    LossConfig,
+    ModelLimits,
+    StepResult,
+    TrainBatchRequest,
+    TrainctlError,
+    WorkerError,
+)
+from trainctl.api.batch import SequenceBatch
+from trainctl.workers.control.batch import StepPlan
+from trainctl.workers.control.operations import Handle, Runner
+from trainctl.workers.control.plan import plan_step
+from trainctl.workers.control.rank import RankWorker
+from trainctl.workers.control.rank_group import GroupLostError, RankGroup
+from trainctl.workers.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelState:
+    """What the controller knows of the model the ranks hold."""
+
+    step: int = 0
+    """Optimizer steps applied (the policy version)."""
+    last_checkpoint_step: int | None = None
+
+
+class Steps:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        group: RankGroup,
+        state: ModelState,
+        *,
+        after_train: Callable[[Handle], Awaitable[None]],
+    ) -> None:
+        self.cfg, self.group, self.state = cfg, group, state
+        self.after_train = after_train
+        """Called after every applied step (scheduled checkpoints)."""
+        self.limits = ModelLimits(
+            vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len
+        )
+
+    # -- planning (at submit) ------------------------------------------------------------------
+
+    def plan(self, sequences: SequenceBatch, loss: LossConfig) -> tuple[StepPlan, float]:
+        """The dispatch plan and the seconds it took; a batch the layout cannot take is a 422."""
+        t0 = time.perf_counter()
+        try:
+            plan = plan_step(list(sequences), self.cfg, loss=loss)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        return plan, time.perf_counter() - t0
+
+    def train(self, req: TrainBatchRequest) -> Runner:
+        req.check_limits(self.limits)
+        plan, t_plan = self.plan(req.sequences, req.loss)
+        return lambda h: self._train(h, req, plan, t_plan)
+
+    def eval(self, req: EvalBatchRequest) -> Runner:
+        req.check_limits(self.limits)
+        plan, t_plan = self.plan(req.sequences, req.loss)
+        return lambda h: self._eval(h, plan, t_plan)
+
+    def logprobs(self, req: LogProbsRequest) -> Runner:
+        """Log-probs read only the tokens: every position after the first is a target."""
+        req.check_limits(self.limits)
+        tokens_only = req.sequences.without(*req.sequences.present)
+        plan, _ = self.plan(tokens_only, LossConfig())
+        return lambda h: self._logprobs(h, req, plan)
+
+    # -- running (in turn) ---------------------------------------------------------------------
+
+    async def _train(
+        self, h: Handle, req: TrainBatchRequest, plan: StepPlan, t_plan: float
+    ) -> StepResult:
+        req.check_expected_step(self.state.step)
+        t0 = time.perf_counter()
+        ref = ray.put(plan)
+        h.set_phase("forward_backward")
+        try:
+            reports = await self.group.call(RankWorker.accumulate, ref, h.op.id)
+        except TrainctlError:
+            await self._discard()
+            raise
+        norms = [r.grad_norm for r in reports]
+        if not all(n is not None and math.isfinite(n) for n in norms):
+            await self._discard()
+            raise WorkerError(
+                f"the gradient norm is not finite ({norms[0]}); the step was not applied",
+                details={"grad_norm": str(norms[0])},
+            )
+        h.set_phase("optimizer_step")
+        try:
+            applied = await self.group.call(RankWorker.apply, h.op.id)
+        except WorkerError as e:
+            # Some ranks may have applied the update and others not: only a restore makes
+            # them agree again, so the step is rolled back with everything since the checkpoint.
+            cause = f"{e.message} (in the optimizer update)"
+            raise GroupLostError(
+                f"{cause}; the workers are being restored from the latest checkpoint, so the "
+                "step is not applied: retry shortly",
+                details=e.details,
+                cause=cause,
+            ) from None
+        self.state.step += 1
+        await self.after_train(h)
+        result = self._result(plan, reports, t_plan)
+        result.metrics["grad_norm:value"] = applied[0][0]
+        result.metrics["lr:value"] = self.cfg.optimizer.lr
+        result.timings["optimizer_max_s"] = max(a[1] for a in applied)
+        result.timings["total_s"] = time.perf_counter() - t0
+        return result
+
+    async def _discard(self) -> None:
+        """After a failed phase 1: every surviving rank drops its gradients."""
+        await self.group.call_quietly(RankWorker.discard)
+        log.warning("step not applied: gradients dropped on every rank")
+
+    async def _eval(self, h: Handle, plan: StepPlan, t_plan: float) -> StepResult:
+        t0 = time.perf_counter()
+        h.set_phase("forward")
+        reports = await self.group.call(RankWorker.eval_batch, ray.put(plan), h.op.id)
+        result = self._result(plan, reports, t_plan)
+        result.timings["total_s"] = time.perf_counter() - t0
+        return result
+
+    async def _logprobs(self, h: Handle, req: LogProbsRequest, plan: StepPlan) -> LogProbsResult:
+        h.set_phase("forward")
+        parts = await self.group.call(RankWorker.logprobs, ray.put(plan), req.entropy, h.op.id)
+        merged: dict[int, Any] = {}
+        for part in parts:
+            merged.update(part)
+        n = len(req.sequences)
+        missing = [i for i in range(n) if i not in merged]
+        if missing:
+            raise WorkerError(f"no rank reported log-probs of sequences {missing[:10]}")
+        ordered = [merged[i] for i in range(n)]
+        return LogProbsResult.model_construct(
+            step=self.state.step,
+            logprobs=[lp.tolist() for lp, _ in ordered],
+            entropy=[ent.tolist() for _, ent in ordered] if req.entropy else None,
+        )
+
+    def _result(self, plan: StepPlan, reports: list[Any], t_plan: float) -> StepResult:
+        last = next(r for r in reports if r.is_last_stage)
+        metrics = {
+            "loss:mean": last.loss,
+            "tokens:sum": float(plan.num_tokens),
+            "loss_tokens:sum": float(plan.loss_normalizer),
+            "sequences:sum": float(plan.num_sequences),
+            "padded_tokens:sum": float(plan.padded_tokens),
+            "microbatches_per_dp_rank:value": float(plan.num_microbatches),
+            "dummy_microbatches:sum": float(plan.num_dummies),
+        }
+        metrics.update(last.metrics)
+        timings = {"plan_s": t_plan}
+        for key in reports[0].timings:
+            timings[f"{key.removesuffix('_s')}_max_s"] = max(r.timings[key] for r in reports)
+        return StepResult(loss=last.loss, step=self.state.step, metrics=metrics, timings=timings)

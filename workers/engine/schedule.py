@@ -1,0 +1,166 @@
+"""One pass of megatron's forward(/backward) schedule over this rank's micro-batches.
+
+The loss function megatron calls per micro-batch gets this rank's logits ``[1, t, V / tp]``
+(its CP shard, its vocabulary slice) and never gathers them: it computes the per-token
+log-probs with the vocab-parallel kernel, the loss terms, and this micro-batch's loss share
+``sum(term * loss_scale)`` (docs/algorithms.md §1.5). Asked for them, it also returns the
+per-token log-probs (and entropy), gathered over CP only as per-token values, through its
+output, so one pass can give both the loss and the log-probs.
+
+The shares of every micro-batch and every DP x CP rank add up to the global loss:
+``ops.aggregate.aggregate_loss``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch import Tensor
+
+from trainctl.api.models import LossConfig
+from trainctl.workers.control.batch import PackedMicroBatch
+from trainctl.workers.engine import megatron_cpu
+from trainctl.workers.engine.inputs import RankMicroBatch, StageInputs
+from trainctl.workers.engine.parallel import ParallelDims
+from trainctl.workers.engine.routing import RoutingStats
+from trainctl.workers.ops.aggregate import aggregate_loss
+from trainctl.workers.ops.cp import gather_from_cp
+from trainctl.workers.ops.logprob import vocab_parallel_entropy, vocab_parallel_logprob
+from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
+
+PER_TOKEN_OUTPUTS = ("logprobs", "entropy")
+
+
+@dataclass(frozen=True)
+class PassResult:
+    loss: float
+    """The global loss (summed over DP x CP); 0.0 off the last pipeline stage."""
+    outputs: list[dict[str, Tensor]]
+    """Last stage only, per micro-batch: the per-token outputs asked for, in global packed
+    order ``[T]`` (position ``t`` predicts token ``t + 1``)."""
+
+
+class Schedule:
+    """Runs passes for one engine shard: its model chunks, groups and inputs."""
+
+    def __init__(
+        self,
+        *,
+        chunks: list[Any],
+        dims: ParallelDims,
+        inputs: StageInputs,
+        routing: RoutingStats,
+        vocab_size: int,
+        logprob_chunk_size: int,
+    ) -> None:
+        self.chunks, self.dims, self.inputs, self.routing = chunks, dims, inputs, routing
+        self.vocab_start = dims.vocab_start(vocab_size)
+        self.chunk_size = logprob_chunk_size
+
+    def run(
+        self,
+        mbs: Sequence[PackedMicroBatch],
+        loss: LossConfig,
+        *,
+        forward_only: bool,
+        outputs: tuple[str, ...] = (),
+    ) -> PassResult:
+        """Forward (and backward unless ``forward_only``) over ``mbs``; gradients accumulate
+        in the DDP buffers and are synchronised over DP x CP by megatron's finalize step."""
+        unknown = set(outputs) - set(PER_TOKEN_OUTPUTS)
+        if unknown:
+            raise ValueError(f"unknown per-token outputs {sorted(unknown)}")
+        tensors = [self.inputs.prepare(mb) for mb in mbs]
+        iters: Any = [iter(tensors) for _ in self.chunks] if len(self.chunks) > 1 else iter(tensors)
+        for c in self.chunks:
+            c.train(not forward_only)
+        with megatron_cpu.cuda_to_cpu():
+            out = get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, loss, outputs),
+                data_iterator=iters,
+                model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                num_microbatches=len(tensors),
+                seq_length=max(mb.num_tokens for mb in mbs),  # global: megatron divides by cp
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+        self.routing.counting = False
+        items = list(out or [])
+        if not self.dims.is_last_stage:
+            return PassResult(loss=0.0, outputs=[])
+        total = aggregate_loss((item["loss"] for item in items), self.dims.dp_cp_group)
+        kept = [{k: item[k] for k in outputs} for item in items]
+        return PassResult(loss=float(total), outputs=kept)
+
+    def _forward_step(
+        self,
+        loss: LossConfig,
+        outputs: tuple[str, ...],
+        data: Iterator[RankMicroBatch],
+        model: Any,
+    ) -> tuple[Tensor, Any]:
+        mb = next(data)
+        self.routing.counting = not mb.is_dummy
+        logits = model(
+            mb.batch.tokens,
+            mb.batch.position_ids,
+            attention_mask=None,
+            packed_seq_params=mb.packed,
+        )
+        return logits, partial(self._loss_func, mb, loss, outputs)
+
+    def _loss_func(
+        self, mb: RankMicroBatch, loss: LossConfig, outputs: tuple[str, ...], logits: Tensor
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """``logits [1, t, V_t]`` -> (this micro-batch's loss share, its local target count,
+        what the pass returns) for megatron's schedule."""
+        b = mb.batch
+        assert b.labels is not None and b.loss_mask is not None and b.cu_seqlens is not None
+        lp = vocab_parallel_logprob(
+            logits[0],
+            b.labels[0],
+            vocab_start=self.vocab_start,
+            tp_group=self.dims.tp_group,
+            chunk_size=self.chunk_size,
+        )
+        if mb.is_dummy:
+            share, n = connected_zero(logits), 0
+        else:
+            per_token: dict[str, Any] = {k: v[0] for k, v in b.loss_inputs.items()}
+            scale = per_token.pop("loss_scale")
+            terms = per_token_terms(lp, **loss.options(), loss_mask=b.loss_mask[0], **per_token)
+            share, n = local_loss(terms, scale), int(torch.count_nonzero(b.loss_mask))
+        report = {"loss": share.detach().clone()}
+        cp_group = self.dims.cp_group
+        if "logprobs" in outputs:
+            report["logprobs"] = gather_from_cp(lp.detach(), b.cu_seqlens, cp_group)
+        if "entropy" in outputs:
+            with torch.no_grad():
+                ent = vocab_parallel_entropy(
+                    logits[0], tp_group=self.dims.tp_group, chunk_size=self.chunk_size
+                )
+            report["entropy"] = gather_from_cp(ent, b.cu_seqlens, cp_group)
+        return share, torch.tensor(n, dtype=torch.int), report
+
+
+def per_sequence(
+    mbs: Sequence[PackedMicroBatch], values: Sequence[Tensor]
+) -> dict[int, np.ndarray]:
+    """Per-token values of each real sequence, by request index, aligned with its tokens:
+    ``[t]`` belongs to token ``t`` (predicted from ``tokens[:t]``), ``[0]`` is 0."""
+    out: dict[int, np.ndarray] = {}
+    for mb, v in zip(mbs, values, strict=True):
+        for b, idx in enumerate(mb.seq_index.tolist()):
+            if idx < 0:
+                continue
+            start, n = int(mb.cu_seqlens[b]), int(mb.seq_lens[b])
+            row = np.zeros(n, np.float32)
+            row[1:] = v[start : start + n - 1].numpy()  # position t predicts token t + 1
+            out[idx] = row
+    return out
