@@ -9,7 +9,6 @@ down (Kubernetes stops pods with SIGTERM, which ``serve run`` would not survive)
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import socket
@@ -32,6 +31,9 @@ log = logging.getLogger("trainctl.serve")
 
 def _add_settings_flags(p: argparse.ArgumentParser) -> None:
     for name, field in Settings.model_fields.items():
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and extra.get("cli") is False:
+            continue
         flag = "--" + name.replace("_", "-")
         env = f"TRAINCTL_{name.upper()}"
         help_ = f"{field.description} [env {env}; default {field.default}]"
@@ -42,24 +44,6 @@ def _settings_from(args: argparse.Namespace) -> Settings:
     fields = Settings.model_fields
     overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     return Settings(**overrides)
-
-
-def engine_config_dict(s: Settings) -> dict[str, Any]:
-    """The engine config: the embedded tiny model unless a config file is named."""
-    from trainctl.workers.engine.config import EngineConfig
-
-    base: dict[str, Any] = {}
-    if s.engine_config is not None:
-        base = json.loads(s.engine_config.read_text())
-    base.setdefault("model", {}).setdefault("seed", s.seed)
-    base["layout"] = {**base.get("layout", {}), "dp": s.dp, "cp": s.cp, "tp": s.tp, "pp": s.pp}
-    base.setdefault("optimizer", {}).setdefault("lr", s.lr)
-    base.setdefault("max_tokens_per_microbatch", s.max_tokens_per_microbatch)
-    if s.init_hf is not None:
-        from trainctl.workers.engine import hf
-
-        base = hf.engine_dict_from(s.init_hf, base)
-    return EngineConfig.from_dict(base).validate().to_dict()
 
 
 def serve_main(s: Settings) -> int:
@@ -121,12 +105,12 @@ def _serve(s: Settings) -> int:
     import ray
     from ray import serve
 
-    from trainctl.service.deployment import APP_NAME, gateway
-    from trainctl.workers.control.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
+    from trainctl.service import launch
+    from trainctl.service.deployment import APP_NAME
     from trainctl.workers.engine.config import ConfigError
 
     try:
-        cfg = engine_config_dict(s)
+        cfg = launch.engine_config_dict(s)
     except OSError as e:
         raise StartupError(f"cannot read {e.filename}: {e.strerror}") from None
     except (ConfigError, TypeError, ValueError) as e:
@@ -156,46 +140,24 @@ def _serve(s: Settings) -> int:
         _handle_signals(_on_signal)
         _connect(address, head, timeout_s=120.0 if head is not None else 0.0)
         _handle_signals(_on_signal)
-        env = {"TRAINCTL_LOG_LEVEL": s.log_level, "TRAINCTL_LOG_FORMAT": s.log_format}
-        controller = ControllerActor.options(
-            name=CONTROLLER_NAME,
-            namespace=NAMESPACE,
-            num_cpus=0,
-            runtime_env={"env_vars": env},
-        ).remote(
-            cfg,
-            profile_root=str(s.profile_root),
-            rank_num_cpus=s.rank_num_cpus,
-            max_queued_operations=s.max_queued_operations,
-            data_root=str(s.data_dir.resolve()),
-            checkpoint_every_steps=s.checkpoint_every_steps,
-            keep_checkpoints=s.keep_checkpoints,
-            resume=s.resume,
-        )
+        controller = launch.create_controller(s, cfg, detached=False)
         layout = cfg["layout"]
         log.info(
             "building %d rank(s): dp=%d cp=%d tp=%d pp=%d",
-            s.dp * s.cp * s.tp * s.pp,
+            layout["dp"] * layout["cp"] * layout["tp"] * layout["pp"],
             layout["dp"],
             layout["cp"],
             layout["tp"],
             layout["pp"],
         )
         try:
-            info: Info = ray.get(controller.start.remote())  # type: ignore[attr-defined,assignment]
+            info: Info = ray.get(controller.start.remote())
         except ray.exceptions.RayTaskError as e:
             raise StartupError(f"could not start the workers: {e.cause}") from None
         log.info("model: %s parameters per replica", info.engine["parameters_per_replica"])
         serve.start(http_options={"host": s.host, "port": s.port})
         serve.run(
-            gateway(
-                controller_name=CONTROLLER_NAME,
-                namespace=NAMESPACE,
-                max_ongoing_requests=s.max_ongoing_requests,
-                api_token=s.token(),
-                max_body_bytes=int(s.max_body_mb * 2**20),
-                fault_injection=s.enable_fault_injection,
-            ),
+            launch.gateway_app(s),
             name=APP_NAME,
             route_prefix="/",
             logging_config={"enable_access_log": False, "log_level": s.log_level},
@@ -302,11 +264,16 @@ def _shutdown(controller: Any, *, checkpoint: bool) -> None:
     ray.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainctl", description="trainctl serve")
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="start the service (Ray, controller, ranks, gateway)")
     _add_settings_flags(p_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
         try:

@@ -1,14 +1,24 @@
-"""Service settings: CLI flags override environment variables (prefix ``TRAINCTL_``).
+"""Service settings: the one settings model of both launch paths (``service/launch.py``).
 
+``trainctl serve`` fills it from its flags, the Serve application (KubeRay ``serveConfigV2``,
+``serve deploy``) from its ``args``: either way those rank as flags. Precedence everywhere:
+flag (or Serve arg) > environment (``TRAINCTL_<FIELD>``) > the engine config file
+(``--engine-config``, or the inline ``engine`` of the Serve args) > the defaults here.
 Every field is documented; ``trainctl serve --help`` lists them with their variables.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from trainctl.workers.engine.config import EngineConfig
+
+_ENGINE = EngineConfig()
+"""The engine's own defaults: the settings below that shape the engine default to them."""
 
 
 class Settings(BaseSettings):
@@ -34,23 +44,42 @@ class Settings(BaseSettings):
     pp: int = Field(1, ge=1, description="Pipeline-parallel size.")
     engine_config: Path | None = Field(
         None,
-        description="JSON file with a full engine config (model, layout, optimizer, ...); "
-        "the layout flags above override its layout.",
+        description="JSON file with a full engine config (model, layout, optimizer, ...; "
+        "workers/engine/config.py); a setting given as a flag or in the environment "
+        "overrides the file's value.",
     )
-    seed: int = Field(1234, description="Seed of the embedded model's random initialisation.")
-    lr: float = Field(1e-3, ge=0, description="AdamW learning rate.")
+    engine: dict[str, Any] | None = Field(
+        None,
+        description="The engine config inline (the Serve application's args); "
+        "ranks like --engine-config.",
+        json_schema_extra={"cli": False},
+    )
+    seed: int = Field(
+        _ENGINE.model.seed, description="Seed of the embedded model's random initialisation."
+    )
+    lr: float = Field(_ENGINE.optimizer.lr, ge=0, description="AdamW learning rate.")
     max_tokens_per_microbatch: int = Field(
-        4096, ge=1, description="Token budget of one micro-batch."
+        _ENGINE.max_tokens_per_microbatch, ge=1, description="Token budget of one micro-batch."
     )
     rank_num_cpus: float = Field(
         0.25,
         gt=0,
         description="Ray CPUs reserved per rank actor (fractional packs ranks on small machines).",
     )
+    rank_num_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs per rank actor; default 1 when the Ray cluster has GPUs, else 0.",
+    )
     data_dir: Path = Field(
         Path("trainctl-data"),
-        description="Root of server-side files; memory profiles go "
-        "under <data_dir>/profiles/<profile id>/.",
+        description="Root of server-side files: checkpoints/, exports/, profiles/ (unless "
+        "--profile-root) and the local Ray cluster's token.",
+    )
+    profile_root: Path | None = Field(
+        None,
+        description="Where memory profiles go (<profile_root>/<profile id>/); "
+        "default <data_dir>/profiles.",
     )
     max_ongoing_requests: int = Field(
         64, ge=1, description="Requests one gateway replica holds at once."
@@ -106,9 +135,21 @@ class Settings(BaseSettings):
             return self.api_token_file.read_text().strip() or None
         return self.api_token.get_secret_value() if self.api_token else None
 
-    @property
-    def profile_root(self) -> Path:
-        return (self.data_dir / "profiles").resolve()
+    def profiles_dir(self) -> Path:
+        return (self.profile_root or self.data_dir / "profiles").resolve()
+
+    def engine_file(self) -> dict[str, Any]:
+        """The engine config file's (or inline config's) contents; {} when there is none."""
+        import json
+
+        if self.engine is not None and self.engine_config is not None:
+            raise ValueError("engine and engine_config: give one engine config, not both")
+        if self.engine_config is not None:
+            data = json.loads(self.engine_config.read_text())
+            if not isinstance(data, dict):
+                raise ValueError(f"{self.engine_config}: an engine config is a JSON object")
+            return data
+        return dict(self.engine or {})
 
     @property
     def url(self) -> str:

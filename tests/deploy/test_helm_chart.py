@@ -132,15 +132,15 @@ def test_model(tmp_path: Path) -> None:
     app = serve_config(rayservice("-f", str(values)))["applications"][0]
     assert app["args"]["engine"]["model"]["seed"] == 7
     assert app["args"]["engine"]["optimizer"]["lr"] == 0.0003
-    assert "checkpoint" not in app["args"]
+    assert "init_hf" not in app["args"]
     app = serve_config(rayservice("--set", "model.checkpoint=/data/checkpoints/qwen"))
-    assert app["applications"][0]["args"]["checkpoint"] == "/data/checkpoints/qwen"
+    assert app["applications"][0]["args"]["init_hf"] == "/data/checkpoints/qwen"
 
 
 def test_checkpoint_schedule() -> None:
     args = serve_config(rayservice())["applications"][0]["args"]
     assert (args["checkpoint_every_steps"], args["keep_checkpoints"]) == (100, 3)
-    assert args["data_root"] == "/data/checkpoints"
+    assert args["data_dir"] == "/data/checkpoints"
     args = serve_config(
         rayservice("--set", "checkpoints.everySteps=10", "--set", "checkpoints.keep=5")
     )["applications"][0]["args"]
@@ -241,3 +241,23 @@ def test_dockerfile_runs_trainctl_entry_point() -> None:
     text = (ROOT / "deploy" / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["trainctl"]' in text and '"serve"' in text
     assert "serve run" not in text.split("#")[-1]
+
+
+@pytest.mark.parametrize("source", ["chart", "serve-config"])
+def test_application_args_are_serve_settings(source: str) -> None:
+    """Both Serve configs speak the one settings model: every arg is a `trainctl serve`
+    setting, and the engine config they give builds and validates."""
+    from trainctl.service.launch import engine_config_dict, settings_from_args
+
+    if source == "chart":
+        cfg = serve_config(rayservice("--set", "layout.tp=2"))
+    else:
+        cfg = yaml.safe_load((ROOT / "deploy" / "serve-config.yaml").read_text())
+    args = cfg["applications"][0]["args"]
+    s = settings_from_args(args)
+    engine = engine_config_dict(s)
+    assert engine["layout"] == {**engine["layout"], **args["engine"]["layout"]}
+    if source == "chart":
+        assert engine["layout"]["tp"] == 2 and s.rank_num_gpus == 1
+    with pytest.raises(ValueError, match="unknown application args \\['data_root'\\]"):
+        settings_from_args({**args, "data_root": "/x"})

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from trainctl.service.cli import engine_config_dict
+from trainctl.service.launch import engine_config_dict
 from trainctl.service.settings import Settings
 
 from conftest import Service, running_service

@@ -1,0 +1,107 @@
+"""One launch path: ``trainctl serve`` and the Serve application used by KubeRay and
+``serve deploy`` both build the engine config, the controller and the gateway here, from one
+``Settings`` (``service/settings.py``) with one set of defaults.
+
+Precedence, for every setting that shapes the engine (``ENGINE_SETTINGS``): flag or Serve arg
+> environment > engine config file (or inline ``engine``) > default.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from trainctl.service.settings import Settings
+
+ENGINE_SETTINGS: dict[str, tuple[str | None, str]] = {
+    "dp": ("layout", "dp"),
+    "cp": ("layout", "cp"),
+    "tp": ("layout", "tp"),
+    "pp": ("layout", "pp"),
+    "seed": ("model", "seed"),
+    "lr": ("optimizer", "lr"),
+    "max_tokens_per_microbatch": (None, "max_tokens_per_microbatch"),
+}
+"""Setting -> (section of the engine config, or None for the top level; key in it)."""
+
+
+def engine_config_dict(s: Settings) -> dict[str, Any]:
+    """The validated engine config: the file's values, overridden by the settings given as a
+    flag or in the environment, and the settings' defaults where the file is silent."""
+    from trainctl.workers.engine.config import EngineConfig
+
+    base = copy.deepcopy(s.engine_file())
+    for name, (section, key) in ENGINE_SETTINGS.items():
+        target = base.setdefault(section, {}) if section else base
+        if name in s.model_fields_set or key not in target:
+            target[key] = getattr(s, name)
+    if s.init_hf is not None:
+        from trainctl.workers.engine import hf
+
+        base = hf.engine_dict_from(s.init_hf, base)
+    return EngineConfig.from_dict(base).validate().to_dict()
+
+
+def controller_kwargs(s: Settings, *, rank_num_gpus: float) -> dict[str, Any]:
+    """The controller's keyword arguments (besides the engine config)."""
+    return {
+        "data_root": str(s.data_dir.resolve()),
+        "profile_root": str(s.profiles_dir()),
+        "rank_num_cpus": s.rank_num_cpus,
+        "rank_num_gpus": rank_num_gpus,
+        "max_queued_operations": s.max_queued_operations,
+        "checkpoint_every_steps": s.checkpoint_every_steps,
+        "keep_checkpoints": s.keep_checkpoints,
+        "resume": s.resume,
+    }
+
+
+def create_controller(s: Settings, cfg: dict[str, Any], *, detached: bool) -> Any:
+    """The named controller actor (on a connected Ray). ``detached`` (Serve): it outlives the
+    application's builder, and a redeploy finds and reuses it."""
+    import ray
+
+    from trainctl.workers.control.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
+
+    gpus = s.rank_num_gpus
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU") else 0.0  # type: ignore[no-untyped-call,unused-ignore]
+    env = {"TRAINCTL_LOG_LEVEL": s.log_level, "TRAINCTL_LOG_FORMAT": s.log_format}
+    options: dict[str, Any] = {
+        "name": CONTROLLER_NAME,
+        "namespace": NAMESPACE,
+        "num_cpus": 0,
+        "runtime_env": {"env_vars": env},
+    }
+    if detached:
+        options.update(lifetime="detached", get_if_exists=True)
+    return ControllerActor.options(**options).remote(  # type: ignore[attr-defined,unused-ignore]
+        cfg, **controller_kwargs(s, rank_num_gpus=gpus)
+    )
+
+
+def gateway_app(s: Settings) -> Any:
+    """The bound Serve application of the gateway, for the controller ``create_controller``
+    made."""
+    from trainctl.service.deployment import gateway
+    from trainctl.workers.control.controller import CONTROLLER_NAME, NAMESPACE
+
+    return gateway(
+        controller_name=CONTROLLER_NAME,
+        namespace=NAMESPACE,
+        max_ongoing_requests=s.max_ongoing_requests,
+        api_token=s.token(),
+        max_body_bytes=int(s.max_body_mb * 2**20),
+        fault_injection=s.enable_fault_injection,
+    )
+
+
+def settings_from_args(args: dict[str, Any]) -> Settings:
+    """The Serve application's ``args`` as settings: each key a setting, ranking as a flag."""
+    unknown = sorted(set(args) - set(Settings.model_fields))
+    if unknown:
+        raise ValueError(
+            f"unknown application args {unknown}; each arg is a `trainctl serve` setting "
+            f"(one of {sorted(Settings.model_fields)})"
+        )
+    return Settings(**args)

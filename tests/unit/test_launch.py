@@ -1,0 +1,74 @@
+"""One launch path, one precedence: flag > environment > engine config file > default."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainctl.service.cli import _settings_from, build_parser
+from trainctl.service.launch import engine_config_dict, settings_from_args
+from trainctl.service.settings import Settings
+
+
+def _file(tmp_path: Path, **engine: object) -> Path:
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(engine))
+    return path
+
+
+def _values(cfg: dict) -> tuple[int, int, float, int]:
+    return (
+        cfg["layout"]["dp"],
+        cfg["max_tokens_per_microbatch"],
+        cfg["optimizer"]["lr"],
+        cfg["model"]["seed"],
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("DP", "MAX_TOKENS_PER_MICROBATCH", "LR", "SEED", "ENGINE_CONFIG"):
+        monkeypatch.delenv(f"TRAINCTL_{name}", raising=False)
+
+
+def test_precedence_flag_env_file_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _file(
+        tmp_path,
+        layout={"dp": 4},
+        max_tokens_per_microbatch=2048,
+        optimizer={"lr": 0.5},
+        model={"seed": 7},
+    )
+    # Defaults: the service's (dp=2) and the engine's own.
+    assert _values(engine_config_dict(Settings())) == (2, 4096, 1e-3, 1234)
+    # The file beats the defaults, every one of them.
+    assert _values(engine_config_dict(Settings(engine_config=engine))) == (4, 2048, 0.5, 7)
+    # The environment beats the file.
+    monkeypatch.setenv("TRAINCTL_DP", "1")
+    monkeypatch.setenv("TRAINCTL_MAX_TOKENS_PER_MICROBATCH", "1024")
+    assert _values(engine_config_dict(Settings(engine_config=engine))) == (1, 1024, 0.5, 7)
+    # A flag beats the environment (and the file).
+    argv = ["serve", "--engine-config", str(engine), "--max-tokens-per-microbatch", "3072"]
+    argv += ["--lr", "0.25"]
+    s = _settings_from(build_parser().parse_args(argv))
+    assert _values(engine_config_dict(s)) == (1, 3072, 0.25, 7)
+
+
+def test_serve_args_rank_as_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Serve application's args go through the same settings: `engine` as the file."""
+    monkeypatch.setenv("TRAINCTL_SEED", "99")
+    args = {"engine": {"layout": {"dp": 1}, "model": {"seed": 5}}, "lr": 0.125}
+    assert _values(engine_config_dict(settings_from_args(args))) == (1, 4096, 0.125, 99)
+    monkeypatch.delenv("TRAINCTL_SEED")
+    assert _values(engine_config_dict(settings_from_args(args))) == (1, 4096, 0.125, 5)
+    with pytest.raises(ValueError, match="give one engine config"):
+        engine_config_dict(Settings(engine={}, engine_config=_file(tmp_path)))
+
+
+def test_one_set_of_defaults() -> None:
+    """`trainctl serve` with no flags and the Serve application with no args agree."""
+    flags = _settings_from(build_parser().parse_args(["serve"]))
+    assert flags == settings_from_args({})
+    assert engine_config_dict(flags) == engine_config_dict(settings_from_args({}))
