@@ -164,3 +164,20 @@ def test_the_async_client_is_generated_from_the_sync_one() -> None:
     script = Path(__file__).parents[2] / "scripts" / "unasync.py"
     r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_columnar_batch_is_sent_as_is(client: TrainctlClient, fake: FakeController) -> None:
+    """Columns in, columns at the controller: no per-sequence objects on the way."""
+    import numpy as np
+
+    from trainctl.api import SequenceBatch
+
+    tokens = np.arange(1, 8, dtype=np.int32)
+    batch = SequenceBatch(np.array([3, 4]), {"tokens": tokens, "weights": np.full(7, 0.5)})
+    assert client.train_batch(batch).metrics["tokens:sum"] == 7.0
+    (got,) = fake.requests
+    assert isinstance(got.sequences, SequenceBatch)
+    assert got.sequences == [
+        {"tokens": [1, 2, 3], "weights": [0.5] * 3},
+        {"tokens": [4, 5, 6, 7], "weights": [0.5] * 4},
+    ]
