@@ -129,6 +129,15 @@ class SequenceBatch:
         rows = [s if isinstance(s, Mapping) else _as_mapping(s) for s in seqs]
         if not rows:
             raise field_error("sequences", "List should have at least 1 item")
+        for i, r in enumerate(rows):
+            unknown = sorted(set(r) - set(FIELD_NAMES))
+            if unknown:
+                raise field_error(
+                    f"sequences[{i}].{unknown[0]}",
+                    f"Extra inputs are not permitted (per-token fields: {', '.join(FIELD_NAMES)})",
+                )
+            if r.get("tokens") is None:
+                raise field_error(f"sequences[{i}].tokens", "Field required")
         lengths = np.array([len(r["tokens"]) for r in rows], np.int64)
         columns = {"tokens": _concat(rows, "tokens", lengths)}
         present = [f for f in OPTIONAL_FIELDS if any(r.get(f.name) is not None for r in rows)]

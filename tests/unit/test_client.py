@@ -181,3 +181,11 @@ def test_a_columnar_batch_is_sent_as_is(client: TrainctlClient, fake: FakeContro
         {"tokens": [1, 2, 3], "weights": [0.5] * 3},
         {"tokens": [4, 5, 6, 7], "weights": [0.5] * 4},
     ]
+
+
+def test_a_misspelt_field_is_refused_by_name(client: TrainctlClient, fake: FakeController) -> None:
+    with pytest.raises(InvalidRequestError, match=r"sequences\[1\]\.advantage: Extra inputs"):
+        client.train_batch([[1, 2, 3], {"tokens": [4, 5], "advantage": [0.0, 1.0]}])
+    with pytest.raises(InvalidRequestError, match=r"sequences\[0\]\.tokens: Field required"):
+        client.eval_batch([{"loss_mask": [0, 1]}])
+    assert fake.calls == []
