@@ -66,7 +66,13 @@ def create_controller(s: Settings, cfg: dict[str, Any], *, detached: bool) -> An
     gpus = s.rank_num_gpus
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU") else 0.0  # type: ignore[no-untyped-call,unused-ignore]
-    env = {"TRAINCTL_LOG_LEVEL": s.log_level, "TRAINCTL_LOG_FORMAT": s.log_format}
+    env = {
+        "TRAINCTL_LOG_LEVEL": s.log_level,
+        "TRAINCTL_LOG_FORMAT": s.log_format,
+        # matplotlib (the memory-profile pictures) keeps its caches under the data directory,
+        # not in the home directory.
+        "MPLCONFIGDIR": str(s.data_dir.resolve() / "cache" / "matplotlib"),
+    }
     options: dict[str, Any] = {
         "name": CONTROLLER_NAME,
         "namespace": NAMESPACE,

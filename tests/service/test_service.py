@@ -296,3 +296,13 @@ def test_every_log_line_of_an_operation_carries_its_id(service: Service) -> None
     workers = [ln for ln in lines if "trainctl.workers" in ln]
     assert workers, lines
     assert all(f"[op={op.id}]" in ln for ln in workers), workers
+
+
+def test_the_home_directory_is_left_empty(service: Service) -> None:
+    """After start-up, training, memory profiles (whose pictures use matplotlib) and the rest of
+    this module, the service has written nothing into its (fresh) home directory: its caches
+    live under the data directory."""
+    home = Path(str(service.env["HOME"]))
+    assert service.client().list_memory_profiles().profiles, "a profile was rendered first"
+    assert sorted(p.relative_to(home).as_posix() for p in home.rglob("*")) == []
+    assert (service.data_dir / "cache" / "matplotlib").is_dir()
