@@ -272,7 +272,8 @@ class ExportRequest(BaseModel):
 
 
 class ExportResult(BaseModel):
-    """A Hugging Face Llama checkpoint (config.json + model.safetensors) on the server."""
+    """A Hugging Face checkpoint of the model's family (config.json + model.safetensors) on the
+    server."""
 
     name: str
     step: int

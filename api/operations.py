@@ -143,7 +143,7 @@ OPERATIONS: dict[OperationKind, OperationSpec] = {
         ),
         OperationSpec(
             OperationKind.EXPORT_HF, ExportRequest, ExportResult, "/export/hf", "checkpoints",
-            "Write the full model as a Hugging Face Llama checkpoint (config.json and "
+            "Write the full model as a Hugging Face checkpoint of its family (config.json and "
             "model.safetensors) under the server's export root.",
         ),
         OperationSpec(

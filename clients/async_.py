@@ -200,7 +200,7 @@ class AsyncTrainctlClient:
         return await self._send(self._req.call(OperationKind.LOAD_CHECKPOINT, CheckpointInfo, req))
 
     async def export_hf(self, name: str | None = None) -> ExportResult:
-        """Write the model as a Hugging Face Llama checkpoint on the server."""
+        """Write the model as a Hugging Face checkpoint of its family on the server."""
         req = ExportRequest(name=name)
         return await self._send(self._req.call(OperationKind.EXPORT_HF, ExportResult, req))
 

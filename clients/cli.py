@@ -207,7 +207,7 @@ def parser() -> argparse.ArgumentParser:
     q = sub.add_parser("checkpoint", help="save, list or load training checkpoints")
     q.add_argument("action", choices=["save", "list", "load"])
     q.add_argument("checkpoint_id", nargs="?")
-    q = sub.add_parser("export-hf", help="write the model as a Hugging Face Llama checkpoint")
+    q = sub.add_parser("export-hf", help="write the model as a Hugging Face checkpoint")
     q.add_argument("--name", default=None, help="directory name under the export root")
     return p
 

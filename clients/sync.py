@@ -194,7 +194,7 @@ class TrainctlClient:
         return self._send(self._req.call(OperationKind.LOAD_CHECKPOINT, CheckpointInfo, req))
 
     def export_hf(self, name: str | None = None) -> ExportResult:
-        """Write the model as a Hugging Face Llama checkpoint on the server."""
+        """Write the model as a Hugging Face checkpoint of its family on the server."""
         req = ExportRequest(name=name)
         return self._send(self._req.call(OperationKind.EXPORT_HF, ExportResult, req))
 

@@ -120,7 +120,7 @@ class Settings(BaseSettings):
     )
     init_hf: Path | None = Field(
         None,
-        description="Start from this Hugging Face Llama-style checkpoint directory "
+        description="Start from this Hugging Face checkpoint directory (Llama, Qwen2/2.5, Qwen3) "
         "(config.json + *.safetensors); the model shape comes from its config.json.",
     )
 

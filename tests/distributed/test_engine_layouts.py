@@ -124,3 +124,27 @@ def test_moe_ep2_matches_single_rank(
         for kind in ep1["per_loss"]:
             assert ep1["per_loss"][kind]["local_expert_grad_norm"] == 0.0  # zero, full shape
             assert ep0["per_loss"][kind]["local_expert_grad_norm"] > 0.0
+
+
+FAMILY_SHAPES = {
+    "qwen2": {**MODEL, "family": "qwen2", "qkv_bias": True},
+    "qwen3": {**MODEL, "family": "qwen3", "qk_norm": True},
+}
+FAMILY_LAYOUTS = [{"dp": 2}, {"cp": 2}, {"tp": 2}, {"pp": 2}, {"dp": 2, "cp": 2}]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_SHAPES))
+def test_family_shapes_match_single_rank(pools: Callable[[int], RankPool], family: str) -> None:
+    """The same matrix for a Qwen2-shaped (q/k/v biases) and a Qwen3-shaped (q/k norms) model:
+    the biases' and norms' gradients are summed right over TP, CP and DP."""
+
+    def cfg(**layout: int) -> dict:
+        return {**_cfg(**layout), "model": FAMILY_SHAPES[family]}
+
+    reference = pools(1).run(step_and_collect, cfg(), ragged_batch(), LOSSES)
+    names = full_tensors(reference, "shard_params")
+    extra = "linear_qkv.bias" if family == "qwen2" else "q_layernorm.weight"
+    assert sum(n.endswith(extra) for n in names) == MODEL["num_layers"]
+    for layout in FAMILY_LAYOUTS:
+        results = pools(_world(layout)).run(step_and_collect, cfg(**layout), ragged_batch(), LOSSES)
+        assert_same_step(results, reference)

@@ -14,6 +14,10 @@ class ConfigError(ValueError):
     """An impossible configuration; the message says what to change."""
 
 
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3")
+"""Hugging Face families the engine imports and exports (``workers/engine/hf.py``)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     """Shape of the GPT model every rank builds a shard of."""
@@ -44,6 +48,21 @@ class ModelConfig:
     """Experts each token is routed to (MoE only)."""
     moe_ffn_hidden_size: int = 256
     """Inner width of each expert (MoE only)."""
+    family: str = "llama"
+    """The Hugging Face family the model imports from and exports to (``workers/engine/hf.py``):
+    ``llama``, ``qwen2`` or ``qwen3``."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head of the queries and keys, before RoPE (Qwen3)."""
+    rope_scaling_factor: float = 0.0
+    """Llama 3 RoPE scaling (``rope_type: llama3``): the factor; 0 = no scaling."""
+    rope_low_freq_factor: float = 1.0
+    """Llama 3 RoPE scaling: wavelengths above ``original / low`` are divided by the factor."""
+    rope_high_freq_factor: float = 4.0
+    """Llama 3 RoPE scaling: wavelengths below ``original / high`` are kept."""
+    rope_original_max_position: int = 8192
+    """Llama 3 RoPE scaling: the context length the model was pre-trained with."""
 
     def validate(self) -> None:
         for name in (
@@ -71,6 +90,14 @@ class ModelConfig:
             raise ConfigError(
                 f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"model.num_query_groups ({self.num_query_groups})"
+            )
+        if self.family not in MODEL_FAMILIES:
+            raise ConfigError(f"model.family must be one of {MODEL_FAMILIES}, got {self.family!r}")
+        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+        if self.rope_scaling_factor and not (self.rope_scaling_factor > 0 and high > low > 0):
+            raise ConfigError(
+                "model.rope_scaling_factor needs a positive factor and "
+                "rope_high_freq_factor > rope_low_freq_factor > 0"
             )
 
 

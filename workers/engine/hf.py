@@ -1,15 +1,19 @@
-"""Hugging Face Llama-format weights: export for inference engines, import as a start.
+"""Hugging Face checkpoints: import as a start, export for inference engines, per family.
 
-The served model is Llama-shaped (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases,
-untied output), so its canonical parameters (``workers/engine/weights.py``) map one to one onto a
-``LlamaForCausalLM`` checkpoint (``config.json`` + ``model.safetensors``), except two fused
-megatron tensors:
+Each family we serve is one table (``FAMILIES``): its ``model_type`` and architecture, which
+options its ``config.json`` turns on, and the names of the tensors that map one to one onto our
+canonical parameters (``workers/engine/weights.py``). Adding a family with the same building
+blocks is a new table, not new code. Every family shares the two fused megatron tensors:
 
     linear_qkv   rows grouped by key/value head g: [q heads of g; k_g; v_g]  <->  q/k/v_proj
+                 (weights and, with biases, the biases alike)
     linear_fc1   [gate; up]                                                  <->  gate/up_proj
 
-Qwen2-style checkpoints load too when they have no attention biases (Qwen2 has them; we do not
-support biases and say so). MoE models cannot be exported in this format.
+Supported: ``llama`` (Llama 2/3, Mistral-style; RoPE scaling of type ``llama3`` with the
+checkpoint's own factors), ``qwen2`` (q/k/v biases) and ``qwen3`` (q/k RMSNorm). Anything else a
+``config.json`` asks for (another family, MoE, another activation, other biases or RoPE
+scaling) is refused with a message naming the field. Tied input/output embeddings load untied:
+the output layer starts as a copy of the embedding and trains on its own.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +33,47 @@ from trainctl.workers.engine.config import ConfigError, EngineConfig, ModelConfi
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_PER_LAYER = {
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    """Our ``ModelConfig.family``."""
+    model_types: tuple[str, ...]
+    """``config.json`` ``model_type`` values read as this family (the first one is written)."""
+    architecture: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: bool = False
+    """Accepts RoPE scaling of type ``llama3``."""
+    per_layer: dict[str, str] = field(default_factory=dict)
+    """Our per-layer tensor name -> the family's, for tensors that map one to one."""
+
+
+_LLAMA_LAYER = {
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+_QK_NORM_LAYER = {
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "llama", ("llama", "mistral"), "LlamaForCausalLM", rope_scaling=True,
+            per_layer=_LLAMA_LAYER,
+        ),
+        Family("qwen2", ("qwen2",), "Qwen2ForCausalLM", qkv_bias=True, per_layer=_LLAMA_LAYER),
+        Family(
+            "qwen3", ("qwen3",), "Qwen3ForCausalLM", qk_norm=True,
+            per_layer=_LLAMA_LAYER | _QK_NORM_LAYER,
+        ),
+    )
+}  # fmt: skip
 _TOP = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -41,13 +81,32 @@ _TOP = {
 }
 
 
+def family_of(cfg: dict[str, Any]) -> Family:
+    kind = cfg.get("model_type", "?")
+    for f in FAMILIES.values():
+        if kind in f.model_types:
+            return f
+    known = sorted(t for f in FAMILIES.values() for t in f.model_types)
+    raise ConfigError(f"{CONFIG}: model_type {kind!r} is not supported (one of {known})")
+
+
 def hf_config(m: ModelConfig) -> dict[str, Any]:
-    """``config.json`` of a ``LlamaForCausalLM`` equal to ``m``."""
+    """``config.json`` of the family's ``*ForCausalLM`` equal to ``m``."""
     if m.num_experts:
-        raise ConfigError("MoE models cannot be exported as Llama checkpoints")
+        raise ConfigError("MoE models cannot be exported yet")
+    fam = FAMILIES[m.family]
+    rope: dict[str, Any] = {"rope_theta": float(m.rotary_base), "rope_type": "default"}
+    if m.rope_scaling_factor:
+        rope |= {
+            "rope_type": "llama3",
+            "factor": m.rope_scaling_factor,
+            "low_freq_factor": m.rope_low_freq_factor,
+            "high_freq_factor": m.rope_high_freq_factor,
+            "original_max_position_embeddings": m.rope_original_max_position,
+        }
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [fam.architecture],
+        "model_type": fam.model_types[0],
         "hidden_size": m.hidden_size,
         "intermediate_size": m.ffn_hidden_size,
         "num_hidden_layers": m.num_layers,
@@ -58,9 +117,9 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": m.max_seq_len,
         "rms_norm_eps": m.norm_eps,
         "rope_theta": float(m.rotary_base),
-        "rope_parameters": {"rope_theta": float(m.rotary_base), "rope_type": "default"},
+        "rope_parameters": rope,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": m.qkv_bias,
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
@@ -68,27 +127,44 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
     }
 
 
-def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
-    """The ``ModelConfig`` of a Llama/Qwen2-style ``config.json``; unsupported features fail
-    with a message naming them."""
-    kind = cfg.get("model_type", "?")
-    if kind not in ("llama", "qwen2", "mistral"):
-        raise ConfigError(f"{CONFIG}: model_type {kind!r} is not a Llama-style decoder")
-    problems = []
-    if cfg.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {cfg['hidden_act']!r} (only silu/SwiGLU)")
-    if cfg.get("attention_bias") or kind == "qwen2":
-        problems.append("attention biases (q/k/v bias)")
-    if cfg.get("mlp_bias"):
-        problems.append("MLP biases")
+def _rope_scaling(cfg: dict[str, Any], fam: Family, problems: list[str]) -> dict[str, Any]:
+    """The ModelConfig fields of the checkpoint's RoPE scaling ({} for none)."""
     # transformers < 5 writes rope_theta / rope_scaling; 5 writes rope_parameters.
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or (
         rope if rope.get("rope_type", "default") != "default" else None
     )
-    if scaling:
-        problems.append(f"RoPE scaling {scaling!r}")
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    if not scaling:
+        return {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3" or not fam.rope_scaling:
+        problems.append(f"rope_scaling of type {kind!r} (only 'llama3', for llama)")
+        return {}
+    return {
+        "rope_scaling_factor": float(scaling["factor"]),
+        "rope_low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
+        "rope_high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
+        "rope_original_max_position": int(scaling.get("original_max_position_embeddings", 8192)),
+    }
+
+
+def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
+    """The ``ModelConfig`` of a supported ``config.json``; anything unsupported fails with a
+    message naming its field."""
+    fam = family_of(cfg)
+    problems = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {cfg['hidden_act']!r} (only silu/SwiGLU)")
+    qkv_bias = bool(cfg.get("attention_bias", fam.qkv_bias))
+    if qkv_bias and not fam.qkv_bias:
+        problems.append(f"attention_bias (q/k/v biases: qwen2 only, not {fam.name})")
+    if cfg.get("mlp_bias"):
+        problems.append("mlp_bias (MLP biases)")
+    for key in ("num_experts", "num_local_experts"):
+        if cfg.get(key):
+            problems.append(f"{key} (mixture-of-experts checkpoints are not supported yet)")
+    scaling = _rope_scaling(cfg, fam, problems)
+    theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     heads = int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     if head_dim * heads != cfg["hidden_size"]:
@@ -97,6 +173,7 @@ def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
         raise ConfigError(f"{CONFIG}: not supported: " + "; ".join(problems))
     return dataclasses.replace(
         base,
+        family=fam.name,
         hidden_size=int(cfg["hidden_size"]),
         ffn_hidden_size=int(cfg["intermediate_size"]),
         num_layers=int(cfg["num_hidden_layers"]),
@@ -107,6 +184,9 @@ def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rotary_base=int(float(theta)),
         num_experts=0,
+        qkv_bias=qkv_bias,
+        qk_norm=fam.qk_norm,
+        **scaling,
     )
 
 
@@ -117,7 +197,8 @@ def _qkv_split(m: ModelConfig) -> tuple[int, int, int]:
 
 
 def to_hf(canonical: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
-    """Full canonical tensors -> Llama tensor names."""
+    """Full canonical tensors -> the family's tensor names."""
+    per_layer = FAMILIES[m.family].per_layer
     q_rows, d, groups = _qkv_split(m)
     out: dict[str, Tensor] = {}
     for name, t in canonical.items():
@@ -126,40 +207,45 @@ def to_hf(canonical: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
             continue
         layer, rest = _layer(name)
         prefix = f"model.layers.{layer}."
-        if rest in _PER_LAYER:
-            out[prefix + _PER_LAYER[rest]] = t
-        elif rest == "self_attention.linear_qkv.weight":
-            g = t.reshape(groups, q_rows + 2 * d, -1)
-            out[prefix + "self_attn.q_proj.weight"] = g[:, :q_rows].reshape(-1, t.shape[-1])
-            out[prefix + "self_attn.k_proj.weight"] = g[:, q_rows : q_rows + d].reshape(
-                -1, t.shape[-1]
-            )
-            out[prefix + "self_attn.v_proj.weight"] = g[:, q_rows + d :].reshape(-1, t.shape[-1])
+        if rest in per_layer:
+            out[prefix + per_layer[rest]] = t
+        elif rest.startswith("self_attention.linear_qkv."):
+            kind = rest.rsplit(".", 1)[1]  # weight or bias
+            g = t.reshape(groups, q_rows + 2 * d, *t.shape[1:])
+            for proj, part in zip(
+                "qkv", (g[:, :q_rows], g[:, q_rows : q_rows + d], g[:, q_rows + d :]), strict=True
+            ):
+                out[prefix + f"self_attn.{proj}_proj.{kind}"] = part.reshape(-1, *t.shape[1:])
         elif rest == "mlp.linear_fc1.weight":
             gate, up = t.chunk(2, dim=0)
             out[prefix + "mlp.gate_proj.weight"] = gate
             out[prefix + "mlp.up_proj.weight"] = up
         else:
-            raise ValueError(f"{name}: no Llama counterpart")
+            raise ValueError(f"{name}: no {m.family} counterpart")
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def from_hf(hf: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
-    """Llama tensor names -> full canonical tensors (inverse of ``to_hf``)."""
+    """The family's tensor names -> full canonical tensors (inverse of ``to_hf``)."""
+    per_layer = FAMILIES[m.family].per_layer
     q_rows, d, groups = _qkv_split(m)
     out = {name: hf[key] for name, key in _TOP.items() if key in hf}
     if "output_layer.weight" not in out:  # tied embeddings: the output starts as a copy
         out["output_layer.weight"] = hf["model.embed_tokens.weight"].clone()
+    kinds = ("weight", "bias") if m.qkv_bias else ("weight",)
     for layer in range(m.num_layers):
         p, c = f"model.layers.{layer}.", f"decoder.layers.{layer}."
-        for ours, theirs in _PER_LAYER.items():
+        for ours, theirs in per_layer.items():
             out[c + ours] = hf[p + theirs]
-        q, k, v = (hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv")
-        h = q.shape[-1]
-        fused = torch.cat(
-            [q.reshape(groups, q_rows, h), k.reshape(groups, d, h), v.reshape(groups, d, h)], 1
-        )
-        out[c + "self_attention.linear_qkv.weight"] = fused.reshape(-1, h)
+        for kind in kinds:
+            q, k, v = (hf[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
+            rest = q.shape[1:]
+            fused = torch.cat(
+                [q.reshape(groups, q_rows, *rest), k.reshape(groups, d, *rest),
+                 v.reshape(groups, d, *rest)],
+                1,
+            )  # fmt: skip
+            out[c + f"self_attention.linear_qkv.{kind}"] = fused.reshape(-1, *rest)
         out[c + "mlp.linear_fc1.weight"] = torch.cat(
             [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]
         )

@@ -2,7 +2,8 @@
 
 The model is megatron-core's ``GPTModel`` on the local (non-TransformerEngine) layer spec, with
 our packed-sequence core attention (``workers/engine/attention.py``) in place of the local one.
-Llama-style: RMSNorm, SwiGLU MLP, rotary positions, no biases, untied output layer.
+Llama-style: RMSNorm, SwiGLU MLP, rotary positions (Llama 3 scaling optional), untied output
+layer; optionally q/k/v biases (Qwen2) and q/k norms (Qwen3).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def transformer_config(cfg: EngineConfig) -> TransformerConfig:
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
+        add_qkv_bias=m.qkv_bias,
+        qk_layernorm=m.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
@@ -94,11 +97,14 @@ def build_gpt(
     vp_stage: int | None = None,
 ) -> GPTModel:
     spec = get_gpt_layer_local_spec(
-        num_experts=cfg.model.num_experts or None, moe_grouped_gemm=False, normalization="RMSNorm"
+        num_experts=cfg.model.num_experts or None,
+        moe_grouped_gemm=False,
+        qk_layernorm=cfg.model.qk_norm,
+        normalization="RMSNorm",
     )
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     with megatron_cpu.cuda_to_cpu():
-        return GPTModel(
+        model = GPTModel(
             config=tc,
             transformer_layer_spec=spec,
             vocab_size=cfg.model.vocab_size,
@@ -110,6 +116,19 @@ def build_gpt(
             rotary_base=cfg.model.rotary_base,
             vp_stage=vp_stage,
         )
+    m = cfg.model
+    if m.rope_scaling_factor:
+        # megatron's own Llama 3 scaling hard-codes low = 1, high = 4 and original = 8192: the
+        # checkpoint's values win (the same formula, every parameter given).
+        rope = model.rotary_pos_emb
+        rope.inv_freq = rope._apply_scaling(
+            rope.inv_freq,
+            factor=m.rope_scaling_factor,
+            low_freq_factor=m.rope_low_freq_factor,
+            high_freq_factor=m.rope_high_freq_factor,
+            original_max_position_embeddings=m.rope_original_max_position,
+        )
+    return model
 
 
 def wrap_ddp(tc: TransformerConfig, model: GPTModel) -> DistributedDataParallel:

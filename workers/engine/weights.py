@@ -95,6 +95,8 @@ def init_full(name: str, shape: tuple[int, ...], *, seed: int, num_layers: int) 
     """The full tensor of parameter ``name``, drawn from a generator seeded by the name."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     std = INIT_STD
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
