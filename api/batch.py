@@ -90,6 +90,8 @@ class SequenceBatch:
             raise field_error(extra[0], "not a per-token field of a sequence")
         for name, col in self.columns.items():
             self._check_column(name, col)
+            if BY_NAME[name].kind is FieldKind.MASK:  # narrowed only once its values are 0/1
+                self.columns[name] = col.astype(np.uint8, copy=False)
 
     def _check_column(self, name: str, col: np.ndarray) -> None:
         total = int(self.offsets[-1])
@@ -99,12 +101,13 @@ class SequenceBatch:
         if kind is FieldKind.FLOAT:
             if col.dtype.kind != "f":
                 raise field_error(name, f"must be floats, got {col.dtype}")
-            bad = np.flatnonzero(~np.isfinite(col)) if not np.isfinite(col).all() else None
-            if bad is not None:
-                i, j = self.locate(int(bad[0]))
+            finite = np.isfinite(col)
+            if not finite.all():
+                k = int(np.flatnonzero(~finite)[0])
+                i, j = self.locate(k)
                 raise field_error(
                     f"sequences[{i}].{name}",
-                    f"must be finite (no NaN or inf); position {j} is {col[bad[0]]}",
+                    f"must be finite (no NaN or inf); position {j} is {col[k]}",
                 )
         elif col.dtype.kind not in "iub":
             raise field_error(name, f"must be integers, got {col.dtype}")
@@ -280,6 +283,11 @@ def _as_mapping(seq: Any) -> dict[str, Any]:
 
 
 def _concat(rows: list[Mapping[str, Any]], name: str, lengths: np.ndarray) -> np.ndarray:
+    """One flat column of field ``name`` (ones where a default-one field is absent).
+
+    Token ids become int64 and floats float32 (float arrays keep their dtype); a mask keeps
+    the dtype it came in, so ``SequenceBatch`` checks its values before narrowing it.
+    """
     field = BY_NAME[name]
     dtype = _HOST_DTYPE[field.kind]
     parts = []
@@ -290,22 +298,19 @@ def _concat(rows: list[Mapping[str, Any]], name: str, lengths: np.ndarray) -> np
             continue
         if len(v) != n:
             raise field_error(f"sequences[{i}].{name}", f"has {len(v)} entries but tokens has {n}")
-        try:
-            keep = field.kind is FieldKind.FLOAT and getattr(v, "dtype", None) is not None
-            parts.append(v if keep and v.dtype.kind == "f" else np.asarray(v, dtype=dtype))
-        except OverflowError:
-            j = next(k for k, t in enumerate(v) if not -(2**63) <= t < 2**63)
-            raise field_error(
-                f"sequences[{i}].{name}[{j}]", f"token id {v[j]} is outside the vocabulary"
-            ) from None
-        if field.kind is FieldKind.MASK and parts[-1].size and parts[-1].max() > 1:
-            # uint8 wrapped a negative or large value: report it as sent
-            j = next(k for k, t in enumerate(v) if t not in (0, 1))
-            raise field_error(
-                f"sequences[{i}].{name}[{j}]",
-                "must be 0 or 1 (greater than or equal to 0 and less than or equal to 1), "
-                f"got {v[j]}",
-            )
+        if field.kind is FieldKind.MASK:
+            parts.append(np.asarray(v))
+        elif field.kind is FieldKind.FLOAT:
+            is_float = getattr(v, "dtype", None) is not None and v.dtype.kind == "f"
+            parts.append(v if is_float else np.asarray(v, dtype=dtype))
+        else:
+            try:
+                parts.append(np.asarray(v, dtype=dtype))
+            except OverflowError:
+                j = next(k for k, t in enumerate(v) if not -(2**63) <= t < 2**63)
+                raise field_error(
+                    f"sequences[{i}].{name}[{j}]", f"token id {v[j]} is outside the vocabulary"
+                ) from None
     return np.concatenate(parts)
 
 

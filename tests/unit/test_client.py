@@ -189,3 +189,14 @@ def test_a_misspelt_field_is_refused_by_name(client: TrainctlClient, fake: FakeC
     with pytest.raises(InvalidRequestError, match=r"sequences\[0\]\.tokens: Field required"):
         client.eval_batch([{"loss_mask": [0, 1]}])
     assert fake.calls == []
+
+
+def test_a_mask_that_is_not_0_or_1_is_refused_not_narrowed(
+    client: TrainctlClient, fake: FakeController
+) -> None:
+    """A list mask reaches uint8 only after its values are checked: 256 is not read as 0."""
+    with pytest.raises(InvalidRequestError, match=r"sequences\[0\]\.loss_mask\[1\]: .* got 256"):
+        client.train_batch([{"tokens": [1, 2, 3], "loss_mask": [0, 256, 1]}])
+    with pytest.raises(InvalidRequestError, match="loss_mask: must be integers, got float64"):
+        client.train_batch([{"tokens": [1, 2, 3], "loss_mask": [0, 0.5, 1]}])
+    assert fake.calls == []
