@@ -21,10 +21,11 @@ A decoded batch is a ``SequenceBatch`` of views into the body: no Python lists o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -181,36 +182,37 @@ def encode_sequences(
 def _batch_of(sequences: list[Mapping[str, Any]]) -> SequenceBatch:
     """Dicts of lists or arrays as columns; arrays keep their dtype (floats are not rounded
     to float32 before the caller's ``float_dtype`` is applied)."""
-    try:
+    with _as_wire_errors():
         return SequenceBatch.from_sequences(
             [{k: np.asarray(v) for k, v in s.items() if v is not None} for s in sequences]
         )
-    except InvalidRequestError as e:
-        raise WireError(e.message, e.details) from None
 
 
 def decode_sequences(body: bytes) -> dict[str, Any]:
     """The request of a sequences frame: ``{**fields, "sequences": SequenceBatch}``.
 
-    The batch is validated here (sizes, dtypes, 0/1 masks, finite floats; vectorised, naming
-    the field); the request model then checks the rest exactly as for JSON.
+    The batch's own checks run here (sizes, dtypes, 0/1 masks, finite floats; vectorised,
+    naming the field); the request model then checks the rest exactly as for JSON.
     """
     fields, arrays = decode(body)
     if "sequences" in fields:
         raise WireError("sequences: send them as arrays, not in the header fields")
-    for required in ("lengths", "tokens"):
-        if required not in arrays:
-            raise WireError(f"{required}: missing from the frame")
+    if "lengths" not in arrays:
+        raise WireError("lengths: missing from the frame")
     lengths = arrays.pop("lengths")
-    if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or (lengths < 0).any():
-        raise WireError("lengths: must be a 1-D array of non-negative integers")
-    if arrays["tokens"].dtype.kind not in "iu":
-        raise WireError(f"tokens: must be integers, got {arrays['tokens'].dtype}")
-    total = int(lengths.sum())
-    for name, a in arrays.items():
-        if a.ndim != 1 or a.shape[0] != total:
-            raise WireError(f"{name}: has {a.size} entries but the lengths add up to {total}")
-    return {**fields, "sequences": SequenceBatch(lengths, arrays)}
+    with _as_wire_errors():
+        return {**fields, "sequences": SequenceBatch(lengths, arrays)}
+
+
+@contextlib.contextmanager
+def _as_wire_errors() -> Iterator[None]:
+    """A batch that fails its checks is a bad frame: the same message, as a ``WireError``."""
+    try:
+        yield
+    except WireError:
+        raise
+    except InvalidRequestError as e:
+        raise WireError(e.message, e.details) from None
 
 
 def encode_per_sequence(
