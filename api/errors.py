@@ -172,13 +172,15 @@ ERROR_CLASSES: dict[ErrorType, type[TrainctlError]] = {
 }  # fmt: skip
 
 
+_CLASS_OF_STATUS = {STATUS_OF[t]: c for t, c in ERROR_CLASSES.items()}  # 500: InternalError
+
+
 def error_from(status: int, body: Any) -> TrainctlError:
     """The error of a 4xx/5xx response whose body is ``body``: the class of its ``type`` where
     that type answers with this status, else the class of the status (a body from something
     in between, e.g. a proxy, or a type that disagrees with the status)."""
     typed = isinstance(body, dict) and body.get("type") in ErrorType._value2member_map_
-    by_status = {STATUS_OF[t]: c for t, c in ERROR_CLASSES.items()}  # 500: InternalError
-    cls = by_status.get(status, InternalError if status >= 500 else InvalidRequestError)
+    cls = _CLASS_OF_STATUS.get(status, InternalError if status >= 500 else InvalidRequestError)
     if typed and STATUS_OF[ErrorType(body["type"])] == status:
         cls = ERROR_CLASSES[ErrorType(body["type"])]
     if isinstance(body, dict):

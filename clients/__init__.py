@@ -1,9 +1,6 @@
 """trainctl's Python SDK. Needs only httpx, pydantic and numpy (no torch, no Ray)."""
 
-from trainctl.clients._base import RetryPolicy
-from trainctl.clients.async_ import AsyncTrainctlClient
-from trainctl.clients.errors import (
-    APIConnectionError,
+from trainctl.api.errors import (
     ConflictError,
     ForbiddenError,
     InternalError,
@@ -18,6 +15,9 @@ from trainctl.clients.errors import (
     UnsupportedMediaTypeError,
     WorkerError,
 )
+from trainctl.clients._base import RetryPolicy
+from trainctl.clients.async_ import AsyncTrainctlClient
+from trainctl.clients.errors import APIConnectionError
 from trainctl.clients.sync import TrainctlClient
 
 __all__ = [

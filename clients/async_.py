@@ -39,6 +39,7 @@ from trainctl.api import (
     SequenceBatch,
     StepResult,
 )
+from trainctl.api.errors import TrainctlError
 from trainctl.clients._base import (
     DEFAULT_BASE_URL,
     DEFAULT_TIMEOUT_S,
@@ -51,7 +52,7 @@ from trainctl.clients._base import (
     auth_headers,
     operation_result,
 )
-from trainctl.clients.errors import APIConnectionError, TrainctlError
+from trainctl.clients.errors import APIConnectionError
 
 T = TypeVar("T")
 Sequences = Iterable[SequenceLike] | SequenceBatch

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trainctl.api import LossConfig, Operation, OperationKind
-from trainctl.clients.errors import TrainctlError
+from trainctl.api.errors import TrainctlError
 from trainctl.clients.sync import TrainctlClient
 
 _SPINNER = "|/-\\"

@@ -1,28 +1,13 @@
-"""The SDK's exceptions: the service's own error classes (``trainctl.api.errors``), raised again
-from each 4xx/5xx response by ``error_from``, plus ``APIConnectionError`` when the service
-could not be reached. One hierarchy on both sides: ``except NotReadyError`` means the same
-thing in a rank, in the gateway and in a client.
+"""The SDK's one exception of its own, ``APIConnectionError``: the service could not be
+reached. Every 4xx/5xx is raised as the service's own error class (``trainctl.api.errors``,
+re-exported by ``trainctl.clients``), rebuilt from the response by ``error_from``. One
+hierarchy on both sides: ``except NotReadyError`` means the same thing in a rank, in the
+gateway and in a client.
 """
 
 from __future__ import annotations
 
-from trainctl.api.errors import (
-    ConflictError,
-    ErrorType,
-    ForbiddenError,
-    InternalError,
-    InvalidRequestError,
-    NotFoundError,
-    NotReadyError,
-    PayloadTooLargeError,
-    RateLimitedError,
-    ServerError,
-    TrainctlError,
-    UnauthorizedError,
-    UnsupportedMediaTypeError,
-    WorkerError,
-    error_from,
-)
+from trainctl.api.errors import ErrorType, TrainctlError
 
 
 class APIConnectionError(TrainctlError):
@@ -40,22 +25,3 @@ class APIConnectionError(TrainctlError):
 
     def __str__(self) -> str:
         return self.message
-
-
-__all__ = [
-    "APIConnectionError",
-    "ConflictError",
-    "ForbiddenError",
-    "InternalError",
-    "InvalidRequestError",
-    "NotFoundError",
-    "NotReadyError",
-    "PayloadTooLargeError",
-    "RateLimitedError",
-    "ServerError",
-    "TrainctlError",
-    "UnauthorizedError",
-    "UnsupportedMediaTypeError",
-    "WorkerError",
-    "error_from",
-]

@@ -7,6 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from trainctl.api import Sequence
+from trainctl.api.errors import ServerError, error_from
 from trainctl.clients import (
     APIConnectionError,
     AsyncTrainctlClient,
@@ -16,7 +17,6 @@ from trainctl.clients import (
     RetryPolicy,
     TrainctlClient,
 )
-from trainctl.clients.errors import ServerError, error_from
 
 from fakes import FakeController
 
