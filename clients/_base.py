@@ -61,6 +61,11 @@ def path(name: str) -> str:
     return f"/{API_VERSION}/{name}"
 
 
+def _url(kind: OperationKind | str, req: BaseModel) -> str:
+    """Where operation ``kind`` runs ``req`` (the table's route, path fields filled in)."""
+    return path(route_of(OperationKind(kind), req).lstrip("/"))
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """Retry 408, 429 and 5xx (and connection errors) with capped exponential backoff.
@@ -211,29 +216,28 @@ class Requests:
     def run(self, kind: OperationKind, result: type[M], **kwargs: Any) -> Call[M]:
         """A batch operation answered when done, as ``result``."""
         req, headers, content = self.batch(kind, **kwargs)
-        url = path(route_of(OperationKind(kind), req).lstrip("/"))
-        return Call("POST", url, parse_model(result), content=content, headers=headers)
+        return Call("POST", _url(kind, req), parse_model(result), content=content, headers=headers)
 
     def submit(self, kind: OperationKind | str, **kwargs: Any) -> Call[Operation]:
         """A batch operation answered at once (202) with the operation to poll."""
         req, headers, content = self.batch(kind, **kwargs)
         headers["Prefer"] = "respond-async"
-        url = path(route_of(OperationKind(kind), req).lstrip("/"))
-        return Call("POST", url, parse_model(Operation), content=content, headers=headers)
+        return Call(
+            "POST", _url(kind, req), parse_model(Operation), content=content, headers=headers
+        )
 
     def call(self, kind: OperationKind, result: type[M], req: BaseModel | None = None) -> Call[M]:
         """A non-batch operation (JSON body, or none) with a fresh idempotency key, reused by
         every retry of this call."""
         spec = OPERATIONS[kind]
         req = req if req is not None else spec.request()
-        url = path(route_of(kind, req).lstrip("/"))
         fields = {k: v for k, v in req.model_dump().items() if f"{{{k}}}" not in spec.path}
         headers = {"Idempotency-Key": uuid.uuid4().hex}
         content = None
         if fields:
             content = req.model_dump_json(exclude_none=True).encode()
             headers["Content-Type"] = wire.JSON_CONTENT_TYPE
-        return Call("POST", url, parse_model(result), content=content, headers=headers)
+        return Call("POST", _url(kind, req), parse_model(result), content=content, headers=headers)
 
     def operation(self, op_id: str, wait_s: float = 0.0) -> Call[Operation]:
         return Call(
