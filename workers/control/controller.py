@@ -102,6 +102,9 @@ class Controller(OperationHost):
         self.steps_lost = 0
         self.group = RankGroup(self.cfg, num_cpus=rank_num_cpus, num_gpus=rank_num_gpus)
         self.state = ModelState()
+        self.limits = ModelLimits(
+            vocab_size=self.cfg.model.vocab_size, max_seq_len=self.cfg.model.max_seq_len
+        )
         self.steps = Steps(self.cfg, self.group, self.state, after_train=self._after_train)
         self.recorder = ProfileRecorder(self.group, self.profiles, self.state)
         self.ready = False
@@ -373,7 +376,7 @@ class Controller(OperationHost):
                 for m, d in zip(meta, per_rank, strict=True)
             ],
             versions=_versions(),
-            limits=self.steps.limits,
+            limits=self.limits,
             recovery=self.recovery,
             steps_lost=self.steps_lost,
         )
@@ -382,7 +385,7 @@ class Controller(OperationHost):
         return self.ready and not self.draining
 
     async def model_limits(self) -> ModelLimits:
-        return self.steps.limits
+        return self.limits
 
 
 ControllerActor = ray.remote(Controller)

@@ -1,8 +1,9 @@
 """The step operations: ``train_batch``, ``eval_batch`` and ``logprobs``.
 
-Each is planned when it is submitted (a request the model cannot take is refused before it
-queues) and run later, in its turn, on the rank group. The plan travels to the ranks once,
-through the object store, and their reports are merged into one result.
+Each is planned when it is submitted (the gateway has checked it against the model's limits;
+a batch the layout cannot take is refused here, before it queues) and run later, in its turn,
+on the rank group. The plan travels to the ranks once, through the object store, and their
+reports are merged into one result.
 
 A train step has two phases so that no rank applies a step another rank failed: every rank
 accumulates gradients and the global norm; only if all succeed (and the norm is finite) does
@@ -27,7 +28,6 @@ from trainctl.api import (
     LogProbsRequest,
     LogProbsResult,
     LossConfig,
-    ModelLimits,
     StepResult,
     TrainBatchRequest,
     TrainctlError,
@@ -65,9 +65,6 @@ class Steps:
         self.cfg, self.group, self.state = cfg, group, state
         self.after_train = after_train
         """Called after every applied step (scheduled checkpoints)."""
-        self.limits = ModelLimits(
-            vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len
-        )
 
     # -- planning (at submit) ------------------------------------------------------------------
 
@@ -81,18 +78,15 @@ class Steps:
         return plan, time.perf_counter() - t0
 
     def train(self, req: TrainBatchRequest) -> Runner:
-        req.check_limits(self.limits)
         plan, t_plan = self.plan(req.sequences, req.loss)
         return lambda h: self._train(h, req, plan, t_plan)
 
     def eval(self, req: EvalBatchRequest) -> Runner:
-        req.check_limits(self.limits)
         plan, t_plan = self.plan(req.sequences, req.loss)
         return lambda h: self._eval(h, plan, t_plan)
 
     def logprobs(self, req: LogProbsRequest) -> Runner:
         """Log-probs read only the tokens: every position after the first is a target."""
-        req.check_limits(self.limits)
         tokens_only = req.sequences.without(*req.sequences.present)
         plan, _ = self.plan(tokens_only, LossConfig())
         return lambda h: self._logprobs(h, req, plan)
