@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainctl.api import LossConfig, TokenSequence
@@ -21,10 +20,8 @@ from trainctl.workers.control.plan import pack, sequence_scales
 from trainctl.workers.engine.inputs import packed_tokens
 from trainctl.workers.ops.aggregate import aggregate_loss
 from trainctl.workers.ops.cp import gather_from_cp, split_for_cp
-from trainctl.workers.ops.grouped_linear import GroupedLinear
 from trainctl.workers.ops.logprob import vocab_parallel_logprob
 from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
-from trainctl.workers.ops.metrics import Reduction, StatsTracker, sequence_log_ppl
 
 # -- process groups -------------------------------------------------------------------------
 
@@ -132,7 +129,7 @@ def logprob_tp_case(b: int, s: int, v: int, cs: int, oov: bool) -> dict[str, Any
 V = 32
 
 
-def _rl_sequences(seed: int, n_seqs: int) -> list[TokenSequence]:
+def rl_sequences(seed: int, n_seqs: int) -> list[TokenSequence]:
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n_seqs):
@@ -177,7 +174,7 @@ def cp_loss_case(dp: int, cp: int, kind: str, normalization: str, kl: float) -> 
     g = grid(cp=cp, dp=dp)
     spec = LossConfig(kind=LossKind(kind), clip_low=0.2, clip_high=0.28, kl_coef=kl)
     norm = Normalization(normalization)
-    per_dp = [_rl_sequences(100 + d, 4) for d in range(dp)]
+    per_dp = [rl_sequences(100 + d, 4) for d in range(dp)]
     everything = [s for seqs in per_dp for s in seqs]
     scales, n_tokens, n_seqs = sequence_scales(everything, norm)
     gen = torch.Generator().manual_seed(7)
@@ -250,7 +247,7 @@ def cp_loss_case(dp: int, cp: int, kind: str, normalization: str, kl: float) -> 
 def eval_reduce_case() -> dict[str, float]:
     """dp2 x cp2: reducing the local losses over DP+CP gives the global mean; DP-only does not."""
     g = grid(cp=2, dp=2)
-    per_dp = [_rl_sequences(200 + d, 3) for d in range(2)]
+    per_dp = [rl_sequences(200 + d, 3) for d in range(2)]
     scales, _, _ = sequence_scales([s for x in per_dp for s in x], Normalization.TOKEN_MEAN)
     d, r = g.coords["dp"], g.coords["cp"]
     mb = packed_tokens(pack(per_dp[d], [0, 1, 2], pad_multiple=4, scales=scales[3 * d : 3 * d + 3]))
@@ -272,7 +269,7 @@ def aggregate_case() -> dict[str, float]:
     """dp2 x cp2: ``aggregate_loss`` of each rank's micro-batch loss shares (DP rank 1 with an
     extra dummy micro-batch) is the global loss on every rank; summing over DP alone is not."""
     g = grid(cp=2, dp=2)
-    per_dp = [_rl_sequences(200 + d, 3) for d in range(2)]
+    per_dp = [rl_sequences(200 + d, 3) for d in range(2)]
     scales, _, _ = sequence_scales([s for x in per_dp for s in x], Normalization.TOKEN_MEAN)
     d, r = g.coords["dp"], g.coords["cp"]
     shares: list[Tensor] = []
@@ -329,60 +326,6 @@ def zero_valid_shard_case() -> dict[str, Any]:
     }
 
 
-# -- stats ------------------------------------------------------------------------------------
-
-
-def stats_case() -> dict[str, float]:
-    """Counts, loss, vocab min/max and log-ppl of one batch split over the CP group."""
-    c = dist.get_world_size()
-    g = grid(cp=c)
-    seqs = _rl_sequences(300, 5)
-    mb = packed_tokens(pack(seqs, list(range(5)), pad_multiple=8))  # 8: valid for c in 1, 2, 4
-    gen = torch.Generator().manual_seed(11)
-    logits = torch.randn(mb.num_tokens, V, generator=gen, dtype=torch.float64)
-    shard = split_for_cp(mb.per_token, mb.cu_seqlens, cp_size=c, cp_rank=g.coords["cp"])
-    t = shard.per_token
-    x = logits[shard.positions]
-    nll = -torch.log_softmax(x, -1).gather(-1, t["labels"][:, None])[:, 0]
-    seq_lens = torch.tensor([len(s) for s in seqs])
-    cu = mb.cu_seqlens.long()
-    real = (shard.positions - cu[t["seq_id"]]) < seq_lens[t["seq_id"]]
-    valid = t["loss_mask"] > 0
-    tracker = StatsTracker()
-    tracker.denominator(n_tokens=real, n_valid_tokens=valid, prompt_tokens=real & ~valid)
-    tracker.stat(
-        denominator="n_valid_tokens",
-        loss=nll,
-        vocab_min=x.min(-1).values,
-        vocab_max=x.max(-1).values,
-    )
-    tracker.stat(denominator="n_valid_tokens", reduction=Reduction.MIN, vocab_min=x.min(-1).values)
-    tracker.stat(denominator="n_valid_tokens", reduction=Reduction.MAX, vocab_max=x.max(-1).values)
-    log_ppl, has = sequence_log_ppl(
-        nll, t["loss_mask"], t["seq_id"], len(seqs), cp_group=g.groups["cp"]
-    )
-    for i in range(len(seqs)):
-        if has[i]:
-            tracker.scalar(f"log_ppl_seq{i}", float(log_ppl[i]), Reduction.MAX)
-    return tracker.export(group=g.groups["cp"])
-
-
-def ppl_uneven_case() -> float:
-    """docs/algorithms.md §1.7's example: NLLs 0.9 on rank 0 and 0.3, 0.3 on rank 1 -> ppl e^0.5."""
-    g = grid(cp=2)
-    r = g.coords["cp"]
-    nll = (
-        torch.tensor([0.9, 0.0], dtype=torch.float64)
-        if r == 0
-        else torch.tensor([0.3, 0.3], dtype=torch.float64)
-    )
-    mask = torch.tensor([1.0, 0.0]) if r == 0 else torch.tensor([1.0, 1.0])
-    log_ppl, _ = sequence_log_ppl(
-        nll, mask, torch.zeros(2, dtype=torch.long), 1, cp_group=g.groups["cp"]
-    )
-    return float(torch.exp(log_ppl[0]))
-
-
 def reassemble_grad_case() -> dict[str, Any]:
     """Variant B: gather per-token values over CP; the gradient lands on the right shard."""
     g = grid(cp=2)
@@ -413,176 +356,3 @@ def reassemble_grad_case() -> dict[str, Any]:
         "weighted_ok": bool(torch.allclose(uniform, weights[shard_pos])),
         "uniform_ok": bool(torch.equal(local.grad, torch.ones_like(local))),
     }
-
-
-# -- dummy micro-batches -------------------------------------------------------------------
-
-
-def _tiny_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(V, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, V))
-
-
-def dp_sync_dummy_case() -> bool:
-    """Rank 0: 2 real micro-batches; rank 1: 1 real + 1 dummy. Summed grads == real data only."""
-    g = grid(dp=2)
-    gen = torch.Generator().manual_seed(5)
-    batches = [torch.randint(0, V, (9,), generator=gen) for _ in range(3)]  # mb0, mb1 | mb2
-    n_total = sum(b.numel() - 1 for b in batches)
-
-    def mb_loss(model: nn.Module, toks: Tensor) -> Tensor:
-        out = model(toks[:-1])
-        return F.cross_entropy(out, toks[1:], reduction="sum") / n_total
-
-    model = _tiny_model()
-    mine = batches[:2] if g.coords["dp"] == 0 else batches[2:]
-    for toks in mine:
-        mb_loss(model, toks).backward()
-    if g.coords["dp"] == 1:  # the dummy: same number of forward/backward passes
-        connected_zero(model(torch.zeros(4, dtype=torch.long))).backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad, group=g.groups["dp"])
-    ref = _tiny_model()
-    for toks in batches:
-        mb_loss(ref, toks).backward()
-    return all(
-        torch.allclose(p.grad, q.grad, atol=1e-7)
-        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
-    )
-
-
-def grouped_ddp_case() -> bool:
-    """Rank 0 routes no token to any expert, rank 1 does: the per-parameter all-reduce completes
-    and equals rank 1's gradients."""
-    g = grid(dp=2)
-    torch.manual_seed(0)
-    layer = GroupedLinear(4, 6, 5, bias=True)
-    m = [0, 0, 0, 0] if g.coords["dp"] == 0 else [2, 0, 3, 1]
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(sum(m), 6, generator=gen)
-    layer(x, m).pow(2).sum().backward()
-    mine = [p.grad.clone() for p in layer.parameters()]
-    for p in layer.parameters():
-        dist.all_reduce(p.grad, group=g.groups["dp"])
-    theirs = [torch.empty_like(t) for t in mine]
-    for t, buf in zip(mine, theirs, strict=True):
-        gathered = [torch.empty_like(t) for _ in range(2)]
-        dist.all_gather(gathered, t, group=g.groups["dp"])
-        buf.copy_(gathered[1])
-    return all(torch.equal(p.grad, t) for p, t in zip(layer.parameters(), theirs, strict=True))
-
-
-# -- PP metadata broadcast -----------------------------------------------------------------
-
-
-def _stage_batch(n_seqs: int, seq_length: int, loss_inputs: tuple[str, ...]):
-    from trainctl.workers.ops.pp_broadcast import StageBatch
-
-    lengths = [seq_length // n_seqs] * (n_seqs - 1)
-    lengths.append(seq_length - sum(lengths))
-    cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
-    gen = torch.Generator().manual_seed(n_seqs)
-    shape = (1, seq_length)
-    return StageBatch(
-        tokens=torch.randint(0, V, shape, generator=gen),
-        position_ids=torch.arange(seq_length)[None],
-        labels=torch.randint(0, V, shape, generator=gen),
-        loss_mask=torch.ones(shape),
-        loss_inputs={k: torch.randn(shape, generator=gen) for k in loss_inputs},
-        cu_seqlens=cu,
-        max_seqlen=torch.tensor([max(lengths)], dtype=torch.int32),
-    )
-
-
-def pp_broadcast_case(
-    tp: int, pp: int, seq_counts: list[int], with_cu: bool = True, collated: bool = False
-) -> list[dict[str, Any]]:
-    """Every TP rank of every stage gets what its stage needs; returns what each call sent.
-
-    ``collated``: the sender's ``cu_seqlens`` is ``[1, n]``, as megatron collates it."""
-    from trainctl.workers.ops import pp_broadcast as ppb
-
-    g = grid(tp=tp, pp=pp)
-    role = ppb.StageRole.of(g.coords["pp"], pp)
-    src = g.src_of("tp")
-    sender = dist.get_rank() == src
-    inputs = ("loss_scale", "advantages")
-    cfg = ppb.BroadcastConfig(seq_length=24, loss_inputs=inputs)
-    calls: list[tuple[tuple[int, ...], str]] = []
-    real = dist.broadcast
-
-    def recording(t: Tensor, *a: Any, **k: Any) -> Any:
-        calls.append((tuple(t.shape), str(t.dtype)))
-        return real(t, *a, **k)
-
-    out = []
-    ppb.dist.broadcast = recording  # type: ignore[assignment]
-    try:
-        for n in seq_counts:
-            full = _stage_batch(n, 24, inputs)
-            if not with_cu:
-                full = ppb.replace(full, cu_seqlens=None)
-            elif collated:
-                full = ppb.replace(full, cu_seqlens=full.cu_seqlens[None])
-            got = ppb.broadcast_stage_batch(
-                full if sender else None, role=role, cfg=cfg, tp_group=g.groups["tp"], src=src
-            )
-            res: dict[str, Any] = {"role": role.value}
-            if with_cu:
-                assert got.cu_seqlens is not None and got.cu_seqlens.dtype == torch.int32
-                assert torch.equal(got.cu_seqlens.reshape(-1), full.cu_seqlens.reshape(-1))
-                assert got.max_seqlen is not None and got.max_seqlen.dtype == torch.int32
-                assert torch.equal(got.max_seqlen, full.max_seqlen)
-            else:
-                assert got.cu_seqlens is None
-            first = role in (ppb.StageRole.ONLY, ppb.StageRole.FIRST)
-            last = role in (ppb.StageRole.ONLY, ppb.StageRole.LAST)
-            assert (got.tokens is not None) == first and (got.labels is not None) == last
-            if first:
-                assert torch.equal(got.tokens, full.tokens)
-            if last:
-                assert torch.equal(got.labels, full.labels)
-                assert set(got.loss_inputs) == set(inputs)
-                assert torch.equal(
-                    got.loss_inputs["advantages"], full.loss_inputs["advantages"].double()
-                )
-            res["cu"] = None if got.cu_seqlens is None else got.cu_seqlens.tolist()
-            res["cu_shape"] = None if got.cu_seqlens is None else tuple(got.cu_seqlens.shape)
-            out.append(res)
-    finally:
-        ppb.dist.broadcast = real  # type: ignore[assignment]
-    # The sender's and the receivers' call sequences are identical, shapes and dtypes.
-    seqs: list[Any] = [None] * tp
-    dist.all_gather_object(seqs, calls, group=g.groups["tp"])
-    assert all(s == seqs[0] for s in seqs), seqs
-    return out
-
-
-def pp_broadcast_refused_case() -> str:
-    """A sender with several packed rows (``[2, n]`` cu_seqlens) is refused on every TP rank."""
-    from trainctl.workers.ops import pp_broadcast as ppb
-
-    g = grid(tp=2)
-    src = g.src_of("tp")
-    full = _stage_batch(3, 24, ())
-    assert full.cu_seqlens is not None
-    full = ppb.replace(full, cu_seqlens=full.cu_seqlens.repeat(2, 1))
-    cfg = ppb.BroadcastConfig(seq_length=24)
-    try:
-        ppb.broadcast_stage_batch(
-            full if dist.get_rank() == src else None,
-            role=ppb.StageRole.ONLY,
-            cfg=cfg,
-            tp_group=g.groups["tp"],
-            src=src,
-        )
-    except ValueError as e:
-        return str(e)
-    return "accepted"
-
-
-def scalar_mean_case() -> float:
-    """One scalar record per rank, 1.0 and 3.0, exported as a mean over the group: 2.0."""
-    tracker = StatsTracker()
-    tracker.scalar("x", 1.0 + 2.0 * dist.get_rank(), Reduction.MEAN)
-    return tracker.export(group=dist.group.WORLD)["x:mean"]

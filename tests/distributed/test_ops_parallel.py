@@ -14,19 +14,15 @@ import pytest
 from ops_cases import (
     aggregate_case,
     cp_loss_case,
-    dp_sync_dummy_case,
     eval_reduce_case,
-    grouped_ddp_case,
     logprob_tp_case,
-    pp_broadcast_case,
-    pp_broadcast_refused_case,
-    ppl_uneven_case,
     reassemble_grad_case,
-    scalar_mean_case,
-    stats_case,
     zero_valid_shard_case,
 )
+from pp_cases import pp_broadcast_case, pp_broadcast_refused_case
 from rankpool import RankPool
+from stats_cases import ppl_uneven_case, scalar_mean_case, stats_case
+from sync_cases import dp_sync_dummy_case, grouped_ddp_case
 
 Pools = Callable[[int], RankPool]
 
