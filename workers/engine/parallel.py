@@ -24,7 +24,6 @@ class ParallelDims:
     coords: RankCoords
     tp_group: ProcessGroup
     cp_group: ProcessGroup
-    pp_group: ProcessGroup
     dp_cp_group: ProcessGroup
     """Data x context parallel: the group over which gradients and loss shares are summed."""
     mp_group: ProcessGroup
@@ -69,7 +68,6 @@ class ParallelDims:
             ),
             tp_group=mpu.get_tensor_model_parallel_group(),
             cp_group=mpu.get_context_parallel_group(),
-            pp_group=mpu.get_pipeline_model_parallel_group(),
             dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True),
             mp_group=mpu.get_model_parallel_group(),
             ep_group=mpu.get_expert_model_parallel_group(),
