@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -54,15 +55,26 @@ def to_host(batch: list[dict[str, Any]]) -> list[Any]:
     ]
 
 
-def _keep(eng: Any, shards: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Shards this rank contributes to the full tensors: dense ones from DP/CP replica 0,
-    experts from expert-data-parallel replica 0 (each EP rank owns different experts)."""
-    dense0 = eng.coords.dp == 0 and eng.coords.cp == 0
-    return {
-        k: v.numpy()
-        for k, v in shards.items()
-        if (eng.dims.expert_dp_rank == 0 if ".local_experts." in k else dense0)
-    }
+def _numpy(shards: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in shards.items()}
+
+
+def _count_expert_grads(eng: Any) -> tuple[dict[str, int], list[Any]]:
+    """Count, per local expert parameter, the full-shape gradients autograd delivers to it. An
+    expert that returned None instead leaves ``param.grad`` None when DDP's hook runs, which
+    megatron refuses (or hangs on) once gradient reduction overlaps the backward."""
+    fired: dict[str, int] = {}
+    handles = []
+    for c in eng.chunks:
+        for n, p in c.module.named_parameters():
+            if ".local_experts." in n:
+                fired[n] = 0
+
+                def hook(p: Any, n: str = n) -> None:
+                    fired[n] += p.grad is not None and p.grad.shape == p.shape
+
+                handles.append(p.register_post_accumulate_grad_hook(hook))
+    return fired, handles
 
 
 def force_routing(eng: Any, offsets: list[float]) -> None:
@@ -110,19 +122,31 @@ def step_and_collect(
         plan = plan_step(to_host(batch), eng.cfg, loss=spec)
         mbs = plan.microbatches[eng.coords.dp]
         ev = eng.eval_batch(mbs, spec)
+        fired, handles = _count_expert_grads(eng)
         r: dict[str, Any] = {
             "eval_loss": ev.loss,
             "eval_metrics": ev.metrics,
             "loss": eng.forward_backward(mbs, spec),
         }
-        grads = eng.canonical_shards(grads=True)
-        r["shard_grads"] = _keep(eng, grads)
-        r["expert_grads_none"] = [
+        for h in handles:
+            h.remove()
+        r["shard_grads"] = _numpy(eng.canonical_shards(grads=True, owned=True))
+        # Every local expert weight got a gradient in this backward, with the weight's shape.
+        r["expert_grads_missing"] = [
             n
             for c in eng.chunks
             for n, p in c.module.named_parameters()
-            if ".local_experts." in n and p.main_grad is None
+            if ".local_experts." in n
+            and (not fired[n] or p.main_grad is None or p.main_grad.shape != p.shape)
         ]
+        r["expert_modules"] = sorted(
+            {
+                type(m).__name__
+                for c in eng.chunks
+                for m in c.modules()
+                if hasattr(m, "local_experts")
+            }
+        )
         r["local_expert_grad_norm"] = float(
             sum(
                 float(p.main_grad.double().pow(2).sum())
@@ -136,7 +160,7 @@ def step_and_collect(
             eng.zero_grad()
         else:
             r["grad_norm"] = eng.optimizer_step()
-            out["shard_params"] = _keep(eng, eng.canonical_shards())
+            out["shard_params"] = _numpy(eng.canonical_shards(owned=True))
             out["dummies"] = plan.num_dummies
             out["real_microbatches"] = sum(not mb.is_dummy for mb in mbs)
         out["per_loss"][kind] = r
@@ -196,4 +220,47 @@ def profile_step(
         "coords": [eng.coords.pp, eng.coords.dp, eng.coords.cp, eng.coords.tp],
         "num_allocs": len(allocs),
         "max_alloc": max(allocs, default=0),
+    }
+
+
+def tied_embedding_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """One train step of a tied-embedding model; then its checkpoint, saved and loaded over a
+    corrupted last-stage copy. Returns this rank's tied tensor after the step and after the
+    load, the embedding-like names its checkpoint holds, and its parameter count."""
+    from trainctl.api.models import LossConfig
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine import weights
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.shard import EngineShard
+
+    eng = EngineShard(EngineConfig.from_dict(cfg))
+    plan = plan_step(to_host(batch), eng.cfg, loss=LossConfig())
+    eng.train_batch(plan.microbatches[eng.coords.dp], LossConfig())
+
+    def tied() -> list[Any]:
+        return [
+            p
+            for c in eng.chunks
+            for n, p in c.module.named_parameters()
+            if n in (weights.EMBEDDING, "output_layer.weight")
+        ]
+
+    after_step = [p.detach().clone().numpy() for p in tied()]
+    state = copy.deepcopy(eng.checkpoint_state())  # as written to disk: no shared storage
+    with_names = [
+        k
+        for sd in state["chunks"]
+        for k in sd
+        if k.endswith(("embeddings.weight", "output_layer.weight"))
+    ]
+    for p in tied():
+        p.data.add_(1.0)  # the load must restore it, the copy from the first stage
+    eng.load_checkpoint_state(state)
+    return {
+        "pp": eng.coords.pp,
+        "after_step": after_step,
+        "after_load": [p.detach().clone().numpy() for p in tied()],
+        "checkpoint_names": with_names,
+        "num_parameters": eng.num_parameters(),
+        "grad_norm_names": [n for n, _ in eng._parameters()],
     }

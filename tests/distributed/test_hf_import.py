@@ -1,6 +1,7 @@
 """Checkpoints written by transformers (tiny, random) load as the starting model: the engine's
 log-probs equal transformers' own, so names, the fused QKV and gate/up layouts, RoPE (and its
-Llama 3 scaling), q/k/v biases, q/k norms and the norm epsilon all map correctly. The exporter
+Llama 3 scaling), q/k/v biases, q/k norms, wider heads, tied embeddings, the router and the
+experts (and its top-k normalisation) and the norm epsilon all map correctly. The exporter
 writes back the family's own names and the same values, bit for bit."""
 
 from __future__ import annotations
@@ -13,69 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from hf_cases import logprobs_from_hf
+from hf_models import FAMILIES, TIED, tiny_model
 from rankpool import RankPool
 
-
-def test_llama_checkpoint_imports_exactly(pools: Callable[[int], RankPool], tmp_path: Path) -> None:
-    model = _tiny("llama", tmp_path)
-    rng = np.random.default_rng(0)
-    batch = [rng.integers(0, 256, n).tolist() for n in (17, 5, 40)]
-    results = pools(2).run(logprobs_from_hf, str(tmp_path), {"tp": 2}, batch)
-    got, model_cfg = results[0]
-    assert model_cfg["norm_eps"] == 1e-6 and model_cfg["rotary_base"] == 50000
-    with torch.no_grad():
-        for i, tokens in enumerate(batch):
-            ids = torch.tensor([tokens])
-            logits = model(ids).logits[0, :-1].double()
-            ref = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].numpy()
-            assert got[i][0] == 0.0
-            np.testing.assert_allclose(got[i][1:], ref, rtol=1e-4, atol=1e-4)
-
-
-_SHAPE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-FAMILIES: dict[str, Callable[[], Any]] = {
-    "llama": lambda: transformers.LlamaConfig(**_SHAPE, rope_theta=50000.0),
-    # Llama 3.1-style RoPE scaling with values other than megatron's hard-coded 1 / 4 / 8192,
-    # and an original context short enough that every branch of the formula is used.
-    "llama3": lambda: transformers.LlamaConfig(
-        **_SHAPE,
-        rope_parameters={
-            "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
-            "low_freq_factor": 2.0, "high_freq_factor": 8.0,
-            "original_max_position_embeddings": 64,
-        },
-    ),
-    "qwen2": lambda: transformers.Qwen2Config(**_SHAPE, rope_theta=20000.0),
-    "qwen3": lambda: transformers.Qwen3Config(**_SHAPE, head_dim=16, rope_theta=30000.0),
-}  # fmt: skip
-
-
-def _tiny(family: str, directory: Path) -> Any:
-    """A tiny random model of ``family`` saved by transformers, with non-trivial norms and
-    biases, so that a wrong epsilon, norm or bias mapping shows."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.uniform_(-0.5, 0.5)
-    model.save_pretrained(directory, safe_serialization=True)
-    return model
+LAYOUTS = [{}, {"tp": 2}, {"pp": 2}]
+MOE_LAYOUTS = [{}, {"pp": 2}, {"dp": 2, "ep": 2}]  # MoE runs at tp = 1
 
 
 def _reference(model: Any, batch: list[list[int]]) -> list[np.ndarray]:
@@ -92,14 +37,18 @@ def _reference(model: Any, batch: list[list[int]]) -> list[np.ndarray]:
 def test_families_import_equal_to_transformers(
     pools: Callable[[int], RankPool], tmp_path: Path, family: str
 ) -> None:
-    model = _tiny(family, tmp_path)
+    model = tiny_model(family, tmp_path)
     rng = np.random.default_rng(1)
     batch = [rng.integers(0, 256, n).tolist() for n in (17, 5, 40, 96)]
     want = _reference(model, batch)
-    for world, layout in ((1, {}), (2, {"tp": 2}), (2, {"pp": 2})):
+    for layout in MOE_LAYOUTS if family == "qwen3_moe" else LAYOUTS:
+        world = int(np.prod([layout.get(axis, 1) for axis in ("dp", "cp", "tp", "pp")]))
         results = pools(world).run(logprobs_from_hf, str(tmp_path), layout, batch)
-        got, model_cfg = next(r for r in results if r[0])  # the rank that reports them
+        got = {i: lp for r in results for i, lp in r[0].items()}  # from the ranks reporting
+        model_cfg = results[0][1]
         assert model_cfg["family"] == ("llama" if family == "llama3" else family)
+        assert model_cfg["tie_embeddings"] == (family in TIED)
+        assert sorted(got) == list(range(len(batch)))
         for i in range(len(batch)):
             assert got[i][0] == 0.0
             np.testing.assert_allclose(
@@ -114,7 +63,7 @@ def test_export_writes_the_family_back_bit_for_bit(tmp_path: Path, family: str) 
     from trainctl.workers.engine import hf
     from trainctl.workers.engine.config import ModelConfig
 
-    _tiny(family, tmp_path / "in")
+    tiny_model(family, tmp_path / "in")
     m = hf.model_config_from_hf(hf.read_config(tmp_path / "in"), ModelConfig())
     m.validate()
     source = load_file(str(tmp_path / "in" / "model.safetensors"))
@@ -132,14 +81,20 @@ def test_unsupported_options_are_refused_by_name() -> None:
     from trainctl.workers.engine.config import ConfigError, ModelConfig
 
     base = hf.hf_config(ModelConfig())
+    moe = hf.hf_config(ModelConfig(family="qwen3_moe", num_experts=4))
     cases = {
         "model_type 'gemma2' is not supported": {"model_type": "gemma2"},
         "mlp_bias": {"mlp_bias": True},
         "hidden_act 'gelu'": {"hidden_act": "gelu"},
         "rope_scaling of type 'yarn'": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-        "num_experts": {"model_type": "qwen2", "num_experts": 8},
-        "attention_bias": {"attention_bias": True},
-    }
+        "num_experts 8 (mixture of experts: qwen3_moe only)": {
+            "model_type": "qwen2", "num_experts": 8,
+        },
+        "attention_bias True": {"attention_bias": True},
+        "use_sliding_window": {"model_type": "qwen2", "use_sliding_window": True},
+        "mlp_only_layers": {**moe, "mlp_only_layers": [1]},
+        "shared_expert_intermediate_size": {**moe, "shared_expert_intermediate_size": 64},
+    }  # fmt: skip
     for words, change in cases.items():
         with pytest.raises(ConfigError, match=re.escape(words)):
             hf.model_config_from_hf({**base, **change}, ModelConfig())

@@ -20,11 +20,20 @@ from trainctl.workers.engine.config import ConfigError, EngineConfig, ModelConfi
         (ParallelLayout(vp=2), ModelConfig(num_layers=4), "needs layout.pp > 1"),
         (ParallelLayout(dp=2, ep=4), ModelConfig(), "must divide dp * cp"),
         (ParallelLayout(), ModelConfig(hidden_size=130), "hidden_size (130) must be divisible"),
+        (ParallelLayout(), ModelConfig(family="gemma"), "model.family must be one of"),
+        (ParallelLayout(), ModelConfig(family="qwen3_moe"), "'qwen3_moe' needs model.num_experts"),
+        (ParallelLayout(), ModelConfig(head_dim=-1), "model.head_dim must be >= 0"),
     ],
 )
 def test_impossible_layouts(layout: ParallelLayout, model: ModelConfig, words: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(words)):
         EngineConfig(layout=layout, model=model).validate()
+
+
+def test_own_head_size_lifts_the_divisibility_rule() -> None:
+    m = ModelConfig(hidden_size=130, head_dim=48)
+    EngineConfig(model=m).validate()
+    assert m.kv_channels == 48 and ModelConfig().kv_channels == 128 // 4
 
 
 def test_budget_must_fit_longest_sequence() -> None:
@@ -46,3 +55,11 @@ def test_sdk_imports_without_server_stack() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_only_models_with_a_hugging_face_form_export() -> None:
+    from trainctl.workers.engine.families import export_problem
+
+    assert export_problem("llama", 0) is None and export_problem("qwen3_moe", 8) is None
+    problem = export_problem("llama", 4)
+    assert problem is not None and "mixture-of-experts model of family 'llama'" in problem

@@ -54,6 +54,7 @@ from trainctl.workers.control.rank_group import GroupLostError, RankGroup
 from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.control.telemetry import ControllerMetrics
 from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.families import export_problem
 
 log = logging.getLogger(__name__)
 
@@ -301,8 +302,10 @@ class Controller(OperationHost):
         return info
 
     def _export(self, req: ExportRequest) -> Runner:
-        if self.cfg.model.num_experts:
-            raise InvalidRequestError("MoE models cannot be exported as Llama checkpoints")
+        m = self.cfg.model
+        problem = export_problem(m.family, m.num_experts)
+        if problem:
+            raise InvalidRequestError(f"export: {problem}")
         return lambda h: self._write_export(req, h)
 
     async def _write_export(self, req: ExportRequest, h: Handle) -> ExportResult:
@@ -310,7 +313,7 @@ class Controller(OperationHost):
         target = self.export_root / name
         tmp = self.export_root / f".partial-{name}-{os.getpid()}"
         h.set_phase("gathering weights")
-        parts = [r.canonical_shards.remote() for r in self.group.replica0(self.group.ranks)]
+        parts = [r.canonical_shards.remote() for r in self.group.ranks]
         h.set_phase("writing safetensors")
         files = await self.group.ranks[0].write_hf.remote(str(tmp), parts)
         if target.exists():

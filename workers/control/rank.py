@@ -184,11 +184,13 @@ class RankWorker:
         return int(self.engine.step)
 
     def canonical_shards(self) -> dict[str, Any]:
-        """This rank's parameters by canonical name, with its TP coordinate (for export)."""
-        return {"tp": self.engine.coords.tp, "shards": self.engine.canonical_shards()}
+        """The parameters this rank adds to one full copy of the model, by canonical name, with
+        its TP coordinate (for export)."""
+        return {"tp": self.engine.coords.tp, "shards": self.engine.canonical_shards(owned=True)}
 
     def write_hf(self, directory: str, parts: list[Any]) -> list[dict[str, Any]]:
-        """On one rank: merge every rank's ``canonical_shards`` and write a Llama checkpoint."""
+        """On one rank: merge every rank's ``canonical_shards`` and write a Hugging Face
+        checkpoint of the model's family."""
         import ray
 
         from trainctl.workers.engine import hf, weights

@@ -9,13 +9,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from trainctl.workers.engine.families import FAMILIES
+
 
 class ConfigError(ValueError):
     """An impossible configuration; the message says what to change."""
-
-
-MODEL_FAMILIES = ("llama", "qwen2", "qwen3")
-"""Hugging Face families the engine imports and exports (``workers/engine/hf.py``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -48,13 +46,19 @@ class ModelConfig:
     """Experts each token is routed to (MoE only)."""
     moe_ffn_hidden_size: int = 256
     """Inner width of each expert (MoE only)."""
+    moe_norm_topk: bool = True
+    """Renormalise each token's top-k router probabilities to sum to 1 (Hugging Face
+    ``norm_topk_prob``); False keeps the softmax over all experts (MoE only)."""
     family: str = "llama"
-    """The Hugging Face family the model imports from and exports to (``workers/engine/hf.py``):
-    ``llama``, ``qwen2`` or ``qwen3``."""
-    qkv_bias: bool = False
-    """Biases on the query, key and value projections (Qwen2)."""
-    qk_norm: bool = False
-    """RMSNorm over each head of the queries and keys, before RoPE (Qwen3)."""
+    """The Hugging Face family (``workers/engine/families.py``): ``llama``, ``qwen2``,
+    ``qwen3`` or ``qwen3_moe``. It decides the attention options (``qkv_bias``, ``qk_norm``)
+    and the format of imports and exports."""
+    head_dim: int = 0
+    """Channels per attention head; 0 = hidden_size / num_attention_heads (Qwen3 sets its
+    own)."""
+    tie_embeddings: bool = False
+    """The output layer is the input embedding (one matrix, Hugging Face
+    ``tie_word_embeddings``)."""
     rope_scaling_factor: float = 0.0
     """Llama 3 RoPE scaling (``rope_type: llama3``): the factor; 0 = no scaling."""
     rope_low_freq_factor: float = 1.0
@@ -64,7 +68,28 @@ class ModelConfig:
     rope_original_max_position: int = 8192
     """Llama 3 RoPE scaling: the context length the model was pre-trained with."""
 
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on the query, key and value projections (Qwen2)."""
+        return FAMILIES[self.family].qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """RMSNorm over each head of the queries and keys, before RoPE (Qwen3)."""
+        return FAMILIES[self.family].qk_norm
+
+    @property
+    def kv_channels(self) -> int:
+        """Channels per attention head."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
     def validate(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model.family must be one of {list(FAMILIES)}, got {self.family!r}")
+        if FAMILIES[self.family].moe and not self.num_experts:
+            raise ConfigError(f"model.family {self.family!r} needs model.num_experts > 0")
+        if self.head_dim < 0:
+            raise ConfigError(f"model.head_dim must be >= 0, got {self.head_dim}")
         for name in (
             "num_layers",
             "hidden_size",
@@ -76,10 +101,10 @@ class ModelConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if not self.head_dim and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by "
-                f"model.num_attention_heads ({self.num_attention_heads})"
+                f"model.num_attention_heads ({self.num_attention_heads}), or set model.head_dim"
             )
         if self.num_experts and not 1 <= self.moe_topk <= self.num_experts:
             raise ConfigError(
@@ -91,8 +116,6 @@ class ModelConfig:
                 f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"model.num_query_groups ({self.num_query_groups})"
             )
-        if self.family not in MODEL_FAMILIES:
-            raise ConfigError(f"model.family must be one of {MODEL_FAMILIES}, got {self.family!r}")
         low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
         if self.rope_scaling_factor and not (self.rope_scaling_factor > 0 and high > low > 0):
             raise ConfigError(
@@ -199,8 +222,8 @@ class EngineConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto picks NCCL when CUDA is present, else gloo."""
     init_hf: str = ""
-    """Start from this Hugging Face Llama-style checkpoint directory instead of the seeded
-    initialisation (``model`` must match its config.json: ``workers/engine/hf.py``)."""
+    """Start from this Hugging Face checkpoint directory instead of the seeded initialisation
+    (``model`` must match its config.json: ``workers/engine/hf.py``)."""
 
     def validate(self) -> EngineConfig:
         self.model.validate()

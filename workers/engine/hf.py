@@ -1,27 +1,22 @@
 """Hugging Face checkpoints: import as a start, export for inference engines, per family.
 
-Each family we serve is one table (``FAMILIES``): its ``model_type`` and architecture, which
-options its ``config.json`` turns on, and the names of the tensors that map one to one onto our
-canonical parameters (``workers/engine/weights.py``). Adding a family with the same building
-blocks is a new table, not new code. Every family shares the two fused megatron tensors:
-
-    linear_qkv   rows grouped by key/value head g: [q heads of g; k_g; v_g]  <->  q/k/v_proj
-                 (weights and, with biases, the biases alike)
-    linear_fc1   [gate; up]                                                  <->  gate/up_proj
+The families and their tensor tables are data (``workers/engine/families.py``); this module
+reads them both ways: ``config.json`` <-> ``ModelConfig``, and the family's tensors <-> our
+canonical full tensors (``workers/engine/weights.py``).
 
 Supported: ``llama`` (Llama 2/3, Mistral-style; RoPE scaling of type ``llama3`` with the
-checkpoint's own factors), ``qwen2`` (q/k/v biases) and ``qwen3`` (q/k RMSNorm). Anything else a
-``config.json`` asks for (another family, MoE, another activation, other biases or RoPE
-scaling) is refused with a message naming the field. Tied input/output embeddings load untied:
-the output layer starts as a copy of the embedding and trains on its own.
+checkpoint's own factors), ``qwen2`` (q/k/v biases), ``qwen3`` (q/k RMSNorm, its own head
+size) and ``qwen3_moe`` (router and experts on every layer); tied input/output embeddings in
+any of them. Anything else a ``config.json`` asks for (another family, another activation,
+other biases, sliding-window attention, other RoPE scaling, shared or partial experts) is
+refused with a message naming the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,71 +24,32 @@ import torch
 from torch import Tensor
 
 from trainctl.workers.engine.config import ConfigError, EngineConfig, ModelConfig
+from trainctl.workers.engine.families import (
+    FAMILIES,
+    OUTPUT,
+    TOP,
+    Family,
+    Fuse,
+    export_problem,
+    find_family,
+)
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    """Our ``ModelConfig.family``."""
-    model_types: tuple[str, ...]
-    """``config.json`` ``model_type`` values read as this family (the first one is written)."""
-    architecture: str
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    rope_scaling: bool = False
-    """Accepts RoPE scaling of type ``llama3``."""
-    per_layer: dict[str, str] = field(default_factory=dict)
-    """Our per-layer tensor name -> the family's, for tensors that map one to one."""
-
-
-_LLAMA_LAYER = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
-_QK_NORM_LAYER = {
-    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-}
-FAMILIES: dict[str, Family] = {
-    f.name: f
-    for f in (
-        Family(
-            "llama", ("llama", "mistral"), "LlamaForCausalLM", rope_scaling=True,
-            per_layer=_LLAMA_LAYER,
-        ),
-        Family("qwen2", ("qwen2",), "Qwen2ForCausalLM", qkv_bias=True, per_layer=_LLAMA_LAYER),
-        Family(
-            "qwen3", ("qwen3",), "Qwen3ForCausalLM", qk_norm=True,
-            per_layer=_LLAMA_LAYER | _QK_NORM_LAYER,
-        ),
-    )
-}  # fmt: skip
-_TOP = {
-    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-    "decoder.final_layernorm.weight": "model.norm.weight",
-    "output_layer.weight": "lm_head.weight",
-}
+_IGNORED = ("rotary_emb.inv_freq",)
+"""Buffers some older checkpoints carry; recomputed, never loaded."""
 
 
 def family_of(cfg: dict[str, Any]) -> Family:
     kind = cfg.get("model_type", "?")
-    for f in FAMILIES.values():
-        if kind in f.model_types:
-            return f
-    known = sorted(t for f in FAMILIES.values() for t in f.model_types)
-    raise ConfigError(f"{CONFIG}: model_type {kind!r} is not supported (one of {known})")
+    fam = find_family(kind)
+    if fam is None:
+        known = sorted(t for f in FAMILIES.values() for t in f.model_types)
+        raise ConfigError(f"{CONFIG}: model_type {kind!r} is not supported (one of {known})")
+    return fam
 
 
 def hf_config(m: ModelConfig) -> dict[str, Any]:
     """``config.json`` of the family's ``*ForCausalLM`` equal to ``m``."""
-    if m.num_experts:
-        raise ConfigError("MoE models cannot be exported yet")
     fam = FAMILIES[m.family]
     rope: dict[str, Any] = {"rope_theta": float(m.rotary_base), "rope_type": "default"}
     if m.rope_scaling_factor:
@@ -104,7 +60,7 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
             "high_freq_factor": m.rope_high_freq_factor,
             "original_max_position_embeddings": m.rope_original_max_position,
         }
-    return {
+    out = {
         "architectures": [fam.architecture],
         "model_type": fam.model_types[0],
         "hidden_size": m.hidden_size,
@@ -112,7 +68,7 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.num_query_groups,
-        "head_dim": m.hidden_size // m.num_attention_heads,
+        "head_dim": m.kv_channels,
         "vocab_size": m.vocab_size,
         "max_position_embeddings": m.max_seq_len,
         "rms_norm_eps": m.norm_eps,
@@ -121,10 +77,21 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
         "hidden_act": "silu",
         "attention_bias": m.qkv_bias,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "tie_word_embeddings": m.tie_embeddings,
         "torch_dtype": "float32",
         "dtype": "float32",
     }
+    if fam.moe:
+        out |= {
+            "num_experts": m.num_experts,
+            "num_experts_per_tok": m.moe_topk,
+            "moe_intermediate_size": m.moe_ffn_hidden_size,
+            "norm_topk_prob": m.moe_norm_topk,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+    return out
 
 
 def _rope_scaling(cfg: dict[str, Any], fam: Family, problems: list[str]) -> dict[str, Any]:
@@ -148,6 +115,27 @@ def _rope_scaling(cfg: dict[str, Any], fam: Family, problems: list[str]) -> dict
     }
 
 
+def _experts(cfg: dict[str, Any], fam: Family, problems: list[str]) -> dict[str, Any]:
+    """The ModelConfig fields of the checkpoint's mixture of experts ({} for a dense model)."""
+    num = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not fam.moe:
+        if num:
+            problems.append(f"num_experts {num} (mixture of experts: qwen3_moe only)")
+        return {"num_experts": 0}
+    if num < 1:
+        problems.append("num_experts (a qwen3_moe model needs at least one expert)")
+    if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
+        problems.append("decoder_sparse_step / mlp_only_layers (experts on every layer only)")
+    if cfg.get("shared_expert_intermediate_size"):
+        problems.append("shared_expert_intermediate_size (shared experts)")
+    return {
+        "num_experts": num,
+        "moe_topk": int(cfg.get("num_experts_per_tok", 2)),
+        "moe_ffn_hidden_size": int(cfg["moe_intermediate_size"]),
+        "moe_norm_topk": bool(cfg.get("norm_topk_prob", False)),
+    }
+
+
 def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
     """The ``ModelConfig`` of a supported ``config.json``; anything unsupported fails with a
     message naming its field."""
@@ -155,20 +143,18 @@ def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
     problems = []
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {cfg['hidden_act']!r} (only silu/SwiGLU)")
-    qkv_bias = bool(cfg.get("attention_bias", fam.qkv_bias))
-    if qkv_bias and not fam.qkv_bias:
-        problems.append(f"attention_bias (q/k/v biases: qwen2 only, not {fam.name})")
+    if cfg.get("attention_bias", fam.qkv_bias) != fam.qkv_bias:
+        problems.append(f"attention_bias {cfg['attention_bias']} (family {fam.name} has "
+                        f"{'' if fam.qkv_bias else 'no '}q/k/v biases)")  # fmt: skip
     if cfg.get("mlp_bias"):
         problems.append("mlp_bias (MLP biases)")
-    for key in ("num_experts", "num_local_experts"):
-        if cfg.get(key):
-            problems.append(f"{key} (mixture-of-experts checkpoints are not supported yet)")
+    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+        problems.append("use_sliding_window (sliding-window attention)")
+    experts = _experts(cfg, fam, problems)
     scaling = _rope_scaling(cfg, fam, problems)
     theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     heads = int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    if head_dim * heads != cfg["hidden_size"]:
-        problems.append(f"head_dim {head_dim} x {heads} heads != hidden_size")
+    head_dim = int(cfg.get("head_dim") or 0)
     if problems:
         raise ConfigError(f"{CONFIG}: not supported: " + "; ".join(problems))
     return dataclasses.replace(
@@ -179,90 +165,97 @@ def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
         num_layers=int(cfg["num_hidden_layers"]),
         num_attention_heads=heads,
         num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=0 if head_dim * heads == int(cfg["hidden_size"]) else head_dim,
         vocab_size=int(cfg["vocab_size"]),
         max_seq_len=min(int(cfg.get("max_position_embeddings", base.max_seq_len)), 1 << 20),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rotary_base=int(float(theta)),
-        num_experts=0,
-        qkv_bias=qkv_bias,
-        qk_norm=fam.qk_norm,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **experts,
         **scaling,
     )
 
 
+def _rows(m: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], Fuse]]:
+    """Every canonical tensor of ``m``: its name, its family's names, and how they fuse."""
+    top = TOP if m.tie_embeddings else (*TOP, OUTPUT)
+    for row in top:
+        yield row.ours, row.theirs, row.fuse
+    for layer in range(m.num_layers):
+        ours, theirs = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+        for row in FAMILIES[m.family].layer:
+            for e in range(m.num_experts) if "{e}" in row.ours else (0,):
+                yield (
+                    ours + row.ours.format(e=e),
+                    tuple(theirs + t.format(e=e) for t in row.theirs),
+                    row.fuse,
+                )
+
+
+def _split(t: Tensor, fuse: Fuse, m: ModelConfig) -> tuple[Tensor, ...]:
+    """Our fused tensor -> the family's parts (inverse of ``_fuse``)."""
+    if fuse == "glu":
+        return tuple(t.chunk(2, dim=0))
+    if fuse == "qkv":
+        q_rows, d, groups = _qkv_split(m)
+        g = t.reshape(groups, q_rows + 2 * d, *t.shape[1:])
+        parts = (g[:, :q_rows], g[:, q_rows : q_rows + d], g[:, q_rows + d :])
+        return tuple(p.reshape(-1, *t.shape[1:]) for p in parts)
+    return (t,)
+
+
+def _fuse(parts: list[Tensor], fuse: Fuse, m: ModelConfig) -> Tensor:
+    if fuse == "glu":
+        return torch.cat(parts)
+    if fuse == "qkv":
+        _, _, groups = _qkv_split(m)
+        q, k, v = (p.reshape(groups, -1, *p.shape[1:]) for p in parts)
+        return torch.cat([q, k, v], 1).reshape(-1, *parts[0].shape[1:])
+    return parts[0]
+
+
 def _qkv_split(m: ModelConfig) -> tuple[int, int, int]:
-    d = m.hidden_size // m.num_attention_heads
+    d = m.kv_channels
     per_group = m.num_attention_heads // m.num_query_groups
     return per_group * d, d, m.num_query_groups
 
 
 def to_hf(canonical: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
     """Full canonical tensors -> the family's tensor names."""
-    per_layer = FAMILIES[m.family].per_layer
-    q_rows, d, groups = _qkv_split(m)
     out: dict[str, Tensor] = {}
-    for name, t in canonical.items():
-        if name in _TOP:
-            out[_TOP[name]] = t
-            continue
-        layer, rest = _layer(name)
-        prefix = f"model.layers.{layer}."
-        if rest in per_layer:
-            out[prefix + per_layer[rest]] = t
-        elif rest.startswith("self_attention.linear_qkv."):
-            kind = rest.rsplit(".", 1)[1]  # weight or bias
-            g = t.reshape(groups, q_rows + 2 * d, *t.shape[1:])
-            for proj, part in zip(
-                "qkv", (g[:, :q_rows], g[:, q_rows : q_rows + d], g[:, q_rows + d :]), strict=True
-            ):
-                out[prefix + f"self_attn.{proj}_proj.{kind}"] = part.reshape(-1, *t.shape[1:])
-        elif rest == "mlp.linear_fc1.weight":
-            gate, up = t.chunk(2, dim=0)
-            out[prefix + "mlp.gate_proj.weight"] = gate
-            out[prefix + "mlp.up_proj.weight"] = up
-        else:
-            raise ValueError(f"{name}: no {m.family} counterpart")
+    left = set(canonical)
+    for ours, theirs, fuse in _rows(m):
+        out |= dict(zip(theirs, _split(canonical[ours], fuse, m), strict=True))
+        left.discard(ours)
+    if left:
+        raise ValueError(f"no {m.family} counterpart for {sorted(left)}")
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def from_hf(hf: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
     """The family's tensor names -> full canonical tensors (inverse of ``to_hf``)."""
-    per_layer = FAMILIES[m.family].per_layer
-    q_rows, d, groups = _qkv_split(m)
-    out = {name: hf[key] for name, key in _TOP.items() if key in hf}
-    if "output_layer.weight" not in out:  # tied embeddings: the output starts as a copy
-        out["output_layer.weight"] = hf["model.embed_tokens.weight"].clone()
-    kinds = ("weight", "bias") if m.qkv_bias else ("weight",)
-    for layer in range(m.num_layers):
-        p, c = f"model.layers.{layer}.", f"decoder.layers.{layer}."
-        for ours, theirs in per_layer.items():
-            out[c + ours] = hf[p + theirs]
-        for kind in kinds:
-            q, k, v = (hf[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
-            rest = q.shape[1:]
-            fused = torch.cat(
-                [q.reshape(groups, q_rows, *rest), k.reshape(groups, d, *rest),
-                 v.reshape(groups, d, *rest)],
-                1,
-            )  # fmt: skip
-            out[c + f"self_attention.linear_qkv.{kind}"] = fused.reshape(-1, *rest)
-        out[c + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]
-        )
+    out: dict[str, Tensor] = {}
+    left = {k for k in hf if not k.endswith(_IGNORED)}
+    if m.tie_embeddings:
+        left -= set(OUTPUT.theirs)  # some tied checkpoints still carry the copy
+    for ours, theirs, fuse in _rows(m):
+        missing = [t for t in theirs if t not in hf]
+        if missing:
+            raise ConfigError(f"the checkpoint has no tensor {missing[0]!r} ({m.family} needs it)")
+        out[ours] = _fuse([hf[t] for t in theirs], fuse, m)
+        left -= set(theirs)
+    if left:
+        raise ConfigError(f"the checkpoint has tensors {m.family} does not use: {sorted(left)[:5]}")
     return out
-
-
-def _layer(name: str) -> tuple[int, str]:
-    m = _LAYER.match(name)
-    if m is None:
-        raise ValueError(f"{name}: not a per-layer parameter")
-    return int(m.group(1)), m.group(2)
 
 
 def save(directory: Path, canonical: dict[str, Tensor], m: ModelConfig) -> list[Path]:
     """Write ``config.json`` and ``model.safetensors`` into ``directory``."""
     from safetensors.torch import save_file
 
+    problem = export_problem(m.family, m.num_experts)
+    if problem:
+        raise ConfigError(problem)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG).write_text(json.dumps(hf_config(m), indent=2))
     save_file(to_hf(canonical, m), str(directory / WEIGHTS), metadata={"format": "pt"})

@@ -1,9 +1,10 @@
 """Build this rank's megatron-core GPT shard, its DDP wrapper and its optimizer.
 
 The model is megatron-core's ``GPTModel`` on the local (non-TransformerEngine) layer spec, with
-our packed-sequence core attention (``workers/engine/attention.py``) in place of the local one.
-Llama-style: RMSNorm, SwiGLU MLP, rotary positions (Llama 3 scaling optional), untied output
-layer; optionally q/k/v biases (Qwen2) and q/k norms (Qwen3).
+our packed-sequence core attention (``workers/engine/attention.py``) in place of the local one,
+and our grouped experts (``workers/engine/experts.py``) in place of megatron's SequentialMLP.
+Llama-style: RMSNorm, SwiGLU MLP, rotary positions (Llama 3 scaling optional); as the family
+says, q/k/v biases (Qwen2), q/k norms (Qwen3), experts (Qwen3-MoE), and tied embeddings.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from trainctl.workers.engine import megatron_cpu
 from trainctl.workers.engine.attention import PackedCoreAttention
 from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.experts import GroupedExperts
 
 
 def transformer_config(cfg: EngineConfig) -> TransformerConfig:
@@ -33,7 +36,7 @@ def transformer_config(cfg: EngineConfig) -> TransformerConfig:
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
         ffn_hidden_size=m.ffn_hidden_size,
-        kv_channels=m.hidden_size // m.num_attention_heads,
+        kv_channels=m.kv_channels,
         tensor_model_parallel_size=lay.tp,
         pipeline_model_parallel_size=lay.pp,
         context_parallel_size=lay.cp,
@@ -77,6 +80,9 @@ def _moe_options(cfg: EngineConfig) -> dict[str, object]:
     return {
         "num_moe_experts": m.num_experts,
         "moe_router_topk": m.moe_topk,
+        # Top-k of the logits, then a softmax over those k (= renormalised top-k probabilities),
+        # or a softmax over every expert, then its top k.
+        "moe_router_pre_softmax": not m.moe_norm_topk,
         "moe_ffn_hidden_size": m.moe_ffn_hidden_size,
         "expert_model_parallel_size": cfg.layout.ep,
         # The all-gather dispatcher runs without CUDA streams (docs/megatron_cpu.md).
@@ -103,6 +109,8 @@ def build_gpt(
         normalization="RMSNorm",
     )
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    if cfg.model.num_experts:
+        spec.submodules.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     with megatron_cpu.cuda_to_cpu():
         model = GPTModel(
             config=tc,
@@ -111,7 +119,9 @@ def build_gpt(
             max_sequence_length=cfg.model.max_seq_len,
             pre_process=pre_process,
             post_process=post_process,
-            share_embeddings_and_output_weights=False,
+            # Tied, with pp > 1: the last stage holds a copy megatron marks ``shared``, and
+            # finalize_model_grads sums its gradient with the first stage's.
+            share_embeddings_and_output_weights=cfg.model.tie_embeddings,
             position_embedding_type="rope",
             rotary_base=cfg.model.rotary_base,
             vp_stage=vp_stage,

@@ -29,6 +29,9 @@ class ParallelDims:
     mp_group: ProcessGroup
     """Tensor x pipeline parallel: one full model replica."""
     ep_group: ProcessGroup
+    embd_group: ProcessGroup | None
+    """The first and the last stage's ranks of this TP slice (tied embeddings); None on the
+    stages in between."""
     tp_src: int
     """Global rank of TP rank 0 of this rank's TP group: the one that reads host data."""
     expert_tp_rank: int
@@ -71,6 +74,7 @@ class ParallelDims:
             dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True),
             mp_group=mpu.get_model_parallel_group(),
             ep_group=mpu.get_expert_model_parallel_group(),
+            embd_group=mpu.get_embedding_group(check_initialized=False),
             tp_src=mpu.get_tensor_model_parallel_src_rank(),
             expert_tp_rank=mpu.get_expert_tensor_parallel_rank(),
             expert_dp_rank=mpu.get_expert_data_parallel_rank(),

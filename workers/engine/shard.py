@@ -134,7 +134,33 @@ class EngineShard:
         )
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for c in self.chunks for p in c.parameters())
+        return sum(p.numel() for _, p in self._parameters())
+
+    def _parameters(self) -> list[tuple[str, Any]]:
+        """This rank's parameters by local name, each counted once: without the last stage's
+        copy of tied embeddings (the first stage holds the same tensor)."""
+        return [
+            (n, p)
+            for c in self.chunks
+            for n, p in c.module.named_parameters()
+            if not weights.is_tied_copy(p)
+        ]
+
+    def _sync_tied_embedding(self) -> None:
+        """Make the last stage's copy of tied embeddings equal to the first stage's (the copy
+        is zeroed, then summed with the original over the embedding group)."""
+        if not (self.cfg.model.tie_embeddings and self.dims.embd_group is not None):
+            return
+        tied = [
+            p
+            for c in self.chunks
+            for n, p in c.module.named_parameters()
+            if weights.is_tied_copy(p) or n == weights.EMBEDDING
+        ]
+        for p in tied:  # one on the first and on the last stage
+            if weights.is_tied_copy(p):
+                p.data.zero_()
+            dist.all_reduce(p.data, group=self.dims.embd_group)
 
     # -- the RPC surface -------------------------------------------------------------------
 
@@ -164,18 +190,17 @@ class EngineShard:
     def grad_norm(self) -> float:
         """L2 norm of the full model's gradient: every canonical parameter counted once.
 
-        TP-replicated parameters (norms) count on TP rank 0 only; the sum of squares is then
-        all-reduced over the model-parallel group (TP x PP). DP x CP replicas already hold the
-        synchronised gradient.
+        TP-replicated parameters (norms) count on TP rank 0 only, tied embeddings on the first
+        stage only; the sum of squares is then all-reduced over the model-parallel group
+        (TP x PP). DP x CP replicas already hold the synchronised gradient.
         """
         dense = torch.zeros((), dtype=torch.float64)
         experts = torch.zeros((), dtype=torch.float64)
-        for c in self.chunks:
-            for name, p in c.module.named_parameters():
-                if ".local_experts." in name:
-                    experts += p.main_grad.double().pow(2).sum()
-                elif self.coords.tp == 0 or weights.shard_rule(name).kind != "replicated":
-                    dense += p.main_grad.double().pow(2).sum()
+        for name, p in self._parameters():
+            if ".local_experts." in name:
+                experts += p.main_grad.double().pow(2).sum()
+            elif self.coords.tp == 0 or weights.shard_rule(name).kind != "replicated":
+                dense += p.main_grad.double().pow(2).sum()
         # Each EP rank holds different experts: their squares add up over the EP group too.
         if self.cfg.layout.ep > 1:
             dist.all_reduce(experts, group=self.dims.ep_group)
@@ -261,24 +286,32 @@ class EngineShard:
     def weights_digest(self) -> str:
         """sha256 over this rank's parameters (name order): equal digests, equal weights."""
         h = hashlib.sha256()
-        for c in self.chunks:
-            for name, p in c.module.named_parameters():
-                h.update(name.encode())
-                h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        for name, p in self._parameters():
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
 
-    def canonical_shards(self, *, grads: bool = False) -> dict[str, Tensor]:
+    def canonical_shards(self, *, grads: bool = False, owned: bool = False) -> dict[str, Tensor]:
         """This rank's parameter (or gradient) shards by canonical name (``workers/weights``).
 
         ``weights.shard_rule(name).unshard`` of the shards of TP ranks 0..tp-1 gives the full
-        tensor; across pipeline stages the names are disjoint.
+        tensor; across pipeline stages the names are disjoint (a tied embedding comes from the
+        first stage). ``owned``: only what this rank adds to one full copy of the model - dense
+        tensors from DP x CP replica 0, experts from expert-data-parallel replica 0 (each EP
+        rank holds other experts).
         """
         out = {}
+        dense0 = self.coords.dp == 0 and self.coords.cp == 0
+        experts0 = self.dims.expert_dp_rank == 0
         for c in self.chunks:
             names = weights.canonical_names(
                 c.module, ep_rank=self.coords.ep, local_experts=self.local_experts
             )
             for name, p in c.module.named_parameters():
+                if weights.is_tied_copy(p):
+                    continue
+                if owned and not (experts0 if ".local_experts." in name else dense0):
+                    continue
                 t = p.main_grad if grads else p
                 out[names[name]] = t.detach().clone()
         return out
@@ -288,7 +321,16 @@ class EngineShard:
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything this rank needs to resume: weights, optimizer state, step, RNG."""
         return {
-            "chunks": [c.module.state_dict() for c in self.chunks],
+            # A tied embedding is saved once, by the first stage; the last stage's copy is
+            # restored from it on load.
+            "chunks": [
+                {
+                    k: v
+                    for k, v in c.module.state_dict().items()
+                    if k not in weights.tied_copies(c.module)
+                }
+                for c in self.chunks
+            ],
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
             "rng": torch.get_rng_state(),
@@ -304,7 +346,11 @@ class EngineShard:
             )
         with torch.no_grad():
             for c, sd in zip(self.chunks, state["chunks"], strict=True):
-                c.module.load_state_dict(sd)
+                missing, unexpected = c.module.load_state_dict(sd, strict=False)
+                bad = [k for k in missing if k not in weights.tied_copies(c.module)]
+                if bad or unexpected:
+                    raise ValueError(f"checkpoint shard: missing {bad}, unexpected {unexpected}")
+            self._sync_tied_embedding()
         self.optimizer.load_state_dict(state["optimizer"])
         self.zero_grad()
         torch.set_rng_state(state["rng"])

@@ -73,11 +73,28 @@ def shard_rule(name: str) -> ShardRule:
     return ShardRule("dim", 0)  # embedding, output layer, linear_qkv
 
 
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def is_tied_copy(p: Tensor) -> bool:
+    """The last pipeline stage's copy of tied input/output embeddings (megatron marks it
+    ``shared``): the same canonical tensor as the first stage's embedding, counted there once."""
+    return bool(getattr(p, "shared", False))
+
+
+def tied_copies(chunk: nn.Module) -> set[str]:
+    """Local names of ``chunk``'s tied-embedding copies (see ``is_tied_copy``)."""
+    return {n for n, p in chunk.named_parameters() if is_tied_copy(p)}
+
+
 def canonical_names(chunk: nn.Module, *, ep_rank: int, local_experts: int) -> dict[str, str]:
     """Local parameter name -> canonical name, for one model chunk (``GPTModel``)."""
     out = {}
     layers = getattr(getattr(chunk, "decoder", None), "layers", [])
-    for name, _ in chunk.named_parameters():
+    for name, p in chunk.named_parameters():
+        if is_tied_copy(p):
+            out[name] = EMBEDDING
+            continue
         canon = name
         m = _LAYER.match(name)
         if m:

@@ -19,6 +19,7 @@ shaped like ``main_grad``, so autograd hooks still fire while DDP skips the add.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +94,8 @@ def _accumulate_main_grad(w: Tensor, wgrad: Tensor, opts: WgradOptions) -> Tenso
 def grouped_linear(
     x: Tensor,
     m_splits: list[int],
-    weights: list[Tensor],
-    biases: list[Tensor] | None = None,
+    weights: Sequence[Tensor],
+    biases: Sequence[Tensor] | None = None,
     opts: WgradOptions | None = None,
 ) -> Tensor:
     """``[M, K] -> [M, N]``, expert ``e`` applied to its ``m_splits[e]`` rows."""

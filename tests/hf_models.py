@@ -1,0 +1,64 @@
+"""Tiny random models of every family we import, made and saved by transformers itself
+(offline, no hub): the references of the import/export tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+SHAPE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+FAMILIES: dict[str, Callable[[], Any]] = {
+    "llama": lambda: transformers.LlamaConfig(**SHAPE, rope_theta=50000.0),
+    # Llama 3.1-style RoPE scaling with values other than megatron's hard-coded 1 / 4 / 8192,
+    # and an original context short enough that every branch of the formula is used.
+    "llama3": lambda: transformers.LlamaConfig(
+        **SHAPE,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+            "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    # Qwen2.5 and Qwen3 small models tie their embeddings; Qwen3's heads are wider than
+    # hidden_size / heads.
+    "qwen2": lambda: transformers.Qwen2Config(
+        **SHAPE | {"tie_word_embeddings": True}, rope_theta=20000.0
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(
+        **SHAPE | {"tie_word_embeddings": True}, head_dim=32, rope_theta=30000.0
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SHAPE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True,
+    ),
+}  # fmt: skip
+TIED = ("qwen2", "qwen3")
+
+
+def tiny_model(family: str, directory: Path) -> Any:
+    """A tiny random model of ``family`` saved into ``directory``, with non-trivial norms and
+    biases, so that a wrong epsilon, norm or bias mapping shows."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model

@@ -1,0 +1,81 @@
+"""The MoE experts of one rank, all applied in one grouped call (``workers/ops/grouped_linear``).
+
+Takes the place of megatron's ``SequentialMLP`` in the MoE layer spec: the same inputs (tokens
+sorted by local expert, ``tokens_per_expert``, the router probabilities of each row) and the
+same parameter names (``local_experts.<i>.linear_fc1.weight`` = ``[gate; up]``,
+``local_experts.<i>.linear_fc2.weight``), so checkpoints, the canonical names and the Hugging
+Face tables see no difference. What differs is the mechanism: one grouped linear for fc1 and
+one for fc2 over every local expert, whose weight gradients are
+
+* full-shape zeros for an expert that got no tokens, never None, so each parameter's gradient
+  hook fires on every rank and DDP's buckets stay in step with the ranks whose experts did get
+  tokens;
+* accumulated straight into megatron's fp32 ``main_grad`` (``grad_added_to_main_grad``), as
+  TransformerEngine's grouped linear does for megatron.
+
+Experts are not tensor-parallel here (MoE runs at tp = 1), so each weight is whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor, nn
+
+from trainctl.workers.ops.grouped_linear import WgradOptions, grouped_linear
+
+
+class _Weight(nn.Module):
+    """Holds one weight under megatron's linear-layer name (``<name>.weight``)."""
+
+    def __init__(self, out_features: int, in_features: int, *, expert_parallel: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        # megatron's DDP reduces a parameter marked allreduce=False over the expert-data-parallel
+        # group (the ranks holding the same experts) instead of all of DP x CP.
+        self.weight.allreduce = not expert_parallel  # type: ignore[attr-defined]
+
+
+class _Expert(nn.Module):
+    def __init__(self, hidden: int, ffn: int, *, expert_parallel: bool) -> None:
+        super().__init__()
+        self.linear_fc1 = _Weight(2 * ffn, hidden, expert_parallel=expert_parallel)
+        self.linear_fc2 = _Weight(hidden, ffn, expert_parallel=expert_parallel)
+
+
+class GroupedExperts(MegatronModule):
+    """SwiGLU experts ``y_t = p_t * W2_e (silu(G_e x_t) * U_e x_t)``, the rows of each local
+    expert ``e`` back to back, ``p_t`` the row's router probability."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: TransformerConfig,
+        submodules: Any = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        ffn = config.moe_ffn_hidden_size
+        assert ffn is not None
+        expert_parallel = config.expert_model_parallel_size > 1
+        self.local_experts = nn.ModuleList(
+            _Expert(config.hidden_size, ffn, expert_parallel=expert_parallel)
+            for _ in range(num_local_experts)
+        )
+
+    def forward(
+        self, hidden: Tensor, tokens_per_expert: Tensor, probs: Tensor
+    ) -> tuple[Tensor, None]:
+        splits = [int(n) for n in tokens_per_expert.tolist()]
+        experts = cast(list[_Expert], list(self.local_experts))
+        fc1 = [e.linear_fc1.weight for e in experts]
+        fc2 = [e.linear_fc2.weight for e in experts]
+        # Under megatron's DDP every weight has a main_grad: write the wgrad there directly.
+        opts = WgradOptions(fuse_wgrad_accumulation=hasattr(fc1[0], "main_grad"))
+        gate, up = grouped_linear(hidden, splits, fc1, opts=opts).chunk(2, dim=-1)
+        inner = F.silu(gate) * up * probs.unsqueeze(-1).to(hidden.dtype)
+        return grouped_linear(inner, splits, fc2, opts=opts), None
