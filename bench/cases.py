@@ -81,6 +81,36 @@ def logprob_case(variant: str, n: int, v: int, chunks: int, repeats: int) -> dic
     }
 
 
+def fused_head_case(variant: str, n: int, h: int, v: int, chunk: int) -> dict[str, float]:
+    """Peak RSS above the inputs of the LM head + log-prob, forward + backward: ``fused``
+    (logits one chunk at a time) or ``unfused`` (all logits, then the streamed kernel). Both
+    include the fp32 gradient buffers of the hidden states ``[n, h]`` and the weight
+    ``[v, h]``, the same for both."""
+    from trainctl.workers.ops.fused_head import fused_head_logprob, head_logits
+
+    torch.manual_seed(0)
+    hidden = torch.randn(n, h).requires_grad_()
+    weight = (torch.randn(v, h) * 0.05).requires_grad_()
+    target = torch.randint(0, v, (n,))
+    seed = torch.rand(n)
+    rows = torch.arange(n)
+
+    def run() -> None:
+        if variant == "fused":
+            lp = fused_head_logprob(hidden, weight, target, rows=rows, chunk_size=chunk)
+        else:
+            lp = vocab_parallel_logprob(head_logits(hidden, weight, rows), target, chunk_size=chunk)
+        lp.backward(seed)
+        hidden.grad = weight.grad = None
+
+    with PeakRSS() as m:
+        t0 = time.perf_counter()
+        run()
+        elapsed = time.perf_counter() - t0
+    grads = (n * h + v * h) * 4
+    return {"peak_MiB": m.peak_above_start / MIB, "grads_MiB": grads / MIB, "time_s": elapsed}
+
+
 def mask_case(variant: str, n: int) -> dict[str, float]:
     """Temporary memory above the [n, n] bool mask itself, for one sequence of length n."""
     from trainctl.workers.ops.mask import blockwise_causal_mask

@@ -28,7 +28,7 @@ def reference_loss(batch: list[dict[str, Any]], engine_cfg: dict[str, Any] | Non
             ids = torch.tensor(seq["tokens"], dtype=torch.long)
             mask = torch.tensor(seq.get("loss_mask") or [1] * len(ids), dtype=torch.float64)
             weights = torch.tensor(seq.get("weights") or [1.0] * len(ids), dtype=torch.float64)
-            logits = model(ids[None], torch.arange(len(ids))[None], attention_mask=None)[0]
+            logits = _full_logits(model, ids)
             nll = F.cross_entropy(logits[:-1].double(), ids[1:], reduction="none")
             total += float((nll * mask[1:] * weights[1:]).sum())
             count += int(mask[1:].count_nonzero())
@@ -50,7 +50,7 @@ def reference_logprobs(
     with torch.no_grad(), megatron_cpu.cuda_to_cpu():
         for seq in batch:
             ids = torch.tensor(seq["tokens"], dtype=torch.long)
-            logits = model(ids[None], torch.arange(len(ids))[None], attention_mask=None)[0]
+            logits = _full_logits(model, ids)
             lp = F.log_softmax(logits[:-1].double(), -1).gather(1, ids[1:, None])[:, 0]
             out.append([0.0, *lp.tolist()])
     return out
@@ -73,6 +73,15 @@ def _single_rank_engine(engine_cfg: dict[str, Any] | None) -> Any:
 
 def _single_rank_model(engine_cfg: dict[str, Any] | None) -> Any:
     return _single_rank_engine(engine_cfg).chunks[0].module.eval()
+
+
+def _full_logits(model: Any, ids: Any) -> Any:
+    """All logits ``[t, V]`` of one sequence: the model ends at its final norm, the output
+    layer is applied here in one plain matmul."""
+    from trainctl.workers.engine.model import lm_head_weight
+
+    hidden = model(ids[None], ids.new_tensor(range(len(ids)))[None], attention_mask=None)[0]
+    return hidden @ lm_head_weight(model).t()
 
 
 def reference_step(batch: list[dict[str, Any]], engine_cfg: dict[str, Any]) -> dict[str, float]:

@@ -264,3 +264,24 @@ def tied_embedding_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dic
         "num_parameters": eng.num_parameters(),
         "grad_norm_names": [n for n, _ in eng._parameters()],
     }
+
+
+def logprobs_and_grads(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-token log-probs and entropies (by request index, from the reporting ranks) and the
+    gradients of one cross-entropy backward, as full-tensor shards."""
+    from trainctl.api.models import LossConfig
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.shard import EngineShard
+
+    eng = EngineShard(EngineConfig.from_dict(cfg))
+    plan = plan_step(to_host(batch), eng.cfg, loss=LossConfig())
+    mbs = plan.microbatches[eng.coords.dp]
+    out = eng.logprobs(mbs, entropy=True)
+    eng.forward_backward(mbs, LossConfig())
+    return {
+        "coords": {"tp": eng.coords.tp},
+        "logprobs": {i: lp for i, (lp, _) in out.items()},
+        "entropy": {i: ent for i, (_, ent) in out.items()},
+        "grads": _numpy(eng.canonical_shards(grads=True, owned=True)),
+    }

@@ -124,6 +124,38 @@ def logprob_tp_case(b: int, s: int, v: int, cs: int, oov: bool) -> dict[str, Any
     return {"columns": (k * vt, (k + 1) * vt)}
 
 
+def fused_head_tp_case(n: int, h: int, v: int, chunk: int) -> dict[str, Any]:
+    """The fused LM head at TP = world: each rank holds ``v / tp`` rows of the head weight;
+    log-probs, the hidden-state gradient (summed over TP) and the weight shard's gradient
+    against a float64 single-process reference."""
+    from trainctl.workers.ops.fused_head import fused_head_logprob
+
+    g = grid(tp=dist.get_world_size())
+    t, k = g.sizes["tp"], g.coords["tp"]
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) * 0.1
+    target = torch.randint(0, v, (n,), generator=gen)
+    seed_grad = torch.linspace(0.5, 1.5, n)
+
+    ref_h, ref_w = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = torch.log_softmax(ref_h @ ref_w.t(), -1).gather(1, target[:, None])[:, 0]
+    ref.backward(seed_grad.double())
+
+    vt = v // t
+    x = hidden.clone().requires_grad_()
+    w = weight[k * vt : (k + 1) * vt].clone().requires_grad_()
+    lp = fused_head_logprob(
+        x, w, target, vocab_start=k * vt, tp_group=g.groups["tp"], chunk_size=chunk
+    )
+    lp.backward(seed_grad)
+    close = {"atol": 1e-5, "rtol": 1e-4}
+    torch.testing.assert_close(lp.double(), ref.detach(), **close)
+    torch.testing.assert_close(x.grad.double(), ref_h.grad, **close)
+    torch.testing.assert_close(w.grad.double(), ref_w.grad[k * vt : (k + 1) * vt], **close)
+    return {"columns": (k * vt, (k + 1) * vt)}
+
+
 # -- CP-local losses ------------------------------------------------------------------------
 
 V = 32

@@ -10,7 +10,14 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from engine_cases import LOSSES, full_tensors, ragged_batch, step_and_collect, tied_embedding_case
+from engine_cases import (
+    LOSSES,
+    full_tensors,
+    logprobs_and_grads,
+    ragged_batch,
+    step_and_collect,
+    tied_embedding_case,
+)
 from rankpool import RankPool
 
 RTOL = 1e-5
@@ -178,3 +185,30 @@ def test_tied_embeddings_at_pp2_live_once(pools: Callable[[int], RankPool]) -> N
     np.testing.assert_array_equal(first["after_load"][0], first["after_step"][0])
     assert first["num_parameters"] + last["num_parameters"] == one[0]["num_parameters"]
     assert "output_layer.weight" not in last["grad_norm_names"]
+
+
+@pytest.mark.parametrize("layout", [{}, {"tp": 2}], ids=["tp1", "tp2"])
+def test_fused_lm_head_changes_no_logprob(pools: Callable[[int], RankPool], layout: dict) -> None:
+    """The fused LM head (logits a chunk of 32 tokens at a time) against all logits at once:
+    per-token log-probs and entropies bit for bit, gradients within 1e-5 (the output layer's
+    weight gradient sums the tokens chunk by chunk)."""
+
+    def run(fused: bool) -> list[dict]:
+        cfg = {**_cfg(**layout), "fused_lm_head": fused, "logprob_chunk_size": 32}
+        return pools(_world(layout)).run(logprobs_and_grads, cfg, ragged_batch())
+
+    fused, unfused = run(True), run(False)
+    for key in ("logprobs", "entropy"):
+        got = {i: v for r in fused for i, v in r[key].items()}
+        want = {i: v for r in unfused for i, v in r[key].items()}
+        assert sorted(got) == sorted(want) and len(got) == len(ragged_batch())
+        for i in want:
+            np.testing.assert_array_equal(got[i], want[i], err_msg=f"{key} {i}")
+    grads, ref = (
+        full_tensors([{**r, "per_loss": {"x": r}} for r in rs], "grads", "x")
+        for rs in (fused, unfused)
+    )
+    assert grads.keys() == ref.keys()
+    for name, g in ref.items():
+        atol = RTOL * float(np.abs(g).max())
+        np.testing.assert_allclose(grads[name], g, rtol=RTOL, atol=atol, err_msg=name)

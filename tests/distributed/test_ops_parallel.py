@@ -15,6 +15,7 @@ from ops_cases import (
     aggregate_case,
     cp_loss_case,
     eval_reduce_case,
+    fused_head_tp_case,
     logprob_tp_case,
     reassemble_grad_case,
     zero_valid_shard_case,
@@ -37,6 +38,11 @@ def test_t3_1_t3_2_tp_logprob_matches_full_vocab(pools: Pools, t: int, oov: bool
         for j in range(a, b):
             coverage[j] += 1
     assert coverage == [1] * 256  # the vocab slices tile [0, V) exactly once
+
+
+def test_fused_head_at_tp2_matches_the_full_vocabulary(pools: Pools) -> None:
+    results = pools(2).run(fused_head_tp_case, 600, 32, 256, 256)
+    assert sorted(r["columns"] for r in results) == [(0, 128), (128, 256)]
 
 
 LOSSES = [("cross_entropy", 0.0), ("importance_sampling", 0.0), ("ppo", 0.0), ("ppo", 0.05)]

@@ -216,7 +216,12 @@ class EngineConfig:
     max_tokens_per_microbatch: int = 4096
     """Token budget of one micro-batch (after padding); at least model.max_seq_len."""
     logprob_chunk_size: int = 1024
-    """Tokens per chunk of the streamed log-prob kernel; 0 disables chunking."""
+    """Tokens per chunk of the streamed log-prob kernel and of the fused LM head; 0 disables
+    chunking."""
+    fused_lm_head: bool = True
+    """The output layer runs inside the log-prob kernel, chunk by chunk, so the logits of a
+    micro-batch never exist whole (``workers/ops/fused_head.py``); False computes all logits,
+    then log-probs from them (the same values, bit for bit)."""
     collective_timeout_s: float = 120.0
     """Timeout of every process group: a dead peer becomes an error, not a hang."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"

@@ -20,6 +20,7 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from torch import Tensor
 
 from trainctl.workers.engine import megatron_cpu
 from trainctl.workers.engine.attention import PackedCoreAttention
@@ -126,6 +127,10 @@ def build_gpt(
             rotary_base=cfg.model.rotary_base,
             vp_stage=vp_stage,
         )
+    if post_process:
+        # The model ends at the final norm: its output is the hidden states, and the loss
+        # function applies the output layer (``lm_head_weight``) inside the log-prob kernel.
+        model.output_layer.forward = _hidden_states_out
     m = cfg.model
     if m.rope_scaling_factor:
         # megatron's own Llama 3 scaling hard-codes low = 1, high = 4 and original = 8192: the
@@ -139,6 +144,21 @@ def build_gpt(
             original_max_position_embeddings=m.rope_original_max_position,
         )
     return model
+
+
+def _hidden_states_out(
+    input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None
+) -> tuple[Tensor, None]:
+    return input_, None
+
+
+def lm_head_weight(model: GPTModel) -> Tensor:
+    """The output layer's weight ``[V / tp, H]``: the embedding's when tied (on the last stage
+    at pp > 1, megatron's copy of it)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    weight: Tensor = model.output_layer.weight
+    return weight
 
 
 def wrap_ddp(tc: TransformerConfig, model: GPTModel) -> DistributedDataParallel:

@@ -1,8 +1,12 @@
 """One pass of megatron's forward(/backward) schedule over this rank's micro-batches.
 
-The loss function megatron calls per micro-batch gets this rank's logits ``[1, t, V / tp]``
-(its CP shard, its vocabulary slice) and never gathers them: it computes the per-token
-log-probs with the vocab-parallel kernel, the loss terms, and this micro-batch's loss share
+The model ends at its final norm (``workers/engine/model.py``): the loss function megatron
+calls per micro-batch gets this rank's hidden states ``[1, t, H]`` (its CP shard) and applies
+the output layer's vocabulary slice ``[V / tp, H]`` itself, fused with the vocab-parallel
+log-prob kernel so logits exist one chunk of tokens at a time (``workers/ops/fused_head.py``;
+``fused_lm_head=False``: all logits, then the streamed kernel, the same values). Logits are
+never gathered over TP or CP. From the per-token log-probs it computes the loss terms and this
+micro-batch's loss share
 ``sum(term * loss_scale)`` (docs/algorithms.md §1.5). Asked for them, it also returns the
 per-token log-probs (and entropy), gathered over CP only as per-token values, through its
 output, so one pass can give both the loss and the log-probs.
@@ -21,16 +25,19 @@ from typing import Any
 import numpy as np
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from torch import Tensor
 
 from trainctl.api.models import LossConfig
 from trainctl.workers.control.batch import PackedMicroBatch
 from trainctl.workers.engine import megatron_cpu
 from trainctl.workers.engine.inputs import RankMicroBatch, StageInputs
+from trainctl.workers.engine.model import lm_head_weight
 from trainctl.workers.engine.parallel import ParallelDims
 from trainctl.workers.engine.routing import RoutingStats
 from trainctl.workers.ops.aggregate import aggregate_loss
 from trainctl.workers.ops.cp import gather_from_cp
+from trainctl.workers.ops.fused_head import fused_head_entropy, fused_head_logprob, head_logits
 from trainctl.workers.ops.logprob import vocab_parallel_entropy, vocab_parallel_logprob
 from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
 
@@ -58,10 +65,12 @@ class Schedule:
         routing: RoutingStats,
         vocab_size: int,
         logprob_chunk_size: int,
+        fused_lm_head: bool = True,
     ) -> None:
         self.chunks, self.dims, self.inputs, self.routing = chunks, dims, inputs, routing
         self.vocab_start = dims.vocab_start(vocab_size)
         self.chunk_size = logprob_chunk_size
+        self.fused = fused_lm_head
 
     def run(
         self,
@@ -107,30 +116,50 @@ class Schedule:
     ) -> tuple[Tensor, Any]:
         mb = next(data)
         self.routing.counting = not mb.is_dummy
-        logits = model(
+        hidden = model(
             mb.batch.tokens,
             mb.batch.position_ids,
             attention_mask=None,
             packed_seq_params=mb.packed,
         )
-        return logits, partial(self._loss_func, mb, loss, outputs)
+        # Only the last stage has an output layer (megatron calls the loss function there alone).
+        gpt = model.module
+        weight = lm_head_weight(gpt) if gpt.post_process else None
+        return hidden, partial(self._loss_func, mb, loss, outputs, weight)
+
+    def _head(self, hidden: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Any]:
+        """Per-token log-probs of ``labels`` under the output layer applied to ``hidden
+        [t, H]``, and a function giving the per-token entropy."""
+        kw: dict[str, Any] = {"tp_group": self.dims.tp_group, "chunk_size": self.chunk_size}
+        if self.fused:
+            lp = fused_head_logprob(hidden, weight, labels, vocab_start=self.vocab_start, **kw)
+            return lp, lambda: fused_head_entropy(hidden.detach(), weight.detach(), **kw)
+        # Unfused: the column-parallel output layer (the hidden states' gradient summed over
+        # TP), all logits, then the streamed log-prob kernel.
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        x = copy_to_tensor_model_parallel_region(hidden, group=self.dims.tp_group)
+        logits = head_logits(x, weight, rows)
+        lp = vocab_parallel_logprob(logits, labels, vocab_start=self.vocab_start, **kw)
+        return lp, lambda: vocab_parallel_entropy(logits.detach(), **kw)
 
     def _loss_func(
-        self, mb: RankMicroBatch, loss: LossConfig, outputs: tuple[str, ...], logits: Tensor
+        self,
+        mb: RankMicroBatch,
+        loss: LossConfig,
+        outputs: tuple[str, ...],
+        weight: Tensor | None,
+        hidden: Tensor,
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """``logits [1, t, V_t]`` -> (this micro-batch's loss share, its local target count,
-        what the pass returns) for megatron's schedule."""
+        """``hidden [1, t, H]`` -> (this micro-batch's loss share, its local target count, what
+        the pass returns) for megatron's schedule."""
         b = mb.batch
+        assert weight is not None, "the loss function runs on the last stage"
         assert b.labels is not None and b.loss_mask is not None and b.cu_seqlens is not None
-        lp = vocab_parallel_logprob(
-            logits[0],
-            b.labels[0],
-            vocab_start=self.vocab_start,
-            tp_group=self.dims.tp_group,
-            chunk_size=self.chunk_size,
-        )
+        lp, entropy = self._head(hidden[0], weight, b.labels[0])
         if mb.is_dummy:
-            share, n = connected_zero(logits), 0
+            # Through the log-probs, the zero reaches the output layer and every parameter
+            # below it.
+            share, n = connected_zero(lp), 0
         else:
             per_token: dict[str, Any] = {k: v[0] for k, v in b.loss_inputs.items()}
             scale = per_token.pop("loss_scale")
@@ -142,9 +171,7 @@ class Schedule:
             report["logprobs"] = gather_from_cp(lp.detach(), b.cu_seqlens, cp_group)
         if "entropy" in outputs:
             with torch.no_grad():
-                ent = vocab_parallel_entropy(
-                    logits[0], tp_group=self.dims.tp_group, chunk_size=self.chunk_size
-                )
+                ent = entropy()
             report["entropy"] = gather_from_cp(ent, b.cu_seqlens, cp_group)
         return share, torch.tensor(n, dtype=torch.int), report
 

@@ -109,6 +109,7 @@ class EngineShard:
             routing=self.routing,
             vocab_size=cfg.model.vocab_size,
             logprob_chunk_size=cfg.logprob_chunk_size,
+            fused_lm_head=cfg.fused_lm_head,
         )
         self.profiler = MemoryProfiler(self.coords)
         self.step = 0

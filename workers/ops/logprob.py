@@ -177,6 +177,16 @@ def vocab_parallel_logprob(
     return lp.reshape(lead)
 
 
+def _local_entropy(x: Tensor, tp_group: ProcessGroup | None) -> Tensor:
+    """``-sum p log p`` over this TP rank's columns of rows ``x [n, V_t]`` (fp32); summed over
+    the TP group, the rows' entropies."""
+    lsm = _log_softmax(x, tp_group)
+    # p * log p -> 0 as p -> 0: a -inf logit (masked or padded vocabulary) adds nothing,
+    # where the plain product would be 0 * -inf = NaN.
+    plogp = lsm.exp().mul_(lsm).masked_fill_(lsm == -torch.inf, 0.0)
+    return _row_sum(plogp).squeeze(-1).neg_()
+
+
 @torch.no_grad()
 def vocab_parallel_entropy(
     logits: Tensor, *, tp_group: ProcessGroup | None = None, chunk_size: int = 0
@@ -189,10 +199,6 @@ def vocab_parallel_entropy(
     out = torch.empty(n, dtype=torch.float32, device=logits.device)
     for a in range(0, n, step):
         b = min(n, a + step)
-        lsm = _log_softmax(x[a:b].float(), tp_group)
-        # p * log p -> 0 as p -> 0: a -inf logit (masked or padded vocabulary) adds nothing,
-        # where the plain product would be 0 * -inf = NaN.
-        plogp = lsm.exp().mul_(lsm).masked_fill_(lsm == -torch.inf, 0.0)
-        out[a:b] = _row_sum(plogp).squeeze(-1).neg_()
+        out[a:b] = _local_entropy(x[a:b].float(), tp_group)
     _all_reduce(out, dist.ReduceOp.SUM, tp_group)
     return out.reshape(lead)
