@@ -253,6 +253,42 @@ def _step_rank(
     dist.destroy_process_group()
 
 
+def activation_case(recompute: str, tokens: int) -> dict[str, float]:
+    """Peak RSS above the start of one forward/backward of a single ``tokens``-long sequence
+    (4 layers, hidden 256, 4 heads), after a warm-up step: the activations kept for
+    backward and what backward recomputes and frees."""
+    import numpy as np
+
+    from trainctl.api import TokenSequence
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.config import EngineConfig, ModelConfig
+    from trainctl.workers.engine.shard import EngineShard
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    model = ModelConfig(
+        num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=4,
+        ffn_hidden_size=1024, max_seq_len=tokens,
+    )  # fmt: skip
+    cfg = EngineConfig(model=model, recompute=recompute, max_tokens_per_microbatch=tokens)  # type: ignore[arg-type]
+    eng = EngineShard(cfg)
+    seq = TokenSequence(
+        tokens=np.random.default_rng(0).integers(0, 512, tokens).astype(np.int64),
+        loss_mask=np.ones(tokens, np.float32),
+    )
+    plan = plan_step([seq], eng.cfg)
+    mbs = plan.microbatches[0]
+    eng.forward_backward(mbs, plan.loss)  # warm-up
+    eng.zero_grad()
+    with PeakRSS() as m:
+        t0 = time.perf_counter()
+        eng.forward_backward(mbs, plan.loss)
+        elapsed = time.perf_counter() - t0
+    dist.destroy_process_group()
+    return {"peak_MiB": m.peak_above_start / MIB, "time_s": elapsed}
+
+
 def step_case(layout: dict[str, int], n_seqs: int, seq_len: int, steps: int) -> dict[str, float]:
     """Median step time split into forward, backward, gradient sync and optimizer."""
     import multiprocessing as mp

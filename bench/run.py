@@ -139,6 +139,31 @@ def section_fused_head(quick: bool) -> str:
     )  # fmt: skip
 
 
+def section_recompute(quick: bool) -> str:
+    tokens = 2048 if quick else 8192
+    rows = []
+    base = None
+    for mode in ("none", "selective", "full"):
+        r = measure("activation_case", recompute=mode, tokens=tokens)
+        base = base or r
+        rows.append(
+            [
+                mode,
+                f"{r['peak_MiB']:.0f}",
+                f"{r['peak_MiB'] / base['peak_MiB']:.2f}",
+                f"{r['time_s']:.1f}",
+                f"{r['time_s'] / base['time_s']:.2f}",
+            ]
+        )
+    head = (
+        f"### Activation recomputation: one forward/backward of a {tokens}-token sequence, "
+        "4 layers, hidden 256, 4 heads, fp32, peak above the weights\n\n"
+    )
+    return head + _table(
+        ["recompute", "peak MiB", "vs none", "forward+backward (s)", "time vs none"], rows
+    )
+
+
 def section_cp_loss(quick: bool) -> str:
     t, v = (4096, 4096) if quick else (8192, 8192)
     rows = []
@@ -340,6 +365,7 @@ SECTIONS: dict[str, Callable[[bool], str]] = {
     "load": section_load,
     "logprob": section_logprob,
     "fused_head": section_fused_head,
+    "recompute": section_recompute,
     "cp_loss": section_cp_loss,
     "mask": section_mask,
 }

@@ -21,6 +21,7 @@ ENGINE_SETTINGS: dict[str, tuple[str | None, str]] = {
     "seed": ("model", "seed"),
     "lr": ("optimizer", "lr"),
     "max_tokens_per_microbatch": (None, "max_tokens_per_microbatch"),
+    "recompute": (None, "recompute"),
 }
 """Setting -> (section of the engine config, or None for the top level; key in it)."""
 

@@ -10,7 +10,7 @@ Every field is documented; ``trainctl serve --help`` lists them with their varia
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -60,6 +60,11 @@ class Settings(BaseSettings):
     lr: float = Field(_ENGINE.optimizer.lr, ge=0, description="AdamW learning rate.")
     max_tokens_per_microbatch: int = Field(
         _ENGINE.max_tokens_per_microbatch, ge=1, description="Token budget of one micro-batch."
+    )
+    recompute: Literal["none", "selective", "full"] = Field(
+        _ENGINE.recompute,
+        description="Activation recomputation: none, selective (attention core and MLP) or "
+        "full (whole layers): less activation memory for more compute.",
     )
     rank_num_cpus: float = Field(
         0.25,

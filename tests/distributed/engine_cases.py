@@ -285,3 +285,32 @@ def logprobs_and_grads(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict
         "entropy": {i: ent for i, (_, ent) in out.items()},
         "grads": _numpy(eng.canonical_shards(grads=True, owned=True)),
     }
+
+
+def recompute_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cross-entropy forward/backward: the loss, the gradients, and how many times the
+    dense MLPs ran forward (recomputation runs them again in backward)."""
+    from megatron.core.transformer.mlp import MLP
+
+    from trainctl.api.models import LossConfig
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.shard import EngineShard
+
+    eng = EngineShard(EngineConfig.from_dict(cfg))
+    plan = plan_step(to_host(batch), eng.cfg, loss=LossConfig())
+    mbs = plan.microbatches[eng.coords.dp]
+    calls = [0]
+    for c in eng.chunks:
+        for m in c.modules():
+            if isinstance(m, MLP):
+                m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    loss = eng.forward_backward(mbs, LossConfig())
+    return {
+        "coords": {"tp": eng.coords.tp},
+        "loss": loss,
+        "grads": _numpy(eng.canonical_shards(grads=True, owned=True)),
+        "mlp_forwards": calls[0],
+        "microbatches": len(mbs),
+        "local_layers": sum(len(c.module.decoder.layers) for c in eng.chunks),
+    }

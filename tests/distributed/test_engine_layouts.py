@@ -15,6 +15,7 @@ from engine_cases import (
     full_tensors,
     logprobs_and_grads,
     ragged_batch,
+    recompute_case,
     step_and_collect,
     tied_embedding_case,
 )
@@ -212,3 +213,26 @@ def test_fused_lm_head_changes_no_logprob(pools: Callable[[int], RankPool], layo
     for name, g in ref.items():
         atol = RTOL * float(np.abs(g).max())
         np.testing.assert_allclose(grads[name], g, rtol=RTOL, atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("layout", [{}, {"tp": 2}, {"pp": 2}], ids=["dp1", "tp2", "pp2"])
+def test_recomputation_changes_no_number(
+    pools: Callable[[int], RankPool], mode: str, layout: dict
+) -> None:
+    """Recomputed activations are the same activations: the loss and every gradient equal
+    the run that keeps them, bit for bit; and the MLPs really ran again in backward."""
+
+    def run(recompute: str) -> list[dict]:
+        cfg = {**_cfg(**layout), "recompute": recompute}
+        return pools(_world(layout)).run(recompute_case, cfg, ragged_batch())
+
+    got, want = run(mode), run("none")
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == w["loss"]
+        once = w["microbatches"] * w["local_layers"]
+        assert w["mlp_forwards"] == once and g["mlp_forwards"] == 2 * once
+    grads, ref = full_tensors(got, "grads"), full_tensors(want, "grads")
+    assert grads.keys() == ref.keys()
+    for name, g in ref.items():
+        np.testing.assert_array_equal(grads[name], g, err_msg=name)

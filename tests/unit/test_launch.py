@@ -72,3 +72,11 @@ def test_one_set_of_defaults() -> None:
     flags = _settings_from(build_parser().parse_args(["serve"]))
     assert flags == settings_from_args({})
     assert engine_config_dict(flags) == engine_config_dict(settings_from_args({}))
+
+
+def test_recompute_flag_reaches_the_engine() -> None:
+    s = _settings_from(build_parser().parse_args(["serve", "--recompute", "full"]))
+    assert engine_config_dict(s)["recompute"] == "full"
+    assert engine_config_dict(Settings())["recompute"] == "none"
+    with pytest.raises(ValueError, match="recompute"):
+        _settings_from(build_parser().parse_args(["serve", "--recompute", "some"]))

@@ -218,6 +218,10 @@ class EngineConfig:
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the streamed log-prob kernel and of the fused LM head; 0 disables
     chunking."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: ``selective`` keeps each layer's inputs and recomputes its
+    core attention in backward; ``full`` keeps only each layer's input and recomputes the
+    whole layer. Less activation memory for more compute; the same numbers."""
     fused_lm_head: bool = True
     """The output layer runs inside the log-prob kernel, chunk by chunk, so the logits of a
     micro-batch never exist whole (``workers/ops/fused_head.py``); False computes all logits,
@@ -238,6 +242,10 @@ class EngineConfig:
             raise ConfigError(
                 f"max_tokens_per_microbatch ({self.max_tokens_per_microbatch}) must be at least "
                 f"model.max_seq_len ({self.model.max_seq_len}) so every sequence fits"
+            )
+        if self.recompute not in ("none", "selective", "full"):
+            raise ConfigError(
+                f"recompute must be 'none', 'selective' or 'full', got {self.recompute!r}"
             )
         if self.logprob_chunk_size < 0:
             raise ConfigError("logprob_chunk_size must be >= 0")

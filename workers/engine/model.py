@@ -70,8 +70,26 @@ def transformer_config(cfg: EngineConfig) -> TransformerConfig:
         # Our loss is already divided by the global token count: the schedule must not divide
         # again, and DDP must sum gradients over DP x CP instead of averaging them.
         calculate_per_token_loss=True,
+        **_recompute_options(cfg),
         **_moe_options(cfg),
     )
+
+
+def _recompute_options(cfg: EngineConfig) -> dict[str, object]:
+    if cfg.recompute == "full":
+        # Every layer's input is kept, its activations are recomputed in backward.
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    if cfg.recompute == "selective":
+        # The attention core and the dense MLP: their inputs are kept, their insides (the
+        # MLP's [tokens, 2 x ffn] gate/up activations above all) recomputed. Our attention is
+        # torch's memory-efficient SDPA already, so most of the saving is the MLP's.
+        modules = ["core_attn"] if cfg.model.num_experts else ["core_attn", "mlp"]
+        return {"recompute_granularity": "selective", "recompute_modules": modules}
+    return {}
 
 
 def _moe_options(cfg: EngineConfig) -> dict[str, object]:
