@@ -321,3 +321,97 @@ def step_case(layout: dict[str, int], n_seqs: int, seq_len: int, steps: int) -> 
         "grad_sync_s": med("grad_sync_s"),
         "optimizer_s": med("optimizer_s"),
     }
+
+
+# -- training state per parameter: precision x ZeRO x dp --------------------------------------
+
+
+def _state_rank(
+    rank: int, dp: int, port: int, precision: str, zero: str, model: dict[str, int], out: Any
+) -> None:
+    import numpy as np
+
+    from bench.memory import _status
+    from trainctl.api import TokenSequence
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.config import EngineConfig, ModelConfig, ParallelLayout
+    from trainctl.workers.engine.shard import EngineShard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=dp)
+    cfg = EngineConfig(
+        model=ModelConfig(**model),
+        layout=ParallelLayout(dp=dp),
+        precision=precision,  # type: ignore[arg-type]
+        distributed_optimizer=zero,  # type: ignore[arg-type]
+        max_tokens_per_microbatch=model["max_seq_len"],
+    )
+    seqs = [
+        TokenSequence(
+            tokens=np.random.default_rng(i).integers(0, 512, 64).astype(np.int64),
+            loss_mask=np.ones(64, np.float32),
+        )
+        for i in range(dp)
+    ]
+    start = _status("VmRSS")
+    eng = EngineShard(cfg)
+    plan = plan_step(seqs, eng.cfg)
+    eng.train_batch(plan.microbatches[eng.coords.dp], plan.loss)  # Adam's moments now exist
+    rss = _status("VmRSS") - start
+
+    # The same state, read off the live tensors (each storage once: views share one).
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> int:
+        s = t.untyped_storage()
+        if s.data_ptr() in seen:
+            return 0
+        seen[s.data_ptr()] = s.nbytes()
+        return s.nbytes()
+
+    params = sum(add(p) for c in eng.chunks for p in c.module.parameters())
+    grads = sum(add(p.main_grad) for c in eng.chunks for p in c.module.parameters())
+    masters = sum(add(p) for g in eng.optimizer.param_groups for p in g["params"])
+    adam = sum(
+        add(t)
+        for o in getattr(eng.optimizer, "chained_optimizers", [eng.optimizer])
+        for st in o.optimizer.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    n = eng.num_parameters()
+    out.put((rank, {"n": n, "rss": rss, "params": params, "grads": grads, "masters": masters,
+                    "adam": adam}))  # fmt: skip
+    dist.destroy_process_group()
+
+
+def state_bytes_case(dp: int, precision: str, zero: str) -> dict[str, float]:
+    """Bytes per parameter a rank holds for training (after one step): resident-set growth
+    from before the engine was built, and the same read off its tensors by kind."""
+    import multiprocessing as mp
+
+    model = {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
+             "num_query_groups": 8, "ffn_hidden_size": 2048, "vocab_size": 8192,
+             "max_seq_len": 128}  # fmt: skip
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_state_rank, args=(r, dp, port, precision, zero, model, out))
+        for r in range(dp)
+    ]
+    for p in procs:
+        p.start()
+    res = [r for _, r in sorted(out.get(timeout=900) for _ in procs)]
+    for p in procs:
+        p.join()
+    worst = max(res, key=lambda r: r["rss"])  # ranks' shards differ by a bucket's padding
+    n = worst["n"]
+    return {
+        "parameters": float(n),
+        "rss_per_param": worst["rss"] / n,
+        **{
+            f"{k}_per_param": max(r[k] for r in res) / n
+            for k in ("params", "grads", "masters", "adam")
+        },
+    }

@@ -22,6 +22,8 @@ ENGINE_SETTINGS: dict[str, tuple[str | None, str]] = {
     "lr": ("optimizer", "lr"),
     "max_tokens_per_microbatch": (None, "max_tokens_per_microbatch"),
     "recompute": (None, "recompute"),
+    "precision": (None, "precision"),
+    "distributed_optimizer": (None, "distributed_optimizer"),
 }
 """Setting -> (section of the engine config, or None for the top level; key in it)."""
 

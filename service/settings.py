@@ -66,6 +66,16 @@ class Settings(BaseSettings):
         description="Activation recomputation: none, selective (attention core and MLP) or "
         "full (whole layers): less activation memory for more compute.",
     )
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        _ENGINE.precision,
+        description="bf16 (bf16 parameters and compute, fp32 gradients, master weights and "
+        "loss) or fp32; auto: bf16 on GPUs, fp32 on CPUs.",
+    )
+    distributed_optimizer: Literal["auto", "on", "off"] = Field(
+        _ENGINE.distributed_optimizer,
+        description="ZeRO-1: shard optimizer state and master weights over DP x CP; "
+        "auto: on when dp x cp > 1.",
+    )
     rank_num_cpus: float = Field(
         0.25,
         gt=0,

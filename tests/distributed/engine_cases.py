@@ -56,7 +56,7 @@ def to_host(batch: list[dict[str, Any]]) -> list[Any]:
 
 
 def _numpy(shards: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {k: v.numpy() for k, v in shards.items()}
+    return {k: v.float().numpy() for k, v in shards.items()}
 
 
 def _count_expert_grads(eng: Any) -> tuple[dict[str, int], list[Any]]:
@@ -313,4 +313,74 @@ def recompute_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str
         "mlp_forwards": calls[0],
         "microbatches": len(mbs),
         "local_layers": sum(len(c.module.decoder.layers) for c in eng.chunks),
+    }
+
+
+def train_steps_case(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
+    """``steps`` train steps on ragged batches (seeds 0, 1, 2, 0, ...): each step's loss and
+    grad norm, the dtypes the step ran with (parameters, main gradients, the optimizer's master
+    weights), and how many optimizer-state elements this rank holds."""
+    import torch
+
+    from trainctl.api.models import LossConfig
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.shard import EngineShard
+
+    eng = EngineShard(EngineConfig.from_dict(cfg))
+    losses, norms = [], []
+    for step in range(steps):
+        plan = plan_step(to_host(ragged_batch(step % 3)), eng.cfg, loss=LossConfig())
+        r = eng.train_batch(plan.microbatches[eng.coords.dp], LossConfig())
+        losses.append(r.loss)
+        norms.append(r.grad_norm)
+    masters = [p for g in eng.optimizer.param_groups for p in g["params"]]
+    states = [
+        t
+        for o in getattr(eng.optimizer, "chained_optimizers", [eng.optimizer])
+        for s in o.optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    ]
+    return {
+        "is_last_stage": eng.is_last_stage,
+        "losses": losses,
+        "grad_norms": norms,
+        "param_dtypes": sorted({str(p.dtype) for _, p in eng._parameters()}),
+        "main_grad_dtypes": sorted({str(p.main_grad.dtype) for _, p in eng._parameters()}),
+        "master_dtypes": sorted({str(p.dtype) for p in masters}),
+        "master_numel": sum(p.numel() for p in masters),
+        "adam_state_numel": sum(t.numel() for t in states),
+        "num_parameters": eng.num_parameters(),
+    }
+
+
+def checkpoint_restore_case(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train a step, take this rank's checkpoint (as written to disk), train two more; load it
+    and train the same two again. Returns both pairs of (loss, grad norm) and the weights'
+    digests after each pair."""
+    from trainctl.api.models import LossConfig
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.shard import EngineShard
+
+    eng = EngineShard(EngineConfig.from_dict(cfg))
+
+    def step(seed: int) -> tuple[float, float | None]:
+        plan = plan_step(to_host(ragged_batch(seed)), eng.cfg, loss=LossConfig())
+        r = eng.train_batch(plan.microbatches[eng.coords.dp], LossConfig())
+        return r.loss, r.grad_norm
+
+    step(0)
+    saved = copy.deepcopy(eng.checkpoint_state())
+    digest_saved = eng.weights_digest()
+    first = [step(1), step(2)]
+    digest_first = eng.weights_digest()
+    eng.load_checkpoint_state(saved)
+    digest_loaded = eng.weights_digest()
+    again = [step(1), step(2)]
+    return {
+        "first": first,
+        "again": again,
+        "digests": [digest_saved, digest_first, digest_loaded, eng.weights_digest()],
     }

@@ -126,12 +126,19 @@ def test_a_failing_rank_applies_nothing_on_any_rank(svc: Service) -> None:
 def test_a_rank_failing_in_the_optimizer_update_rolls_back_to_the_checkpoint(
     svc: Service,
 ) -> None:
+    """The service runs dp=2, so ZeRO-1 is on: the update is local to each rank's shard and
+    the all-gather starts only once every rank updated. Rank 1 fails its update after rank 0
+    has updated its shard: no rank waits in the all-gather (the error comes at once, not after
+    the collective timeout), and the restore leaves both at the checkpoint."""
     c = client(svc)
     saved = c.save_checkpoint()
-    c.train_batch(ragged_batch(seed=27))
+    stepped = c.train_batch(ragged_batch(seed=27))
+    assert "parameter_gather_max_s" in stepped.timings  # the ZeRO-1 path
     once = _arm_fault(svc, rank=1, phase="optimizer")
+    t0 = time.monotonic()
     with pytest.raises(NotReadyError, match="rank 1 failed in apply"):
         once.train_batch(ragged_batch(seed=28))
+    assert time.monotonic() - t0 < 30  # the collective timeout is 120 s
     c.wait_ready(timeout=180)
     info = c.info()
     # Rank 0 had applied the update, rank 1 had not: both are back at the checkpoint.

@@ -80,3 +80,35 @@ def test_recompute_flag_reaches_the_engine() -> None:
     assert engine_config_dict(Settings())["recompute"] == "none"
     with pytest.raises(ValueError, match="recompute"):
         _settings_from(build_parser().parse_args(["serve", "--recompute", "some"]))
+
+
+@pytest.mark.parametrize(
+    ("flag", "key", "value", "default"),
+    [
+        ("--precision", "precision", "bf16", "auto"),
+        ("--distributed-optimizer", "distributed_optimizer", "off", "auto"),
+    ],
+)
+def test_memory_flags_reach_the_engine(flag: str, key: str, value: str, default: str) -> None:
+    s = _settings_from(build_parser().parse_args(["serve", flag, value]))
+    assert engine_config_dict(s)[key] == value
+    assert engine_config_dict(Settings())[key] == default
+    with pytest.raises(ValueError, match=key):
+        _settings_from(build_parser().parse_args(["serve", flag, "fp8"]))
+
+
+def test_auto_precision_and_zero_resolve_by_device_and_layout() -> None:
+    from trainctl.workers.engine.config import EngineConfig, ParallelLayout
+
+    cfg = EngineConfig()
+    assert (cfg.resolved_precision(cuda=True), cfg.resolved_precision(cuda=False)) == (
+        "bf16",
+        "fp32",
+    )
+    assert EngineConfig(precision="fp32").resolved_precision(cuda=True) == "fp32"
+    assert not cfg.use_distributed_optimizer  # dp1: nothing to shard over
+    assert EngineConfig(layout=ParallelLayout(dp=2)).use_distributed_optimizer
+    assert EngineConfig(layout=ParallelLayout(cp=2)).use_distributed_optimizer
+    assert not EngineConfig(
+        layout=ParallelLayout(dp=2), distributed_optimizer="off"
+    ).use_distributed_optimizer

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
@@ -32,7 +33,7 @@ def quiet_megatron() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
-FAULT_PHASES = ("forward", "accumulate_end", "optimizer")
+FAULT_PHASES = ("forward", "accumulate_end", "optimizer", "publish")
 
 
 class InjectedFault(RuntimeError):
@@ -126,10 +127,19 @@ class RankWorker:
             return report
 
     def apply(self, op_id: str = "-") -> tuple[float, float]:
-        """Phase 2, once every rank finished phase 1: the optimizer step."""
+        """Phase 2, once every rank finished phase 1: the optimizer update (local)."""
         with _operation(op_id):
             self._check_fault("optimizer")
             return self.engine.apply()  # type: ignore[no-any-return]
+
+    def publish(self, op_id: str = "-") -> float:
+        """Phase 3 under ZeRO-1, once every rank's update succeeded: the all-gather of the
+        updated parameters; its seconds."""
+        with _operation(op_id):
+            t0 = time.perf_counter()
+            self._check_fault("publish")
+            self.engine.publish()
+            return time.perf_counter() - t0
 
     def discard(self) -> None:
         """Drop the accumulated gradients (another rank failed phase 1)."""

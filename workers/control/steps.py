@@ -5,10 +5,19 @@ a batch the layout cannot take is refused here, before it queues) and run later,
 on the rank group. The plan travels to the ranks once, through the object store, and their
 reports are merged into one result.
 
-A train step has two phases so that no rank applies a step another rank failed: every rank
-accumulates gradients and the global norm; only if all succeed (and the norm is finite) does
-every rank apply the optimizer step. If phase 1 fails, all drop their gradients. If phase 2
-fails on some rank, the ranks may disagree: the group is rebuilt from the latest checkpoint.
+A train step has phases so that no rank applies a step another rank failed, and no rank waits
+in a collective for a rank that already failed:
+
+1. every rank accumulates gradients and the global norm (all the step's collectives but one);
+2. only if all succeed (and the norm is finite), every rank applies the optimizer update to
+   what it owns: local arithmetic, no collective;
+3. under ZeRO-1 only, once every rank's update succeeded: the all-gather of the updated
+   parameter shards.
+
+If phase 1 fails, all drop their gradients: the step is applied nowhere. If phase 2 or 3 fails
+on some rank, the ranks may disagree (some updated, some not; or a gather cut short), so the
+group is restored from the latest checkpoint: again the step is applied nowhere. Phase 3 never
+starts after a failed phase 2, so a failed update costs no collective timeout.
 """
 
 from __future__ import annotations
@@ -115,10 +124,15 @@ class Steps:
         h.set_phase("optimizer_step")
         try:
             applied = await self.group.call(RankWorker.apply, h.op.id)
+            if self.cfg.use_distributed_optimizer:
+                # Only now that every rank has updated its shard: the all-gather.
+                h.set_phase("parameter_gather")
+                published = await self.group.call(RankWorker.publish, h.op.id)
         except WorkerError as e:
             # Some ranks may have applied the update and others not: only a restore makes
             # them agree again, so the step is rolled back with everything since the checkpoint.
-            cause = f"{e.message} (in the optimizer update)"
+            where = "optimizer update" if h.op.phase == "optimizer_step" else "parameter all-gather"
+            cause = f"{e.message} (in the {where})"
             raise GroupLostError(
                 f"{cause}; the workers are being restored from the latest checkpoint, so the "
                 "step is not applied: retry shortly",
@@ -131,6 +145,8 @@ class Steps:
         result.metrics["grad_norm:value"] = applied[0][0]
         result.metrics["lr:value"] = self.cfg.optimizer.lr
         result.timings["optimizer_max_s"] = max(a[1] for a in applied)
+        if self.cfg.use_distributed_optimizer:
+            result.timings["parameter_gather_max_s"] = max(published)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 

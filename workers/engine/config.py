@@ -218,6 +218,14 @@ class EngineConfig:
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the streamed log-prob kernel and of the fused LM head; 0 disables
     chunking."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """``bf16``: bf16 parameters and compute, with fp32 main gradients, fp32 master weights
+    in the optimizer and fp32 log-probs, loss and normaliser; ``fp32``: everything fp32;
+    ``auto``: bf16 where CUDA is present, fp32 on a CPU (``resolved_precision``)."""
+    distributed_optimizer: Literal["auto", "on", "off"] = "auto"
+    """ZeRO-1: each DP x CP rank keeps the optimizer state and master weights of only its
+    1 / (dp x cp) of the parameters; gradients are reduce-scattered and the updated
+    parameters all-gathered. ``auto`` is on when dp x cp > 1."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: ``selective`` keeps each layer's inputs and recomputes its
     core attention in backward; ``full`` keeps only each layer's input and recomputes the
@@ -247,6 +255,14 @@ class EngineConfig:
             raise ConfigError(
                 f"recompute must be 'none', 'selective' or 'full', got {self.recompute!r}"
             )
+        for name, allowed in (
+            ("precision", ("auto", "bf16", "fp32")),
+            ("distributed_optimizer", ("auto", "on", "off")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
+                )
         if self.logprob_chunk_size < 0:
             raise ConfigError("logprob_chunk_size must be >= 0")
         if self.collective_timeout_s <= 0:
@@ -265,6 +281,19 @@ class EngineConfig:
             optimizer=OptimizerConfig(**d.pop("optimizer", {})),
             **d,
         )
+
+    def resolved_precision(self, *, cuda: bool) -> Literal["bf16", "fp32"]:
+        """The precision a rank runs: ``auto`` is bf16 with CUDA, fp32 without."""
+        if self.precision == "auto":
+            return "bf16" if cuda else "fp32"
+        return self.precision
+
+    @property
+    def use_distributed_optimizer(self) -> bool:
+        """ZeRO-1 over DP x CP: ``auto`` turns it on when there is more than one replica."""
+        if self.distributed_optimizer == "auto":
+            return self.layout.dp * self.layout.cp > 1
+        return self.distributed_optimizer == "on"
 
     @property
     def pad_multiple(self) -> int:

@@ -60,6 +60,14 @@ class _CudaToCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizers sort parameters by their type *name* and accept only
+            # CUDA ones ('torch.cuda.BFloat16Tensor', ...): a CPU tensor answers with the name
+            # its CUDA twin would have.
+            name: str = func(*args)
+            return (
+                name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
+            )
         if func in (torch.Tensor.to,) and args and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

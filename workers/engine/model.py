@@ -28,9 +28,11 @@ from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.engine.experts import GroupedExperts
 
 
-def transformer_config(cfg: EngineConfig) -> TransformerConfig:
-    """megatron's TransformerConfig for ``cfg``; fp32 and fusion-free so it also runs on CPU."""
+def transformer_config(cfg: EngineConfig, *, bf16: bool) -> TransformerConfig:
+    """megatron's TransformerConfig for ``cfg``: bf16 or fp32 parameters and compute, and
+    fusion-free so it also runs on CPU."""
     m, lay = cfg.model, cfg.layout
+    dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -55,9 +57,9 @@ def transformer_config(cfg: EngineConfig) -> TransformerConfig:
         # workers/engine/weights.py initialises every parameter by its canonical name instead, so a
         # model is the same on every layout.
         perform_initialization=False,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        bf16=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=bf16,
         fp16=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
@@ -145,6 +147,10 @@ def build_gpt(
             rotary_base=cfg.model.rotary_base,
             vp_stage=vp_stage,
         )
+    if tc.bf16:
+        # Every parameter in bf16, norms included (megatron's Float16Module does the same);
+        # RoPE's frequencies are not a parameter or buffer and stay fp32.
+        model.bfloat16()
     if post_process:
         # The model ends at the final norm: its output is the hidden states, and the loss
         # function applies the output layer (``lm_head_weight``) inside the log-prob kernel.
@@ -179,15 +185,24 @@ def lm_head_weight(model: GPTModel) -> Tensor:
     return weight
 
 
-def wrap_ddp(tc: TransformerConfig, model: GPTModel) -> DistributedDataParallel:
+def wrap_ddp(
+    tc: TransformerConfig, model: GPTModel, *, distributed_optimizer: bool
+) -> DistributedDataParallel:
+    """megatron's DDP: fp32 main gradients (``main_grad``) whatever the parameters' dtype,
+    summed over DP x CP (all-reduced, or reduce-scattered under the distributed optimizer)."""
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+        overlap_param_gather=False,
     )
     with megatron_cpu.cuda_to_cpu():
         return DistributedDataParallel(config=tc, ddp_config=ddp_config, module=model)
 
 
-def build_optimizer(cfg: EngineConfig, chunks: list[DistributedDataParallel]) -> Any:
+def build_optimizer(cfg: EngineConfig, chunks: list[DistributedDataParallel], *, bf16: bool) -> Any:
+    """megatron's AdamW over ``chunks``: with ``bf16``, fp32 master weights (no loss scale:
+    bf16 has fp32's exponent range); with the distributed optimizer, sharded over DP x CP."""
     o = cfg.optimizer
     oc = MegatronOptimizerConfig(
         optimizer="adam",
@@ -198,9 +213,9 @@ def build_optimizer(cfg: EngineConfig, chunks: list[DistributedDataParallel]) ->
         adam_eps=o.eps,
         # Clipping is done by the engine (megatron's clip asserts CUDA tensors).
         clip_grad=0.0,
-        bf16=False,
+        bf16=bf16,
         fp16=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
     with megatron_cpu.cuda_to_cpu():
         return get_megatron_optimizer(oc, chunks)

@@ -29,6 +29,8 @@ class ParallelDims:
     mp_group: ProcessGroup
     """Tensor x pipeline parallel: one full model replica."""
     ep_group: ProcessGroup
+    expert_dp_group: ProcessGroup
+    """The ranks holding the same experts: expert gradients are summed over it."""
     embd_group: ProcessGroup | None
     """The first and the last stage's ranks of this TP slice (tied embeddings); None on the
     stages in between."""
@@ -74,6 +76,7 @@ class ParallelDims:
             dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True),
             mp_group=mpu.get_model_parallel_group(),
             ep_group=mpu.get_expert_model_parallel_group(),
+            expert_dp_group=mpu.get_expert_data_parallel_group(),
             embd_group=mpu.get_embedding_group(check_initialized=False),
             tp_src=mpu.get_tensor_model_parallel_src_rank(),
             expert_tp_rank=mpu.get_expert_tensor_parallel_rank(),

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from trainctl.api.models import LossConfig
 from trainctl.workers.control.batch import PackedMicroBatch
-from trainctl.workers.engine import hf, megatron_cpu, weights
+from trainctl.workers.engine import hf, megatron_cpu, weights, zero
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.engine.inputs import StageInputs
 from trainctl.workers.engine.model import build_gpt, build_optimizer, transformer_config, wrap_ddp
@@ -42,6 +42,7 @@ from trainctl.workers.engine.schedule import Schedule, per_sequence
 log = logging.getLogger(__name__)
 
 _CLIP_EPS = 1e-6  # keeps the clip coefficient finite when the gradient norm is ~0
+_EMPTY = torch.zeros(0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +75,10 @@ class EngineShard:
             etp_rank=self.dims.expert_tp_rank,
         )
         self.local_experts = cfg.model.num_experts // lay.ep
-        self.tc = transformer_config(cfg)
+        self.precision = cfg.resolved_precision(cuda=torch.cuda.is_available())
+        self.zero = cfg.use_distributed_optimizer
+        bf16 = self.precision == "bf16"
+        self.tc = transformer_config(cfg, bf16=bf16)
         self._grad_sync_s = 0.0
         self._pending_norm: float | None = None
         source = weights.seeded(cfg.model.seed, cfg.model.num_layers)
@@ -91,14 +95,14 @@ class EngineShard:
                 vp_stage=vp_stage if lay.vp > 1 else None,
             )
             self._assign(model, source)
-            self.chunks.append(wrap_ddp(self.tc, model))
+            self.chunks.append(wrap_ddp(self.tc, model, distributed_optimizer=self.zero))
         # Hooks into this engine go on the config only after the model is built: MoE layers
         # deep-copy the config, and must not copy the engine along with it.
         self.tc.finalize_model_grads_func = self._finalize_grads
         self.tc.no_sync_func = [c.no_sync for c in self.chunks]
         if len(self.chunks) == 1:
             self.tc.no_sync_func = self.chunks[0].no_sync
-        self.optimizer = build_optimizer(cfg, self.chunks)
+        self.optimizer = build_optimizer(cfg, self.chunks, bf16=bf16)
         self.routing = RoutingStats(
             self.chunks, num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts
         )
@@ -114,6 +118,18 @@ class EngineShard:
         self.profiler = MemoryProfiler(self.coords)
         self.step = 0
         log.info("rank %s built %s", self.coords, self.num_parameters())
+
+    def close(self) -> None:
+        """Drop the model and the optimizer; the shard is unusable afterwards.
+
+        Under ZeRO, megatron's distributed optimizer ends up in a reference cycle that Python's
+        collector cannot see through (it runs through tensors held by C++), so a dropped shard
+        would keep its memory and its process groups' threads alive until the process exits.
+        A process that builds shards more than once (the test rank pools) closes each one.
+        """
+        self.optimizer = None
+        self.chunks = []
+        self.schedule = None  # type: ignore[assignment]
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -172,6 +188,13 @@ class EngineShard:
     def optimizer_step(self, grad_norm: float | None = None) -> float:
         """Clip by global norm, apply AdamW, zero the gradients; returns the pre-clip norm
         (computed here unless given: computing it is a collective)."""
+        grad_norm = self.update_local(grad_norm)
+        self.publish()
+        return grad_norm
+
+    def update_local(self, grad_norm: float | None = None) -> float:
+        """The optimizer update of what this rank owns (all of it, or its ZeRO shard); no
+        collective unless the norm must still be computed. Gradients are zeroed after it."""
         with megatron_cpu.cuda_to_cpu():
             self.optimizer.prepare_grads()
             if grad_norm is None:
@@ -183,25 +206,43 @@ class EngineShard:
                     for p in group["params"]:
                         if p.grad is not None:
                             p.grad.mul_(coeff)
-            self.optimizer.step_with_ready_grads()
+            if self.zero:
+                zero.update_local(self.optimizer)
+            else:
+                self.optimizer.step_with_ready_grads()
         self.zero_grad()
         self.step += 1
         return grad_norm
+
+    def publish(self) -> None:
+        """ZeRO-1: all-gather the updated parameter shards (a collective over DP x CP); nothing
+        to do without it."""
+        if self.zero:
+            with megatron_cpu.cuda_to_cpu():
+                zero.publish(self.chunks)
 
     def grad_norm(self) -> float:
         """L2 norm of the full model's gradient: every canonical parameter counted once.
 
         TP-replicated parameters (norms) count on TP rank 0 only, tied embeddings on the first
         stage only; the sum of squares is then all-reduced over the model-parallel group
-        (TP x PP). DP x CP replicas already hold the synchronised gradient.
+        (TP x PP). Without ZeRO, DP x CP replicas already hold the synchronised gradient; with
+        it, each rank sums the squares of the slices it holds summed (``zero.owned_grads``)
+        and those partial sums are added over DP x CP (over expert-DP for experts).
         """
+        owned = zero.owned_grads(self.chunks) if self.zero else {}
         dense = torch.zeros((), dtype=torch.float64)
         experts = torch.zeros((), dtype=torch.float64)
         for name, p in self._parameters():
+            g = owned.get(p, _EMPTY) if self.zero else p.main_grad
             if ".local_experts." in name:
-                experts += p.main_grad.double().pow(2).sum()
+                experts += g.double().pow(2).sum()
             elif self.coords.tp == 0 or weights.shard_rule(name).kind != "replicated":
-                dense += p.main_grad.double().pow(2).sum()
+                dense += g.double().pow(2).sum()
+        if self.zero:
+            dist.all_reduce(dense, group=self.dims.dp_cp_group)
+            if self.cfg.model.num_experts:
+                dist.all_reduce(experts, group=self.dims.expert_dp_group)
         # Each EP rank holds different experts: their squares add up over the EP group too.
         if self.cfg.layout.ep > 1:
             dist.all_reduce(experts, group=self.dims.ep_group)
@@ -242,15 +283,17 @@ class EngineShard:
         )
 
     def apply(self) -> tuple[float, float]:
-        """Phase 2: the optimizer step on the accumulated gradients; ``(grad_norm, seconds)``."""
+        """Phase 2: the optimizer update of what this rank owns, from the accumulated gradients
+        and phase 1's norm; ``(grad_norm, seconds)``. Local: no collective."""
         t0 = time.perf_counter()
-        grad_norm = self.optimizer_step(self._pending_norm)
+        grad_norm = self.update_local(self._pending_norm)
         return grad_norm, time.perf_counter() - t0
 
     def train_batch(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> StepReport:
         """Both phases in one call (tests, benchmarks and the single-process reference)."""
         report = self.accumulate(mbs, loss)
         _, optimizer_s = self.apply()
+        self.publish()
         return dataclasses.replace(report, timings={**report.timings, "optimizer_s": optimizer_s})
 
     @torch.no_grad()
@@ -289,7 +332,7 @@ class EngineShard:
         h = hashlib.sha256()
         for name, p in self._parameters():
             h.update(name.encode())
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
     def canonical_shards(self, *, grads: bool = False, owned: bool = False) -> dict[str, Tensor]:
@@ -299,9 +342,13 @@ class EngineShard:
         tensor; across pipeline stages the names are disjoint (a tied embedding comes from the
         first stage). ``owned``: only what this rank adds to one full copy of the model - dense
         tensors from DP x CP replica 0, experts from expert-data-parallel replica 0 (each EP
-        rank holds other experts).
+        rank holds other experts). Gradients under ZeRO are all-gathered first (a collective
+        over DP x CP): each rank holds only its slice of them summed.
         """
         out = {}
+        if grads and self.zero:
+            with megatron_cpu.cuda_to_cpu():
+                zero.gather_grads(self.chunks)
         dense0 = self.coords.dp == 0 and self.coords.cp == 0
         experts0 = self.dims.expert_dp_rank == 0
         for c in self.chunks:
@@ -332,7 +379,7 @@ class EngineShard:
                 }
                 for c in self.chunks
             ],
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": zero.state(self.optimizer) if self.zero else self.optimizer.state_dict(),
             "step": self.step,
             "rng": torch.get_rng_state(),
             "coords": dataclasses.asdict(self.coords),
@@ -352,7 +399,10 @@ class EngineShard:
                 if bad or unexpected:
                     raise ValueError(f"checkpoint shard: missing {bad}, unexpected {unexpected}")
             self._sync_tied_embedding()
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.zero:
+            zero.load_state(self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.zero_grad()
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
