@@ -251,11 +251,8 @@ class EngineConfig:
                 f"max_tokens_per_microbatch ({self.max_tokens_per_microbatch}) must be at least "
                 f"model.max_seq_len ({self.model.max_seq_len}) so every sequence fits"
             )
-        if self.recompute not in ("none", "selective", "full"):
-            raise ConfigError(
-                f"recompute must be 'none', 'selective' or 'full', got {self.recompute!r}"
-            )
         for name, allowed in (
+            ("recompute", ("none", "selective", "full")),
             ("precision", ("auto", "bf16", "fp32")),
             ("distributed_optimizer", ("auto", "on", "off")),
         ):

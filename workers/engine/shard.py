@@ -75,9 +75,8 @@ class EngineShard:
             etp_rank=self.dims.expert_tp_rank,
         )
         self.local_experts = cfg.model.num_experts // lay.ep
-        self.precision = cfg.resolved_precision(cuda=torch.cuda.is_available())
         self.zero = cfg.use_distributed_optimizer
-        bf16 = self.precision == "bf16"
+        bf16 = cfg.resolved_precision(cuda=torch.cuda.is_available()) == "bf16"
         self.tc = transformer_config(cfg, bf16=bf16)
         self._grad_sync_s = 0.0
         self._pending_norm: float | None = None

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from torch import Tensor
 
@@ -35,16 +34,22 @@ def _bucket_groups(chunks: Sequence[Any]) -> Iterator[Any]:
         yield from c.expert_parallel_bucket_groups
 
 
+def _owned(group: Any) -> Iterator[tuple[Any, int, int]]:
+    """Each bucket of ``group`` with the range ``[lo, hi)`` of its buffer this rank owns (the
+    ``r``-th of ``n`` equal parts, as megatron's ``shard_buffer`` cuts it)."""
+    n = group.intra_distributed_optimizer_instance_size
+    r = group.intra_distributed_optimizer_instance_rank
+    for bucket in group.buckets:
+        size = bucket.grad_data.numel() // n
+        yield bucket, r * size, (r + 1) * size
+
+
 def owned_grads(chunks: Sequence[Any]) -> dict[Tensor, Tensor]:
     """Parameter -> the flat slice of its ``main_grad`` this rank holds summed over its DP x CP
     group (the expert-data-parallel group for experts); possibly empty."""
     out: dict[Tensor, Tensor] = {}
     for group in _bucket_groups(chunks):
-        n = group.intra_distributed_optimizer_instance_size
-        r = group.intra_distributed_optimizer_instance_rank
-        for bucket in group.buckets:
-            size = bucket.grad_data.numel() // n
-            lo, hi = r * size, (r + 1) * size
+        for bucket, lo, hi in _owned(group):
             for p, (start, end) in bucket.param_to_index.items():
                 a, b = max(start, lo), min(end, hi)
                 out[p] = p.main_grad.view(-1)[a - start : max(a, b) - start]
@@ -55,12 +60,11 @@ def gather_grads(chunks: Sequence[Any]) -> None:
     """All-gather the summed shards, so every rank's ``main_grad`` holds the whole summed
     gradient (a collective over each bucket's group)."""
     for group in _bucket_groups(chunks):
-        n = group.intra_distributed_optimizer_instance_size
-        r = group.intra_distributed_optimizer_instance_rank
-        for bucket in group.buckets:
-            mine = shard_buffer(bucket.grad_data, n)[r].clone()
+        for bucket, lo, hi in _owned(group):
             dist.all_gather_into_tensor(
-                bucket.grad_data, mine, group=group.intra_distributed_optimizer_instance_group
+                bucket.grad_data,
+                bucket.grad_data[lo:hi].clone(),
+                group=group.intra_distributed_optimizer_instance_group,
             )
 
 
