@@ -257,10 +257,6 @@ def activation_case(recompute: str, tokens: int) -> dict[str, float]:
     """Peak RSS above the start of one forward/backward of a single ``tokens``-long sequence
     (4 layers, hidden 256, 4 heads), after a warm-up step: the activations kept for
     backward and what backward recomputes and frees."""
-    import numpy as np
-
-    from trainctl.api import TokenSequence
-    from trainctl.workers.control.plan import plan_step
     from trainctl.workers.engine.config import EngineConfig, ModelConfig
     from trainctl.workers.engine.shard import EngineShard
 
@@ -272,21 +268,33 @@ def activation_case(recompute: str, tokens: int) -> dict[str, float]:
         ffn_hidden_size=1024, max_seq_len=tokens,
     )  # fmt: skip
     cfg = EngineConfig(model=model, recompute=recompute, max_tokens_per_microbatch=tokens)  # type: ignore[arg-type]
-    eng = EngineShard(cfg)
+    r = one_sequence_peak(EngineShard(cfg), tokens)
+    dist.destroy_process_group()
+    return r
+
+
+def one_sequence_peak(eng: Any, tokens: int) -> dict[str, float]:
+    """Peak RSS above the start (MiB), seconds and loss of one forward/backward of one random
+    ``tokens``-long sequence on ``eng``, after a warm-up pass (every rank of its group)."""
+    import numpy as np
+
+    from trainctl.api import TokenSequence
+    from trainctl.workers.control.plan import plan_step
+
     seq = TokenSequence(
         tokens=np.random.default_rng(0).integers(0, 512, tokens).astype(np.int64),
         loss_mask=np.ones(tokens, np.float32),
     )
     plan = plan_step([seq], eng.cfg)
-    mbs = plan.microbatches[0]
+    mbs = plan.microbatches[eng.coords.dp]
     eng.forward_backward(mbs, plan.loss)  # warm-up
     eng.zero_grad()
+    dist.barrier()
     with PeakRSS() as m:
         t0 = time.perf_counter()
-        eng.forward_backward(mbs, plan.loss)
+        loss = eng.forward_backward(mbs, plan.loss)
         elapsed = time.perf_counter() - t0
-    dist.destroy_process_group()
-    return {"peak_MiB": m.peak_above_start / MIB, "time_s": elapsed}
+    return {"peak_MiB": m.peak_above_start / MIB, "time_s": elapsed, "loss": loss}
 
 
 def step_case(layout: dict[str, int], n_seqs: int, seq_len: int, steps: int) -> dict[str, float]:

@@ -35,11 +35,12 @@ SECTION_DIR = ROOT / "bench" / "results"
 def measure(fn: str, module: str = "cases", **kwargs: Any) -> dict[str, float]:
     """Run ``bench.<module>.<fn>(**kwargs)`` in a fresh process and return its result.
 
-    Memory cases run with ``child_env()`` (small allocations from mmap, so peaks are exact);
-    the API cases time the service as users run it, with the plain environment.
+    Memory cases (``cases``, ``parallel_cases``) run with ``child_env()`` (small allocations
+    from mmap, so peaks are exact); the API cases time the service as users run it, with the
+    plain environment.
     """
     job = json.dumps({"fn": fn, "module": module, "kwargs": kwargs})
-    env = child_env() if module == "cases" else {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = child_env() if module != "api_cases" else {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(Path(__file__)), "--child", job],
         capture_output=True,
@@ -139,29 +140,68 @@ def section_fused_head(quick: bool) -> str:
     )  # fmt: skip
 
 
+def _relative_rows(runs: list[tuple[str, dict[str, float]]]) -> list[list[str]]:
+    """Peak and time of each run, and their ratios to the first run's."""
+    base = runs[0][1]
+    return [
+        [
+            label,
+            f"{r['peak_MiB']:.0f}",
+            f"{r['peak_MiB'] / base['peak_MiB']:.2f}",
+            f"{r['time_s']:.1f}",
+            f"{r['time_s'] / base['time_s']:.2f}",
+        ]
+        for label, r in runs
+    ]
+
+
 def section_recompute(quick: bool) -> str:
     tokens = 2048 if quick else 8192
-    rows = []
-    base = None
-    for mode in ("none", "selective", "full"):
-        r = measure("activation_case", recompute=mode, tokens=tokens)
-        base = base or r
-        rows.append(
-            [
-                mode,
-                f"{r['peak_MiB']:.0f}",
-                f"{r['peak_MiB'] / base['peak_MiB']:.2f}",
-                f"{r['time_s']:.1f}",
-                f"{r['time_s'] / base['time_s']:.2f}",
-            ]
-        )
+    runs = [
+        (mode, measure("activation_case", recompute=mode, tokens=tokens))
+        for mode in ("none", "selective", "full")
+    ]
     head = (
         f"### Activation recomputation: one forward/backward of a {tokens}-token sequence, "
         "4 layers, hidden 256, 4 heads, fp32, peak above the weights\n\n"
     )
     return head + _table(
-        ["recompute", "peak MiB", "vs none", "forward+backward (s)", "time vs none"], rows
+        ["recompute", "peak MiB", "vs none", "forward+backward (s)", "time vs none"],
+        _relative_rows(runs),
     )
+
+
+def section_sequence_parallel(quick: bool) -> str:
+    tokens = 2048 if quick else 8192
+    runs = [
+        (
+            mode,
+            measure("sp_activation_case", "parallel_cases", sequence_parallel=mode, tokens=tokens),
+        )
+        for mode in ("off", "on")
+    ]
+    base = runs[0][1]["loss"]
+    rows = [
+        [*row, f"{abs(r['loss'] - base) / abs(base):.1e}"]
+        for row, (_, r) in zip(_relative_rows(runs), runs, strict=True)
+    ]
+    from bench.parallel_cases import SP_MODEL
+
+    m = SP_MODEL
+    head = (
+        f"### Sequence parallelism at tp2: one forward/backward of a {tokens}-token sequence, "
+        f"{m['num_layers']} layers, hidden {m['hidden_size']}, ffn {m['ffn_hidden_size']}, "
+        f"{m['num_attention_heads']} heads, fp32; per-rank peak above the weights (the larger "
+        "rank)\n\n"
+        "Under sequence parallelism the norms, the residual stream and the inputs the linears "
+        "keep for backward hold 1/tp of the tokens; attention and the MLP's inner activations "
+        "are split by heads and columns either way.\n\n"
+    )
+    return head + _table(
+        ["sequence parallel", "peak MiB", "vs off", "forward+backward (s)", "time vs off",
+         "loss rel. diff"],
+        rows,
+    )  # fmt: skip
 
 
 def section_state_bytes(quick: bool) -> str:
@@ -408,6 +448,7 @@ SECTIONS: dict[str, Callable[[bool], str]] = {
     "logprob": section_logprob,
     "fused_head": section_fused_head,
     "recompute": section_recompute,
+    "sequence_parallel": section_sequence_parallel,
     "state_bytes": section_state_bytes,
     "cp_loss": section_cp_loss,
     "mask": section_mask,

@@ -24,6 +24,7 @@ ENGINE_SETTINGS: dict[str, tuple[str | None, str]] = {
     "recompute": (None, "recompute"),
     "precision": (None, "precision"),
     "distributed_optimizer": (None, "distributed_optimizer"),
+    "sequence_parallel": (None, "sequence_parallel"),
 }
 """Setting -> (section of the engine config, or None for the top level; key in it)."""
 

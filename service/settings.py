@@ -76,6 +76,11 @@ class Settings(BaseSettings):
         description="ZeRO-1: shard optimizer state and master weights over DP x CP; "
         "auto: on when dp x cp > 1.",
     )
+    sequence_parallel: Literal["auto", "on", "off"] = Field(
+        _ENGINE.sequence_parallel,
+        description="Sequence parallelism: between the tensor-parallel layers each TP rank "
+        "keeps 1/tp of the tokens; auto: on when tp > 1 (MoE at tp > 1 needs it).",
+    )
     rank_num_cpus: float = Field(
         0.25,
         gt=0,

@@ -161,11 +161,15 @@ class RankPool:
         for p in self._procs:
             p.start()
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    def restart_if_dirty(self) -> None:
+        """Replace the ranks if the last case left process groups alive."""
         if self._dirty:
             self.close()
             self._start()
             self.restarts += 1
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        self.restart_if_dirty()
         for box in self._inboxes:
             box.put((fn, args))
         results: dict[int, Any] = {}

@@ -113,15 +113,25 @@ def step_and_collect(
             "pp": eng.coords.pp,
             "dp": eng.coords.dp,
             "cp": eng.coords.cp,
+            "ep": eng.coords.ep,
         },
         "is_last_stage": eng.is_last_stage,
         "per_loss": {},
     }
+    # Tokens reaching the first local layer's input norm, per micro-batch of the first eval
+    # pass: all of this rank's CP shard, or 1 / tp of it under sequence parallelism.
+    norm = eng.chunks[0].module.decoder.layers[0].input_layernorm
+    seen: list[int] = []
+    hook = norm.register_forward_pre_hook(lambda _, args: seen.append(int(args[0].shape[0])))
     for i, (kind, norm, options) in enumerate(losses):
         spec = LossConfig(kind=LossKind(kind), normalization=Normalization(norm), **options)
         plan = plan_step(to_host(batch), eng.cfg, loss=spec)
         mbs = plan.microbatches[eng.coords.dp]
         ev = eng.eval_batch(mbs, spec)
+        if i == 0:
+            hook.remove()
+            out["norm_rows"] = seen
+            out["microbatch_tokens"] = [mb.num_tokens for mb in mbs]
         fired, handles = _count_expert_grads(eng)
         r: dict[str, Any] = {
             "eval_loss": ev.loss,

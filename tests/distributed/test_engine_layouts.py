@@ -26,12 +26,13 @@ LR = 1e-3
 MODEL = {"num_layers": 4, "max_seq_len": 64, "num_attention_heads": 4, "num_query_groups": 2}
 
 
-def _cfg(**layout: int) -> dict:
+def _cfg(*, sequence_parallel: str = "auto", **layout: int) -> dict:
     return {
         "layout": layout,
         "max_tokens_per_microbatch": 96,
         "model": MODEL,
         "optimizer": {"clip_grad": 0.0, "eps": 1e-5},
+        "sequence_parallel": sequence_parallel,
     }
 
 
@@ -100,12 +101,38 @@ def _world(layout: dict) -> int:
     return world
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "".join(f"{k}{v}" for k, v in d.items()))
+def assert_token_split(results: list[dict], layout: dict, *, sequence_parallel: bool) -> None:
+    """Each rank's layers saw its CP shard of every micro-batch's tokens, split over the TP
+    ranks under sequence parallelism (and whole without it)."""
+    split = layout.get("cp", 1) * (layout.get("tp", 1) if sequence_parallel else 1)
+    for r in results:
+        assert r["microbatch_tokens"], r["coords"]
+        assert r["norm_rows"] == [n // split for n in r["microbatch_tokens"]], r["coords"]
+
+
+def _ids(d: dict) -> str:
+    return "".join(f"{k}{v}" for k, v in d.items())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
 def test_layout_matches_single_rank(
     pools: Callable[[int], RankPool], reference: list[dict], layout: dict
 ) -> None:
     results = pools(_world(layout)).run(step_and_collect, _cfg(**layout), ragged_batch(), LOSSES)
     assert_same_step(results, reference)
+    # Sequence parallelism is on wherever tp > 1 (the default).
+    assert_token_split(results, layout, sequence_parallel=layout.get("tp", 1) > 1)
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"cp": 2, "tp": 2}], ids=_ids)
+def test_tp_without_sequence_parallelism_matches_single_rank(
+    pools: Callable[[int], RankPool], reference: list[dict], layout: dict
+) -> None:
+    """sequence_parallel off: every TP rank keeps all the tokens; the same numbers."""
+    cfg = _cfg(sequence_parallel="off", **layout)
+    results = pools(_world(layout)).run(step_and_collect, cfg, ragged_batch(), LOSSES)
+    assert_same_step(results, reference)
+    assert_token_split(results, layout, sequence_parallel=False)
 
 
 MOE = {**MODEL, "num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 128}
@@ -116,13 +143,48 @@ def _moe_cfg(**layout: int) -> dict:
     return {**_cfg(**layout), "model": MOE}
 
 
-@pytest.mark.parametrize("offsets", [None, STARVE_EP1], ids=["routed", "ep1-gets-no-tokens"])
-def test_moe_ep2_matches_single_rank(
-    pools: Callable[[int], RankPool], offsets: list[float] | None
+MOE_CASES = [
+    ({"dp": 2, "ep": 2}, None),
+    ({"dp": 2, "ep": 2}, STARVE_EP1),
+    # tp2: sequence parallelism; each TP rank routes its own tokens through whole experts.
+    ({"tp": 2}, None),
+    # tp2 x ep2: the TP ranks hold different experts and exchange tokens.
+    ({"tp": 2, "ep": 2}, None),
+    ({"tp": 2, "ep": 2}, STARVE_EP1),
+    ({"dp": 2, "tp": 2, "ep": 2}, None),
+]
+
+
+@pytest.fixture(scope="module")
+def moe_reference(pools: Callable[[int], RankPool]) -> Callable[[list[float] | None], list[dict]]:
+    cache: dict[tuple[float, ...] | None, list[dict]] = {}
+
+    def get(offsets: list[float] | None) -> list[dict]:
+        key = None if offsets is None else tuple(offsets)
+        if key not in cache:
+            cache[key] = pools(1).run(step_and_collect, _moe_cfg(), ragged_batch(), LOSSES, offsets)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("layout", "offsets"),
+    MOE_CASES,
+    ids=[_ids(lay) + ("-ep1-gets-no-tokens" if o else "") for lay, o in MOE_CASES],
+)
+def test_moe_matches_single_rank(
+    pools: Callable[[int], RankPool],
+    moe_reference: Callable[[list[float] | None], list[dict]],
+    layout: dict,
+    offsets: list[float] | None,
 ) -> None:
-    reference = pools(1).run(step_and_collect, _moe_cfg(), ragged_batch(), LOSSES, offsets)
-    results = pools(2).run(step_and_collect, _moe_cfg(dp=2, ep=2), ragged_batch(), LOSSES, offsets)
+    reference = moe_reference(offsets)
+    results = pools(_world(layout)).run(
+        step_and_collect, _moe_cfg(**layout), ragged_batch(), LOSSES, offsets
+    )
     assert_same_step(results, reference)
+    assert_token_split(results, layout, sequence_parallel=layout.get("tp", 1) > 1)
     names = full_tensors(results, "shard_params")
     assert sum(".local_experts." in n for n in names) == 4 * MOE["num_layers"] * 2
     for r in results:
@@ -132,11 +194,13 @@ def test_moe_ep2_matches_single_rank(
             load = got["eval_metrics"]
             assert load["moe_routed:sum"] > 0 and load["moe_load_max_over_mean:value"] >= 1.0
     if offsets is STARVE_EP1:
-        ep1 = next(r for r in results if r["coords"]["dp"] == 1)
-        ep0 = next(r for r in results if r["coords"]["dp"] == 0)
-        for kind in ep1["per_loss"]:
-            assert ep1["per_loss"][kind]["local_expert_grad_norm"] == 0.0  # zero, full shape
-            assert ep0["per_loss"][kind]["local_expert_grad_norm"] > 0.0
+        for r in results:
+            for kind, got in r["per_loss"].items():
+                norm = got["local_expert_grad_norm"]
+                if r["coords"]["ep"] == 1:
+                    assert norm == 0.0, (kind, r["coords"])  # zero, full shape
+                else:
+                    assert norm > 0.0, (kind, r["coords"])
 
 
 FAMILY_SHAPES = {

@@ -20,7 +20,9 @@ from hf_models import FAMILIES, TIED, tiny_model
 from rankpool import RankPool
 
 LAYOUTS = [{}, {"tp": 2}, {"pp": 2}]
-MOE_LAYOUTS = [{}, {"pp": 2}, {"dp": 2, "ep": 2}]  # MoE runs at tp = 1
+# tp2 runs MoE under sequence parallelism, each TP rank routing its own slice of the tokens;
+# tp2 x ep2 puts the two experts' halves on the two TP ranks.
+MOE_LAYOUTS = [{}, {"tp": 2}, {"pp": 2}, {"dp": 2, "ep": 2}, {"tp": 2, "ep": 2}]
 
 
 def _reference(model: Any, batch: list[list[int]]) -> list[np.ndarray]:

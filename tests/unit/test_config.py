@@ -18,7 +18,7 @@ from trainctl.workers.engine.config import ConfigError, EngineConfig, ModelConfi
         (ParallelLayout(pp=3), ModelConfig(), "num_layers (2) must be divisible"),
         (ParallelLayout(dp=0), ModelConfig(), "layout.dp must be >= 1"),
         (ParallelLayout(vp=2), ModelConfig(num_layers=4), "needs layout.pp > 1"),
-        (ParallelLayout(dp=2, ep=4), ModelConfig(), "must divide dp * cp"),
+        (ParallelLayout(dp=2, ep=4), ModelConfig(), "must divide dp * cp * tp (2)"),
         (ParallelLayout(), ModelConfig(hidden_size=130), "hidden_size (130) must be divisible"),
         (ParallelLayout(), ModelConfig(family="gemma"), "model.family must be one of"),
         (ParallelLayout(), ModelConfig(family="qwen3_moe"), "'qwen3_moe' needs model.num_experts"),
@@ -34,6 +34,21 @@ def test_own_head_size_lifts_the_divisibility_rule() -> None:
     m = ModelConfig(hidden_size=130, head_dim=48)
     EngineConfig(model=m).validate()
     assert m.kv_channels == 48 and ModelConfig().kv_channels == 128 // 4
+
+
+def test_sequence_parallel_follows_tp_and_moe_at_tp2_needs_it() -> None:
+    moe = ModelConfig(num_experts=4)
+    assert EngineConfig(layout=ParallelLayout(tp=2)).use_sequence_parallel
+    assert not EngineConfig(layout=ParallelLayout(dp=2)).use_sequence_parallel
+    off = EngineConfig(layout=ParallelLayout(tp=2), sequence_parallel="off").validate()
+    assert not off.use_sequence_parallel
+    EngineConfig(layout=ParallelLayout(tp=2, ep=2), model=moe).validate()  # ep over TP ranks
+    with pytest.raises(ConfigError, match=re.escape("MoE with layout.tp > 1 needs sequence")):
+        EngineConfig(layout=ParallelLayout(tp=2), model=moe, sequence_parallel="off").validate()
+    with pytest.raises(ConfigError, match=re.escape("'on' needs layout.tp > 1")):
+        EngineConfig(sequence_parallel="on").validate()
+    with pytest.raises(ConfigError, match="sequence_parallel must be one of"):
+        EngineConfig(sequence_parallel="yes").validate()  # type: ignore[arg-type]
 
 
 def test_budget_must_fit_longest_sequence() -> None:

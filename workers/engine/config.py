@@ -137,7 +137,8 @@ class ParallelLayout:
     pp: int = 1
     """Pipeline stages."""
     ep: int = 1
-    """Expert-parallel ranks (MoE only; must divide dp * cp)."""
+    """Expert-parallel ranks (MoE only; must divide dp * cp * tp: experts are not
+    tensor-parallel, so the TP ranks can hold different experts)."""
     vp: int = 1
     """Virtual pipeline stages per rank (interleaved 1F1B when > 1)."""
 
@@ -163,19 +164,16 @@ class ParallelLayout:
             )
         if self.vp > 1 and self.pp == 1:
             raise ConfigError("layout.vp > 1 needs layout.pp > 1")
-        if (self.dp * self.cp) % self.ep:
-            raise ConfigError(f"layout.ep ({self.ep}) must divide dp * cp ({self.dp * self.cp})")
+        if (self.dp * self.cp * self.tp) % self.ep:
+            raise ConfigError(
+                f"layout.ep ({self.ep}) must divide dp * cp * tp ({self.dp * self.cp * self.tp})"
+            )
         if self.ep > 1 and not model.num_experts:
             raise ConfigError("layout.ep > 1 needs an MoE model (model.num_experts > 0)")
         if model.num_experts % self.ep:
             raise ConfigError(
                 f"model.num_experts ({model.num_experts}) must be divisible by layout.ep "
                 f"({self.ep})"
-            )
-        if model.num_experts and self.tp > 1:
-            raise ConfigError(
-                "MoE with layout.tp > 1 needs sequence parallelism, which this engine does not "
-                "support yet: use tp = 1 (scale experts with ep, attention with cp)"
             )
 
     def describe(self) -> str:
@@ -226,6 +224,12 @@ class EngineConfig:
     """ZeRO-1: each DP x CP rank keeps the optimizer state and master weights of only its
     1 / (dp x cp) of the parameters; gradients are reduce-scattered and the updated
     parameters all-gathered. ``auto`` is on when dp x cp > 1."""
+    sequence_parallel: Literal["auto", "on", "off"] = "auto"
+    """Sequence parallelism (tp > 1): between the tensor-parallel regions (norms, residuals,
+    dropout, the MoE router) each TP rank holds 1 / tp of the tokens instead of all of them;
+    the column-parallel linears all-gather their input over TP and the row-parallel ones
+    reduce-scatter their output, so activation memory there drops by tp for the same traffic.
+    ``auto`` is on when tp > 1. MoE at tp > 1 needs it (each TP rank routes its own tokens)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: ``selective`` keeps each layer's inputs and recomputes its
     core attention in backward; ``full`` keeps only each layer's input and recomputes the
@@ -255,11 +259,19 @@ class EngineConfig:
             ("recompute", ("none", "selective", "full")),
             ("precision", ("auto", "bf16", "fp32")),
             ("distributed_optimizer", ("auto", "on", "off")),
+            ("sequence_parallel", ("auto", "on", "off")),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(
                     f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
                 )
+        if self.sequence_parallel == "on" and self.layout.tp == 1:
+            raise ConfigError("sequence_parallel 'on' needs layout.tp > 1 (it splits over TP)")
+        if self.model.num_experts and self.layout.tp > 1 and not self.use_sequence_parallel:
+            raise ConfigError(
+                "MoE with layout.tp > 1 needs sequence parallelism: set sequence_parallel to "
+                "'auto' or 'on', or use tp = 1"
+            )
         if self.logprob_chunk_size < 0:
             raise ConfigError("logprob_chunk_size must be >= 0")
         if self.collective_timeout_s <= 0:
@@ -291,6 +303,13 @@ class EngineConfig:
         if self.distributed_optimizer == "auto":
             return self.layout.dp * self.layout.cp > 1
         return self.distributed_optimizer == "on"
+
+    @property
+    def use_sequence_parallel(self) -> bool:
+        """Sequence parallelism: ``auto`` turns it on when tp > 1."""
+        if self.sequence_parallel == "auto":
+            return self.layout.tp > 1
+        return self.sequence_parallel == "on"
 
     @property
     def pad_multiple(self) -> int:

@@ -13,7 +13,10 @@ one for fc2 over every local expert, whose weight gradients are
 * accumulated straight into megatron's fp32 ``main_grad`` (``grad_added_to_main_grad``), as
   TransformerEngine's grouped linear does for megatron.
 
-Experts are not tensor-parallel here (MoE runs at tp = 1), so each weight is whole.
+Experts are not tensor-parallel (expert TP = 1), so each weight is whole on every rank. At
+tp > 1 sequence parallelism gives each TP rank its own slice of the tokens, which it routes
+through its whole copy of the experts: the TP ranks are expert-data-parallel replicas, and
+megatron's DDP sums expert gradients over the expert-data-parallel group (DP x CP x TP / EP).
 """
 
 from __future__ import annotations
@@ -32,19 +35,19 @@ from trainctl.workers.ops.grouped_linear import WgradOptions, grouped_linear
 class _Weight(nn.Module):
     """Holds one weight under megatron's linear-layer name (``<name>.weight``)."""
 
-    def __init__(self, out_features: int, in_features: int, *, expert_parallel: bool) -> None:
+    def __init__(self, out_features: int, in_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         # megatron's DDP reduces a parameter marked allreduce=False over the expert-data-parallel
-        # group (the ranks holding the same experts) instead of all of DP x CP.
-        self.weight.allreduce = not expert_parallel  # type: ignore[attr-defined]
+        # group (the ranks holding the same experts, TP ranks included) instead of DP x CP.
+        self.weight.allreduce = False  # type: ignore[attr-defined]
 
 
 class _Expert(nn.Module):
-    def __init__(self, hidden: int, ffn: int, *, expert_parallel: bool) -> None:
+    def __init__(self, hidden: int, ffn: int) -> None:
         super().__init__()
-        self.linear_fc1 = _Weight(2 * ffn, hidden, expert_parallel=expert_parallel)
-        self.linear_fc2 = _Weight(hidden, ffn, expert_parallel=expert_parallel)
+        self.linear_fc1 = _Weight(2 * ffn, hidden)
+        self.linear_fc2 = _Weight(hidden, ffn)
 
 
 class GroupedExperts(MegatronModule):
@@ -61,10 +64,8 @@ class GroupedExperts(MegatronModule):
         super().__init__(config=config)
         ffn = config.moe_ffn_hidden_size
         assert ffn is not None
-        expert_parallel = config.expert_model_parallel_size > 1
         self.local_experts = nn.ModuleList(
-            _Expert(config.hidden_size, ffn, expert_parallel=expert_parallel)
-            for _ in range(num_local_experts)
+            _Expert(config.hidden_size, ffn) for _ in range(num_local_experts)
         )
 
     def forward(

@@ -19,13 +19,19 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from torch import Tensor
 
 from trainctl.workers.engine import megatron_cpu
 from trainctl.workers.engine.attention import PackedCoreAttention
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.engine.experts import GroupedExperts
+from trainctl.workers.engine.norm import RMSNorm
 
 
 def transformer_config(cfg: EngineConfig, *, bf16: bool) -> TransformerConfig:
@@ -41,6 +47,9 @@ def transformer_config(cfg: EngineConfig, *, bf16: bool) -> TransformerConfig:
         ffn_hidden_size=m.ffn_hidden_size,
         kv_channels=m.kv_channels,
         tensor_model_parallel_size=lay.tp,
+        sequence_parallel=cfg.use_sequence_parallel,
+        # Experts are not tensor-parallel (workers/engine/experts.py), as in ParallelDims.
+        expert_tensor_parallel_size=1,
         pipeline_model_parallel_size=lay.pp,
         context_parallel_size=lay.cp,
         virtual_pipeline_model_parallel_size=lay.vp if lay.vp > 1 else None,
@@ -129,13 +138,23 @@ def build_gpt(
         qk_layernorm=cfg.model.qk_norm,
         normalization="RMSNorm",
     )
-    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    layer = spec.submodules
+    attention = layer.self_attention.submodules
+    attention.core_attention = PackedCoreAttention
+    # Every norm is ours: megatron's torch-backed norm refuses sequence parallelism.
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if attention.q_layernorm is not IdentityOp:
+        attention.q_layernorm = attention.k_layernorm = RMSNorm
     if cfg.model.num_experts:
-        spec.submodules.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+        layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+    # The block spec names the final norm (a layer spec alone would get megatron's).
+    block = TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(tc, vp_stage=vp_stage), layer_norm=RMSNorm
+    )
     with megatron_cpu.cuda_to_cpu():
         model = GPTModel(
             config=tc,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=block,
             vocab_size=cfg.model.vocab_size,
             max_sequence_length=cfg.model.max_seq_len,
             pre_process=pre_process,

@@ -58,6 +58,9 @@ class ParallelDims:
             virtual_pipeline_model_parallel_size=layout.vp if layout.vp > 1 else None,
             context_parallel_size=layout.cp,
             expert_model_parallel_size=layout.ep,
+            # Experts are whole on every TP rank (workers/engine/experts.py): under sequence
+            # parallelism each TP rank routes its own tokens through them.
+            expert_tensor_parallel_size=1,
             distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         )
         vps = [v if layout.vp > 1 else None for v in range(layout.vp)]

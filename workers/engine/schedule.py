@@ -25,7 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 from torch import Tensor
 
 from trainctl.api.models import LossConfig
@@ -66,8 +69,10 @@ class Schedule:
         vocab_size: int,
         logprob_chunk_size: int,
         fused_lm_head: bool = True,
+        sequence_parallel: bool = False,
     ) -> None:
         self.chunks, self.dims, self.inputs, self.routing = chunks, dims, inputs, routing
+        self.sequence_parallel = sequence_parallel
         self.vocab_start = dims.vocab_start(vocab_size)
         self.chunk_size = logprob_chunk_size
         self.fused = fused_lm_head
@@ -129,15 +134,34 @@ class Schedule:
 
     def _head(self, hidden: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Any]:
         """Per-token log-probs of ``labels`` under the output layer applied to ``hidden
-        [t, H]``, and a function giving the per-token entropy."""
-        kw: dict[str, Any] = {"tp_group": self.dims.tp_group, "chunk_size": self.chunk_size}
+        [t, H]``, and a function giving the per-token entropy.
+
+        Under sequence parallelism ``hidden`` is this TP rank's slice of the tokens: it is
+        all-gathered over TP first (as megatron's output layer does), and that gather's
+        backward reduce-scatters the hidden states' gradient, summing each rank's vocabulary
+        slice's share, so the head itself must not sum it again."""
+        group = self.dims.tp_group
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, group=group)
+        kw: dict[str, Any] = {"tp_group": group, "chunk_size": self.chunk_size}
         if self.fused:
-            lp = fused_head_logprob(hidden, weight, labels, vocab_start=self.vocab_start, **kw)
+            lp = fused_head_logprob(
+                hidden,
+                weight,
+                labels,
+                vocab_start=self.vocab_start,
+                reduce_hidden_grad=not self.sequence_parallel,
+                **kw,
+            )
             return lp, lambda: fused_head_entropy(hidden.detach(), weight.detach(), **kw)
         # Unfused: the column-parallel output layer (the hidden states' gradient summed over
-        # TP), all logits, then the streamed log-prob kernel.
+        # TP, here or by the gather above), all logits, then the streamed log-prob kernel.
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        x = copy_to_tensor_model_parallel_region(hidden, group=self.dims.tp_group)
+        x = (
+            hidden
+            if self.sequence_parallel
+            else copy_to_tensor_model_parallel_region(hidden, group=group)
+        )
         logits = head_logits(x, weight, rows)
         lp = vocab_parallel_logprob(logits, labels, vocab_start=self.vocab_start, **kw)
         return lp, lambda: vocab_parallel_entropy(logits.detach(), **kw)

@@ -113,6 +113,7 @@ class EngineShard:
             vocab_size=cfg.model.vocab_size,
             logprob_chunk_size=cfg.logprob_chunk_size,
             fused_lm_head=cfg.fused_lm_head,
+            sequence_parallel=cfg.use_sequence_parallel,
         )
         self.profiler = MemoryProfiler(self.coords)
         self.step = 0
@@ -223,11 +224,12 @@ class EngineShard:
     def grad_norm(self) -> float:
         """L2 norm of the full model's gradient: every canonical parameter counted once.
 
-        TP-replicated parameters (norms) count on TP rank 0 only, tied embeddings on the first
-        stage only; the sum of squares is then all-reduced over the model-parallel group
-        (TP x PP). Without ZeRO, DP x CP replicas already hold the synchronised gradient; with
-        it, each rank sums the squares of the slices it holds summed (``zero.owned_grads``)
-        and those partial sums are added over DP x CP (over expert-DP for experts).
+        TP-replicated parameters (norms, routers, experts) count on TP rank 0 only, tied
+        embeddings on the first stage only; the sum of squares is then all-reduced over the
+        model-parallel group (TP x PP). Without ZeRO, DP x CP replicas already hold the
+        synchronised gradient; with it, each rank sums the squares of the slices it holds
+        summed (``zero.owned_grads``) and those partial sums are added over DP x CP (over
+        expert-DP for experts).
         """
         owned = zero.owned_grads(self.chunks) if self.zero else {}
         dense = torch.zeros((), dtype=torch.float64)
@@ -245,7 +247,8 @@ class EngineShard:
         # Each EP rank holds different experts: their squares add up over the EP group too.
         if self.cfg.layout.ep > 1:
             dist.all_reduce(experts, group=self.dims.ep_group)
-        sq = dense + experts
+        # Experts are whole on every TP rank (expert TP = 1): they count on TP rank 0 only.
+        sq = dense + (experts if self.coords.tp == 0 else torch.zeros_like(experts))
         dist.all_reduce(sq, group=self.dims.mp_group)
         return float(sq.sqrt())
 

@@ -13,7 +13,9 @@ backward walk the tokens in chunks of ``chunk`` rows and recompute each chunk's 
               operations as ``ops/logprob.py``), then ``dh[rows] += dlogits W`` and
               ``dW += dlogits^T h`` into one preallocated fp32 buffer each; ``dh`` is summed
               over TP (each rank saw only its vocabulary slice), as megatron's column-parallel
-              output layer does.
+              output layer does - unless the caller sums it itself (``reduce_hidden_grad=False``:
+              under sequence parallelism the all-gather that made ``hidden`` reduce-scatters
+              ``dh`` in its own backward, which sums it and keeps this rank's tokens).
 
 ``rows`` maps each output row to the hidden row that predicts it, so one hidden row can serve
 several targets (a trie's branch point); ``rows = arange(N)`` is the plain case.
@@ -86,6 +88,7 @@ class _FusedHeadLogprob(torch.autograd.Function):
         vocab_start: int,
         tp_group: Any,
         chunk: int,
+        reduce_hidden_grad: bool,
     ) -> Tensor:
         n = target.shape[0]
         local, outside = _local_target(target, vocab_start, weight.shape[0])
@@ -106,7 +109,7 @@ class _FusedHeadLogprob(torch.autograd.Function):
         out = lp.squeeze(-1).masked_fill_(outside, 0.0)
         _all_reduce(out, dist.ReduceOp.SUM, tp_group)
         ctx.save_for_backward(hidden, weight, rows, local, outside, m, log_se)
-        ctx.chunk, ctx.tp_group = chunk, tp_group
+        ctx.chunk, ctx.tp_group, ctx.reduce_hidden_grad = chunk, tp_group, reduce_hidden_grad
         return out
 
     @staticmethod
@@ -122,8 +125,9 @@ class _FusedHeadLogprob(torch.autograd.Function):
             dh.index_add_(0, rows[a:b], d @ weight.float())
             dw.addmm_(d.t(), hidden[rows[a:b]].float())
             del p, d
-        _all_reduce(dh, dist.ReduceOp.SUM, ctx.tp_group)
-        return dh.to(hidden.dtype), dw.to(weight.dtype), None, None, None, None, None
+        if ctx.reduce_hidden_grad:
+            _all_reduce(dh, dist.ReduceOp.SUM, ctx.tp_group)
+        return dh.to(hidden.dtype), dw.to(weight.dtype), None, None, None, None, None, None
 
 
 def fused_head_logprob(
@@ -135,17 +139,19 @@ def fused_head_logprob(
     vocab_start: int = 0,
     tp_group: ProcessGroup | None = None,
     chunk_size: int = 1024,
+    reduce_hidden_grad: bool = True,
 ) -> Tensor:
     """Per-target log p(target) of the logits ``hidden[rows] @ weight^T`` (vocab-sharded over
     ``tp_group``), never holding more than ``chunk_size`` rows of logits (rounded up to whole
-    ``ROW_BLOCK``s; 0 = all at once); fp32 ``[M]``."""
+    ``ROW_BLOCK``s; 0 = all at once); fp32 ``[M]``. ``reduce_hidden_grad``: sum the gradient
+    of ``hidden`` over ``tp_group`` here (False when the caller's own collective does)."""
     if rows is None:
         rows = torch.arange(target.shape[0], device=hidden.device)
     if rows.shape != target.shape:
         raise ValueError(f"rows {tuple(rows.shape)} and target {tuple(target.shape)} differ")
     chunk = _chunk(chunk_size, int(target.shape[0]))
     return _FusedHeadLogprob.apply(  # type: ignore[no-any-return]
-        hidden, weight, target, rows, vocab_start, tp_group, chunk
+        hidden, weight, target, rows, vocab_start, tp_group, chunk, reduce_hidden_grad
     )
 
 

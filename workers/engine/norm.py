@@ -1,0 +1,41 @@
+"""RMSNorm for megatron-core's layer spec, usable under sequence parallelism.
+
+megatron-core's local spec builds its norms through ``WrappedTorchNorm``, which refuses a
+config with ``sequence_parallel`` (its constructor asserts it off), and the alternative,
+apex's fused norm, needs CUDA. This module is the same computation as ``torch.nn.RMSNorm``
+(``F.rms_norm``, so the numbers are bit for bit those of the norms it replaces) and takes
+megatron's norm arguments, so it slots into every norm of the spec: each layer's input and
+pre-MLP norms, the final norm, and Qwen3's q/k norms.
+
+Under sequence parallelism each TP rank normalises only its slice of the tokens, so its weight
+gradient is a partial sum. The weight is marked ``sequence_parallel`` and megatron's
+``finalize_model_grads`` sums those gradients over the TP group (q/k norms are summed by name
+there in any case: each TP rank holds other heads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` over the last dimension, ``hidden_size`` wide."""
+
+    def __init__(
+        self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any
+    ) -> None:
+        super().__init__()
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("RMSNorm: layernorm_zero_centered_gamma is not supported")
+        self.normalized_shape = (hidden_size,)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
