@@ -12,7 +12,7 @@ of the batch, whatever the parallel layout.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, model_validator
 
@@ -111,6 +111,13 @@ class _SequencesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sequences: SequenceBatch = Field(description="The batch; at least one sequence.")
+    packing: Literal["flat", "tree"] | None = Field(
+        default=None,
+        description="'tree': sequences sharing a prefix (a GRPO group, multi-turn siblings) are "
+        "packed into prefix tries, so each shared token is computed once; each sequence keeps "
+        "its own mask and loss inputs, and the results equal 'flat' packing. Default: the "
+        "server's setting.",
+    )
 
     def check_limits(self, limits: ModelLimits) -> None:
         """Raise ``InvalidRequestError`` naming the first field that the model cannot take."""
@@ -188,6 +195,11 @@ class LogProbsResult(BaseModel):
     logprobs: list[list[float]]
     entropy: list[list[float]] | None = Field(
         default=None, description="Entropy of the predictive distribution at each position."
+    )
+    metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="'tokens:sum' (the batch's tokens) and 'computed_tokens:sum' (the tokens "
+        "the model computed: fewer when packing 'tree' shares prefixes).",
     )
 
 

@@ -10,7 +10,7 @@ import random
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeAlias, TypeVar, cast
+from typing import Any, Generic, Literal, TypeAlias, TypeVar, cast
 
 import httpx
 from pydantic import BaseModel
@@ -40,6 +40,7 @@ SequenceLike: TypeAlias = BaseModel | TokenSequence | Mapping[str, Any] | Iterab
 """A ``Sequence`` model, a ``TokenSequence``, a dict of per-token lists or arrays
 (``tokens``, ``loss_mask``, ...), or a list of token ids."""
 LossLike: TypeAlias = LossConfig | Mapping[str, Any] | None
+Packing: TypeAlias = Literal["flat", "tree"] | None
 
 
 def to_batch(seqs: Iterable[SequenceLike] | SequenceBatch) -> SequenceBatch:
@@ -181,6 +182,7 @@ class Requests:
         loss: LossLike = None,
         expected_step: int | None = None,
         entropy: bool = False,
+        packing: str | None = None,
         idempotency_key: str | None = None,
     ) -> tuple[BaseModel, dict[str, str], bytes]:
         """The validated request of a batch operation, its headers and its body."""
@@ -188,6 +190,8 @@ class Requests:
         if not spec.batch:
             raise ValueError(f"{kind} is not a batch operation")
         fields: dict[str, Any] = {}
+        if packing is not None:
+            fields["packing"] = packing
         if spec.kind is OperationKind.LOGPROBS:
             fields["entropy"] = entropy
         else:

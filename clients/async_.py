@@ -46,6 +46,7 @@ from trainctl.clients._base import (
     NO_RETRY,
     Call,
     LossLike,
+    Packing,
     Requests,
     RetryPolicy,
     SequenceLike,
@@ -117,27 +118,37 @@ class AsyncTrainctlClient:
         loss: LossLike = None,
         *,
         expected_step: int | None = None,
+        packing: Packing = None,
         idempotency_key: str | None = None,
     ) -> StepResult:
         """Forward/backward over ``sequences`` and one optimizer step (default loss:
         token-mean cross-entropy; see ``LossConfig`` for importance sampling and PPO).
-        ``expected_step``: apply only if the model is at that step (else ``ConflictError``)."""
+        ``expected_step``: apply only if the model is at that step (else ``ConflictError``).
+        ``packing``: ``"tree"`` computes prefixes shared by several sequences once, ``"flat"``
+        packs each whole (the same results); default: the server's setting."""
         call = self._req.run(
             OperationKind.TRAIN_BATCH, StepResult, sequences=sequences, loss=loss,
-            expected_step=expected_step, idempotency_key=idempotency_key,
+            expected_step=expected_step, packing=packing, idempotency_key=idempotency_key,
         )  # fmt: skip
         return await self._send(call)
 
-    async def eval_batch(self, sequences: Sequences, loss: LossLike = None) -> StepResult:
+    async def eval_batch(
+        self, sequences: Sequences, loss: LossLike = None, *, packing: Packing = None
+    ) -> StepResult:
         """The loss of ``sequences`` without backward or update."""
-        call = self._req.run(OperationKind.EVAL_BATCH, StepResult, sequences=sequences, loss=loss)
+        call = self._req.run(
+            OperationKind.EVAL_BATCH, StepResult, sequences=sequences, loss=loss, packing=packing
+        )
         return await self._send(call)
 
-    async def logprobs(self, sequences: Sequences, *, entropy: bool = False) -> LogProbsResult:
+    async def logprobs(
+        self, sequences: Sequences, *, entropy: bool = False, packing: Packing = None
+    ) -> LogProbsResult:
         """Per-token log-probs (and entropy) of each sequence under the current weights."""
         call = self._req.run(
-            OperationKind.LOGPROBS, LogProbsResult, sequences=sequences, entropy=entropy
-        )
+            OperationKind.LOGPROBS, LogProbsResult, sequences=sequences, entropy=entropy,
+            packing=packing,
+        )  # fmt: skip
         return await self._send(call)
 
     async def submit(

@@ -1,7 +1,7 @@
 """``trainctl``: the command line. ``serve`` starts the service; the rest talk to one.
 
     trainctl info
-    trainctl train-batch batch.jsonl [--loss-kind ppo ...] [--expected-step N]
+    trainctl train-batch batch.jsonl [--loss-kind ppo ...] [--expected-step N] [--packing tree]
     trainctl eval-batch batch.jsonl
     trainctl logprobs batch.jsonl [--entropy] [-o out.jsonl]
     trainctl memory-profile start|stop|list
@@ -93,18 +93,33 @@ def _loss(args: argparse.Namespace) -> LossConfig:
     )
 
 
+def _add_packing_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--packing",
+        choices=["flat", "tree"],
+        default=None,
+        help="tree: compute prefixes shared by several sequences once (default: the server's)",
+    )
+
+
 def _client_commands(args: argparse.Namespace, c: TrainctlClient) -> int:
     if args.command == "info":
         _print(c.info())
     elif args.command == "train-batch":
         batch = read_batch(args.file)
-        kw = {"loss": _loss(args), "expected_step": args.expected_step}
+        kw = {"loss": _loss(args), "expected_step": args.expected_step, "packing": args.packing}
         _print(_run_operation(c, OperationKind.TRAIN_BATCH, batch, **kw))
     elif args.command == "eval-batch":
-        _print(_run_operation(c, OperationKind.EVAL_BATCH, read_batch(args.file), loss=_loss(args)))
+        batch = read_batch(args.file)
+        kw = {"loss": _loss(args), "packing": args.packing}
+        _print(_run_operation(c, OperationKind.EVAL_BATCH, batch, **kw))
     elif args.command == "logprobs":
         result = _run_operation(
-            c, OperationKind.LOGPROBS, read_batch(args.file), entropy=args.entropy
+            c,
+            OperationKind.LOGPROBS,
+            read_batch(args.file),
+            entropy=args.entropy,
+            packing=args.packing,
         )
         out = open(args.output, "w") if args.output != "-" else sys.stdout  # noqa: SIM115
         try:
@@ -184,11 +199,13 @@ def parser() -> argparse.ArgumentParser:
         q = sub.add_parser(name, help=f"{what} on a JSONL batch")
         q.add_argument("file", help="JSONL, one sequence per line ('-': stdin)")
         _add_loss_flags(q)
+        _add_packing_flag(q)
         if name == "train-batch":
             q.add_argument("--expected-step", type=int, default=None)
     q = sub.add_parser("logprobs", help="per-token log-probs of a JSONL batch")
     q.add_argument("file")
     q.add_argument("--entropy", action="store_true")
+    _add_packing_flag(q)
     q.add_argument("-o", "--output", default="-", help="JSONL output (default: stdout)")
     q = sub.add_parser("memory-profile", help="start, stop, list or download memory profiles")
     q.add_argument("action", choices=["start", "stop", "list", "download"])

@@ -87,7 +87,7 @@ def encode_response(
         )
     if isinstance(result, LogProbsResult):
         body = wire.encode_per_sequence(
-            {"step": result.step},
+            {"step": result.step, "metrics": result.metrics},
             {"logprobs": _floats(result.logprobs), "entropy": _floats(result.entropy)},
         )
     else:

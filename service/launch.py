@@ -25,6 +25,7 @@ ENGINE_SETTINGS: dict[str, tuple[str | None, str]] = {
     "precision": (None, "precision"),
     "distributed_optimizer": (None, "distributed_optimizer"),
     "sequence_parallel": (None, "sequence_parallel"),
+    "packing": (None, "packing"),
 }
 """Setting -> (section of the engine config, or None for the top level; key in it)."""
 

@@ -81,6 +81,12 @@ class Settings(BaseSettings):
         description="Sequence parallelism: between the tensor-parallel layers each TP rank "
         "keeps 1/tp of the tokens; auto: on when tp > 1 (MoE at tp > 1 needs it).",
     )
+    packing: Literal["flat", "tree"] = Field(
+        _ENGINE.packing,
+        description="Default packing of a request that names none: 'tree' packs sequences "
+        "sharing a prefix into prefix tries (shared tokens computed once, the same results); "
+        "'flat' packs every sequence whole.",
+    )
     rank_num_cpus: float = Field(
         0.25,
         gt=0,

@@ -93,7 +93,7 @@ def reference_step(batch: list[dict[str, Any]], engine_cfg: dict[str, Any]) -> d
     from trainctl.api import TrainBatchRequest
 
     req = TrainBatchRequest(sequences=batch)
-    plan = plan_step(list(req.sequences), cfg)
+    plan = plan_step(list(req.sequences), cfg, packing="flat")  # the reference packs flat
     mbs = plan.microbatches[0]
     before = eng.eval_batch(mbs, plan.loss).loss
     step = eng.train_batch(mbs, plan.loss)

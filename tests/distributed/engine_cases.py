@@ -36,6 +36,49 @@ def ragged_batch(seed: int = 0, vocab: int = 512) -> list[dict[str, Any]]:
     return out
 
 
+def shared_batch(
+    seed: int = 0, vocab: int = 512, groups: tuple[str, ...] = ("grpo", "turns", "other")
+) -> list[dict[str, Any]]:
+    """Sequences that share prefixes, each with its own mask and RL inputs (so shared tokens
+    carry different advantages): a GRPO group of 4 responses to one prompt; multi-turn
+    siblings branching at several depths, one of them a prefix of another and one an identical
+    duplicate; and an unrelated sequence."""
+    rng = np.random.default_rng(seed)
+
+    def tok(n: int) -> list[int]:
+        return rng.integers(1, vocab, n).tolist()
+
+    seqs: list[tuple[list[int], int]] = []  # (tokens, prompt length)
+    if "grpo" in groups:
+        prompt = tok(20)
+        seqs += [(prompt + tok(n), 20) for n in (9, 14, 3, 11)]
+    if "turns" in groups:
+        t1, t2, t3 = tok(10), tok(7), tok(6)
+        seqs += [
+            (t1 + t2 + t3, 10),
+            (t1 + t2 + tok(8), 10),
+            (t1 + tok(5), 10),
+            (t1 + t2, 10),  # a prefix of the first two
+            (t1 + t2 + t3, 10),  # a duplicate of the first
+        ]
+    if "other" in groups:
+        seqs.append((tok(23), 4))
+    out = []
+    for tokens, prompt in seqs:
+        n = len(tokens)
+        out.append(
+            {
+                "tokens": tokens,
+                "loss_mask": [0] * prompt + [1] * (n - prompt),
+                "advantages": rng.normal(size=n).tolist(),
+                "old_logprobs": (-rng.uniform(4, 8, n)).tolist(),
+                "ref_logprobs": (-rng.uniform(4, 8, n)).tolist(),
+            }
+        )
+    out[1]["weights"] = rng.uniform(0.5, 2.0, len(out[1]["tokens"])).tolist()
+    return out
+
+
 def to_host(batch: list[dict[str, Any]]) -> list[Any]:
     from trainctl.api import TokenSequence
 
@@ -95,6 +138,7 @@ def step_and_collect(
     batch: list[dict[str, Any]],
     losses: tuple[Any, ...] = LOSSES[:1],
     route_offsets: list[float] | None = None,
+    packing: str = "flat",
 ) -> dict[str, Any]:
     """For every loss: eval loss, train loss, gradients and grad norm; then one optimizer step
     with the last loss and the parameters after it - gradients and parameters as full-tensor
@@ -125,13 +169,16 @@ def step_and_collect(
     hook = norm.register_forward_pre_hook(lambda _, args: seen.append(int(args[0].shape[0])))
     for i, (kind, norm, options) in enumerate(losses):
         spec = LossConfig(kind=LossKind(kind), normalization=Normalization(norm), **options)
-        plan = plan_step(to_host(batch), eng.cfg, loss=spec)
+        plan = plan_step(to_host(batch), eng.cfg, loss=spec, packing=packing)
         mbs = plan.microbatches[eng.coords.dp]
         ev = eng.eval_batch(mbs, spec)
         if i == 0:
             hook.remove()
             out["norm_rows"] = seen
-            out["microbatch_tokens"] = [mb.num_tokens for mb in mbs]
+            out["microbatch_tokens"] = [mb.model_tokens for mb in mbs]
+            out["tree_microbatches"] = sum(mb.tree is not None for mb in mbs)
+            out["computed_tokens"] = plan.computed_tokens
+            out["flat_tokens"] = plan.num_tokens
         fired, handles = _count_expert_grads(eng)
         r: dict[str, Any] = {
             "eval_loss": ev.loss,
@@ -276,7 +323,9 @@ def tied_embedding_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dic
     }
 
 
-def logprobs_and_grads(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str, Any]:
+def logprobs_and_grads(
+    cfg: dict[str, Any], batch: list[dict[str, Any]], packing: str = "flat"
+) -> dict[str, Any]:
     """Per-token log-probs and entropies (by request index, from the reporting ranks) and the
     gradients of one cross-entropy backward, as full-tensor shards."""
     from trainctl.api.models import LossConfig
@@ -285,7 +334,7 @@ def logprobs_and_grads(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict
     from trainctl.workers.engine.shard import EngineShard
 
     eng = EngineShard(EngineConfig.from_dict(cfg))
-    plan = plan_step(to_host(batch), eng.cfg, loss=LossConfig())
+    plan = plan_step(to_host(batch), eng.cfg, loss=LossConfig(), packing=packing)
     mbs = plan.microbatches[eng.coords.dp]
     out = eng.logprobs(mbs, entropy=True)
     eng.forward_backward(mbs, LossConfig())

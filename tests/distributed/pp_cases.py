@@ -31,12 +31,40 @@ def _stage_batch(n_seqs: int, seq_length: int, loss_inputs: tuple[str, ...]):
     )
 
 
+TARGETS = 30
+"""Loss positions of a tree micro-batch: more than its 24 rows (shared prefixes)."""
+
+
+def _with_tree(full: Any, n: int) -> Any:
+    """The batch as a tree micro-batch: a segment table of ``n``-dependent length, and loss
+    positions (labels, mask, loss inputs, rows) of another length than the rows."""
+    from trainctl.workers.ops import pp_broadcast as ppb
+
+    gen = torch.Generator().manual_seed(100 + n)
+    shape = (1, TARGETS)
+    return ppb.replace(
+        full,
+        labels=torch.randint(0, V, shape, generator=gen),
+        loss_mask=torch.ones(shape),
+        loss_inputs={k: torch.randn(shape, generator=gen) for k in full.loss_inputs},
+        rows=torch.randint(0, 24, shape, generator=gen),
+        segments=torch.arange(3 * n + 2, dtype=torch.int64),
+    )
+
+
 def pp_broadcast_case(
-    tp: int, pp: int, seq_counts: list[int], with_cu: bool = True, collated: bool = False
+    tp: int,
+    pp: int,
+    seq_counts: list[int],
+    with_cu: bool = True,
+    collated: bool = False,
+    tree: bool = False,
 ) -> list[dict[str, Any]]:
     """Every TP rank of every stage gets what its stage needs; returns what each call sent.
 
-    ``collated``: the sender's ``cu_seqlens`` is ``[1, n]``, as megatron collates it."""
+    ``collated``: the sender's ``cu_seqlens`` is ``[1, n]``, as megatron collates it.
+    ``tree``: micro-batches packed as prefix tries (segment table, rows, more loss positions
+    than rows)."""
     from trainctl.workers.ops import pp_broadcast as ppb
 
     g = grid(tp=tp, pp=pp)
@@ -44,7 +72,12 @@ def pp_broadcast_case(
     src = g.src_of("tp")
     sender = dist.get_rank() == src
     inputs = ("loss_scale", "advantages")
-    cfg = ppb.BroadcastConfig(seq_length=24, loss_inputs=inputs)
+    cfg = ppb.BroadcastConfig(
+        seq_length=24,
+        loss_inputs=inputs,
+        has_tree=tree,
+        num_targets=TARGETS if tree else None,
+    )
     calls: list[tuple[tuple[int, ...], str]] = []
     real = dist.broadcast
 
@@ -61,6 +94,8 @@ def pp_broadcast_case(
                 full = ppb.replace(full, cu_seqlens=None)
             elif collated:
                 full = ppb.replace(full, cu_seqlens=full.cu_seqlens[None])
+            if tree:
+                full = _with_tree(full, n)
             got = ppb.broadcast_stage_batch(
                 full if sender else None, role=role, cfg=cfg, tp_group=g.groups["tp"], src=src
             )
@@ -75,8 +110,17 @@ def pp_broadcast_case(
             first = role in (ppb.StageRole.ONLY, ppb.StageRole.FIRST)
             last = role in (ppb.StageRole.ONLY, ppb.StageRole.LAST)
             assert (got.tokens is not None) == first and (got.labels is not None) == last
+            # Every stage applies rotary positions: every stage has the position ids.
+            assert got.position_ids is not None
+            assert torch.equal(got.position_ids, full.position_ids)
+            assert (got.segments is not None) == tree and (got.rows is not None) == (tree and last)
+            if tree:
+                assert torch.equal(got.segments, full.segments)
+                res["segments"] = got.segments.numel()
             if first:
                 assert torch.equal(got.tokens, full.tokens)
+            if last and tree:
+                assert torch.equal(got.rows, full.rows) and got.labels.shape == (1, TARGETS)
             if last:
                 assert torch.equal(got.labels, full.labels)
                 assert set(got.loss_inputs) == set(inputs)

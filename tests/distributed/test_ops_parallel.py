@@ -122,6 +122,16 @@ def test_t4_1_t4_2_every_stage_gets_metadata(pools: Pools, pp: int) -> None:
         assert [len(r["cu"]) for r in per_rank] == [4, 6]
 
 
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_tree_metadata_reaches_every_stage_and_tp_rank(pools: Pools, pp: int) -> None:
+    """Prefix-trie micro-batches: the segment table (and the position ids, which are depths)
+    reach every TP rank of every stage, intermediate ones included; the rows and the loss
+    positions, more of them than rows, reach the last stage."""
+    results = pools(2 * pp).run(pp_broadcast_case, 2, pp, [3, 5], True, False, True)
+    for per_rank in results:
+        assert [r["segments"] for r in per_rank] == [11, 17]  # variable length, per batch
+
+
 @pytest.mark.parametrize("pp", [1, 4])
 def test_collated_cu_seqlens_reach_every_tp_rank_as_one_shape(pools: Pools, pp: int) -> None:
     """megatron collates cu_seqlens as [1, n]: every TP rank, the sender included, holds the

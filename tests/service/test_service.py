@@ -279,6 +279,9 @@ def test_metrics_report_steps_tokens_latency_and_errors(service: Service) -> Non
     assert value('trainctl_operation_seconds_count{kind="train_batch"}') >= step
     assert value('trainctl_http_errors_total{type="invalid_request"}') >= len(BAD_BODIES)
     assert value('trainctl_tokens_total{kind="train_batch"}') > 0
+    # Computed tokens are counted beside them (fewer where tries shared prefixes).
+    computed = value('trainctl_computed_tokens_total{kind="train_batch"}')
+    assert 0 < computed <= value('trainctl_tokens_total{kind="train_batch"}')
 
 
 def test_every_log_line_of_an_operation_carries_its_id(service: Service) -> None:

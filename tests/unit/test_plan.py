@@ -126,3 +126,81 @@ def test_plan_requires_the_losses_inputs() -> None:
             pad_multiple=1,
             loss=LossConfig(kind=LossKind.PPO),
         )
+
+
+def _group() -> list[TokenSequence]:
+    """Three responses to one 6-token prompt, and one unrelated sequence."""
+    prompt = [9, 8, 7, 6, 5, 4]
+    return [
+        seq([*prompt, 1, 2, 3], [0] * 6 + [1] * 3),
+        seq([*prompt, 4], [0] * 6 + [1]),
+        seq([*prompt, 5, 6], [0] * 6 + [1] * 2, [0.5] * 8),
+        seq([30, 31, 32]),
+    ]
+
+
+def test_tree_plan_shares_prefixes_and_keeps_the_flat_loss_side() -> None:
+    seqs = _group()
+    flat = make_plan(seqs, dp=1, max_tokens_per_microbatch=64, pad_multiple=2)
+    tree = make_plan(seqs, dp=1, max_tokens_per_microbatch=64, pad_multiple=2, packing="tree")
+    assert flat.computed_tokens == flat.num_tokens == 9 + 7 + 8 + 3
+    assert tree.num_tokens == flat.num_tokens
+    assert tree.computed_tokens == 6 + 3 + 1 + 2 + 3  # the prompt once
+    assert tree.loss_normalizer == flat.loss_normalizer
+    (mb,) = tree.microbatches[0]
+    assert mb.tree is not None and mb.model_tokens < mb.num_tokens
+    # Each loss position reads the trie row of its own token: the same input token and depth
+    # as flat, so it predicts the same label from the same prefix.
+    t = mb.tree
+    real = mb.loss_scale > 0
+    ids = np.asarray(mb.input_ids)
+    np.testing.assert_array_equal(t.input_ids[t.rows][real], ids[real])
+    np.testing.assert_array_equal(t.position_ids[t.rows][real], mb.position_ids[real])
+    assert t.rows.shape == mb.labels.shape and t.rows.max() < t.num_tokens
+    assert t.num_tokens % 2 == 0 and t.cu_seqlens[-1] == t.num_tokens
+    # The loss side is the flat packing of the same sequences, sequence by sequence.
+    (fmb,) = flat.microbatches[0]
+    by_seq = {int(i): k for k, i in enumerate(mb.seq_index)}
+    for k, i in enumerate(fmb.seq_index.tolist()):
+        a = slice(int(fmb.cu_seqlens[k]), int(fmb.cu_seqlens[k + 1]))
+        j = by_seq[i]
+        b = slice(int(mb.cu_seqlens[j]), int(mb.cu_seqlens[j + 1]))
+        for name in ("labels", "loss_mask", "loss_scale"):
+            np.testing.assert_array_equal(fmb.per_token[name][a], mb.per_token[name][b])
+
+
+def test_tree_plan_without_sharing_is_the_flat_plan() -> None:
+    seqs = [seq([1, 2, 3]), seq([4, 5]), seq([6, 7, 8, 9])]
+    flat = make_plan(seqs, dp=2, max_tokens_per_microbatch=8, pad_multiple=2)
+    tree = make_plan(seqs, dp=2, max_tokens_per_microbatch=8, pad_multiple=2, packing="tree")
+    for fs, ts in zip(flat.microbatches, tree.microbatches, strict=True):
+        for f, t in zip(fs, ts, strict=True):
+            assert t.tree is None and t.per_token.keys() == f.per_token.keys()
+            for k in f.per_token:
+                np.testing.assert_array_equal(t.per_token[k], f.per_token[k])
+
+
+def test_tree_plan_gives_a_rank_only_dummies_and_pads_uniformly() -> None:
+    tree = make_plan(
+        _group()[:3], dp=2, max_tokens_per_microbatch=64, pad_multiple=2, packing="tree",
+        uniform_length=True,
+    )  # fmt: skip
+    shards = tree.microbatches
+    assert sorted(sum(not mb.is_dummy for mb in s) for s in shards) == [0, 1]
+    lengths = {mb.model_tokens for s in shards for mb in s}
+    assert len(lengths) == 1  # PP / EP: one shape for every micro-batch, dummies included
+    assert tree.computed_tokens == 12
+
+
+def test_tree_tries_are_padded_for_the_zigzag_split() -> None:
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.config import ConfigError, EngineConfig, ParallelLayout
+
+    cfg = EngineConfig(layout=ParallelLayout(cp=2))
+    (mb,) = plan_step(_group(), cfg, packing="tree").microbatches[0]
+    assert mb.tree is not None
+    assert all(n % 4 == 0 for n in np.diff(mb.tree.cu_seqlens))  # 2 * cp per trie
+    with pytest.raises(ConfigError, match="packing must be one of"):
+        EngineConfig(packing="trie").validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="packing must be 'flat' or 'tree'"):
+        make_plan(_group(), dp=1, max_tokens_per_microbatch=64, pad_multiple=1, packing="x")

@@ -238,7 +238,7 @@ def test_logprobs_binary_answer(http: TestClient) -> None:
         pytest.approx([0.0, -0.02, -0.03]),
         [0.0],
     ]
-    assert [len(c) for c in cols["entropy"]] == [3, 1] and fields == {"step": 0}
+    assert [len(c) for c in cols["entropy"]] == [3, 1] and fields == {"step": 0, "metrics": {}}
 
 
 def test_oversize_and_unknown_media_type(fake: FakeController) -> None:

@@ -28,6 +28,30 @@ PACKED_FIELDS = ("input_ids", "position_ids", "labels", "loss_mask", "loss_scale
 
 
 @dataclass(frozen=True, kw_only=True)
+class TreeLayout:
+    """What the model computes for a micro-batch packed as prefix tries (docs/algorithms.md
+    §10), beside the micro-batch's flat per-token arrays, which stay per sequence.
+
+    The model runs over ``N`` trie rows; the loss over the ``M`` flat positions of the member
+    sequences, position ``j`` reading the hidden state of trie row ``rows[j]``: a shared token
+    is computed once, and each sequence through it keeps its own labels, mask and loss inputs.
+    """
+
+    input_ids: np.ndarray  # [N] int64, tries depth-first, each padded to the pad multiple
+    position_ids: np.ndarray  # [N] int64, each token's depth
+    cu_seqlens: np.ndarray  # [tries + 1] int32, padded trie boundaries
+    segments: np.ndarray
+    """int64 segment table (``workers/control/trie.encode_segments``): who attends to whom."""
+    rows: np.ndarray  # [M] int64, the trie row of each flat position (pads: row 0)
+    computed_tokens: int
+    """Real trie tokens (no pads): the tokens after sharing."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True, kw_only=True)
 class PackedMicroBatch:
     """Sequences packed into 1-D arrays, each right-padded to the layout's pad multiple.
 
@@ -44,6 +68,9 @@ class PackedMicroBatch:
     seq_lens: np.ndarray  # [B] int64, unpadded lengths
     is_dummy: bool = False
     """A placeholder that keeps this DP rank in step with its peers; contributes zero loss."""
+    tree: TreeLayout | None = None
+    """Set when the sequences are packed as prefix tries: the model computes the tries, and
+    ``per_token`` (the flat arrays above) is the loss side, read through ``tree.rows``."""
 
     @property
     def input_ids(self) -> np.ndarray:
@@ -82,6 +109,18 @@ class PackedMicroBatch:
     def max_seqlen(self) -> int:
         return int(np.diff(self.cu_seqlens).max()) if len(self.cu_seqlens) > 1 else 0
 
+    @property
+    def model_tokens(self) -> int:
+        """Rows the model computes: the tries' (tree) or the flat tokens (padded)."""
+        return self.tree.num_tokens if self.tree is not None else self.num_tokens
+
+    @property
+    def computed_tokens(self) -> int:
+        """Real tokens the model computes (no pads; shared prefixes once); 0 for a dummy."""
+        if self.is_dummy:
+            return 0
+        return self.tree.computed_tokens if self.tree is not None else int(self.seq_lens.sum())
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepPlan:
@@ -108,4 +147,9 @@ class StepPlan:
 
     @property
     def padded_tokens(self) -> int:
-        return sum(mb.num_tokens for shard in self.microbatches for mb in shard)
+        return sum(mb.model_tokens for shard in self.microbatches for mb in shard)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Real tokens the model computes: ``num_tokens`` less what prefix sharing saved."""
+        return sum(mb.computed_tokens for shard in self.microbatches for mb in shard)

@@ -9,10 +9,17 @@ Pure host-side numpy, run once per step by the controller:
 4. the loss normalisers (global counts of loss tokens and sequences) are computed once, here,
    and folded into a per-token ``loss_scale``, so every rank's local loss sum adds up to the
    single-process loss.
+
+With ``packing="tree"`` the units of steps 1 and 2 are prefix tries instead of sequences
+(``workers/control/trie.py``): sequences sharing a prefix travel together, and a micro-batch
+whose tries share anything carries a ``TreeLayout`` (the model computes each shared token
+once; the loss side stays per sequence). A batch in which nothing is shared is planned exactly
+as ``flat``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Sequence
 
@@ -22,6 +29,7 @@ from trainctl.api.batch import TokenSequence
 from trainctl.api.fields import LOSS_INPUTS
 from trainctl.api.models import LossConfig, Normalization
 from trainctl.workers.control.batch import PACKED_FIELDS, PackedMicroBatch, StepPlan
+from trainctl.workers.control.trie import Trie, build_tries, tree_layout
 from trainctl.workers.engine.config import EngineConfig
 
 CROSS_ENTROPY = LossConfig()
@@ -189,10 +197,12 @@ def make_plan(
     uniform_length: bool = False,
     loss: LossConfig = CROSS_ENTROPY,
     microbatch_multiple: int = 1,
+    packing: str = "flat",
 ) -> StepPlan:
     """Build the step plan; ``loss`` carries the normalisation. ``uniform_length`` pads every
     micro-batch to one length (PP); ``microbatch_multiple`` rounds the micro-batch count up
-    (the interleaved PP schedule needs a multiple of the pipeline size)."""
+    (the interleaved PP schedule needs a multiple of the pipeline size); ``packing`` is
+    ``flat`` or ``tree`` (prefix tries)."""
     if not seqs:
         raise ValueError("empty batch")
     present = _loss_inputs(seqs[0])
@@ -206,27 +216,47 @@ def make_plan(
             f"a sequence of {max(padded)} padded tokens exceeds the micro-batch budget "
             f"{max_tokens_per_microbatch}"
         )
+    tries: list[Trie] = []
+    if packing == "tree":
+        tries = build_tries(
+            [s.tokens for s in seqs], budget=max_tokens_per_microbatch, pad_multiple=pad_multiple
+        )
+        tries.sort(key=lambda t: min(t.members))  # request order, as far as sharing allows
+        if not any(t.branches for t in tries):
+            tries = []  # nothing shared: exactly the flat plan
+    elif packing != "flat":
+        raise ValueError(f"packing must be 'flat' or 'tree', got {packing!r}")
+    # The units dispatched: tries, or single sequences.
+    units = [list(t.members) for t in tries] or [[i] for i in range(len(seqs))]
+    unit_len = [_round_up(t.size, pad_multiple) for t in tries] or padded
     groups = [
-        cut_microbatches(shard, padded, max_tokens_per_microbatch)
-        for shard in balance_over_dp(padded, dp)
+        cut_microbatches(shard, unit_len, max_tokens_per_microbatch)
+        for shard in balance_over_dp(unit_len, dp)
     ]
     num_mb = _round_up(max(1, max(len(g) for g in groups)), microbatch_multiple)
     total_len = None
     if uniform_length:
-        total_len = max(sum(padded[i] for i in mb) for g in groups for mb in g)
+        total_len = max(sum(unit_len[u] for u in mb) for g in groups for mb in g)
     dummy_len = total_len or pad_multiple
     shards = []
     for g in groups:
-        mbs = [
-            pack(
-                [seqs[i] for i in mb],
-                mb,
+        mbs = []
+        for mb in g:
+            members = [i for u in mb for i in units[u]]
+            shared = bool(tries) and any(tries[u].branches for u in mb)
+            packed = pack(
+                [seqs[i] for i in members],
+                members,
                 pad_multiple=pad_multiple,
-                scales=[scales[i] for i in mb],
-                total_len=total_len,
+                scales=[scales[i] for i in members],
+                total_len=None if shared else total_len,
             )
-            for mb in g
-        ]
+            if shared:
+                tree = tree_layout(
+                    [tries[u] for u in mb], pad_multiple=pad_multiple, total_len=total_len
+                )
+                packed = dataclasses.replace(packed, tree=tree)
+            mbs.append(packed)
         mbs += [
             dummy_microbatch(length=dummy_len, loss_inputs=present)
             for _ in range(num_mb - len(mbs))
@@ -250,8 +280,10 @@ def plan_step(
     cfg: EngineConfig,
     *,
     loss: LossConfig = CROSS_ENTROPY,
+    packing: str | None = None,
 ) -> StepPlan:
-    """``make_plan`` with everything the engine's layout dictates."""
+    """``make_plan`` with everything the engine's layout dictates; ``packing`` defaults to
+    the engine config's."""
     lay = cfg.layout
     return make_plan(
         seqs,
@@ -263,4 +295,5 @@ def plan_step(
         uniform_length=lay.pp > 1 or lay.ep > 1,
         loss=loss,
         microbatch_multiple=lay.pp if lay.vp > 1 else 1,
+        packing=packing or cfg.packing,
     )

@@ -77,27 +77,30 @@ class Steps:
 
     # -- planning (at submit) ------------------------------------------------------------------
 
-    def plan(self, sequences: SequenceBatch, loss: LossConfig) -> tuple[StepPlan, float]:
-        """The dispatch plan and the seconds it took; a batch the layout cannot take is a 422."""
+    def plan(
+        self, sequences: SequenceBatch, loss: LossConfig, packing: str | None
+    ) -> tuple[StepPlan, float]:
+        """The dispatch plan and the seconds it took; a batch the layout cannot take is a 422.
+        ``packing``: the request's, else the server's default."""
         t0 = time.perf_counter()
         try:
-            plan = plan_step(list(sequences), self.cfg, loss=loss)
+            plan = plan_step(list(sequences), self.cfg, loss=loss, packing=packing)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         return plan, time.perf_counter() - t0
 
     def train(self, req: TrainBatchRequest) -> Runner:
-        plan, t_plan = self.plan(req.sequences, req.loss)
+        plan, t_plan = self.plan(req.sequences, req.loss, req.packing)
         return lambda h: self._train(h, req, plan, t_plan)
 
     def eval(self, req: EvalBatchRequest) -> Runner:
-        plan, t_plan = self.plan(req.sequences, req.loss)
+        plan, t_plan = self.plan(req.sequences, req.loss, req.packing)
         return lambda h: self._eval(h, plan, t_plan)
 
     def logprobs(self, req: LogProbsRequest) -> Runner:
         """Log-probs read only the tokens: every position after the first is a target."""
         tokens_only = req.sequences.without(*req.sequences.present)
-        plan, _ = self.plan(tokens_only, LossConfig())
+        plan, _ = self.plan(tokens_only, LossConfig(), req.packing)
         return lambda h: self._logprobs(h, req, plan)
 
     # -- running (in turn) ---------------------------------------------------------------------
@@ -178,13 +181,14 @@ class Steps:
             step=self.state.step,
             logprobs=[lp.tolist() for lp, _ in ordered],
             entropy=[ent.tolist() for _, ent in ordered] if req.entropy else None,
+            metrics=token_counts(plan),
         )
 
     def _result(self, plan: StepPlan, reports: list[Any], t_plan: float) -> StepResult:
         last = next(r for r in reports if r.is_last_stage)
         metrics = {
             "loss:mean": last.loss,
-            "tokens:sum": float(plan.num_tokens),
+            **token_counts(plan),
             "loss_tokens:sum": float(plan.loss_normalizer),
             "sequences:sum": float(plan.num_sequences),
             "padded_tokens:sum": float(plan.padded_tokens),
@@ -196,3 +200,11 @@ class Steps:
         for key in reports[0].timings:
             timings[f"{key.removesuffix('_s')}_max_s"] = max(r.timings[key] for r in reports)
         return StepResult(loss=last.loss, step=self.state.step, metrics=metrics, timings=timings)
+
+
+def token_counts(plan: StepPlan) -> dict[str, float]:
+    """The batch's tokens, and those the model computed (fewer where tries shared prefixes)."""
+    return {
+        "tokens:sum": float(plan.num_tokens),
+        "computed_tokens:sum": float(plan.computed_tokens),
+    }

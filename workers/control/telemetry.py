@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from trainctl.api import OperationKind, OperationStatus, StepResult
+from trainctl.api import LogProbsResult, OperationKind, OperationStatus, StepResult
 from trainctl.workers.control.operations import Handle
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -22,6 +22,13 @@ class ControllerMetrics:
         self.steps = Counter("trainctl_steps", "Optimizer steps applied.", registry=r)
         self.tokens = Counter(
             "trainctl_tokens", "Tokens processed, by operation kind.", ["kind"], registry=r
+        )
+        self.computed_tokens = Counter(
+            "trainctl_computed_tokens",
+            "Tokens the model computed, by operation kind: fewer than trainctl_tokens where "
+            "prefix tries shared them.",
+            ["kind"],
+            registry=r,
         )
         self.operations = Counter(
             "trainctl_operations",
@@ -58,8 +65,10 @@ class ControllerMetrics:
             self.queue_wait.observe(op.started_at - op.created_at)
         if op.status is OperationStatus.FAILED and op.error is not None:
             self.errors.labels(op.error.type.value).inc()
-        elif isinstance(op.result, StepResult):
-            self.tokens.labels(kind).inc(op.result.metrics.get("tokens:sum", 0.0))
+        elif isinstance(op.result, StepResult | LogProbsResult):
+            metrics = op.result.metrics
+            self.tokens.labels(kind).inc(metrics.get("tokens:sum", 0.0))
+            self.computed_tokens.labels(kind).inc(metrics.get("computed_tokens:sum", 0.0))
             if op.kind is OperationKind.TRAIN_BATCH:
                 self.steps.inc()
 

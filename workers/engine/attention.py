@@ -1,10 +1,16 @@
-"""Core attention for packed sequences, given to megatron-core's layer spec.
+"""Core attention for packed sequences and prefix tries, given to megatron-core's layer spec.
 
 megatron-core's local ``DotProductAttention`` refuses packed (THD) input and context
 parallelism; TransformerEngine's attention needs CUDA. This module attends causally within each
 packed sequence with torch's ``scaled_dot_product_attention``, one sequence at a time, so no
 ``[T, T]`` mask is ever built; with CP it gathers keys and values over the CP group and masks
-by global (zigzag) positions.
+by global (zigzag) positions. A micro-batch packed as prefix tries attends by ancestry, segment
+by segment (``workers/ops/tree_attention.py``).
+
+Rotary positions are applied here, from each token's position id (``rope_freqs``), not by
+megatron from the packed length: a trie token's position is its depth, not its index. megatron's
+own rotary embedding is switched off (``workers/engine/model.py``); the formula is its own
+(``apply_rotary_pos_emb``), so flat sequences get the same values bit for bit.
 
 Shapes (``t`` = packed tokens on this rank, ``np`` / ``ng`` = query heads / key-value groups
 on this TP rank, ``hn`` = head dim):
@@ -16,10 +22,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -27,7 +36,29 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
 
-from trainctl.workers.ops.cp import gather_from_cp
+from trainctl.workers.ops.cp import gather_from_cp, zigzag_positions
+from trainctl.workers.ops.tree_attention import Segments, tree_attention
+
+
+@dataclass
+class PackedBatchParams(PackedSeqParams):
+    """megatron's packed-sequence parameters plus what our attention reads: the rotary
+    frequencies of this rank's tokens and, for prefix tries, the segment table."""
+
+    rope: Tensor | None = None
+    """``[t, 1, rot_dim]`` fp32 rotary frequencies by position id (``rope_freqs``)."""
+    tree: Segments | None = None
+
+
+def rope_freqs(rope: RotaryEmbedding, positions: Tensor) -> Tensor:
+    """megatron's rotary frequencies (``RotaryEmbedding.get_emb``) at ``positions [t]``
+    instead of at ``0..t-1``: ``[t, 1, rot_dim]``, row ``i`` equal to ``get_emb``'s row
+    ``positions[i]``, bit for bit (the same ``outer`` of the same values)."""
+    if rope.rotary_interleaved or rope.seq_len_interpolation_factor is not None:
+        raise NotImplementedError("interleaved or interpolated rotary embeddings")
+    inv_freq = rope.inv_freq
+    freqs = torch.outer(positions.to(device=inv_freq.device, dtype=inv_freq.dtype), inv_freq)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, :]
 
 
 class PackedCoreAttention(MegatronModule):
@@ -92,9 +123,33 @@ class PackedCoreAttention(MegatronModule):
             s, b = query.shape[0], query.shape[1]
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
+        if not isinstance(packed_seq_params, PackedBatchParams) or packed_seq_params.rope is None:
+            raise ValueError("packed attention needs PackedBatchParams with rotary frequencies")
+        rope = packed_seq_params.rope
+        query = apply_rotary_pos_emb(query, rope, self.config, cp_group=self.cp_group)
+        key = apply_rotary_pos_emb(key, rope, self.config, cp_group=self.cp_group)
         cu = packed_seq_params.cu_seqlens_q
         if packed_seq_params.cu_seqlens_q_padded is not None:
             cu = packed_seq_params.cu_seqlens_q_padded
+        if packed_seq_params.tree is not None:
+            query_pos = None
+            if self.cp_size > 1:
+                # The tries are zigzag-split like sequences: gather every row's keys and
+                # values, and mask this rank's queries by ancestry over global rows.
+                assert self.cp_group is not None
+                key = gather_from_cp(key, cu, self.cp_group)
+                value = gather_from_cp(value, cu, self.cp_group)
+                query_pos = zigzag_positions(cu, self.cp_size, self.cp_group.rank())
+            out = tree_attention(
+                query,
+                key,
+                value,
+                packed_seq_params.tree,
+                scale=self.softmax_scale,
+                dropout_p=self.dropout_p if self.training else 0.0,
+                query_pos=query_pos,
+            )
+            return out.reshape(out.shape[0], -1)
         if self.cp_size > 1:
             return self._forward_cp(query, key, value, cu)
         outs = []

@@ -230,6 +230,10 @@ class EngineConfig:
     the column-parallel linears all-gather their input over TP and the row-parallel ones
     reduce-scatter their output, so activation memory there drops by tp for the same traffic.
     ``auto`` is on when tp > 1. MoE at tp > 1 needs it (each TP rank routes its own tokens)."""
+    packing: Literal["flat", "tree"] = "tree"
+    """How a batch is packed unless its request says: ``tree`` packs sequences that share a
+    prefix into prefix tries (each shared token computed once, the same results; a batch
+    sharing nothing is packed exactly as ``flat``); ``flat`` packs every sequence whole."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: ``selective`` keeps each layer's inputs and recomputes its
     core attention in backward; ``full`` keeps only each layer's input and recomputes the
@@ -260,6 +264,7 @@ class EngineConfig:
             ("precision", ("auto", "bf16", "fp32")),
             ("distributed_optimizer", ("auto", "on", "off")),
             ("sequence_parallel", ("auto", "on", "off")),
+            ("packing", ("flat", "tree")),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(

@@ -5,23 +5,30 @@ per-token field by one map: ``workers/ops/cp.py``) and broadcasts over its TP gr
 stage needs (``workers/ops/pp_broadcast.py``): tokens and positions on the first stage; labels,
 loss mask and per-token loss inputs on the last; the packed-sequence metadata on every stage.
 The other TP ranks only learn shapes from the plan. ``cu_seqlens`` stay *global* (padded):
-attention under CP and RoPE need them; the local boundaries are ``cu // cp``.
+attention under CP needs them; the local boundaries are ``cu // cp``.
+
+A micro-batch packed as prefix tries (``PackedMicroBatch.tree``) gives the model the tries'
+tokens, depths and segment table, and the loss its flat per-sequence arrays with ``rows``, the
+trie row each loss position reads (docs/algorithms.md §10). Under CP the tries are zigzag-split
+like sequences, and each CP rank takes the loss positions whose row it holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from trainctl.workers.control.batch import PackedMicroBatch
+from trainctl.workers.engine.attention import PackedBatchParams
 from trainctl.workers.engine.parallel import ParallelDims
-from trainctl.workers.ops.cp import split_for_cp
+from trainctl.workers.ops.cp import split_for_cp, split_targets_for_cp
 from trainctl.workers.ops.pp_broadcast import BroadcastConfig, StageBatch, broadcast_stage_batch
+from trainctl.workers.ops.tree_attention import Segments
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,8 +36,12 @@ class RankMicroBatch:
     """One micro-batch as this rank sees it; token fields are CP-local ``[1, T / cp]``."""
 
     batch: StageBatch
-    packed: PackedSeqParams  # global padded cu_seqlens and max length
+    packed: PackedBatchParams  # global padded cu_seqlens and max length; a tree's segments
     is_dummy: bool
+    targets: Tensor | None = None
+    """Prefix tries under CP: the indices, into the micro-batch's ``[num_targets]`` loss
+    positions, of those this CP rank computes (the ones whose hidden row it holds)."""
+    num_targets: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,30 +78,66 @@ class StageInputs:
 
     def prepare(self, mb: PackedMicroBatch) -> RankMicroBatch:
         d = self.dims
+        tree = mb.tree is not None
+        targets = self._cp_targets(mb)
         inputs = ("loss_scale", *mb.loss_inputs)
-        batch = self._read(mb, inputs) if dist.get_rank() == d.tp_src else None
+        batch = self._read(mb, inputs, targets) if dist.get_rank() == d.tp_src else None
         if d.layout.tp > 1:
-            cfg = BroadcastConfig(seq_length=mb.num_tokens // d.layout.cp, loss_inputs=inputs)
+            cfg = BroadcastConfig(
+                seq_length=mb.model_tokens // d.layout.cp,
+                loss_inputs=inputs,
+                has_tree=tree,
+                num_targets=None
+                if not tree
+                else mb.num_tokens
+                if targets is None
+                else len(targets[0]),
+            )
             batch = broadcast_stage_batch(
                 batch, role=d.stage_role, cfg=cfg, tp_group=d.tp_group, src=d.tp_src
             )
         assert batch is not None and batch.cu_seqlens is not None
         assert batch.max_seqlen is not None
         max_len = batch.max_seqlen.reshape(())
+        segments = None
+        if batch.segments is not None:
+            segments = Segments.decode(batch.segments, mb.model_tokens)
         return RankMicroBatch(
             batch=batch,
-            packed=PackedSeqParams(
+            packed=PackedBatchParams(
                 qkv_format="thd",
                 cu_seqlens_q=batch.cu_seqlens,
                 cu_seqlens_kv=batch.cu_seqlens,
                 max_seqlen_q=max_len,
                 max_seqlen_kv=max_len,
+                tree=segments,
             ),
             is_dummy=mb.is_dummy,
+            targets=None if targets is None else targets[0],
+            num_targets=mb.num_tokens,
         )
 
-    def _read(self, mb: PackedMicroBatch, inputs: tuple[str, ...]) -> StageBatch:
+    def _cp_targets(self, mb: PackedMicroBatch) -> tuple[Tensor, Tensor] | None:
+        """Prefix tries under CP: this CP rank's loss positions and the local rows they read
+        (every TP rank computes them: the loss side's length depends on them)."""
+        if mb.tree is None or self.dims.layout.cp == 1:
+            return None
+        return split_targets_for_cp(
+            torch.from_numpy(np.array(mb.tree.rows)),
+            torch.from_numpy(np.array(mb.tree.cu_seqlens)),
+            cp_size=self.dims.layout.cp,
+            cp_rank=self.dims.coords.cp,
+        )
+
+    def _read(
+        self,
+        mb: PackedMicroBatch,
+        inputs: tuple[str, ...],
+        targets: tuple[Tensor, Tensor] | None,
+    ) -> StageBatch:
         t = packed_tokens(mb)
+        if mb.tree is not None:
+            return self._read_tree(mb, t.per_token, inputs, targets)
         per_token = t.per_token
         if self.dims.layout.cp > 1:
             cp = self.dims.layout.cp
@@ -100,9 +147,46 @@ class StageInputs:
         return StageBatch(
             tokens=per_token["input_ids"][None],
             position_ids=per_token["position_ids"][None],
-            labels=per_token["labels"][None],
-            loss_mask=per_token["loss_mask"][None],
-            loss_inputs={k: per_token[k][None] for k in inputs},
             cu_seqlens=t.cu_seqlens,
             max_seqlen=torch.tensor([mb.max_seqlen], dtype=torch.int32),
+            **_loss_side(per_token, inputs),
         )
+
+    def _read_tree(
+        self,
+        mb: PackedMicroBatch,
+        per_token: dict[str, Tensor],
+        inputs: tuple[str, ...],
+        targets: tuple[Tensor, Tensor] | None,
+    ) -> StageBatch:
+        tree = mb.tree
+        assert tree is not None
+        cu = torch.from_numpy(np.array(tree.cu_seqlens))
+        model = {
+            "input_ids": torch.from_numpy(np.array(tree.input_ids)),
+            "position_ids": torch.from_numpy(np.array(tree.position_ids)),
+        }
+        rows = torch.from_numpy(np.array(tree.rows))
+        if targets is not None:  # CP: this rank's zigzag rows, and the positions reading them
+            cp = self.dims.layout.cp
+            model = split_for_cp(model, cu, cp_size=cp, cp_rank=self.dims.coords.cp).per_token
+            keep, rows = targets
+            per_token = {k: v[keep] for k, v in per_token.items()}
+        return StageBatch(
+            tokens=model["input_ids"][None],
+            position_ids=model["position_ids"][None],
+            rows=rows[None],
+            cu_seqlens=cu,
+            max_seqlen=torch.tensor([int(np.diff(tree.cu_seqlens).max())], dtype=torch.int32),
+            segments=torch.from_numpy(np.array(tree.segments)),
+            **_loss_side(per_token, inputs),
+        )
+
+
+def _loss_side(per_token: dict[str, Tensor], inputs: tuple[str, ...]) -> dict[str, Any]:
+    """The last stage's per-position items: labels, mask and the loss inputs ``[1, M]``."""
+    return {
+        "labels": per_token["labels"][None],
+        "loss_mask": per_token["loss_mask"][None],
+        "loss_inputs": {k: per_token[k][None] for k in inputs},
+    }

@@ -170,6 +170,10 @@ def build_gpt(
         # Every parameter in bf16, norms included (megatron's Float16Module does the same);
         # RoPE's frequencies are not a parameter or buffer and stay fp32.
         model.bfloat16()
+    # Rotary positions are applied by our core attention from each token's position id
+    # (workers/engine/attention.py): megatron's, from the packed length, would be wrong for a
+    # trie's depths. The module stays for its frequencies (inv_freq, Llama 3 scaling below).
+    model.rotary_pos_emb.forward = _rotary_in_attention
     if post_process:
         # The model ends at the final norm: its output is the hidden states, and the loss
         # function applies the output layer (``lm_head_weight``) inside the log-prob kernel.
@@ -187,6 +191,10 @@ def build_gpt(
             original_max_position_embeddings=m.rope_original_max_position,
         )
     return model
+
+
+def _rotary_in_attention(*_: Any, **__: Any) -> None:
+    return None
 
 
 def _hidden_states_out(

@@ -3,7 +3,8 @@
 Forward hooks on megatron's routers add up their ``routing_map`` (``[tokens, experts]`` bool)
 while a real micro-batch runs (dummies are not counted; pads inside real micro-batches are).
 ``export`` all-reduces the ``[layers, experts]`` counts over the world - each layer lives on
-one pipeline stage, each token on one DP x CP rank, and MoE runs at TP = 1 - and resets them.
+one pipeline stage, each token on one DP x CP rank (and, under sequence parallelism, on one TP
+rank), a trie's shared token once - and resets them.
 """
 
 from __future__ import annotations

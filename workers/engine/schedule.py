@@ -17,6 +17,7 @@ The shares of every micro-batch and every DP x CP rank add up to the global loss
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -34,12 +35,13 @@ from torch import Tensor
 from trainctl.api.models import LossConfig
 from trainctl.workers.control.batch import PackedMicroBatch
 from trainctl.workers.engine import megatron_cpu
+from trainctl.workers.engine.attention import rope_freqs
 from trainctl.workers.engine.inputs import RankMicroBatch, StageInputs
 from trainctl.workers.engine.model import lm_head_weight
 from trainctl.workers.engine.parallel import ParallelDims
 from trainctl.workers.engine.routing import RoutingStats
 from trainctl.workers.ops.aggregate import aggregate_loss
-from trainctl.workers.ops.cp import gather_from_cp
+from trainctl.workers.ops.cp import gather_from_cp, gather_targets_from_cp
 from trainctl.workers.ops.fused_head import fused_head_entropy, fused_head_logprob, head_logits
 from trainctl.workers.ops.logprob import vocab_parallel_entropy, vocab_parallel_logprob
 from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
@@ -74,6 +76,7 @@ class Schedule:
         self.chunks, self.dims, self.inputs, self.routing = chunks, dims, inputs, routing
         self.sequence_parallel = sequence_parallel
         self.vocab_start = dims.vocab_start(vocab_size)
+        self.vocab_size = vocab_size
         self.chunk_size = logprob_chunk_size
         self.fused = fused_lm_head
 
@@ -100,7 +103,8 @@ class Schedule:
                 data_iterator=iters,
                 model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
                 num_microbatches=len(tensors),
-                seq_length=max(mb.num_tokens for mb in mbs),  # global: megatron divides by cp
+                # global: megatron divides by cp (and by tp under sequence parallelism)
+                seq_length=max(mb.model_tokens for mb in mbs),
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
@@ -121,20 +125,21 @@ class Schedule:
     ) -> tuple[Tensor, Any]:
         mb = next(data)
         self.routing.counting = not mb.is_dummy
-        hidden = model(
-            mb.batch.tokens,
-            mb.batch.position_ids,
-            attention_mask=None,
-            packed_seq_params=mb.packed,
-        )
-        # Only the last stage has an output layer (megatron calls the loss function there alone).
         gpt = model.module
+        positions = mb.batch.position_ids
+        assert positions is not None, "every stage gets the position ids"
+        packed = dataclasses.replace(mb.packed, rope=rope_freqs(gpt.rotary_pos_emb, positions[0]))
+        hidden = model(mb.batch.tokens, positions, attention_mask=None, packed_seq_params=packed)
+        # Only the last stage has an output layer (megatron calls the loss function there alone).
         weight = lm_head_weight(gpt) if gpt.post_process else None
         return hidden, partial(self._loss_func, mb, loss, outputs, weight)
 
-    def _head(self, hidden: Tensor, weight: Tensor, labels: Tensor) -> tuple[Tensor, Any]:
-        """Per-token log-probs of ``labels`` under the output layer applied to ``hidden
-        [t, H]``, and a function giving the per-token entropy.
+    def _head(
+        self, hidden: Tensor, weight: Tensor, labels: Tensor, rows: Tensor | None
+    ) -> tuple[Tensor, Any]:
+        """Per-token log-probs of ``labels`` under the output layer applied to ``hidden[rows]``
+        (``hidden [t, H]``; ``rows`` maps each loss position to the hidden row predicting it,
+        all rows in order when None), and a function giving the per-token entropy.
 
         Under sequence parallelism ``hidden`` is this TP rank's slice of the tokens: it is
         all-gathered over TP first (as megatron's output layer does), and that gather's
@@ -143,20 +148,22 @@ class Schedule:
         group = self.dims.tp_group
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, group=group)
+        if rows is None:
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
         kw: dict[str, Any] = {"tp_group": group, "chunk_size": self.chunk_size}
         if self.fused:
             lp = fused_head_logprob(
                 hidden,
                 weight,
                 labels,
+                rows=rows,
                 vocab_start=self.vocab_start,
                 reduce_hidden_grad=not self.sequence_parallel,
                 **kw,
             )
-            return lp, lambda: fused_head_entropy(hidden.detach(), weight.detach(), **kw)
+            return lp, lambda: fused_head_entropy(hidden.detach(), weight.detach(), rows=rows, **kw)
         # Unfused: the column-parallel output layer (the hidden states' gradient summed over
         # TP, here or by the gather above), all logits, then the streamed log-prob kernel.
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
         x = (
             hidden
             if self.sequence_parallel
@@ -165,6 +172,18 @@ class Schedule:
         logits = head_logits(x, weight, rows)
         lp = vocab_parallel_logprob(logits, labels, vocab_start=self.vocab_start, **kw)
         return lp, lambda: vocab_parallel_entropy(logits.detach(), **kw)
+
+    def _tree_head(
+        self, hidden: Tensor, weight: Tensor, labels: Tensor, rows: Tensor
+    ) -> tuple[Tensor, Any]:
+        """``_head`` for prefix tries: the sequences through a shared token all read its hidden
+        row, and inside a shared prefix they also predict the same next token. The head runs
+        once per distinct (row, label) pair - about one per trie token, not one per sequence
+        and position - and each loss position takes its pair's log-prob (the gather's
+        backward sums their gradients)."""
+        pair, inverse = torch.unique(rows * self.vocab_size + labels, return_inverse=True)
+        lp, entropy = self._head(hidden, weight, pair % self.vocab_size, pair // self.vocab_size)
+        return lp[inverse], lambda: entropy()[inverse]
 
     def _loss_func(
         self,
@@ -179,7 +198,10 @@ class Schedule:
         b = mb.batch
         assert weight is not None, "the loss function runs on the last stage"
         assert b.labels is not None and b.loss_mask is not None and b.cu_seqlens is not None
-        lp, entropy = self._head(hidden[0], weight, b.labels[0])
+        if b.rows is None:
+            lp, entropy = self._head(hidden[0], weight, b.labels[0], None)
+        else:
+            lp, entropy = self._tree_head(hidden[0], weight, b.labels[0], b.rows[0])
         if mb.is_dummy:
             # Through the log-probs, the zero reaches the output layer and every parameter
             # below it.
@@ -191,12 +213,19 @@ class Schedule:
             share, n = local_loss(terms, scale), int(torch.count_nonzero(b.loss_mask))
         report = {"loss": share.detach().clone()}
         cp_group = self.dims.cp_group
+
+        def gather(values: Tensor) -> Tensor:
+            """This CP rank's per-position values -> every position's, in flat order."""
+            if mb.targets is not None:  # prefix tries: by the positions each rank computed
+                return gather_targets_from_cp(values, mb.targets, mb.num_targets, cp_group)
+            assert b.cu_seqlens is not None
+            return gather_from_cp(values, b.cu_seqlens, cp_group)
+
         if "logprobs" in outputs:
-            report["logprobs"] = gather_from_cp(lp.detach(), b.cu_seqlens, cp_group)
+            report["logprobs"] = gather(lp.detach())
         if "entropy" in outputs:
             with torch.no_grad():
-                ent = entropy()
-            report["entropy"] = gather_from_cp(ent, b.cu_seqlens, cp_group)
+                report["entropy"] = gather(entropy())
         return share, torch.tensor(n, dtype=torch.int), report
 
 

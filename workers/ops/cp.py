@@ -132,3 +132,43 @@ def gather_from_cp(local: Tensor, padded_cu_seqlens: Tensor, cp_group: ProcessGr
         return local
     inverse = zigzag_inverse(padded_cu_seqlens, dist.get_world_size(cp_group))
     return _GatherFromCP.apply(local, inverse, cp_group)  # type: ignore[no-any-return]
+
+
+def split_targets_for_cp(
+    rows: Tensor, padded_cu_seqlens: Tensor, *, cp_size: int, cp_rank: int
+) -> tuple[Tensor, Tensor]:
+    """The loss positions whose hidden row ``cp_rank`` holds, for a micro-batch packed as
+    prefix tries (``rows [M]``: the global row each loss position reads): their indices into
+    the ``[M]`` loss side, and the local rows they read. Each position belongs to exactly one
+    CP rank, so the ranks' loss shares add up to the whole loss."""
+    pos = zigzag_positions(padded_cu_seqlens, cp_size, cp_rank)
+    local = torch.full((int(padded_cu_seqlens[-1]),), -1, dtype=torch.long)
+    local[pos] = torch.arange(pos.numel())
+    at = local[rows]
+    keep = torch.nonzero(at >= 0).squeeze(1)
+    return keep, at[keep]
+
+
+@torch.no_grad()
+def gather_targets_from_cp(
+    local: Tensor, index: Tensor, total: int, cp_group: ProcessGroup
+) -> Tensor:
+    """Per-position values of every CP rank's loss positions (``local`` at ``index`` into
+    ``[total]``, from ``split_targets_for_cp``) put together in ``[total]`` order. No grad:
+    for reporting (log-probs, entropy)."""
+    c = dist.get_world_size(cp_group)
+    counts = [torch.zeros(1, dtype=torch.long) for _ in range(c)]
+    dist.all_gather(counts, torch.tensor([local.numel()]), group=cp_group)
+    width = int(max(int(n) for n in counts))
+    padded = torch.zeros(width, dtype=local.dtype)
+    padded[: local.numel()] = local
+    where = torch.zeros(width, dtype=torch.long)
+    where[: index.numel()] = index
+    values = [torch.empty_like(padded) for _ in range(c)]
+    places = [torch.empty_like(where) for _ in range(c)]
+    dist.all_gather(values, padded, group=cp_group)
+    dist.all_gather(places, where, group=cp_group)
+    out = torch.zeros(total, dtype=local.dtype)
+    for n, v, p in zip(counts, values, places, strict=True):
+        out[p[: int(n)]] = v[: int(n)]
+    return out

@@ -1,0 +1,135 @@
+"""Tree attention over packed prefix tries, at the cost of the tree (docs/algorithms.md §10).
+
+A trie is laid out depth-first as *segments*: chains of tokens, each with a list of ancestor
+rows (the tokens before it on its path from the root). A token attends to its segment's
+ancestors and, causally, to its own segment up to itself: exactly its ancestors and itself.
+Each segment is one ``scaled_dot_product_attention`` call whose keys are its ancestors' rows
+gathered, then its own rows, so the work is the sum over tokens of their number of ancestors
+(the ideal tree cost), never ``N x N`` over the packed trie, and no ``[N, N]`` mask exists.
+A segment without ancestors is plain causal attention (the flat path).
+
+The segment table travels as one int64 tensor (built by the controller's planner):
+``[k, start(k), end(k), offsets(k + 1), ancestor rows...]``; segment ``i`` covers rows
+``[start[i], end[i])`` and its ancestors are ``rows[offsets[i]:offsets[i + 1]]``. The segments
+tile the packed rows in order (pads are segments of their own).
+
+Context parallelism: the trie is zigzag-split like a sequence; keys and values are gathered
+over the CP group (all ``N`` rows, global order) and this rank's queries are the rows at
+``query_pos`` (their global indices). Each segment then attends with the local queries that
+fall in it, masked by ancestry over global positions: every ancestor, and its own rows up to
+the query's.
+
+Shapes: query ``[t, np, hn]`` (``t = N`` without CP), key/value ``[N, ng, hn]`` (``np`` a
+multiple of ``ng``: grouped-query attention) -> ``[t, np, hn]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Segments:
+    start: list[int]
+    end: list[int]
+    ancestors: list[Tensor]  # per segment, int64 rows
+
+    @classmethod
+    def decode(cls, table: Tensor, num_rows: int) -> Segments:
+        """Read the table and check that its segments tile ``[0, num_rows)``."""
+        t = table.tolist()
+        k = int(t[0])
+        start, end = t[1 : 1 + k], t[1 + k : 1 + 2 * k]
+        offsets = t[1 + 2 * k : 2 + 3 * k]
+        rows = table[2 + 3 * k :]
+        if k == 0 or start[0] != 0 or end[-1] != num_rows or start[1:] != end[:-1]:
+            raise ValueError(f"tree segments do not tile the {num_rows} packed rows")
+        if any(e <= s for s, e in zip(start, end, strict=True)):
+            raise ValueError("tree segments must not be empty")
+        anc = [rows[offsets[i] : offsets[i + 1]] for i in range(k)]
+        for i, a in enumerate(anc):
+            if a.numel() and int(a.max()) >= start[i]:
+                raise ValueError(f"tree segment {i} has an ancestor that does not precede it")
+        return cls(start=start, end=end, ancestors=anc)
+
+    @property
+    def pairs(self) -> int:
+        """(query, key) pairs attended: the sum over tokens of their ancestors and itself."""
+        total = 0
+        for s, e, a in zip(self.start, self.end, self.ancestors, strict=True):
+            n = e - s
+            total += n * int(a.numel()) + n * (n + 1) // 2
+        return total
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, p: float) -> Tensor:
+    """``q [n, np, hn]``, ``k/v [m, ng, hn]`` -> ``[n, np, hn]``; causal when ``mask`` is None."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p, scale=scale
+    )
+    return out[0].transpose(0, 1)
+
+
+def tree_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    segments: Segments,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    query_pos: Tensor | None = None,
+) -> Tensor:
+    """Each token attends to its ancestors and itself (see the module docstring); the queries
+    are the rows at ``query_pos`` of the trie (all of it, in order, when None)."""
+    if query_pos is not None:
+        return _tree_attention_at(query, key, value, segments, query_pos, scale, dropout_p)
+    outs = []
+    for s, e, anc in zip(segments.start, segments.end, segments.ancestors, strict=True):
+        q = query[s:e]
+        if anc.numel() == 0:
+            outs.append(_sdpa(q, key[s:e], value[s:e], None, scale, dropout_p))
+            continue
+        k = torch.cat([key[anc], key[s:e]])
+        v = torch.cat([value[anc], value[s:e]])
+        n, p = e - s, int(anc.numel())
+        # True = attend: every ancestor, and the segment's own rows up to the query's.
+        mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device)
+        mask[:, p:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril_()
+        outs.append(_sdpa(q, k, v, mask, scale, dropout_p))
+    return torch.cat(outs)
+
+
+def _tree_attention_at(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    segments: Segments,
+    query_pos: Tensor,
+    scale: float,
+    dropout_p: float,
+) -> Tensor:
+    """``tree_attention`` for queries at global rows ``query_pos`` (a CP rank's share)."""
+    outs, where = [], []
+    for s, e, anc in zip(segments.start, segments.end, segments.ancestors, strict=True):
+        sel = torch.nonzero((query_pos >= s) & (query_pos < e)).squeeze(1)
+        if sel.numel() == 0:
+            continue
+        own = torch.arange(s, e, device=query.device)
+        mine = own[None, :] <= query_pos[sel][:, None]
+        mask = torch.cat([mine.new_ones(sel.numel(), int(anc.numel())), mine], dim=1)
+        k = torch.cat([key[anc], key[s:e]])
+        v = torch.cat([value[anc], value[s:e]])
+        outs.append(_sdpa(query[sel], k, v, mask, scale, dropout_p))
+        where.append(sel)
+    # The segments tile the trie, so every local row is in exactly one of them.
+    return torch.cat(outs)[torch.argsort(torch.cat(where))]
