@@ -111,27 +111,6 @@ def fused_head_case(variant: str, n: int, h: int, v: int, chunk: int) -> dict[st
     return {"peak_MiB": m.peak_above_start / MIB, "grads_MiB": grads / MIB, "time_s": elapsed}
 
 
-def mask_case(variant: str, n: int) -> dict[str, float]:
-    """Temporary memory above the [n, n] bool mask itself, for one sequence of length n."""
-    from trainctl.workers.ops.mask import blockwise_causal_mask
-
-    def build(size: int) -> torch.Tensor:
-        pos = torch.arange(size)
-        if variant == "blockwise":
-            return blockwise_causal_mask([pos], size)
-        mask = torch.zeros(size, size, dtype=torch.bool)  # upstream: every index pair at once
-        tri = torch.tril_indices(size, size)
-        mask[pos[tri[0]], pos[tri[1]]] = True
-        return mask
-
-    build(4100)  # warm-up (both block paths): first calls map kernels and code pages
-    mask_bytes = n * n
-    with PeakRSS() as m:
-        mask = build(n)
-    assert bool(mask[n - 1, 0]) and not bool(mask[0, n - 1])
-    return {"temp_MiB": (m.peak_above_start - mask_bytes) / MIB, "mask_MiB": mask_bytes / MIB}
-
-
 # -- CP-local loss vs gather-then-loss ------------------------------------------------------
 
 

@@ -349,35 +349,6 @@ def section_cp_loss(quick: bool) -> str:
     )
 
 
-def section_mask(quick: bool) -> str:
-    rows = []
-    sizes = (
-        [(4096, "naive"), (4096, "blockwise")]
-        if quick
-        else [(8192, "naive"), (16384, "naive"), (8192, "blockwise"), (32768, "blockwise")]
-    )
-    for n, variant in sizes:
-        r = measure("mask_case", variant=variant, n=n)
-        rows.append(
-            [
-                variant,
-                str(n),
-                f"{r['mask_MiB']:.0f}",
-                f"{r['temp_MiB']:.0f}",
-                "< 64" if variant == "blockwise" else "-",
-            ]
-        )
-    note = (
-        "The naive construction at N = 32K would need about 17 GB of index temporaries "
-        "(tril_indices int64 plus gathered positions): not run on this 24 GiB machine.\n\n"
-    )
-    return (
-        "### Blockwise causal mask: temporary memory above the N x N mask\n\n"
-        + note
-        + _table(["construction", "N", "mask MiB", "temporaries MiB", "target"], rows)
-    )
-
-
 def section_step(quick: bool) -> str:
     n_seqs, seq_len, steps = (4, 128, 2) if quick else (16, 256, 5)
     rows = []
@@ -522,7 +493,6 @@ SECTIONS: dict[str, Callable[[bool], str]] = {
     "tree": section_tree,
     "state_bytes": section_state_bytes,
     "cp_loss": section_cp_loss,
-    "mask": section_mask,
 }
 
 
