@@ -178,6 +178,55 @@ class EvalBatchRequest(_BatchRequest):
     """The same loss as ``train_batch``, without backward or update."""
 
 
+class ForwardBackwardRequest(_BatchRequest):
+    """One part of a split step: forward/backward over the batch, its gradients added to those
+    of the calls since the last ``optim_step``; nothing is applied. Several parts then one
+    ``optim_step`` equal one ``train_batch`` of all their sequences (the normalisation is
+    the union's: docs/algorithms.md §11)."""
+
+
+class OptimStepRequest(BaseModel):
+    """Apply the gradients accumulated by ``forward_backward`` with these AdamW settings;
+    a setting left out takes the server's. Per-step values let the client own the schedule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float | None = Field(default=None, ge=0, description="Learning rate.")
+    beta1: float | None = Field(default=None, ge=0, lt=1, description="Adam beta1.")
+    beta2: float | None = Field(default=None, ge=0, lt=1, description="Adam beta2.")
+    eps: float | None = Field(default=None, gt=0, description="Adam epsilon.")
+    weight_decay: float | None = Field(default=None, ge=0, description="Decoupled weight decay.")
+    clip_grad: float | None = Field(
+        default=None, ge=0, description="Clip the global gradient norm to this; 0 disables."
+    )
+    expected_step: int | None = Field(
+        default=None,
+        ge=0,
+        description="Apply only if the model is at this step (409 otherwise, nothing applied).",
+    )
+
+    def overrides(self) -> dict[str, float]:
+        """The AdamW settings given, by the engine's optimizer-config names."""
+        return self.model_dump(exclude_none=True, exclude={"expected_step"})
+
+
+class ForwardBackwardResult(BaseModel):
+    """Result of ``forward_backward``."""
+
+    loss: float = Field(
+        description="This part's loss under its normalisation, over its own sequences."
+    )
+    step: int = Field(description="Optimizer steps applied so far (unchanged by this call).")
+    logprobs: list[list[float]] = Field(
+        description="Per sequence, in request order: log p(tokens[t] | tokens[:t]); 0 at t = 0."
+    )
+    metrics: dict[str, float] = Field(
+        description="'tokens:sum', 'computed_tokens:sum', 'loss_tokens:sum', and "
+        "'accumulated_parts:value' (parts waiting for optim_step, this one included)."
+    )
+    timings: dict[str, float] = Field(description="Seconds per phase.")
+
+
 class LogProbsRequest(_SequencesRequest):
     """Forward only: per-token log-probs of each sequence under the current weights.
 

@@ -20,12 +20,15 @@ from trainctl.api.models import (
     EvalBatchRequest,
     ExportRequest,
     ExportResult,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
     Info,
     LogProbsRequest,
     LogProbsResult,
     MemoryProfileResult,
     MemoryProfileStarted,
     MemoryProfileStartRequest,
+    OptimStepRequest,
     StepResult,
     TrainBatchRequest,
 )
@@ -37,6 +40,8 @@ class OperationKind(str, Enum):
     TRAIN_BATCH = "train_batch"
     EVAL_BATCH = "eval_batch"
     LOGPROBS = "logprobs"
+    FORWARD_BACKWARD = "forward_backward"
+    OPTIM_STEP = "optim_step"
     START_MEMORY_PROFILE = "start_memory_profile"
     STOP_MEMORY_PROFILE = "stop_memory_profile"
     SAVE_CHECKPOINT = "save_checkpoint"
@@ -120,6 +125,18 @@ OPERATIONS: dict[OperationKind, OperationSpec] = {
             OperationKind.LOGPROBS, LogProbsRequest, LogProbsResult, "/logprobs", "training",
             "Forward only: per-token log-probs (and entropy) of each sequence, in request order.",
             batch=True,
+        ),
+        OperationSpec(
+            OperationKind.FORWARD_BACKWARD, ForwardBackwardRequest, ForwardBackwardResult,
+            "/forward_backward", "training",
+            "Split step, part: forward/backward over the batch; its gradients are added to those "
+            "accumulated since the last optim_step. Returns the loss and per-token log-probs.",
+            batch=True,
+        ),
+        OperationSpec(
+            OperationKind.OPTIM_STEP, OptimStepRequest, StepResult, "/optim_step", "training",
+            "Split step, end: reduce the accumulated gradients once and apply one AdamW step "
+            "with the settings given (learning rate, betas, eps, weight decay, clip norm).",
         ),
         OperationSpec(
             OperationKind.START_MEMORY_PROFILE, MemoryProfileStartRequest, MemoryProfileStarted,

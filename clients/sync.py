@@ -24,6 +24,7 @@ from trainctl.api import (
     CheckpointList,
     ExportRequest,
     ExportResult,
+    ForwardBackwardResult,
     Health,
     Info,
     LoadCheckpointRequest,
@@ -34,6 +35,7 @@ from trainctl.api import (
     MemoryProfileStartRequest,
     Operation,
     OperationKind,
+    OptimStepRequest,
     SequenceBatch,
     StepResult,
 )
@@ -148,6 +150,42 @@ class TrainctlClient:
             packing=packing,
         )  # fmt: skip
         return self._send(call)
+
+    def forward_backward(
+        self,
+        sequences: Sequences,
+        loss: LossLike = None,
+        *,
+        packing: Packing = None,
+        idempotency_key: str | None = None,
+    ) -> ForwardBackwardResult:
+        """Split step, part: gradients of ``sequences`` added to those waiting for
+        ``optim_step``; the part's loss and per-token log-probs. Several parts then one
+        ``optim_step`` equal one ``train_batch`` of all their sequences."""
+        call = self._req.run(
+            OperationKind.FORWARD_BACKWARD, ForwardBackwardResult, sequences=sequences,
+            loss=loss, packing=packing, idempotency_key=idempotency_key,
+        )  # fmt: skip
+        return self._send(call)
+
+    def optim_step(
+        self,
+        *,
+        lr: float | None = None,
+        beta1: float | None = None,
+        beta2: float | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        clip_grad: float | None = None,
+        expected_step: int | None = None,
+    ) -> StepResult:
+        """Split step, end: apply the accumulated gradients with these AdamW settings (the
+        server's where left out); the result's ``step`` is the new policy version."""
+        req = OptimStepRequest(
+            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            clip_grad=clip_grad, expected_step=expected_step,
+        )  # fmt: skip
+        return self._send(self._req.call(OperationKind.OPTIM_STEP, StepResult, req))
 
     def submit(self, kind: OperationKind | str, sequences: Sequences, **kwargs: Any) -> Operation:
         """Start ``train_batch``, ``eval_batch`` or ``logprobs`` and return its operation at

@@ -110,7 +110,10 @@ def _install_fault_injection(app: FastAPI) -> None:
 
     class FaultRequest(BaseModel):
         rank: int = Field(ge=0)
-        phase: str = Field(description="forward, accumulate_end, optimizer or publish")
+        phase: str = Field(
+            description="forward, accumulate_end, forward_backward_end, finish_window, "
+            "optimizer or publish"
+        )
         times: int = Field(1, ge=1, le=100)
 
     @app.post(f"/{API_VERSION}/debug/faults", include_in_schema=False)

@@ -20,7 +20,7 @@ from trainctl.clients import ConflictError
 
 from conftest import Service, digest
 
-MUTATING = r"train_batch|checkpoints|export|memory_profile"
+MUTATING = r"train_batch|forward_backward|optim_step|checkpoints|export|memory_profile"
 
 
 def _schemathesis(svc: Service, report: Path, *args: str) -> tuple[int, str, int]:

@@ -123,6 +123,30 @@ def test_a_failing_rank_applies_nothing_on_any_rank(svc: Service) -> None:
     assert c.train_batch(ragged_batch(seed=22), idempotency_key="fault-1").step == before.step + 1
 
 
+def test_a_forward_backward_part_failing_on_one_rank_is_taken_back_on_all(
+    svc: Service,
+) -> None:
+    """Rank 1 fails the second part after its peers finished it: every rank takes the part
+    back, so the window holds the first part only - the optim_step's loss is the first batch's
+    eval loss at the same weights - and the part may be sent again."""
+    c = client(svc)
+    a, b = ragged_batch(seed=31), ragged_batch(seed=32)
+    step = c.info().step
+    want_a, want_ab = c.eval_batch(a).loss, c.eval_batch(a + b).loss
+    c.forward_backward(a)
+    once = _arm_fault(svc, rank=1, phase="forward_backward_end")
+    with pytest.raises(ServerError, match="injected fault"):
+        once.forward_backward(b)
+    assert c.info().step == step
+    only_a = c.optim_step(lr=0.0)  # lr 0: the weights stay, the window is emptied
+    assert abs(only_a.loss - want_a) <= 1e-5 * abs(want_a), (only_a.loss, want_a)
+    c.forward_backward(a)
+    c.forward_backward(b)  # sent again, it counts
+    both = c.optim_step(lr=0.0)
+    assert abs(both.loss - want_ab) <= 1e-5 * abs(want_ab), (both.loss, want_ab)
+    assert both.step == step + 2
+
+
 def test_a_rank_failing_in_the_optimizer_update_rolls_back_to_the_checkpoint(
     svc: Service,
 ) -> None:

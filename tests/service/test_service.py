@@ -257,6 +257,38 @@ def test_expected_step_guards_against_stale_updates(service: Service) -> None:
     assert client.train_batch(ragged_batch(seed=11), expected_step=step).step == step + 1
 
 
+def test_split_step_parts_then_one_optim_step(service: Service) -> None:
+    """forward_backward twice, then optim_step with the client's learning rate: one step,
+    whose loss is the union's eval loss at the same weights; each part's log-probs are
+    /v1/logprobs's; nothing else can step the model while parts wait, and a second
+    optim_step finds nothing to apply."""
+    client = service.client()
+    a, b = ragged_batch(seed=21), ragged_batch(seed=22)
+    with pytest.raises(ConflictError, match="call forward_backward first"):
+        client.optim_step()
+    step = client.info().step
+    union = client.eval_batch(a + b).loss
+    want = client.logprobs(a)
+    first = client.forward_backward(a)
+    assert first.step == step and first.metrics["accumulated_parts:value"] == 1
+    for got, w in zip(first.logprobs, want.logprobs, strict=True):
+        assert np.allclose(got, w, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ConflictError, match="waiting for optim_step"):
+        client.train_batch(a)
+    with pytest.raises(ConflictError, match="normalises one way"):
+        client.forward_backward(b, {"normalization": "sum"})
+    second = client.forward_backward(b)
+    assert second.metrics["accumulated_parts:value"] == 2
+    assert client.info().step == step  # nothing applied yet
+    result = client.optim_step(lr=5e-4, clip_grad=1.0)
+    assert result.step == step + 1 == client.info().step
+    assert abs(result.loss - union) <= 1e-5 * abs(union), (result.loss, union)
+    assert result.metrics["lr:value"] == 5e-4 and result.metrics["grad_norm:value"] > 0
+    with pytest.raises(ConflictError, match="call forward_backward first"):
+        client.optim_step()
+    assert client.train_batch(a).step == step + 2  # the window is closed
+
+
 def test_binary_and_json_give_the_same_eval(service: Service) -> None:
     batch = ragged_batch(seed=12)
     with service.client() as binary, TrainctlClient(service.url, binary=False) as plain:

@@ -114,6 +114,8 @@ def test_operation_ids_are_the_rpc_names(http: TestClient) -> None:
         ("POST", "/v1/train_batch"): "train_batch",
         ("POST", "/v1/eval_batch"): "eval_batch",
         ("POST", "/v1/logprobs"): "logprobs",
+        ("POST", "/v1/forward_backward"): "forward_backward",
+        ("POST", "/v1/optim_step"): "optim_step",
         ("GET", "/v1/operations/{op_id}"): "get_operation",
         ("POST", "/v1/memory_profile/start"): "start_memory_profile",
         ("POST", "/v1/memory_profile/stop"): "stop_memory_profile",

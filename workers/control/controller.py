@@ -118,6 +118,8 @@ class Controller(OperationHost):
             OperationKind.TRAIN_BATCH: self.steps.train,
             OperationKind.EVAL_BATCH: self.steps.eval,
             OperationKind.LOGPROBS: self.steps.logprobs,
+            OperationKind.FORWARD_BACKWARD: self.steps.forward_backward,
+            OperationKind.OPTIM_STEP: self.steps.optim_step,
             OperationKind.START_MEMORY_PROFILE: self.recorder.start,
             OperationKind.STOP_MEMORY_PROFILE: self.recorder.stop,
             OperationKind.SAVE_CHECKPOINT: self._save_op,
@@ -231,6 +233,7 @@ class Controller(OperationHost):
 
     async def _rebuild(self, h: Handle, cause: str, step_before: int) -> Info:
         h.set_phase("rebuilding workers")
+        self.state.window = None  # the new ranks hold no gradients
         self.group.kill()
         await self.group.spawn()
         latest = self._latest_checkpoint()
@@ -297,6 +300,7 @@ class Controller(OperationHost):
         if h is not None:
             h.set_phase(f"loading {checkpoint_id}")
         await self.group.call(RankWorker.load_checkpoint, str(path))
+        self.state.window = None  # a load drops the gradients waiting for optim_step
         self.state.step = info.step
         self.state.last_checkpoint_step = info.step
         return info

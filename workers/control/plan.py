@@ -40,21 +40,25 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def sequence_scales(
-    seqs: Sequence[TokenSequence], normalization: Normalization
+    seqs: Sequence[TokenSequence], normalization: Normalization, *, deferred: bool = False
 ) -> tuple[list[float], int, int]:
     """Per-sequence factor on ``mask * weight``, from the *global* batch; plus N and S.
 
     token_mean: ``1 / N`` (N = loss tokens of the batch); seq_mean_token_mean:
     ``1 / (S * n_i)`` (S = sequences with a loss token, ``n_i`` = loss tokens of sequence
     ``i``); sum: 1. Every rank multiplies its local terms by these: the sum over all ranks is
-    the single-process loss, whatever the split.
+    the single-process loss, whatever the split. ``deferred`` (a ``forward_backward`` part):
+    the batch-wide divisor (N or S) is left out, to be applied once to the whole window
+    (docs/algorithms.md §11).
     """
     counts = [s.num_loss_tokens for s in seqs]
     n_tokens, n_seqs = sum(counts), sum(c > 0 for c in counts)
+    tokens_div = 1 if deferred else max(n_tokens, 1)
+    seqs_div = 1 if deferred else max(n_seqs, 1)
     if normalization is Normalization.TOKEN_MEAN:
-        scales = [1.0 / max(n_tokens, 1)] * len(seqs)
+        scales = [1.0 / tokens_div] * len(seqs)
     elif normalization is Normalization.SEQ_MEAN_TOKEN_MEAN:
-        scales = [1.0 / (max(n_seqs, 1) * c) if c else 0.0 for c in counts]
+        scales = [1.0 / (seqs_div * c) if c else 0.0 for c in counts]
     else:
         scales = [1.0] * len(seqs)
     return scales, n_tokens, n_seqs
@@ -198,18 +202,21 @@ def make_plan(
     loss: LossConfig = CROSS_ENTROPY,
     microbatch_multiple: int = 1,
     packing: str = "flat",
+    deferred_normalizer: bool = False,
 ) -> StepPlan:
     """Build the step plan; ``loss`` carries the normalisation. ``uniform_length`` pads every
     micro-batch to one length (PP); ``microbatch_multiple`` rounds the micro-batch count up
     (the interleaved PP schedule needs a multiple of the pipeline size); ``packing`` is
-    ``flat`` or ``tree`` (prefix tries)."""
+    ``flat`` or ``tree`` (prefix tries); ``deferred_normalizer``: see ``sequence_scales``."""
     if not seqs:
         raise ValueError("empty batch")
     present = _loss_inputs(seqs[0])
     for i, s in enumerate(seqs):
         if _loss_inputs(s) != present:
             raise ValueError(f"sequence {i} carries other per-token loss inputs than sequence 0")
-    scales, n_tokens, n_seqs = sequence_scales(seqs, loss.normalization)
+    scales, n_tokens, n_seqs = sequence_scales(
+        seqs, loss.normalization, deferred=deferred_normalizer
+    )
     padded = [_round_up(len(s), pad_multiple) for s in seqs]
     if max(padded) > max_tokens_per_microbatch:
         raise ValueError(
@@ -281,6 +288,7 @@ def plan_step(
     *,
     loss: LossConfig = CROSS_ENTROPY,
     packing: str | None = None,
+    deferred_normalizer: bool = False,
 ) -> StepPlan:
     """``make_plan`` with everything the engine's layout dictates; ``packing`` defaults to
     the engine config's."""
@@ -296,4 +304,5 @@ def plan_step(
         loss=loss,
         microbatch_multiple=lay.pp if lay.vp > 1 else 1,
         packing=packing or cfg.packing,
+        deferred_normalizer=deferred_normalizer,
     )

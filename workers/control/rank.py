@@ -13,7 +13,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,14 @@ def quiet_megatron() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
-FAULT_PHASES = ("forward", "accumulate_end", "optimizer", "publish")
+FAULT_PHASES = (
+    "forward",
+    "accumulate_end",
+    "forward_backward_end",
+    "finish_window",
+    "optimizer",
+    "publish",
+)
 
 
 class InjectedFault(RuntimeError):
@@ -119,18 +126,44 @@ class RankWorker:
         """Phase 1 of a train step: forward/backward; gradients held until ``apply``."""
         with _operation(op_id):
             report = self.engine.accumulate(self._shard(plan), plan.loss)
-            try:
-                self._check_fault("accumulate_end")
-            except InjectedFault:
-                self.engine.zero_grad()
-                raise
+            self._fault_point("accumulate_end", undo=self.engine.zero_grad)
             return report
 
-    def apply(self, op_id: str = "-") -> tuple[float, float]:
-        """Phase 2, once every rank finished phase 1: the optimizer update (local)."""
+    def _fault_point(self, phase: str, *, undo: Callable[[], None]) -> None:
+        """An injected fault at the end of ``phase``, after ``undo`` took back its work."""
+        try:
+            self._check_fault(phase)
+        except InjectedFault:
+            undo()
+            raise
+
+    def apply(self, op_id: str = "-", hyper: dict[str, float] | None = None) -> tuple[float, float]:
+        """Phase 2, once every rank finished phase 1: the optimizer update (local), with
+        ``hyper`` (``optim_step``'s AdamW settings) or the engine config's."""
+        from trainctl.workers.engine.config import OptimizerConfig
+
         with _operation(op_id):
             self._check_fault("optimizer")
-            return self.engine.apply()  # type: ignore[no-any-return]
+            opt = OptimizerConfig(**hyper) if hyper is not None else None
+            return self.engine.apply(opt)  # type: ignore[no-any-return]
+
+    def forward_backward(self, plan: StepPlan, op_id: str = "-") -> Any:
+        """A split-step part: gradients added to the window (not reduced); ``(report,
+        per-sequence log-probs)``. On failure here the window is as before the call."""
+        with _operation(op_id):
+            out = self.engine.forward_backward_part(self._shard(plan), plan.loss)
+            self._fault_point("forward_backward_end", undo=self.engine.rollback_part)
+            return out
+
+    def rollback_part(self) -> None:
+        """Undo this rank's last part (another rank failed it)."""
+        self.engine.rollback_part()
+
+    def finish_window(self, divisor: float, op_id: str = "-") -> float:
+        """``optim_step`` phase 1: the window's one reduction, then the grad norm."""
+        with _operation(op_id):
+            self._check_fault("finish_window")
+            return float(self.engine.finish_window(divisor))
 
     def publish(self, op_id: str = "-") -> float:
         """Phase 3 under ZeRO-1, once every rank's update succeeded: the all-gather of the

@@ -22,6 +22,7 @@ starts after a failed phase 2, so a failed update costs no collective timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -32,11 +33,16 @@ from typing import Any
 import ray
 
 from trainctl.api import (
+    ConflictError,
     EvalBatchRequest,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
     InvalidRequestError,
     LogProbsRequest,
     LogProbsResult,
     LossConfig,
+    Normalization,
+    OptimStepRequest,
     StepResult,
     TrainBatchRequest,
     TrainctlError,
@@ -54,12 +60,35 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Window:
+    """The split step's gradients waiting for ``optim_step``: what the ranks have summed
+    since the last step (docs/algorithms.md §11)."""
+
+    normalization: Normalization
+    parts: int = 0
+    loss_tokens: int = 0
+    loss_sequences: int = 0
+    raw_loss: float = 0.0
+    """The parts' losses summed before the window's division."""
+
+    def divisor(self) -> float:
+        """What the summed gradients are divided by once: the union's normaliser."""
+        if self.normalization is Normalization.TOKEN_MEAN:
+            return float(max(self.loss_tokens, 1))
+        if self.normalization is Normalization.SEQ_MEAN_TOKEN_MEAN:
+            return float(max(self.loss_sequences, 1))
+        return 1.0
+
+
+@dataclass
 class ModelState:
     """What the controller knows of the model the ranks hold."""
 
     step: int = 0
     """Optimizer steps applied (the policy version)."""
     last_checkpoint_step: int | None = None
+    window: Window | None = None
+    """Gradients of ``forward_backward`` parts waiting for ``optim_step``."""
 
 
 class Steps:
@@ -97,6 +126,28 @@ class Steps:
         plan, t_plan = self.plan(req.sequences, req.loss, req.packing)
         return lambda h: self._eval(h, plan, t_plan)
 
+    def forward_backward(self, req: ForwardBackwardRequest) -> Runner:
+        t0 = time.perf_counter()
+        try:
+            plan = plan_step(
+                list(req.sequences), self.cfg, loss=req.loss, packing=req.packing,
+                deferred_normalizer=True,
+            )  # fmt: skip
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        t_plan = time.perf_counter() - t0
+        return lambda h: self._forward_backward(h, req, plan, t_plan)
+
+    def optim_step(self, req: OptimStepRequest) -> Runner:
+        from trainctl.workers.engine.config import OptimizerConfig
+
+        hyper = {**dataclasses.asdict(self.cfg.optimizer), **req.overrides()}
+        try:
+            OptimizerConfig(**hyper).validate()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        return lambda h: self._optim_step(h, req, hyper)
+
     def logprobs(self, req: LogProbsRequest) -> Runner:
         """Log-probs read only the tokens: every position after the first is a target."""
         tokens_only = req.sequences.without(*req.sequences.present)
@@ -109,6 +160,7 @@ class Steps:
         self, h: Handle, req: TrainBatchRequest, plan: StepPlan, t_plan: float
     ) -> StepResult:
         req.check_expected_step(self.state.step)
+        self._no_window("train_batch")
         t0 = time.perf_counter()
         ref = ray.put(plan)
         h.set_phase("forward_backward")
@@ -117,16 +169,26 @@ class Steps:
         except TrainctlError:
             await self._discard()
             raise
-        norms = [r.grad_norm for r in reports]
+        await self._check_norms([r.grad_norm for r in reports])
+        result = self._result(plan, reports, t_plan)
+        await self._apply(h, result, None)
+        result.timings["total_s"] = time.perf_counter() - t0
+        return result
+
+    async def _check_norms(self, norms: list[float | None]) -> None:
+        """Phase 1's grad norm must be finite on every rank, or nothing is applied."""
         if not all(n is not None and math.isfinite(n) for n in norms):
             await self._discard()
             raise WorkerError(
                 f"the gradient norm is not finite ({norms[0]}); the step was not applied",
                 details={"grad_norm": str(norms[0])},
             )
+
+    async def _apply(self, h: Handle, result: StepResult, hyper: dict[str, float] | None) -> None:
+        """Phases 2 and 3 of a step (every rank's phase 1 succeeded), into ``result``."""
         h.set_phase("optimizer_step")
         try:
-            applied = await self.group.call(RankWorker.apply, h.op.id)
+            applied = await self.group.call(RankWorker.apply, h.op.id, hyper)
             if self.cfg.use_distributed_optimizer:
                 # Only now that every rank has updated its shard: the all-gather.
                 h.set_phase("parameter_gather")
@@ -143,18 +205,102 @@ class Steps:
                 cause=cause,
             ) from None
         self.state.step += 1
+        result.step = self.state.step
         await self.after_train(h)
-        result = self._result(plan, reports, t_plan)
         result.metrics["grad_norm:value"] = applied[0][0]
-        result.metrics["lr:value"] = self.cfg.optimizer.lr
+        result.metrics["lr:value"] = (hyper or {}).get("lr", self.cfg.optimizer.lr)
         result.timings["optimizer_max_s"] = max(a[1] for a in applied)
         if self.cfg.use_distributed_optimizer:
             result.timings["parameter_gather_max_s"] = max(published)
+
+    def _no_window(self, what: str) -> None:
+        w = self.state.window
+        if w is not None:
+            raise ConflictError(
+                f"{w.parts} forward_backward part(s) are waiting for optim_step; {what} would "
+                "mix them into its own step: call optim_step first",
+                details={"accumulated_parts": w.parts},
+            )
+
+    async def _forward_backward(
+        self, h: Handle, req: ForwardBackwardRequest, plan: StepPlan, t_plan: float
+    ) -> ForwardBackwardResult:
+        norm = req.loss.normalization
+        w = self.state.window
+        if w is not None and w.normalization is not norm:
+            raise ConflictError(
+                f"the gradients waiting for optim_step use loss.normalization "
+                f"'{w.normalization.value}'; this call asks for '{norm.value}': one step "
+                "normalises one way",
+                details={"accumulated_parts": w.parts},
+            )
+        t0 = time.perf_counter()
+        h.set_phase("forward_backward")
+        try:
+            parts = await self.group.call(RankWorker.forward_backward, ray.put(plan), h.op.id)
+        except TrainctlError:
+            # Ranks that finished this part take it back: the window is as before the call.
+            await self.group.call_quietly(RankWorker.rollback_part)
+            raise
+        w = self.state.window = w or Window(normalization=norm)
+        w.parts += 1
+        w.loss_tokens += int(plan.loss_normalizer)
+        w.loss_sequences += plan.num_loss_sequences
+        reports = [r for r, _ in parts]
+        raw = next(r for r in reports if r.is_last_stage).loss
+        w.raw_loss += raw
+        own = Window(normalization=norm, loss_tokens=int(plan.loss_normalizer),
+                     loss_sequences=plan.num_loss_sequences).divisor()  # fmt: skip
+        merged: dict[int, Any] = {}
+        for _, lps in parts:
+            merged.update(lps)
+        step = self._result(plan, reports, t_plan)
+        step.metrics["accumulated_parts:value"] = float(w.parts)
+        step.timings["total_s"] = time.perf_counter() - t0
+        return ForwardBackwardResult.model_construct(
+            loss=raw / own,
+            step=self.state.step,
+            logprobs=[merged[i].tolist() for i in range(len(req.sequences))],
+            metrics={**step.metrics, "loss:mean": raw / own},
+            timings=step.timings,
+        )
+
+    async def _optim_step(
+        self, h: Handle, req: OptimStepRequest, hyper: dict[str, float]
+    ) -> StepResult:
+        if req.expected_step is not None and req.expected_step != self.state.step:
+            raise ConflictError(
+                f"expected_step is {req.expected_step} but the model is at step "
+                f"{self.state.step}; nothing was applied",
+                details={"expected_step": req.expected_step, "step": self.state.step},
+            )
+        w = self.state.window
+        if w is None:
+            raise ConflictError("no gradients to apply: call forward_backward first")
+        t0 = time.perf_counter()
+        h.set_phase("gradient_reduce")
+        self.state.window = None  # applied, or dropped: either way the window closes
+        try:
+            norms = await self.group.call(RankWorker.finish_window, w.divisor(), h.op.id)
+        except TrainctlError:
+            await self._discard()
+            raise
+        await self._check_norms(list(norms))
+        loss = w.raw_loss / w.divisor()
+        result = StepResult(
+            loss=loss,
+            step=self.state.step,
+            metrics={"loss:mean": loss, "accumulated_parts:value": float(w.parts),
+                     "loss_tokens:sum": float(w.loss_tokens)},
+            timings={"gradient_reduce_s": time.perf_counter() - t0},
+        )  # fmt: skip
+        await self._apply(h, result, hyper)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 
     async def _discard(self) -> None:
         """After a failed phase 1: every surviving rank drops its gradients."""
+        self.state.window = None
         await self.group.call_quietly(RankWorker.discard)
         log.warning("step not applied: gradients dropped on every rank")
 

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from trainctl.workers.engine import megatron_cpu
 from trainctl.workers.engine.attention import PackedCoreAttention
-from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.config import EngineConfig, OptimizerConfig
 from trainctl.workers.engine.experts import GroupedExperts
 from trainctl.workers.engine.norm import RMSNorm
 
@@ -225,6 +225,16 @@ def wrap_ddp(
     )
     with megatron_cpu.cuda_to_cpu():
         return DistributedDataParallel(config=tc, ddp_config=ddp_config, module=model)
+
+
+def set_hyperparameters(optimizer: Any, o: OptimizerConfig) -> None:
+    """AdamW's learning rate, betas, eps and weight decay for the next update, on every param
+    group (megatron's multipliers kept: norms and biases take no weight decay)."""
+    for group in optimizer.param_groups:
+        group["lr"] = o.lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = o.weight_decay * group.get("wd_mult", 1.0)
+        group["betas"] = (o.beta1, o.beta2)
+        group["eps"] = o.eps
 
 
 def build_optimizer(cfg: EngineConfig, chunks: list[DistributedDataParallel], *, bf16: bool) -> Any:

@@ -31,9 +31,16 @@ from torch import Tensor
 from trainctl.api.models import LossConfig
 from trainctl.workers.control.batch import PackedMicroBatch
 from trainctl.workers.engine import hf, megatron_cpu, weights, zero
-from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.accumulation import Accumulation
+from trainctl.workers.engine.config import EngineConfig, OptimizerConfig
 from trainctl.workers.engine.inputs import StageInputs
-from trainctl.workers.engine.model import build_gpt, build_optimizer, transformer_config, wrap_ddp
+from trainctl.workers.engine.model import (
+    build_gpt,
+    build_optimizer,
+    set_hyperparameters,
+    transformer_config,
+    wrap_ddp,
+)
 from trainctl.workers.engine.parallel import ParallelDims
 from trainctl.workers.engine.profiling import MemoryProfiler, RankCoords
 from trainctl.workers.engine.routing import RoutingStats
@@ -102,6 +109,7 @@ class EngineShard:
         if len(self.chunks) == 1:
             self.tc.no_sync_func = self.chunks[0].no_sync
         self.optimizer = build_optimizer(cfg, self.chunks, bf16=bf16)
+        self.window = Accumulation(self.chunks)
         self.routing = RoutingStats(
             self.chunks, num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts
         )
@@ -135,6 +143,8 @@ class EngineShard:
 
     def _finalize_grads(self, models: list[Any], num_tokens: Any, **kwargs: Any) -> None:
         # The loss is pre-normalised by the global token count: never rescale by num_tokens.
+        if self.window.deferring:
+            return  # a forward_backward part: reduced once, at optim_step (accumulation.py)
         t0 = time.perf_counter()
         with megatron_cpu.cuda_to_cpu():
             finalize_model_grads(models, None, **kwargs)
@@ -192,14 +202,19 @@ class EngineShard:
         self.publish()
         return grad_norm
 
-    def update_local(self, grad_norm: float | None = None) -> float:
+    def update_local(
+        self, grad_norm: float | None = None, hyper: OptimizerConfig | None = None
+    ) -> float:
         """The optimizer update of what this rank owns (all of it, or its ZeRO shard); no
-        collective unless the norm must still be computed. Gradients are zeroed after it."""
+        collective unless the norm must still be computed. Gradients are zeroed after it.
+        ``hyper``: this update's AdamW settings and clip norm (default: the engine config's)."""
+        hyper = hyper or self.cfg.optimizer
+        set_hyperparameters(self.optimizer, hyper)
         with megatron_cpu.cuda_to_cpu():
             self.optimizer.prepare_grads()
             if grad_norm is None:
                 grad_norm = self.grad_norm()
-            clip = self.cfg.optimizer.clip_grad
+            clip = hyper.clip_grad
             if clip > 0 and grad_norm > clip:
                 coeff = clip / (grad_norm + _CLIP_EPS)
                 for group in self.optimizer.param_groups:
@@ -256,6 +271,53 @@ class EngineShard:
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self.window.clear()
+
+    # -- the split step (docs/algorithms.md §11) ----------------------------------------------
+
+    def forward_backward_part(
+        self, mbs: Sequence[PackedMicroBatch], loss: LossConfig
+    ) -> tuple[StepReport, dict[int, np.ndarray]]:
+        """One ``forward_backward``: this part's gradients added to the window's local sum
+        (not reduced over DP x CP: ``finish_window`` does that once), its loss (the global
+        sum of its scaled terms) and the per-token log-probs of its sequences (reporting ranks
+        only). On failure the sum is as before the call."""
+        t0 = time.perf_counter()
+        self.window.begin_part()
+        try:
+            result = self.schedule.run(mbs, loss, forward_only=False, outputs=("logprobs",))
+        except BaseException:
+            self.window.rollback()
+            raise
+        self.window.end_part()
+        lps = {}
+        if self.dims.reports_logprobs():
+            lps = per_sequence(mbs, [o["logprobs"] for o in result.outputs])
+        report = StepReport(
+            coords=self.coords,
+            is_last_stage=self.is_last_stage,
+            loss=result.loss,
+            metrics=self.routing.export(),
+            timings={"forward_backward_s": time.perf_counter() - t0},
+        )
+        return report, lps
+
+    def rollback_part(self) -> None:
+        """Undo the last ``forward_backward`` part (another rank failed it)."""
+        self.window.rollback()
+
+    def finish_window(self, divisor: float) -> float:
+        """``optim_step``'s phase 1: the window's one DP x CP reduction, divided by its
+        normaliser, then the global grad norm (what ``apply`` uses). Collectives only; on
+        failure the window's gradients are dropped."""
+        try:
+            self.window.finish(divisor)
+            with megatron_cpu.cuda_to_cpu():
+                self._pending_norm = self.grad_norm()
+        except BaseException:
+            self.zero_grad()
+            raise
+        return self._pending_norm
 
     def accumulate(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> StepReport:
         """Phase 1 of a step: forward/backward and the global gradient norm; nothing applied.
@@ -284,11 +346,12 @@ class EngineShard:
             },
         )
 
-    def apply(self) -> tuple[float, float]:
+    def apply(self, hyper: OptimizerConfig | None = None) -> tuple[float, float]:
         """Phase 2: the optimizer update of what this rank owns, from the accumulated gradients
-        and phase 1's norm; ``(grad_norm, seconds)``. Local: no collective."""
+        and phase 1's norm; ``(grad_norm, seconds)``. Local: no collective. ``hyper``: this
+        step's AdamW settings (``optim_step``), else the engine config's."""
         t0 = time.perf_counter()
-        grad_norm = self.update_local(self._pending_norm)
+        grad_norm = self.update_local(self._pending_norm, hyper)
         return grad_norm, time.perf_counter() - t0
 
     def train_batch(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> StepReport:
