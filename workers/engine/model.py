@@ -9,6 +9,7 @@ says, q/k/v biases (Qwen2), q/k norms (Qwen3), experts (Qwen3-MoE), and tied emb
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -170,10 +171,14 @@ def build_gpt(
         # Every parameter in bf16, norms included (megatron's Float16Module does the same);
         # RoPE's frequencies are not a parameter or buffer and stay fp32.
         model.bfloat16()
-    # Rotary positions are applied by our core attention from each token's position id
-    # (workers/engine/attention.py): megatron's, from the packed length, would be wrong for a
-    # trie's depths. The module stays for its frequencies (inv_freq, Llama 3 scaling below).
-    model.rotary_pos_emb.forward = _rotary_in_attention
+    # Packed micro-batches get their rotary positions in our core attention, from each token's
+    # position id (workers/engine/attention.py): megatron's, from the packed length, would be
+    # wrong for a trie's depths. An unpacked call (one plain sequence, as the single-process
+    # references make) keeps megatron's own. The module stays for its frequencies (inv_freq,
+    # Llama 3 scaling below).
+    model.rotary_pos_emb.forward = functools.partial(
+        _rotary_unless_packed, model.rotary_pos_emb.forward
+    )
     if post_process:
         # The model ends at the final norm: its output is the hidden states, and the loss
         # function applies the output layer (``lm_head_weight``) inside the log-prob kernel.
@@ -193,8 +198,16 @@ def build_gpt(
     return model
 
 
-def _rotary_in_attention(*_: Any, **__: Any) -> None:
-    return None
+def _rotary_unless_packed(
+    megatron_rotary: Any,
+    max_seq_len: int,
+    offset: int = 0,
+    packed_seq: bool = False,
+    cp_group: Any = None,
+) -> Tensor | None:
+    if packed_seq:
+        return None  # applied by PackedCoreAttention from the position ids
+    return megatron_rotary(max_seq_len, offset=offset, packed_seq=packed_seq, cp_group=cp_group)  # type: ignore[no-any-return]
 
 
 def _hidden_states_out(
