@@ -32,6 +32,13 @@ class LossKind(str, Enum):
     """``-exp(lp - old_lp) * A``: policy gradient corrected for the behaviour policy."""
     PPO = "ppo"
     """``-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)`` with ``r = exp(lp - old_lp)``."""
+    CISPO = "cispo"
+    """``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * lp * A``: the clipped ratio weights the
+    log-prob's gradient and is not differentiated (MiniMax-M1). ``clip_low`` / ``clip_high``
+    are distances from 1 (epsilons), as for PPO."""
+    DRO = "dro"
+    """``-(lp * A - beta / 2 * (lp - old_lp)^2)``: policy gradient with a quadratic penalty on
+    the drift from the sampler's log-probs (``old_logprobs``)."""
 
 
 class Normalization(str, Enum):
@@ -87,6 +94,9 @@ class LossConfig(BaseModel):
     clip_low: float = Field(0.2, ge=0, le=1, description="PPO: lower ratio bound 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, description="PPO: upper ratio bound 1 + clip_high.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the reference policy.")
+    beta: float = Field(
+        0.0, ge=0, description="DRO: weight of the quadratic penalty beta / 2 * (lp - old_lp)^2."
+    )
 
     def required_inputs(self) -> tuple[str, ...]:
         out: tuple[str, ...] = ()
@@ -104,6 +114,7 @@ class LossConfig(BaseModel):
             "clip_low": self.clip_low,
             "clip_high": self.clip_high,
             "kl_coef": self.kl_coef,
+            "beta": self.beta,
         }
 
 

@@ -90,6 +90,7 @@ def _loss(args: argparse.Namespace) -> LossConfig:
         clip_low=args.clip_low,
         clip_high=args.clip_high,
         kl_coef=args.kl_coef,
+        beta=args.beta,
     )
 
 
@@ -179,12 +180,15 @@ def _memory_profile(args: argparse.Namespace, c: TrainctlClient) -> int:
 def _add_loss_flags(p: argparse.ArgumentParser) -> None:
     d = LossConfig()
     p.add_argument(
-        "--loss-kind", default=d.kind.value, help="cross_entropy, importance_sampling, ppo"
+        "--loss-kind",
+        default=d.kind.value,
+        help="cross_entropy, importance_sampling, ppo, cispo, dro",
     )
     p.add_argument("--normalization", default=d.normalization.value)
     p.add_argument("--clip-low", type=float, default=d.clip_low)
     p.add_argument("--clip-high", type=float, default=d.clip_high)
     p.add_argument("--kl-coef", type=float, default=d.kl_coef)
+    p.add_argument("--beta", type=float, default=d.beta, help="dro: the quadratic penalty")
 
 
 def parser() -> argparse.ArgumentParser:

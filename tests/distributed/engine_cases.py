@@ -505,3 +505,25 @@ def rollback_twice_case(cfg: dict[str, Any]) -> dict[str, Any]:
     eng.rollback_part()
     same = all(bool((g == s).all()) for g, s in zip(grad_buffers(eng.chunks), after_a, strict=True))
     return {"same": same, "parts": eng.window.parts, "nonzero": any(bool(s.any()) for s in after_a)}
+
+
+def policy_metrics_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """The RL metrics of one PPO eval pass, and the per-token log-probs and entropies of the
+    same weights (reporting ranks) for a single-process reference."""
+    from trainctl.api.models import LossConfig, LossKind
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.shard import EngineShard
+
+    eng = EngineShard(EngineConfig.from_dict(cfg))
+    spec = LossConfig(kind=LossKind.PPO, clip_low=0.2, clip_high=0.28, kl_coef=0.05)
+    plan = plan_step(to_host(batch), eng.cfg, loss=spec, packing="flat")
+    mbs = plan.microbatches[eng.coords.dp]
+    metrics = eng.eval_batch(mbs, spec).metrics
+    lps = eng.logprobs(plan_step(to_host(batch), eng.cfg).microbatches[eng.coords.dp], entropy=True)
+    return {
+        "is_last_stage": eng.is_last_stage,
+        "metrics": metrics,
+        "logprobs": {i: lp for i, (lp, _) in lps.items()},
+        "entropy": {i: e for i, (_, e) in lps.items()},
+    }

@@ -58,12 +58,24 @@ def test_loss_terms_match_their_formulas() -> None:
         LossKind.CROSS_ENTROPY: -lp,
         LossKind.IMPORTANCE_SAMPLING: -r * a,
         LossKind.PPO: torch.maximum(-r * a, -r.clamp(0.8, 1.28) * a),
+        LossKind.CISPO: -r.clamp(0.8, 1.28).detach() * lp * a,
+        LossKind.DRO: -(lp * a - 0.5 * 0.3 * (lp - old) ** 2),
     }
     for kind, w in want.items():
-        spec = LossConfig(kind=kind, clip_low=0.2, clip_high=0.28, kl_coef=0.1)
+        spec = LossConfig(kind=kind, clip_low=0.2, clip_high=0.28, kl_coef=0.1, beta=0.3)
         got = per_token_terms(lp, **spec.options(), **kw)
         k3 = (ref - lp).exp() - (ref - lp) - 1
-        torch.testing.assert_close(got, (w + 0.1 * k3) * m)
+        want_k = (w + 0.1 * k3) * m
+        torch.testing.assert_close(got, want_k)
+        # The gradients too: CISPO's clipped ratio is a constant weight, DRO's penalty pulls
+        # lp back toward the sampler's log-prob.
+        (g,) = torch.autograd.grad(got.sum(), lp, retain_graph=True)
+        (gw,) = torch.autograd.grad(want_k.sum(), lp, retain_graph=True)
+        torch.testing.assert_close(g, gw)
+    g_cispo = torch.autograd.grad(
+        per_token_terms(lp, **LossConfig(kind=LossKind.CISPO).options(), **kw).sum(), lp
+    )[0]
+    torch.testing.assert_close(g_cispo, -r.detach().clamp(0.8, 1.2) * a * m)
     spec = LossConfig(kind=LossKind.PPO)
     assert spec.required_inputs() == ("advantages", "old_logprobs")
     with pytest.raises(ValueError, match="needs advantages"):
@@ -137,3 +149,17 @@ def test_sequence_log_ppl_single_rank() -> None:
     log_ppl, has = sequence_log_ppl(nll, mask, seq_id, 2, cp_group=None)
     assert has.tolist() == [True, False]
     assert abs(float(log_ppl[0]) - 0.5) < 1e-12
+
+
+def test_ensure_adds_identities_and_keeps_what_was_recorded() -> None:
+    """A rank with only dummies still exports every key (as the reduction's identity), so its
+    collectives match its peers'; a key that was recorded keeps its value."""
+    t = StatsTracker()
+    t.denominator(n=torch.tensor([True, True]))
+    t.stat(denominator="n", reduction=Reduction.MAX, x=torch.tensor([1.0, 3.0]))
+    keys = [("x", Reduction.MAX), ("x", Reduction.MIN), ("y", Reduction.SUM), ("z", Reduction.MEAN)]
+    t.ensure(keys)
+    out = t.export()
+    assert out["x:max"] == 3.0 and out["x:min"] == float("inf") and out["y:sum"] == 0.0
+    assert out["z:mean"] != out["z:mean"]  # 0 / 0: nothing recorded anywhere is NaN
+    assert out["n:sum"] == 2.0

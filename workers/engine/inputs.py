@@ -38,6 +38,8 @@ class RankMicroBatch:
     batch: StageBatch
     packed: PackedBatchParams  # global padded cu_seqlens and max length; a tree's segments
     is_dummy: bool
+    num_sequences: int = 0
+    """Packed sequences of the micro-batch (the per-sequence metrics' length on every rank)."""
     targets: Tensor | None = None
     """Prefix tries under CP: the indices, into the micro-batch's ``[num_targets]`` loss
     positions, of those this CP rank computes (the ones whose hidden row it holds)."""
@@ -80,7 +82,8 @@ class StageInputs:
         d = self.dims
         tree = mb.tree is not None
         targets = self._cp_targets(mb)
-        inputs = ("loss_scale", *mb.loss_inputs)
+        # seq_id goes along for the per-sequence metrics (float64 carries it exactly).
+        inputs = ("loss_scale", "seq_id", *mb.loss_inputs)
         batch = self._read(mb, inputs, targets) if dist.get_rank() == d.tp_src else None
         if d.layout.tp > 1:
             cfg = BroadcastConfig(
@@ -115,6 +118,7 @@ class StageInputs:
             is_dummy=mb.is_dummy,
             targets=None if targets is None else targets[0],
             num_targets=mb.num_tokens,
+            num_sequences=int(mb.seq_lens.shape[0]),
         )
 
     def _cp_targets(self, mb: PackedMicroBatch) -> tuple[Tensor, Tensor] | None:

@@ -45,6 +45,8 @@ from trainctl.workers.ops.cp import gather_from_cp, gather_targets_from_cp
 from trainctl.workers.ops.fused_head import fused_head_entropy, fused_head_logprob, head_logits
 from trainctl.workers.ops.logprob import vocab_parallel_entropy, vocab_parallel_logprob
 from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
+from trainctl.workers.ops.metrics import StatsTracker
+from trainctl.workers.ops.rl_metrics import policy_metric_keys, record_policy_metrics
 
 PER_TOKEN_OUTPUTS = ("logprobs", "entropy")
 
@@ -56,6 +58,9 @@ class PassResult:
     outputs: list[dict[str, Tensor]]
     """Last stage only, per micro-batch: the per-token outputs asked for, in global packed
     order ``[T]`` (position ``t`` predicts token ``t + 1``)."""
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Last stage only: the RL metrics of a pass whose batch carries ``old_logprobs``
+    (``workers/ops/rl_metrics.py``), reduced over DP x CP."""
 
 
 class Schedule:
@@ -94,6 +99,13 @@ class Schedule:
         if unknown:
             raise ValueError(f"unknown per-token outputs {sorted(unknown)}")
         tensors = [self.inputs.prepare(mb) for mb in mbs]
+        # RL metrics when the batch carries the behaviour policy's log-probs (the same
+        # decision on every rank: the plan is global).
+        self.stats = StatsTracker()
+        self.policy_keys = []
+        if "old_logprobs" in mbs[0].loss_inputs:
+            with_ref = "ref_logprobs" in mbs[0].loss_inputs
+            self.policy_keys = policy_metric_keys(with_ref=with_ref, with_entropy=True)
         iters: Any = [iter(tensors) for _ in self.chunks] if len(self.chunks) > 1 else iter(tensors)
         for c in self.chunks:
             c.train(not forward_only)
@@ -114,7 +126,12 @@ class Schedule:
             return PassResult(loss=0.0, outputs=[])
         total = aggregate_loss((item["loss"] for item in items), self.dims.dp_cp_group)
         kept = [{k: item[k] for k in outputs} for item in items]
-        return PassResult(loss=float(total), outputs=kept)
+        metrics = {}
+        if self.policy_keys:
+            # Every DP x CP rank joins every metric's reduction, one with only dummies too.
+            self.stats.ensure(self.policy_keys)
+            metrics = self.stats.export(group=self.dims.dp_cp_group)
+        return PassResult(loss=float(total), outputs=kept, metrics=metrics)
 
     def _forward_step(
         self,
@@ -209,6 +226,16 @@ class Schedule:
         else:
             per_token: dict[str, Any] = {k: v[0] for k, v in b.loss_inputs.items()}
             scale = per_token.pop("loss_scale")
+            seq_id = per_token.pop("seq_id").long()
+            if self.policy_keys:
+                with torch.no_grad():
+                    record_policy_metrics(
+                        self.stats, lp, loss_mask=b.loss_mask[0],
+                        old_logprobs=per_token["old_logprobs"], seq_id=seq_id,
+                        num_seqs=mb.num_sequences, cp_group=self.dims.cp_group,
+                        clip_low=loss.clip_low, clip_high=loss.clip_high,
+                        ref_logprobs=per_token.get("ref_logprobs"), entropy=entropy(),
+                    )  # fmt: skip
             terms = per_token_terms(lp, **loss.options(), loss_mask=b.loss_mask[0], **per_token)
             share, n = local_loss(terms, scale), int(torch.count_nonzero(b.loss_mask))
         report = {"loss": share.detach().clone()}

@@ -87,6 +87,7 @@ class EngineShard:
         self.tc = transformer_config(cfg, bf16=bf16)
         self._grad_sync_s = 0.0
         self._pending_norm: float | None = None
+        self._pass_metrics: dict[str, float] = {}
         source = weights.seeded(cfg.model.seed, cfg.model.num_layers)
         if cfg.init_hf:
             source = weights.from_dict(hf.load(Path(cfg.init_hf), cfg.model))
@@ -192,8 +193,11 @@ class EngineShard:
     # -- the RPC surface -------------------------------------------------------------------
 
     def forward_backward(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> float:
-        """Accumulate gradients of the step's loss (synchronised over DP x CP); the loss."""
-        return self.schedule.run(mbs, loss, forward_only=False).loss
+        """Accumulate gradients of the step's loss (synchronised over DP x CP); the loss. The
+        pass's RL metrics wait in ``_pass_metrics`` for the step's report."""
+        result = self.schedule.run(mbs, loss, forward_only=False)
+        self._pass_metrics = result.metrics
+        return result.loss
 
     def optimizer_step(self, grad_norm: float | None = None) -> float:
         """Clip by global norm, apply AdamW, zero the gradients; returns the pre-clip norm
@@ -297,7 +301,7 @@ class EngineShard:
             coords=self.coords,
             is_last_stage=self.is_last_stage,
             loss=result.loss,
-            metrics=self.routing.export(),
+            metrics={**self.routing.export(), **result.metrics},
             timings={"forward_backward_s": time.perf_counter() - t0},
         )
         return report, lps
@@ -339,7 +343,7 @@ class EngineShard:
             is_last_stage=self.is_last_stage,
             loss=value,
             grad_norm=self._pending_norm,
-            metrics=self.routing.export(),
+            metrics={**self.routing.export(), **self._pass_metrics},
             timings={
                 "forward_backward_s": time.perf_counter() - t0,
                 "grad_sync_s": self._grad_sync_s,
@@ -369,7 +373,7 @@ class EngineShard:
             coords=self.coords,
             is_last_stage=self.is_last_stage,
             loss=result.loss,
-            metrics=self.routing.export(),
+            metrics={**self.routing.export(), **result.metrics},
             timings={"forward_s": time.perf_counter() - t0},
         )
 

@@ -11,6 +11,9 @@ Terms, with ``lp`` the current log-prob of the target and ``r = exp(lp - old_lp)
     cross_entropy        ``-lp``
     importance_sampling  ``-r * A``
     ppo                  ``max(-r * A, -clip(r, 1 - clip_low, 1 + clip_high) * A)``
+    cispo                ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * lp * A`` (the clipped
+                         ratio is a constant weight on the log-prob's gradient)
+    dro                  ``-(lp * A - beta / 2 * (lp - old_lp)^2)`` (old_lp: the sampler's)
     + kl_coef * k3       ``exp(ref - lp) - (ref - lp) - 1`` (an unbiased, positive KL estimate)
 """
 
@@ -30,7 +33,7 @@ def connected_zero(output: Tensor) -> Tensor:
     return output.sum() * 0.0
 
 
-_KINDS = ("cross_entropy", "importance_sampling", "ppo")
+_KINDS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 
 
 def _masked(x: Tensor, mask: Tensor) -> Tensor:
@@ -45,6 +48,7 @@ def per_token_terms(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     kl_coef: float = 0.0,
+    beta: float = 0.0,
     loss_mask: Tensor,
     advantages: Tensor | None = None,
     old_logprobs: Tensor | None = None,
@@ -52,9 +56,10 @@ def per_token_terms(
 ) -> Tensor:
     """Loss term of every token ``[T]`` (0 where the mask is 0).
 
-    ``kind``: ``cross_entropy``, ``importance_sampling`` (``-ratio * advantage``) or ``ppo``
-    (the ratio clipped to ``[1 - clip_low, 1 + clip_high]``); ``kl_coef`` adds the k3 estimate
-    of the KL to the reference policy."""
+    ``kind``: ``cross_entropy``, ``importance_sampling`` (``-ratio * advantage``), ``ppo``
+    (the ratio clipped to ``[1 - clip_low, 1 + clip_high]``), ``cispo`` (the clipped ratio,
+    detached, weighting ``-lp * advantage``) or ``dro`` (``beta``: the quadratic penalty's
+    weight); ``kl_coef`` adds the k3 estimate of the KL to the reference policy."""
     if kind not in _KINDS:
         raise ValueError(f"unknown loss kind {kind!r}; one of {_KINDS}")
     if kind == "cross_entropy":
@@ -62,12 +67,18 @@ def per_token_terms(
     else:
         if advantages is None or old_logprobs is None:
             raise ValueError(f"{kind} loss needs advantages and old_logprobs")
-        log_ratio = _masked(logprobs - old_logprobs, loss_mask).clamp(max=_MAX_LOG_RATIO)
-        ratio = log_ratio.exp()
-        terms = -ratio * advantages
-        if kind == "ppo":
-            clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-            terms = torch.maximum(terms, clipped)
+        delta = _masked(logprobs - old_logprobs, loss_mask)
+        ratio = delta.clamp(max=_MAX_LOG_RATIO).exp()
+        if kind == "cispo":
+            weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
+            terms = -weight * logprobs * advantages
+        elif kind == "dro":
+            terms = -(logprobs * advantages - 0.5 * beta * delta * delta)
+        else:
+            terms = -ratio * advantages
+            if kind == "ppo":
+                clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+                terms = torch.maximum(terms, clipped)
     if kl_coef:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")

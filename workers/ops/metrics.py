@@ -104,6 +104,16 @@ class StatsTracker:
         one = torch.ones((), dtype=torch.float64) if reduction is Reduction.MEAN else None
         self._add(name, reduction, num, one)
 
+    def ensure(self, keys: list[tuple[str, Reduction]]) -> None:
+        """Make ``name:reduction`` present for every key, recording nothing new: a rank with no
+        real tokens (only dummies) still joins each metric's collective, with the reduction's
+        identity (0 / 0 for a mean, 0, +inf for a min, -inf for a max)."""
+        identity = {Reduction.MIN: torch.inf, Reduction.MAX: -torch.inf}
+        for name, reduction in keys:
+            if f"{name}:{reduction.value}" not in self._entries:
+                num = torch.tensor(identity.get(reduction, 0.0), dtype=torch.float64)
+                self._add(name, reduction, num, torch.zeros((), dtype=torch.float64))
+
     def _add(self, name: str, reduction: Reduction, num: Tensor, den: Tensor | None) -> None:
         key = f"{name}:{reduction.value}"
         den = torch.zeros((), dtype=torch.float64) if den is None else den
