@@ -61,6 +61,15 @@ PER_TOKEN_FIELDS: tuple[TokenField, ...] = (
         "Per-token log-probs under the reference policy (KL term).",
         loss_input=True,
     ),
+    TokenField(
+        "sampler_logprobs",
+        FieldKind.FLOAT,
+        "Per-token log-probs the inference engine reported when it sampled, where they differ "
+        "from old_logprobs (the trainer's recomputed behaviour log-probs): truncated "
+        "importance sampling (loss.tis_cap) corrects the policy gradient by "
+        "min(exp(old - sampler), tis_cap).",
+        loss_input=True,
+    ),
 )
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in PER_TOKEN_FIELDS)

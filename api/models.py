@@ -97,6 +97,19 @@ class LossConfig(BaseModel):
     beta: float = Field(
         0.0, ge=0, description="DRO: weight of the quadratic penalty beta / 2 * (lp - old_lp)^2."
     )
+    tis_cap: float | None = Field(
+        default=None,
+        gt=0,
+        description="Truncated importance sampling: each policy term times "
+        "min(exp(old_logprobs - sampler_logprobs), tis_cap), correcting the train/sampler "
+        "mismatch (needs sampler_logprobs; not for cross_entropy).",
+    )
+
+    @model_validator(mode="after")
+    def _tis_needs_a_policy_loss(self) -> LossConfig:
+        if self.tis_cap is not None and self.kind is LossKind.CROSS_ENTROPY:
+            raise ValueError("tis_cap corrects a policy loss; cross_entropy has no ratio to cap")
+        return self
 
     def required_inputs(self) -> tuple[str, ...]:
         out: tuple[str, ...] = ()
@@ -104,6 +117,8 @@ class LossConfig(BaseModel):
             out += ("advantages", "old_logprobs")
         if self.kl_coef > 0:
             out += ("ref_logprobs",)
+        if self.tis_cap is not None:
+            out += ("sampler_logprobs",)
         return out
 
     def options(self) -> dict[str, Any]:
@@ -115,6 +130,7 @@ class LossConfig(BaseModel):
             "clip_high": self.clip_high,
             "kl_coef": self.kl_coef,
             "beta": self.beta,
+            "tis_cap": self.tis_cap,
         }
 
 

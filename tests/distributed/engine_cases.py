@@ -93,6 +93,7 @@ def to_host(batch: list[dict[str, Any]]) -> list[Any]:
             advantages=arr(s, "advantages"),
             old_logprobs=arr(s, "old_logprobs"),
             ref_logprobs=arr(s, "ref_logprobs"),
+            sampler_logprobs=arr(s, "sampler_logprobs"),
         )
         for s in batch
     ]

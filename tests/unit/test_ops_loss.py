@@ -76,6 +76,27 @@ def test_loss_terms_match_their_formulas() -> None:
         per_token_terms(lp, **LossConfig(kind=LossKind.CISPO).options(), **kw).sum(), lp
     )[0]
     torch.testing.assert_close(g_cispo, -r.detach().clamp(0.8, 1.2) * a * m)
+    # Truncated importance sampling: the policy term times the capped behaviour ratio (a
+    # constant), the KL term untouched.
+    sampler = old + 0.3 * torch.randn(
+        old.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64
+    )
+    w = (old - sampler).exp().clamp(max=1.5)
+    spec = LossConfig(kind=LossKind.PPO, clip_low=0.2, clip_high=0.28, kl_coef=0.1, tis_cap=1.5)
+    got = per_token_terms(lp, **spec.options(), **kw, sampler_logprobs=sampler)
+    k3 = (ref - lp).exp() - (ref - lp) - 1
+    policy = torch.maximum(-r * a, -r.clamp(0.8, 1.28) * a)
+    torch.testing.assert_close(got, (policy * w + 0.1 * k3) * m)
+    assert (w == 1.5).any() and (w < 1.5).any()  # the cap binds somewhere, not everywhere
+    # The weight is a constant: no gradient flows through the behaviour ratio.
+    (g,) = torch.autograd.grad(got.sum(), lp, retain_graph=True)
+    (gw,) = torch.autograd.grad(((policy * w.detach() + 0.1 * k3) * m).sum(), lp, retain_graph=True)
+    torch.testing.assert_close(g, gw)
+    assert spec.required_inputs() == (
+        "advantages", "old_logprobs", "ref_logprobs", "sampler_logprobs",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="no ratio to cap"):
+        LossConfig(tis_cap=2.0)
     spec = LossConfig(kind=LossKind.PPO)
     assert spec.required_inputs() == ("advantages", "old_logprobs")
     with pytest.raises(ValueError, match="needs advantages"):

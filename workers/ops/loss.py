@@ -15,6 +15,10 @@ Terms, with ``lp`` the current log-prob of the target and ``r = exp(lp - old_lp)
                          ratio is a constant weight on the log-prob's gradient)
     dro                  ``-(lp * A - beta / 2 * (lp - old_lp)^2)`` (old_lp: the sampler's)
     + kl_coef * k3       ``exp(ref - lp) - (ref - lp) - 1`` (an unbiased, positive KL estimate)
+
+Truncated importance sampling (``tis_cap``): the policy term (not the KL) is multiplied by
+``min(exp(old_lp - sampler_lp), tis_cap)``, the capped ratio of the trainer's behaviour
+log-probs to the inference engine's, a constant per token (no gradient through it).
 """
 
 from __future__ import annotations
@@ -49,10 +53,12 @@ def per_token_terms(
     clip_high: float = 0.2,
     kl_coef: float = 0.0,
     beta: float = 0.0,
+    tis_cap: float | None = None,
     loss_mask: Tensor,
     advantages: Tensor | None = None,
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
+    sampler_logprobs: Tensor | None = None,
 ) -> Tensor:
     """Loss term of every token ``[T]`` (0 where the mask is 0).
 
@@ -79,6 +85,13 @@ def per_token_terms(
             if kind == "ppo":
                 clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
                 terms = torch.maximum(terms, clipped)
+    if tis_cap is not None:
+        if kind == "cross_entropy":
+            raise ValueError("tis_cap corrects a policy loss, not cross_entropy")
+        if sampler_logprobs is None or old_logprobs is None:
+            raise ValueError("tis_cap needs old_logprobs and sampler_logprobs")
+        behaviour = _masked(old_logprobs - sampler_logprobs, loss_mask).clamp(max=_MAX_LOG_RATIO)
+        terms = terms * behaviour.exp().clamp(max=tis_cap).detach()
     if kl_coef:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
