@@ -69,7 +69,7 @@ class ControllerMetrics:
             metrics = op.result.metrics
             self.tokens.labels(kind).inc(metrics.get("tokens:sum", 0.0))
             self.computed_tokens.labels(kind).inc(metrics.get("computed_tokens:sum", 0.0))
-            if op.kind is OperationKind.TRAIN_BATCH:
+            if op.kind in (OperationKind.TRAIN_BATCH, OperationKind.OPTIM_STEP):
                 self.steps.inc()
 
     def text(self) -> bytes:
