@@ -179,8 +179,8 @@ class _BatchRequest(_SequencesRequest):
             )
 
 
-class TrainBatchRequest(_BatchRequest):
-    """Forward/backward over the batch and one optimizer step."""
+class _ExpectedStep(BaseModel):
+    """A call that steps the optimizer: ``expected_step`` guards it."""
 
     expected_step: int | None = Field(
         default=None,
@@ -201,6 +201,10 @@ class TrainBatchRequest(_BatchRequest):
             )
 
 
+class TrainBatchRequest(_BatchRequest, _ExpectedStep):
+    """Forward/backward over the batch and one optimizer step."""
+
+
 class EvalBatchRequest(_BatchRequest):
     """The same loss as ``train_batch``, without backward or update."""
 
@@ -212,7 +216,7 @@ class ForwardBackwardRequest(_BatchRequest):
     the union's: docs/algorithms.md §11)."""
 
 
-class OptimStepRequest(BaseModel):
+class OptimStepRequest(_ExpectedStep):
     """Apply the gradients accumulated by ``forward_backward`` with these AdamW settings;
     a setting left out takes the server's. Per-step values let the client own the schedule."""
 
@@ -225,11 +229,6 @@ class OptimStepRequest(BaseModel):
     weight_decay: float | None = Field(default=None, ge=0, description="Decoupled weight decay.")
     clip_grad: float | None = Field(
         default=None, ge=0, description="Clip the global gradient norm to this; 0 disables."
-    )
-    expected_step: int | None = Field(
-        default=None,
-        ge=0,
-        description="Apply only if the model is at this step (409 otherwise, nothing applied).",
     )
 
     def overrides(self) -> dict[str, float]:

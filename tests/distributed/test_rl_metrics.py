@@ -10,8 +10,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from engine_cases import policy_metrics_case, ragged_batch
+from engine_cases import ragged_batch
 from rankpool import RankPool
+from split_cases import policy_metrics_case
 from test_engine_layouts import _cfg, _ids, _world
 
 

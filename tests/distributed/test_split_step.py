@@ -11,14 +11,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from engine_cases import (
-    full_tensors,
-    ragged_batch,
-    rollback_twice_case,
-    split_step_case,
-    step_and_collect,
-)
+from engine_cases import full_tensors, ragged_batch, step_and_collect
 from rankpool import RankPool
+from split_cases import rollback_twice_case, split_step_case
 from test_engine_layouts import LR, RTOL, _cfg
 
 CASES = [

@@ -50,6 +50,15 @@ class TreeLayout:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def max_seqlen(self) -> int:
+        """The longest trie, padded."""
+        return _max_len(self.cu_seqlens)
+
+
+def _max_len(cu_seqlens: np.ndarray) -> int:
+    return int(np.diff(cu_seqlens).max()) if len(cu_seqlens) > 1 else 0
+
 
 @dataclass(frozen=True, kw_only=True)
 class PackedMicroBatch:
@@ -107,7 +116,7 @@ class PackedMicroBatch:
 
     @property
     def max_seqlen(self) -> int:
-        return int(np.diff(self.cu_seqlens).max()) if len(self.cu_seqlens) > 1 else 0
+        return _max_len(self.cu_seqlens)
 
     @property
     def model_tokens(self) -> int:

@@ -73,11 +73,16 @@ class Window:
 
     def divisor(self) -> float:
         """What the summed gradients are divided by once: the union's normaliser."""
-        if self.normalization is Normalization.TOKEN_MEAN:
-            return float(max(self.loss_tokens, 1))
-        if self.normalization is Normalization.SEQ_MEAN_TOKEN_MEAN:
-            return float(max(self.loss_sequences, 1))
-        return 1.0
+        return normalizer(self.normalization, self.loss_tokens, self.loss_sequences)
+
+
+def normalizer(normalization: Normalization, loss_tokens: int, loss_sequences: int) -> float:
+    """The batch-wide divisor that a deferred plan (``plan.sequence_scales``) leaves out."""
+    if normalization is Normalization.TOKEN_MEAN:
+        return float(max(loss_tokens, 1))
+    if normalization is Normalization.SEQ_MEAN_TOKEN_MEAN:
+        return float(max(loss_sequences, 1))
+    return 1.0
 
 
 @dataclass
@@ -107,13 +112,22 @@ class Steps:
     # -- planning (at submit) ------------------------------------------------------------------
 
     def plan(
-        self, sequences: SequenceBatch, loss: LossConfig, packing: str | None
+        self,
+        sequences: SequenceBatch,
+        loss: LossConfig,
+        packing: str | None,
+        *,
+        deferred_normalizer: bool = False,
     ) -> tuple[StepPlan, float]:
         """The dispatch plan and the seconds it took; a batch the layout cannot take is a 422.
-        ``packing``: the request's, else the server's default."""
+        ``packing``: the request's, else the server's default; ``deferred_normalizer``: a
+        ``forward_backward`` part (``plan.sequence_scales``)."""
         t0 = time.perf_counter()
         try:
-            plan = plan_step(list(sequences), self.cfg, loss=loss, packing=packing)
+            plan = plan_step(
+                list(sequences), self.cfg, loss=loss, packing=packing,
+                deferred_normalizer=deferred_normalizer,
+            )  # fmt: skip
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         return plan, time.perf_counter() - t0
@@ -127,15 +141,7 @@ class Steps:
         return lambda h: self._eval(h, plan, t_plan)
 
     def forward_backward(self, req: ForwardBackwardRequest) -> Runner:
-        t0 = time.perf_counter()
-        try:
-            plan = plan_step(
-                list(req.sequences), self.cfg, loss=req.loss, packing=req.packing,
-                deferred_normalizer=True,
-            )  # fmt: skip
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
-        t_plan = time.perf_counter() - t0
+        plan, t_plan = self.plan(req.sequences, req.loss, req.packing, deferred_normalizer=True)
         return lambda h: self._forward_backward(h, req, plan, t_plan)
 
     def optim_step(self, req: OptimStepRequest) -> Runner:
@@ -249,18 +255,15 @@ class Steps:
         reports = [r for r, _ in parts]
         raw = next(r for r in reports if r.is_last_stage).loss
         w.raw_loss += raw
-        own = Window(normalization=norm, loss_tokens=int(plan.loss_normalizer),
-                     loss_sequences=plan.num_loss_sequences).divisor()  # fmt: skip
-        merged: dict[int, Any] = {}
-        for _, lps in parts:
-            merged.update(lps)
+        own = normalizer(norm, int(plan.loss_normalizer), plan.num_loss_sequences)
+        lps = _in_request_order([lp for _, lp in parts], len(req.sequences))
         step = self._result(plan, reports, t_plan)
         step.metrics["accumulated_parts:value"] = float(w.parts)
         step.timings["total_s"] = time.perf_counter() - t0
         return ForwardBackwardResult.model_construct(
             loss=raw / own,
             step=self.state.step,
-            logprobs=[merged[i].tolist() for i in range(len(req.sequences))],
+            logprobs=[lp.tolist() for lp in lps],
             metrics={**step.metrics, "loss:mean": raw / own},
             timings=step.timings,
         )
@@ -268,12 +271,7 @@ class Steps:
     async def _optim_step(
         self, h: Handle, req: OptimStepRequest, hyper: dict[str, float]
     ) -> StepResult:
-        if req.expected_step is not None and req.expected_step != self.state.step:
-            raise ConflictError(
-                f"expected_step is {req.expected_step} but the model is at step "
-                f"{self.state.step}; nothing was applied",
-                details={"expected_step": req.expected_step, "step": self.state.step},
-            )
+        req.check_expected_step(self.state.step)
         w = self.state.window
         if w is None:
             raise ConflictError("no gradients to apply: call forward_backward first")
@@ -315,14 +313,7 @@ class Steps:
     async def _logprobs(self, h: Handle, req: LogProbsRequest, plan: StepPlan) -> LogProbsResult:
         h.set_phase("forward")
         parts = await self.group.call(RankWorker.logprobs, ray.put(plan), req.entropy, h.op.id)
-        merged: dict[int, Any] = {}
-        for part in parts:
-            merged.update(part)
-        n = len(req.sequences)
-        missing = [i for i in range(n) if i not in merged]
-        if missing:
-            raise WorkerError(f"no rank reported log-probs of sequences {missing[:10]}")
-        ordered = [merged[i] for i in range(n)]
+        ordered = _in_request_order(parts, len(req.sequences))
         return LogProbsResult.model_construct(
             step=self.state.step,
             logprobs=[lp.tolist() for lp, _ in ordered],
@@ -346,6 +337,18 @@ class Steps:
         for key in reports[0].timings:
             timings[f"{key.removesuffix('_s')}_max_s"] = max(r.timings[key] for r in reports)
         return StepResult(loss=last.loss, step=self.state.step, metrics=metrics, timings=timings)
+
+
+def _in_request_order(parts: list[dict[int, Any]], n: int) -> list[Any]:
+    """The reporting ranks' per-sequence results (each a ``{request index: value}``), merged
+    into request order; a sequence no rank reported is a worker error."""
+    merged: dict[int, Any] = {}
+    for part in parts:
+        merged.update(part)
+    missing = [i for i in range(n) if i not in merged]
+    if missing:
+        raise WorkerError(f"no rank reported log-probs of sequences {missing[:10]}")
+    return [merged[i] for i in range(n)]
 
 
 def token_counts(plan: StepPlan) -> dict[str, float]:

@@ -149,14 +149,15 @@ def tree_layout(
     ends: list[np.ndarray] = []
     ancestors: list[np.ndarray] = []
     cu = [0]  # trie boundaries
-    end = [0]  # rows laid out so far
+    end = 0  # rows laid out so far
 
     def add(tokens: np.ndarray, depth: np.ndarray, start: np.ndarray, stop: np.ndarray) -> None:
+        nonlocal end
         ids.append(tokens)
         pos.append(depth)
-        starts.append(start + end[0])
-        ends.append(stop + end[0])
-        end[0] += tokens.shape[0]
+        starts.append(start + end)
+        ends.append(stop + end)
+        end += tokens.shape[0]
 
     def pad(n: int) -> None:
         """n pad tokens: one segment, attending causally to itself only."""
@@ -165,16 +166,16 @@ def tree_layout(
         ancestors.append(np.zeros(0, np.int64))
 
     for t in tries:
-        o = end[0]
+        o = end
         ancestors.extend(a + o for a in t.seg_ancestors)
         rows.extend(np.pad(r + o, (0, _round_up(len(r), pad_multiple) - len(r))) for r in t.rows)
         add(t.tokens, t.depth, t.seg_start, t.seg_end)
-        if end[0] % pad_multiple:
-            pad(_round_up(end[0], pad_multiple) - end[0])
-        cu.append(end[0])
-    if total_len is not None and total_len > end[0]:
-        pad(total_len - end[0])
-        cu.append(end[0])
+        if end % pad_multiple:
+            pad(_round_up(end, pad_multiple) - end)
+        cu.append(end)
+    if total_len is not None and total_len > end:
+        pad(total_len - end)
+        cu.append(end)
     return TreeLayout(
         input_ids=np.concatenate(ids),
         position_ids=np.concatenate(pos),

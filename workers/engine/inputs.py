@@ -86,15 +86,15 @@ class StageInputs:
         inputs = ("loss_scale", "seq_id", *mb.loss_inputs)
         batch = self._read(mb, inputs, targets) if dist.get_rank() == d.tp_src else None
         if d.layout.tp > 1:
+            # A tree's loss positions (this CP rank's, under CP) outnumber its rows.
+            num_targets = None
+            if tree:
+                num_targets = mb.num_tokens if targets is None else len(targets[0])
             cfg = BroadcastConfig(
                 seq_length=mb.model_tokens // d.layout.cp,
                 loss_inputs=inputs,
                 has_tree=tree,
-                num_targets=None
-                if not tree
-                else mb.num_tokens
-                if targets is None
-                else len(targets[0]),
+                num_targets=num_targets,
             )
             batch = broadcast_stage_batch(
                 batch, role=d.stage_role, cfg=cfg, tp_group=d.tp_group, src=d.tp_src
@@ -181,7 +181,7 @@ class StageInputs:
             position_ids=model["position_ids"][None],
             rows=rows[None],
             cu_seqlens=cu,
-            max_seqlen=torch.tensor([int(np.diff(tree.cu_seqlens).max())], dtype=torch.int32),
+            max_seqlen=torch.tensor([tree.max_seqlen], dtype=torch.int32),
             segments=torch.from_numpy(np.array(tree.segments)),
             **_loss_side(per_token, inputs),
         )

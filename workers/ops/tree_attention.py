@@ -91,45 +91,28 @@ def tree_attention(
 ) -> Tensor:
     """Each token attends to its ancestors and itself (see the module docstring); the queries
     are the rows at ``query_pos`` of the trie (all of it, in order, when None)."""
-    if query_pos is not None:
-        return _tree_attention_at(query, key, value, segments, query_pos, scale, dropout_p)
-    outs = []
-    for s, e, anc in zip(segments.start, segments.end, segments.ancestors, strict=True):
-        q = query[s:e]
-        if anc.numel() == 0:
-            outs.append(_sdpa(q, key[s:e], value[s:e], None, scale, dropout_p))
-            continue
-        k = torch.cat([key[anc], key[s:e]])
-        v = torch.cat([value[anc], value[s:e]])
-        n, p = e - s, int(anc.numel())
-        # True = attend: every ancestor, and the segment's own rows up to the query's.
-        mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device)
-        mask[:, p:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril_()
-        outs.append(_sdpa(q, k, v, mask, scale, dropout_p))
-    return torch.cat(outs)
-
-
-def _tree_attention_at(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    segments: Segments,
-    query_pos: Tensor,
-    scale: float,
-    dropout_p: float,
-) -> Tensor:
-    """``tree_attention`` for queries at global rows ``query_pos`` (a CP rank's share)."""
     outs, where = [], []
     for s, e, anc in zip(segments.start, segments.end, segments.ancestors, strict=True):
-        sel = torch.nonzero((query_pos >= s) & (query_pos < e)).squeeze(1)
-        if sel.numel() == 0:
+        if query_pos is None:
+            sel: Tensor | slice = slice(s, e)
+            at = torch.arange(s, e, device=query.device)
+        else:
+            sel = torch.nonzero((query_pos >= s) & (query_pos < e)).squeeze(1)
+            if sel.numel() == 0:
+                continue
+            at = query_pos[sel]
+            where.append(sel)
+        q = query[sel]
+        if anc.numel() == 0 and query_pos is None:
+            # A root segment, whole: plain causal attention (the flat path).
+            outs.append(_sdpa(q, key[s:e], value[s:e], None, scale, dropout_p))
             continue
-        own = torch.arange(s, e, device=query.device)
-        mine = own[None, :] <= query_pos[sel][:, None]
-        mask = torch.cat([mine.new_ones(sel.numel(), int(anc.numel())), mine], dim=1)
+        # True = attend: every ancestor, and the segment's own rows up to the query's.
+        mine = torch.arange(s, e, device=query.device)[None, :] <= at[:, None]
+        mask = torch.cat([mine.new_ones(at.numel(), int(anc.numel())), mine], dim=1)
         k = torch.cat([key[anc], key[s:e]])
         v = torch.cat([value[anc], value[s:e]])
-        outs.append(_sdpa(query[sel], k, v, mask, scale, dropout_p))
-        where.append(sel)
-    # The segments tile the trie, so every local row is in exactly one of them.
-    return torch.cat(outs)[torch.argsort(torch.cat(where))]
+        outs.append(_sdpa(q, k, v, mask, scale, dropout_p))
+    out = torch.cat(outs)
+    # Under CP the segments tile the trie, so every local row is in exactly one of them.
+    return out if query_pos is None else out[torch.argsort(torch.cat(where))]
