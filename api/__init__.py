@@ -58,6 +58,7 @@ from trainctl.api.operations import (
     OperationKind,
     OperationSpec,
     OperationStatus,
+    SaveCheckpointRequest,
 )
 
 __all__ = [
@@ -104,6 +105,7 @@ __all__ = [
     "RankInfo",
     "RateLimitedError",
     "RecoveryInfo",
+    "SaveCheckpointRequest",
     "Sequence",
     "SequenceBatch",
     "ServerError",

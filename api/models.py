@@ -215,6 +215,12 @@ class ForwardBackwardRequest(_BatchRequest):
     ``optim_step`` equal one ``train_batch`` of all their sequences (the normalisation is
     the union's: docs/algorithms.md §11)."""
 
+    forward_only: bool = Field(
+        default=False,
+        description="Compute the same loss, log-probs and per-token losses without backward: "
+        "no gradients accumulate and the waiting window is untouched (Tinker's forward).",
+    )
+
 
 class OptimStepRequest(_ExpectedStep):
     """Apply the gradients accumulated by ``forward_backward`` with these AdamW settings;
@@ -245,6 +251,12 @@ class ForwardBackwardResult(BaseModel):
     step: int = Field(description="Optimizer steps applied so far (unchanged by this call).")
     logprobs: list[list[float]] = Field(
         description="Per sequence, in request order: log p(tokens[t] | tokens[:t]); 0 at t = 0."
+    )
+    elementwise_loss: list[list[float]] = Field(
+        default_factory=list,
+        description="Per sequence, in request order, per token: its loss term times its mask, "
+        "weight and (seq_mean_token_mean) 1 / its sequence's target count; the part's loss "
+        "is their sum divided by the part's normaliser. 0 where the token is no target.",
     )
     metrics: dict[str, float] = Field(
         description="'tokens:sum', 'computed_tokens:sum', 'loss_tokens:sum', and "
@@ -385,6 +397,13 @@ class RecoveryInfo(BaseModel):
 class Info(BaseModel):
     """What is being served."""
 
+    model_config = ConfigDict(protected_namespaces=())
+
+    model_name: str = Field(
+        default="trainctl-tiny",
+        description="The served model's name: the Hugging Face directory's name when started "
+        "from one (init_hf), 'trainctl-tiny' for the embedded default.",
+    )
     model: dict[str, float | int | str]
     layout: dict[str, int]
     engine: dict[str, float | int | str]

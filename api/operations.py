@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainctl.api.errors import ErrorBody
 from trainctl.api.models import (
@@ -55,9 +55,33 @@ class OperationKind(str, Enum):
 
 
 class NoArguments(BaseModel):
-    """An operation that takes no arguments (``stop_memory_profile``, ``save_checkpoint``)."""
+    """An operation that takes no arguments (``stop_memory_profile``)."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class SaveCheckpointRequest(BaseModel):
+    """``save_checkpoint``: unnamed, the checkpoint is ``step-NNNNNN`` and counts against the
+    server's ``keep_checkpoints``; named, it is kept until overwritten."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        description="The checkpoint's id (letters, digits, '.', '_', '-'; 'step-' is reserved "
+        "for the automatic ones).",
+    )
+    overwrite: bool = Field(
+        default=False, description="Replace a checkpoint of that name (409 otherwise)."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _not_automatic(cls, name: str | None) -> str | None:
+        if name is not None and name.startswith("step-"):
+            raise ValueError("'step-' names the automatic checkpoints: choose another name")
+        return name
 
 
 class LoadCheckpointRequest(BaseModel):
@@ -66,6 +90,11 @@ class LoadCheckpointRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     checkpoint_id: str = Field(description="As listed by GET /v1/checkpoints.")
+    optimizer: bool = Field(
+        default=True,
+        description="Also restore the optimizer state (Adam moments, fp32 masters). False: the "
+        "weights and step only, and the optimizer starts afresh on them.",
+    )
 
 
 class OperationStatus(str, Enum):
@@ -148,7 +177,7 @@ OPERATIONS: dict[OperationKind, OperationSpec] = {
             "Every rank stops recording; the controller stores one file and one picture per rank.",
         ),
         OperationSpec(
-            OperationKind.SAVE_CHECKPOINT, NoArguments, CheckpointInfo,
+            OperationKind.SAVE_CHECKPOINT, SaveCheckpointRequest, CheckpointInfo,
             "/checkpoints", "checkpoints",
             "Save the whole training state (weights, optimizer, step, RNG) of every rank; the "
             "checkpoint appears only once complete.",

@@ -183,6 +183,7 @@ class Requests:
         expected_step: int | None = None,
         entropy: bool = False,
         packing: str | None = None,
+        forward_only: bool = False,
         idempotency_key: str | None = None,
     ) -> tuple[BaseModel, dict[str, str], bytes]:
         """The validated request of a batch operation, its headers and its body."""
@@ -200,6 +201,8 @@ class Requests:
                 fields["loss"] = cfg.model_dump(mode="json")
             if expected_step is not None:
                 fields["expected_step"] = expected_step
+            if forward_only:
+                fields["forward_only"] = True
         batch = to_batch(sequences)
         req = spec.request(sequences=batch, **fields)
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}

@@ -38,6 +38,7 @@ from trainctl.api import (
     Operation,
     OperationKind,
     OptimStepRequest,
+    SaveCheckpointRequest,
     SequenceBatch,
     StepResult,
 )
@@ -159,14 +160,17 @@ class AsyncTrainctlClient:
         loss: LossLike = None,
         *,
         packing: Packing = None,
+        forward_only: bool = False,
         idempotency_key: str | None = None,
     ) -> ForwardBackwardResult:
         """Split step, part: gradients of ``sequences`` added to those waiting for
-        ``optim_step``; the part's loss and per-token log-probs. Several parts then one
-        ``optim_step`` equal one ``train_batch`` of all their sequences."""
+        ``optim_step``; the part's loss, per-token log-probs and per-token losses. Several
+        parts then one ``optim_step`` equal one ``train_batch`` of all their sequences.
+        ``forward_only``: the same outputs, no gradients."""
         call = self._req.run(
             OperationKind.FORWARD_BACKWARD, ForwardBackwardResult, sequences=sequences,
-            loss=loss, packing=packing, idempotency_key=idempotency_key,
+            loss=loss, packing=packing, forward_only=forward_only,
+            idempotency_key=idempotency_key,
         )  # fmt: skip
         return await self._send(call)
 
@@ -237,16 +241,21 @@ class AsyncTrainctlClient:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    async def save_checkpoint(self) -> CheckpointInfo:
-        """Save weights, optimizer state, step and RNG of every rank (atomically)."""
-        return await self._send(self._req.call(OperationKind.SAVE_CHECKPOINT, CheckpointInfo))
+    async def save_checkpoint(
+        self, name: str | None = None, overwrite: bool = False
+    ) -> CheckpointInfo:
+        """Save weights, optimizer state, step and RNG of every rank (atomically). Unnamed:
+        ``step-NNNNNN``, pruned to the server's ``keep_checkpoints``; named: kept."""
+        req = SaveCheckpointRequest(name=name, overwrite=overwrite)
+        return await self._send(self._req.call(OperationKind.SAVE_CHECKPOINT, CheckpointInfo, req))
 
     async def list_checkpoints(self) -> CheckpointList:
         return await self._send(self._req.get("checkpoints", CheckpointList))
 
-    async def load_checkpoint(self, checkpoint_id: str) -> CheckpointInfo:
-        """Restore a checkpoint of this layout: weights, optimizer state and step."""
-        req = LoadCheckpointRequest(checkpoint_id=checkpoint_id)
+    async def load_checkpoint(self, checkpoint_id: str, optimizer: bool = True) -> CheckpointInfo:
+        """Restore a checkpoint of this layout: weights, step and (``optimizer``) the optimizer
+        state; without it the optimizer starts afresh on the loaded weights."""
+        req = LoadCheckpointRequest(checkpoint_id=checkpoint_id, optimizer=optimizer)
         return await self._send(self._req.call(OperationKind.LOAD_CHECKPOINT, CheckpointInfo, req))
 
     async def export_hf(self, name: str | None = None) -> ExportResult:

@@ -36,6 +36,7 @@ from trainctl.api import (
     Operation,
     OperationKind,
     OptimStepRequest,
+    SaveCheckpointRequest,
     SequenceBatch,
     StepResult,
 )
@@ -157,14 +158,17 @@ class TrainctlClient:
         loss: LossLike = None,
         *,
         packing: Packing = None,
+        forward_only: bool = False,
         idempotency_key: str | None = None,
     ) -> ForwardBackwardResult:
         """Split step, part: gradients of ``sequences`` added to those waiting for
-        ``optim_step``; the part's loss and per-token log-probs. Several parts then one
-        ``optim_step`` equal one ``train_batch`` of all their sequences."""
+        ``optim_step``; the part's loss, per-token log-probs and per-token losses. Several
+        parts then one ``optim_step`` equal one ``train_batch`` of all their sequences.
+        ``forward_only``: the same outputs, no gradients."""
         call = self._req.run(
             OperationKind.FORWARD_BACKWARD, ForwardBackwardResult, sequences=sequences,
-            loss=loss, packing=packing, idempotency_key=idempotency_key,
+            loss=loss, packing=packing, forward_only=forward_only,
+            idempotency_key=idempotency_key,
         )  # fmt: skip
         return self._send(call)
 
@@ -231,16 +235,19 @@ class TrainctlClient:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self) -> CheckpointInfo:
-        """Save weights, optimizer state, step and RNG of every rank (atomically)."""
-        return self._send(self._req.call(OperationKind.SAVE_CHECKPOINT, CheckpointInfo))
+    def save_checkpoint(self, name: str | None = None, overwrite: bool = False) -> CheckpointInfo:
+        """Save weights, optimizer state, step and RNG of every rank (atomically). Unnamed:
+        ``step-NNNNNN``, pruned to the server's ``keep_checkpoints``; named: kept."""
+        req = SaveCheckpointRequest(name=name, overwrite=overwrite)
+        return self._send(self._req.call(OperationKind.SAVE_CHECKPOINT, CheckpointInfo, req))
 
     def list_checkpoints(self) -> CheckpointList:
         return self._send(self._req.get("checkpoints", CheckpointList))
 
-    def load_checkpoint(self, checkpoint_id: str) -> CheckpointInfo:
-        """Restore a checkpoint of this layout: weights, optimizer state and step."""
-        req = LoadCheckpointRequest(checkpoint_id=checkpoint_id)
+    def load_checkpoint(self, checkpoint_id: str, optimizer: bool = True) -> CheckpointInfo:
+        """Restore a checkpoint of this layout: weights, step and (``optimizer``) the optimizer
+        state; without it the optimizer starts afresh on the loaded weights."""
+        req = LoadCheckpointRequest(checkpoint_id=checkpoint_id, optimizer=optimizer)
         return self._send(self._req.call(OperationKind.LOAD_CHECKPOINT, CheckpointInfo, req))
 
     def export_hf(self, name: str | None = None) -> ExportResult:

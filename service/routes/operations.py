@@ -6,6 +6,7 @@ retry. A batch body is JSON or the binary frame (``api/wire.py``); the others ar
 """
 
 import hashlib
+import json
 import logging
 from typing import Annotated, Any
 
@@ -13,6 +14,7 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel
 
 from trainctl.api import API_VERSION, Operation, OperationKind, OperationSpec, wire
+from trainctl.api.errors import field_error
 from trainctl.api.operations import ROUTED
 from trainctl.service.codec import decode_request, encode_response, read_body
 from trainctl.service.controller_client import ControllerAPI
@@ -60,10 +62,16 @@ async def _read(request: Request, spec: OperationSpec, limits: Any) -> tuple[Bas
         return decoded.model, decoded.fingerprint
     body = await read_body(request, max_bytes)
     fields = dict(request.path_params)
-    if body.strip():
+    if body.strip() and fields:  # the path's fields complete (and win over) the body's
+        try:
+            raw = json.loads(body)
+        except ValueError as e:
+            raise field_error("body", f"is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise field_error("body", "must be a JSON object")
+        req = spec.request.model_validate({**raw, **fields})
+    elif body.strip():
         req = spec.request.model_validate_json(body)
-        if fields:
-            req = spec.request.model_validate({**req.model_dump(), **fields})
     else:
         req = spec.request.model_validate(fields)
     return req, hashlib.sha256(req.model_dump_json().encode()).hexdigest()
@@ -82,8 +90,7 @@ def _body_doc(spec: OperationSpec) -> dict[str, Any]:
             {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
             for p in params
         ]
-        del doc["requestBody"]
-    elif not spec.request.model_fields:
+    if not set(spec.request.model_fields) - set(params):
         del doc["requestBody"]
     return doc
 

@@ -273,6 +273,13 @@ def test_split_step_parts_then_one_optim_step(service: Service) -> None:
     assert first.step == step and first.metrics["accumulated_parts:value"] == 1
     for got, w in zip(first.logprobs, want.logprobs, strict=True):
         assert np.allclose(got, w, rtol=1e-6, atol=1e-6)
+    # per-token losses: token-mean parts, so they sum to the part's loss times its tokens
+    n_a = first.metrics["loss_tokens:sum"]
+    assert abs(sum(map(sum, first.elementwise_loss)) / n_a - first.loss) <= 1e-5 * first.loss
+    peek = client.forward_backward(b, forward_only=True)  # no gradients: the window is as is
+    assert peek.metrics["accumulated_parts:value"] == 1
+    eval_b = client.eval_batch(b).loss
+    assert abs(peek.loss - eval_b) <= 1e-5 * abs(eval_b), (peek.loss, eval_b)
     with pytest.raises(ConflictError, match="waiting for optim_step"):
         client.train_batch(a)
     with pytest.raises(ConflictError, match="normalises one way"):

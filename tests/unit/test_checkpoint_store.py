@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainctl.api import InvalidRequestError, NotFoundError
+from trainctl.api import ConflictError, InvalidRequestError, NotFoundError
 from trainctl.workers.control.checkpoints import CheckpointStore
 
 
@@ -55,3 +55,16 @@ def test_only_the_newest_are_kept(tmp_path: Path) -> None:
 def test_ids_cannot_leave_the_root(tmp_path: Path, bad: str) -> None:
     with pytest.raises((InvalidRequestError, NotFoundError)):
         CheckpointStore(tmp_path).path(bad)
+
+
+def test_named_checkpoints_are_kept_and_not_overwritten_unasked(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=1)
+    store.commit(_write(store, 1, b"named"), _info(1), name="before-ppo")
+    for step in (2, 3):
+        store.commit(_write(store, step, b"auto"), _info(step))
+    ids = [c.checkpoint_id for c in store.list().checkpoints]
+    assert ids == ["before-ppo", "step-000003"]  # keep=1 prunes only the unnamed ones
+    with pytest.raises(ConflictError, match=r"before-ppo.*overwrite"):
+        store.check_name("before-ppo", overwrite=False)
+    store.check_name("before-ppo", overwrite=True)
+    store.check_name("other", overwrite=False)

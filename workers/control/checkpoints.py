@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from trainctl.api import CheckpointInfo, CheckpointList, NotFoundError
+from trainctl.api import CheckpointInfo, CheckpointList, ConflictError, NotFoundError
 from trainctl.workers.control.profile_store import checked_name, write_atomic
 
 log = logging.getLogger(__name__)
@@ -36,16 +36,25 @@ class CheckpointStore:
     def begin(self, step: int) -> Path:
         """A fresh temporary directory for the checkpoint of ``step``."""
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f"{_PARTIAL}step-{step:06d}-{uuid.uuid4().hex[:8]}"
+        tmp = self.root / f"{_PARTIAL}{_automatic(step)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         return tmp
 
-    def commit(self, tmp: Path, info: dict[str, Any]) -> CheckpointInfo:
-        """Write the manifest, then rename ``tmp`` to its final name (atomic)."""
+    def check_name(self, name: str, overwrite: bool) -> None:
+        """A 409 if a checkpoint ``name`` exists and may not be replaced (before any writing)."""
+        if not overwrite and (self.root / checked_name("name", name) / MANIFEST).is_file():
+            raise ConflictError(
+                f"a checkpoint named {name!r} exists; pass overwrite to replace it",
+                details={"checkpoint_id": name},
+            )
+
+    def commit(self, tmp: Path, info: dict[str, Any], name: str | None = None) -> CheckpointInfo:
+        """Write the manifest, then rename ``tmp`` to its final name (atomic): ``name``, or
+        ``step-NNNNNN``. Only the unnamed ones are pruned to ``keep``."""
         size = sum(f.stat().st_size for f in tmp.iterdir())
         result = CheckpointInfo(
-            checkpoint_id=f"step-{info['step']:06d}", created_at=time.time(), size_bytes=size,
-            **info,
+            checkpoint_id=name or _automatic(info["step"]), created_at=time.time(),
+            size_bytes=size, **info,
         )  # fmt: skip
         write_atomic(tmp / MANIFEST, result.model_dump_json(indent=1).encode())
         final = self.root / result.checkpoint_id
@@ -89,6 +98,11 @@ class CheckpointStore:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _prune(self) -> None:
-        found = self.list().checkpoints
+        found = [c for c in self.list().checkpoints if c.checkpoint_id == _automatic(c.step)]
         for c in found[: max(0, len(found) - self.keep)]:
             shutil.rmtree(self.root / c.checkpoint_id, ignore_errors=True)
+
+
+def _automatic(step: int) -> str:
+    """The id of the unnamed checkpoint of ``step``."""
+    return f"step-{step:06d}"

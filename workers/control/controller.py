@@ -38,11 +38,11 @@ from trainctl.api import (
     MemoryProfileList,
     MemoryProfileResult,
     ModelLimits,
-    NoArguments,
     NotReadyError,
     OperationKind,
     RankInfo,
     RecoveryInfo,
+    SaveCheckpointRequest,
 )
 from trainctl.workers.control import logs
 from trainctl.workers.control.checkpoints import CheckpointStore
@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 RECOVERY_RETRY_S = 15.0
 CONTROLLER_NAME = "trainctl-controller"
 NAMESPACE = "trainctl"
+DEFAULT_MODEL_NAME = "trainctl-tiny"
+"""The name the embedded default model is served under (``Info.model_name``)."""
 
 
 def _versions() -> dict[str, str]:
@@ -268,18 +270,24 @@ class Controller(OperationHost):
         found = [c for c in self.checkpoints.list().checkpoints if c.layout == self._layout()]
         return found[-1] if found else None
 
-    def _save_op(self, _: NoArguments) -> Runner:
-        return lambda h: self._save(h)
+    def _save_op(self, req: SaveCheckpointRequest) -> Runner:
+        if req.name is not None:
+            self.checkpoints.check_name(req.name, req.overwrite)  # 409 now, not once queued
+        return lambda h: self._save(h, req.name, req.overwrite)
 
-    async def _save(self, h: Handle | None = None) -> CheckpointInfo:
+    async def _save(
+        self, h: Handle | None = None, name: str | None = None, overwrite: bool = False
+    ) -> CheckpointInfo:
         if h is not None:
             h.set_phase("writing checkpoint")
+        if name is not None:
+            self.checkpoints.check_name(name, overwrite)  # again: one may have been saved since
         tmp = self.checkpoints.begin(self.step)
         try:
             await self.group.call(RankWorker.save_checkpoint, str(tmp))
             digest = self.group.digest_of(await self.group.digests())
             info = {"step": self.step, "layout": self._layout(), "weights_digest": digest}
-            saved = await asyncio.to_thread(self.checkpoints.commit, tmp, info)
+            saved = await asyncio.to_thread(self.checkpoints.commit, tmp, info, name)
         except BaseException:
             self.checkpoints.abort(tmp)
             raise
@@ -288,9 +296,11 @@ class Controller(OperationHost):
 
     def _load_op(self, req: LoadCheckpointRequest) -> Runner:
         self.checkpoints.path(req.checkpoint_id)  # 404 now, not once queued
-        return lambda h: self._load(req.checkpoint_id, h)
+        return lambda h: self._load(req.checkpoint_id, h, optimizer=req.optimizer)
 
-    async def _load(self, checkpoint_id: str, h: Handle | None = None) -> CheckpointInfo:
+    async def _load(
+        self, checkpoint_id: str, h: Handle | None = None, *, optimizer: bool = True
+    ) -> CheckpointInfo:
         path, info = self.checkpoints.path(checkpoint_id)
         if info.layout != self._layout():
             raise ConflictError(
@@ -299,7 +309,7 @@ class Controller(OperationHost):
             )
         if h is not None:
             h.set_phase(f"loading {checkpoint_id}")
-        await self.group.call(RankWorker.load_checkpoint, str(path))
+        await self.group.call(RankWorker.load_checkpoint, str(path), optimizer)
         self.state.window = None  # a load drops the gradients waiting for optim_step
         self.state.step = info.step
         self.state.last_checkpoint_step = info.step
@@ -365,6 +375,7 @@ class Controller(OperationHost):
         per_rank: list[str | None] = [None] * len(meta) if digests is None else [*digests]
         cfg = self.cfg
         return Info(
+            model_name=Path(cfg.init_hf).name if cfg.init_hf else DEFAULT_MODEL_NAME,
             model=dict(cfg.to_dict()["model"]),
             layout=self._layout(),
             engine={

@@ -147,12 +147,14 @@ class RankWorker:
             opt = OptimizerConfig(**hyper) if hyper is not None else None
             return self.engine.apply(opt)  # type: ignore[no-any-return]
 
-    def forward_backward(self, plan: StepPlan, op_id: str = "-") -> Any:
+    def forward_backward(self, plan: StepPlan, op_id: str = "-", backward: bool = True) -> Any:
         """A split-step part: gradients added to the window (not reduced); ``(report,
-        per-sequence log-probs)``. On failure here the window is as before the call."""
+        per-sequence (log-probs, token losses))``. On failure here the window is as before the
+        call. Without ``backward``: the same outputs, no gradients."""
         with _operation(op_id):
-            out = self.engine.forward_backward_part(self._shard(plan), plan.loss)
-            self._fault_point("forward_backward_end", undo=self.engine.rollback_part)
+            out = self.engine.forward_backward_part(self._shard(plan), plan.loss, backward=backward)
+            if backward:
+                self._fault_point("forward_backward_end", undo=self.engine.rollback_part)
             return out
 
     def rollback_part(self) -> None:
@@ -218,12 +220,12 @@ class RankWorker:
         os.replace(tmp, path)
         return {"name": path.name, "size_bytes": path.stat().st_size}
 
-    def load_checkpoint(self, directory: str) -> int:
+    def load_checkpoint(self, directory: str, optimizer: bool = True) -> int:
         import torch
 
         path = Path(directory) / f"rank-{self.rank:05d}.pt"
         state = torch.load(path, map_location="cpu", weights_only=False)  # our own files
-        self.engine.load_checkpoint_state(state)
+        self.engine.load_checkpoint_state(state, optimizer=optimizer)
         return int(self.engine.step)
 
     def canonical_shards(self) -> dict[str, Any]:

@@ -233,7 +233,7 @@ class Steps:
     ) -> ForwardBackwardResult:
         norm = req.loss.normalization
         w = self.state.window
-        if w is not None and w.normalization is not norm:
+        if w is not None and w.normalization is not norm and not req.forward_only:
             raise ConflictError(
                 f"the gradients waiting for optim_step use loss.normalization "
                 f"'{w.normalization.value}'; this call asks for '{norm.value}': one step "
@@ -241,29 +241,34 @@ class Steps:
                 details={"accumulated_parts": w.parts},
             )
         t0 = time.perf_counter()
-        h.set_phase("forward_backward")
+        h.set_phase("forward" if req.forward_only else "forward_backward")
+        backward = not req.forward_only
         try:
-            parts = await self.group.call(RankWorker.forward_backward, ray.put(plan), h.op.id)
+            parts = await self.group.call(
+                RankWorker.forward_backward, ray.put(plan), h.op.id, backward
+            )
         except TrainctlError:
-            # Ranks that finished this part take it back: the window is as before the call.
-            await self.group.call_quietly(RankWorker.rollback_part)
+            if backward:  # ranks that finished this part take it back: the window is as before
+                await self.group.call_quietly(RankWorker.rollback_part)
             raise
-        w = self.state.window = w or Window(normalization=norm)
-        w.parts += 1
-        w.loss_tokens += int(plan.loss_normalizer)
-        w.loss_sequences += plan.num_loss_sequences
         reports = [r for r, _ in parts]
         raw = next(r for r in reports if r.is_last_stage).loss
-        w.raw_loss += raw
         own = normalizer(norm, int(plan.loss_normalizer), plan.num_loss_sequences)
-        lps = _in_request_order([lp for _, lp in parts], len(req.sequences))
+        per_seq = _in_request_order([lp for _, lp in parts], len(req.sequences))
         step = self._result(plan, reports, t_plan)
-        step.metrics["accumulated_parts:value"] = float(w.parts)
+        if backward:
+            w = self.state.window = w or Window(normalization=norm)
+            w.parts += 1
+            w.loss_tokens += int(plan.loss_normalizer)
+            w.loss_sequences += plan.num_loss_sequences
+            w.raw_loss += raw
+        step.metrics["accumulated_parts:value"] = float(w.parts if w is not None else 0)
         step.timings["total_s"] = time.perf_counter() - t0
         return ForwardBackwardResult.model_construct(
             loss=raw / own,
             step=self.state.step,
-            logprobs=[lp.tolist() for lp in lps],
+            logprobs=[lp.tolist() for lp, _ in per_seq],
+            elementwise_loss=[tl.tolist() for _, tl in per_seq],
             metrics={**step.metrics, "loss:mean": raw / own},
             timings=step.timings,
         )

@@ -48,7 +48,8 @@ from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_term
 from trainctl.workers.ops.metrics import StatsTracker
 from trainctl.workers.ops.rl_metrics import policy_metric_keys, record_policy_metrics
 
-PER_TOKEN_OUTPUTS = ("logprobs", "entropy")
+PER_TOKEN_OUTPUTS = ("logprobs", "entropy", "token_loss")
+"""``token_loss``: each target's loss term times its scale, its share of the pass's loss."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,7 @@ class Schedule:
             # Through the log-probs, the zero reaches the output layer and every parameter
             # below it.
             share, n = connected_zero(lp), 0
+            scaled = torch.zeros_like(lp)
         else:
             per_token: dict[str, Any] = {k: v[0] for k, v in b.loss_inputs.items()}
             scale = per_token.pop("loss_scale")
@@ -238,6 +240,7 @@ class Schedule:
                     )  # fmt: skip
             terms = per_token_terms(lp, **loss.options(), loss_mask=b.loss_mask[0], **per_token)
             share, n = local_loss(terms, scale), int(torch.count_nonzero(b.loss_mask))
+            scaled = terms * scale
         report = {"loss": share.detach().clone()}
         cp_group = self.dims.cp_group
 
@@ -253,6 +256,8 @@ class Schedule:
         if "entropy" in outputs:
             with torch.no_grad():
                 report["entropy"] = gather(entropy())
+        if "token_loss" in outputs:
+            report["token_loss"] = gather(scaled.detach())
         return share, torch.tensor(n, dtype=torch.int), report
 
 

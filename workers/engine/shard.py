@@ -280,23 +280,31 @@ class EngineShard:
     # -- the split step (docs/algorithms.md §11) ----------------------------------------------
 
     def forward_backward_part(
-        self, mbs: Sequence[PackedMicroBatch], loss: LossConfig
-    ) -> tuple[StepReport, dict[int, np.ndarray]]:
+        self, mbs: Sequence[PackedMicroBatch], loss: LossConfig, *, backward: bool = True
+    ) -> tuple[StepReport, dict[int, tuple[np.ndarray, np.ndarray]]]:
         """One ``forward_backward``: this part's gradients added to the window's local sum
         (not reduced over DP x CP: ``finish_window`` does that once), its loss (the global
-        sum of its scaled terms) and the per-token log-probs of its sequences (reporting ranks
-        only). On failure the sum is as before the call."""
+        sum of its scaled terms) and, per sequence, the per-token log-probs and loss shares
+        (reporting ranks only). On failure the sum is as before the call. Without
+        ``backward`` (Tinker's ``forward``) the same numbers, and the window is untouched."""
         t0 = time.perf_counter()
-        self.window.begin_part()
-        try:
-            result = self.schedule.run(mbs, loss, forward_only=False, outputs=("logprobs",))
-        except BaseException:
-            self.window.rollback()
-            raise
-        self.window.end_part()
-        lps = {}
+        outputs = ("logprobs", "token_loss")
+        if not backward:
+            with torch.no_grad():
+                result = self.schedule.run(mbs, loss, forward_only=True, outputs=outputs)
+        else:
+            self.window.begin_part()
+            try:
+                result = self.schedule.run(mbs, loss, forward_only=False, outputs=outputs)
+            except BaseException:
+                self.window.rollback()
+                raise
+            self.window.end_part()
+        per_seq = {}
         if self.dims.reports_logprobs():
             lps = per_sequence(mbs, [o["logprobs"] for o in result.outputs])
+            losses = per_sequence(mbs, [o["token_loss"] for o in result.outputs])
+            per_seq = {i: (lp, losses[i]) for i, lp in lps.items()}
         report = StepReport(
             coords=self.coords,
             is_last_stage=self.is_last_stage,
@@ -304,7 +312,7 @@ class EngineShard:
             metrics={**self.routing.export(), **result.metrics},
             timings={"forward_backward_s": time.perf_counter() - t0},
         )
-        return report, lps
+        return report, per_seq
 
     def rollback_part(self) -> None:
         """Undo the last ``forward_backward`` part (another rank failed it)."""
@@ -454,8 +462,9 @@ class EngineShard:
             "coords": dataclasses.asdict(self.coords),
         }
 
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Inverse of ``checkpoint_state`` (same layout: the coordinates must match)."""
+    def load_checkpoint_state(self, state: dict[str, Any], *, optimizer: bool = True) -> None:
+        """Inverse of ``checkpoint_state`` (same layout: the coordinates must match). Without
+        ``optimizer``, the weights and step only: the optimizer starts afresh on them."""
         if state["coords"] != dataclasses.asdict(self.coords):
             raise ValueError(
                 f"checkpoint shard of {state['coords']} loaded on rank {self.coords}: "
@@ -468,7 +477,9 @@ class EngineShard:
                 if bad or unexpected:
                     raise ValueError(f"checkpoint shard: missing {bad}, unexpected {unexpected}")
             self._sync_tied_embedding()
-        if self.zero:
+        if not optimizer:
+            zero.restart(self.optimizer)
+        elif self.zero:
             zero.load_state(self.optimizer, state["optimizer"])
         else:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -116,3 +116,13 @@ def load_state(optimizer: Any, saved: list[dict[str, Any]]) -> None:
         o.optimizer.load_state_dict(s["adam"])
         for t, v in zip(mains, s["main"], strict=True):
             t.copy_(v)
+
+
+@torch.no_grad()
+def restart(optimizer: Any) -> None:
+    """A fresh optimizer over the current model weights (loaded without their optimizer
+    state): the fp32 masters copied from the model, Adam's moments and step count dropped
+    (torch's Adam starts them anew on its next step). Works for plain and ZeRO optimizers."""
+    optimizer.reload_model_params()
+    for o in _optimizers(optimizer):
+        o.optimizer.state.clear()
