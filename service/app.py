@@ -28,6 +28,7 @@ from trainctl.service import routes
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.errors import error_response, install_error_handlers
 from trainctl.service.metrics import GatewayMetrics
+from trainctl.service.tinker import routes as tinker_routes
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ def create_app(
     api_token: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     fault_injection: bool = False,
+    tinker_order_timeout_s: float = 60.0,
 ) -> FastAPI:
     """The gateway around ``controller``; with ``api_token``, /v1 routes need it as a bearer."""
     app = FastAPI(
@@ -148,6 +150,7 @@ def create_app(
     _install_metrics(app)
     install_error_handlers(app)
     routes.include(app)
+    tinker_routes.install(app, api_token, order_timeout_s=tinker_order_timeout_s)
     if fault_injection:
         _install_fault_injection(app)
     app.openapi = _openapi(app)  # type: ignore[method-assign]

@@ -1,0 +1,463 @@
+"""The Tinker protocol at ``/api/v1/*``, as the ``tinker`` SDK (0.38) speaks it.
+
+The routes are left out of the OpenAPI schema (their names would collide with the native
+routes' operationIds, and ``forward_backward`` takes protobuf). Each training call answers a
+future at once and runs as a native operation on the controller, in the model's ``seq_id``
+order (``state.py``); ``retrieve_future`` long-polls it for under 45 s and answers
+``try_again`` meanwhile. A failure is HTTP 200 with ``{error, category}``.
+
+**Auth** is ``X-API-Key``. The SDK only sends keys starting ``tml-`` (or a JWT), so
+``tml-<token>`` passes when ``<token>`` is the service's token, and any ``tml-`` key passes
+on a service without one. ``client/dynamic_config`` needs none (the SDK calls it bare).
+
+**One model.** trainctl serves one model, named by ``/v1/info``'s ``model_name``. Every
+``create_model`` with that ``base_model`` and LoRA rank 0 (full-parameter training) gets a
+handle on it, as long as it has not been trained: a ``create_model`` after a step would
+present trained weights as the base model, so it is refused, naming the step and how to go
+on (``create_training_client_from_state`` with a saved path, or load a checkpoint saved at
+step 0).
+"""
+
+import asyncio
+import hashlib
+import hmac
+import json
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainctl.api import (
+    ConflictError,
+    ErrorBody,
+    ExportRequest,
+    Info,
+    InvalidRequestError,
+    LoadCheckpointRequest,
+    OperationKind,
+    OptimStepRequest,
+    SaveCheckpointRequest,
+    StepResult,
+    TrainctlError,
+)
+from trainctl.api.errors import STATUS_OF, ForbiddenError, UnauthorizedError, error_from
+from trainctl.service.codec import read_body
+from trainctl.service.controller_client import ControllerAPI
+from trainctl.service.routes.deps import get_limits
+from trainctl.service.tinker import convert, proto
+from trainctl.service.tinker.state import Future, Model, TinkerState
+
+PREFIX = "/api/v1"
+LONG_POLL_S = 30.0
+"""``retrieve_future`` waits this long before ``try_again`` (the SDK's read timeout is 45 s)."""
+OPERATION_WAIT_S = 30.0
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class LoraConfig(_Body):
+    rank: int = 0
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class OptimizerConfig(_Body):
+    type: str = "adamw"
+
+
+class CreateModelRequest(_Body):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    lora_config: LoraConfig | None = None
+    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+
+
+class AdamParams(_Body):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+    type: str = "adamw"
+
+
+class _ModelCall(_Body):
+    """A call on a model handle, in its ``seq_id`` order."""
+
+    model_id: str
+    seq_id: int
+
+
+class OptimStep(_ModelCall):
+    adam_params: AdamParams | None = None
+    optimizer_params: AdamParams | None = None
+
+
+class SaveWeights(_ModelCall):
+    path: str | None = None
+    overwrite: bool = False
+
+
+class LoadWeights(_Body):
+    path: str
+    optimizer: bool
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    optimizer_config: OptimizerConfig | None = None
+
+
+class SaveForSampler(_ModelCall):
+    path: str | None = None
+
+
+def _state(request: Request) -> TinkerState:
+    return request.app.state.tinker  # type: ignore[no-any-return]
+
+
+def _controller(request: Request) -> ControllerAPI:
+    return request.app.state.controller  # type: ignore[no-any-return]
+
+
+async def _json(request: Request, model: type[_Body]) -> tuple[Any, str]:
+    """The body as ``model`` and its fingerprint (sha256 of the canonical JSON)."""
+    body = await read_body(request, request.app.state.max_body_bytes)
+    req = model.model_validate_json(body or b"{}")
+    return req, hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+
+
+async def _model_call(request: Request, model: type[_ModelCall]) -> tuple[Any, str, Model]:
+    """The body, its fingerprint and the model handle it names."""
+    req, fp = await _json(request, model)
+    return req, fp, _state(request).model(req.model_id)
+
+
+def _future(f: Future, model_id: str | None = None) -> dict[str, Any]:
+    return {"request_id": f.id, "model_id": model_id}
+
+
+async def _info(request: Request) -> Info:
+    return await _controller(request).info()
+
+
+def _check_auth(expected: str | None) -> Any:
+    async def check(request: Request) -> None:
+        key = request.headers.get("x-api-key", "")
+        if not key.startswith("tml-"):
+            raise UnauthorizedError(
+                "send X-API-Key: tml-<token> (the service's API token after 'tml-')"
+            )
+        if expected is not None and not hmac.compare_digest(
+            key.removeprefix("tml-").encode(), expected.encode()
+        ):
+            raise ForbiddenError("the API key is not valid")
+
+    return check
+
+
+async def _run_op(controller: ControllerAPI, op_id: str) -> Any:
+    """Wait for a native operation; its result, or its error raised."""
+    while True:
+        op = await controller.operation(op_id, OPERATION_WAIT_S)
+        if op.finished:
+            break
+    if op.error is not None:
+        raise _op_error(op.error)
+    return op.result
+
+
+def _op_error(body: ErrorBody) -> TrainctlError:
+    return error_from(STATUS_OF[body.type], body.model_dump(mode="json"))
+
+
+def _admit(
+    controller: ControllerAPI,
+    kind: OperationKind,
+    req: BaseModel,
+    key: str,
+    fingerprint: str,
+    convert_result: Any,
+) -> Any:
+    """What ``TinkerState.submit`` admits: queue the native operation (idempotent under
+    ``key``), then wait for it and convert its result."""
+
+    async def admit() -> Any:
+        op = await controller.submit(kind, req, key, fingerprint)
+
+        async def finish() -> Any:
+            return convert_result(await _run_op(controller, op.id))
+
+        return finish()
+
+    return admit
+
+
+def _in_order(
+    request: Request,
+    model: Model,
+    seq_id: int,
+    fingerprint: str,
+    kind: OperationKind,
+    native: BaseModel,
+    result_of: Any,
+) -> dict[str, Any]:
+    """Queue ``native`` in ``model``'s ``seq_id`` order; the future of its converted result."""
+    admit = _admit(_controller(request), kind, native, _key(model, seq_id), fingerprint, result_of)
+    f = _state(request).submit(model, seq_id, fingerprint, kind.value, admit)
+    return _future(f, model.model_id)
+
+
+def build_router(api_token: str | None) -> APIRouter:
+    auth = Depends(_check_auth(api_token))
+    r = APIRouter(prefix=PREFIX, include_in_schema=False)
+
+    @r.post("/client/dynamic_config")
+    async def dynamic_config() -> dict[str, Any]:
+        return {}
+
+    @r.post("/client/config", dependencies=[auth])
+    async def client_config() -> dict[str, Any]:
+        # protobuf forward_backward bodies, zstd-compressed; no JWT exchange
+        return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": True}
+
+    @r.post("/create_session", dependencies=[auth])
+    async def create_session(request: Request) -> dict[str, Any]:
+        session_id = _state(request).create_session()
+        return {"type": "create_session", "session_id": session_id}
+
+    @r.post("/session_heartbeat", dependencies=[auth])
+    async def session_heartbeat(request: Request) -> Response:
+        body = json.loads(await read_body(request, 1 << 16) or b"{}")
+        s = _state(request).session(str(body.get("session_id")))
+        if s.finished is not None:
+            return JSONResponse({"detail": f"session finished: {s.finished}"}, status_code=410)
+        return JSONResponse({"type": "session_heartbeat"})
+
+    @r.post("/sessions/{session_id}/finish", dependencies=[auth])
+    async def finish_session(session_id: str, request: Request) -> dict[str, Any]:
+        body = json.loads(await read_body(request, 1 << 16) or b"{}")
+        s = _state(request).session(session_id)
+        if s.finished is None:  # first wins
+            s.finished = str((body.get("reason") or {}).get("type", "success"))
+        return {}
+
+    @r.post("/telemetry", dependencies=[auth])
+    async def telemetry() -> dict[str, Any]:
+        return {"status": "accepted"}  # accepted and dropped
+
+    @r.post("/create_model", dependencies=[auth])
+    async def create_model(request: Request) -> dict[str, Any]:
+        req, fp = await _json(request, CreateModelRequest)
+        state = _state(request)
+        state.session(req.session_id)
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+
+        async def create() -> dict[str, Any]:
+            info = await _info(request)
+            _check_base_model(req, info)
+            state.add_model(req.session_id, req.model_seq_id)
+            return {"model_id": model_id, "type": "create_model"}
+
+        key = (req.session_id, req.model_seq_id)
+        f = state.once(state.created, key, fp, lambda: state.run("create_model", create))
+        return _future(f, model_id)
+
+    @r.post("/get_info", dependencies=[auth])
+    async def get_info(request: Request) -> dict[str, Any]:
+        body = json.loads(await read_body(request, 1 << 16) or b"{}")
+        model = _state(request).model(str(body.get("model_id")))
+        info = await _info(request)
+        return {
+            "type": "get_info",
+            "model_id": model.model_id,
+            "model_name": info.model_name,
+            "model_data": {
+                "arch": str(info.model["family"]),
+                "model_name": info.model_name,
+                "tokenizer_id": None,
+            },
+            "is_lora": False,
+            "lora_rank": None,
+            "optimizer_config": {"type": "adamw"},
+        }
+
+    @r.post("/forward_backward", dependencies=[auth])
+    async def forward_backward(request: Request) -> dict[str, Any]:
+        body = await read_body(request, request.app.state.max_body_bytes)
+        if "zstd" in request.headers.get("content-encoding", "").lower():
+            body = await asyncio.to_thread(_unzstd, body, request.app.state.max_body_bytes)
+        msg = proto.ForwardBackwardRequest()
+        try:
+            msg.ParseFromString(body)
+        except Exception as e:
+            raise InvalidRequestError(f"body: not a ForwardBackwardRequest protobuf ({e})") from e
+        state = _state(request)
+        model = state.model(msg.model_id)
+        limits = await get_limits(request, _controller(request))
+
+        async def admit() -> Any:
+            req = convert.forward_backward_request(msg)
+            req.check_limits(limits)
+            return await _admit(
+                _controller(request),
+                OperationKind.FORWARD_BACKWARD,
+                req,
+                _key(model, msg.seq_id),
+                hashlib.sha256(body).hexdigest(),
+                lambda r: convert.forward_backward_output(_fb_result(r)),
+            )()
+
+        kind = "forward" if msg.forward_only else "forward_backward"
+        f = state.submit(model, msg.seq_id, hashlib.sha256(body).hexdigest(), kind, admit)
+        return _future(f, model.model_id)
+
+    @r.post("/optim_step", dependencies=[auth])
+    async def optim_step(request: Request) -> dict[str, Any]:
+        req, fp, model = await _model_call(request, OptimStep)
+        p = req.adam_params or req.optimizer_params or AdamParams()
+        if p.type != "adamw":
+            raise InvalidRequestError(f"optim_params: trainctl runs AdamW, not {p.type!r}")
+        native = OptimStepRequest(
+            lr=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
+            weight_decay=p.weight_decay, clip_grad=p.grad_clip_norm,
+        )  # fmt: skip
+        return _in_order(
+            request, model, req.seq_id, fp, OperationKind.OPTIM_STEP, native,
+            lambda r: convert.optim_step_output(StepResult.model_validate(r)),
+        )  # fmt: skip
+
+    @r.post("/save_weights", dependencies=[auth])
+    async def save_weights(request: Request) -> dict[str, Any]:
+        req, fp, model = await _model_call(request, SaveWeights)
+        name = req.path or f"{model.model_id.replace(':', '-')}-{req.seq_id:06d}"
+        path = convert.TinkerPath(model.model_id, "weights", name)
+        native = SaveCheckpointRequest(name=name, overwrite=req.overwrite)
+        return _in_order(
+            request, model, req.seq_id, fp, OperationKind.SAVE_CHECKPOINT, native,
+            lambda _: {"path": str(path), "type": "save_weights"},
+        )  # fmt: skip
+
+    @r.post("/save_weights_for_sampler", dependencies=[auth])
+    async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
+        req, fp, model = await _model_call(request, SaveForSampler)
+        if req.path is None:
+            raise InvalidRequestError(
+                "path: trainctl trains and does not sample; name the weights "
+                "(save_weights_for_sampler(name)) to get a Hugging Face export for vLLM or "
+                "transformers"
+            )
+        path = convert.TinkerPath(model.model_id, "sampler_weights", req.path)
+        return _in_order(
+            request, model, req.seq_id, fp, OperationKind.EXPORT_HF, ExportRequest(name=req.path),
+            lambda _: {"path": str(path), "type": "save_weights_for_sampler"},
+        )  # fmt: skip
+
+    @r.post("/load_weights", dependencies=[auth])
+    async def load_weights(request: Request) -> dict[str, Any]:
+        req, fp = await _json(request, LoadWeights)
+        state = _state(request)
+        source = convert.TinkerPath.parse(req.path)
+        if source.kind != "weights":
+            raise InvalidRequestError(
+                f"path: {req.path!r} holds sampler weights (an HF export); load a path from "
+                "save_state"
+            )
+        native = LoadCheckpointRequest(checkpoint_id=source.name, optimizer=req.optimizer)
+        if req.session_id is not None and req.model_seq_id is not None:
+            # A new model from saved state: its creation is its seq_id 0.
+            state.session(req.session_id)
+            model, seq_id = state.add_model(req.session_id, req.model_seq_id, first_seq=0), 0
+        elif req.model_id is not None and req.seq_id is not None:
+            model, seq_id = state.model(req.model_id), req.seq_id
+        else:
+            raise InvalidRequestError(
+                "load_weights needs model_id and seq_id, or session_id and model_seq_id"
+            )
+        return _in_order(
+            request, model, seq_id, fp, OperationKind.LOAD_CHECKPOINT, native,
+            lambda _: {"path": req.path, "model_id": model.model_id, "type": "load_weights"},
+        )  # fmt: skip
+
+    @r.post("/retrieve_future", dependencies=[auth])
+    async def retrieve_future(request: Request) -> Response:
+        body = json.loads(await read_body(request, 1 << 16) or b"{}")
+        f = _state(request).future(str(body.get("request_id")))
+        try:
+            await asyncio.wait_for(f.done.wait(), request.app.state.tinker_long_poll_s)
+        except asyncio.TimeoutError:
+            return JSONResponse({"type": "try_again", "request_id": f.id, "queue_state": "active"})
+        if f.error is not None:
+            return JSONResponse({"error": f.error[0], "category": f.error[1]})
+        if isinstance(f.result, bytes):
+            return Response(f.result, media_type="application/x-protobuf")
+        return JSONResponse(f.result)
+
+    return r
+
+
+def _key(model: Model, seq_id: int) -> str:
+    """The native idempotency key of a model's request: the controller applies it once."""
+    return f"tinker:{model.model_id}:{seq_id}"
+
+
+def _fb_result(r: Any) -> Any:
+    from trainctl.api import ForwardBackwardResult
+
+    return r if isinstance(r, ForwardBackwardResult) else ForwardBackwardResult.model_validate(r)
+
+
+def _check_base_model(req: CreateModelRequest, info: Info) -> None:
+    """Refuse what would train something other than what was asked."""
+    if req.base_model != info.model_name:
+        raise InvalidRequestError(
+            f"base_model: this service trains {info.model_name!r}, not {req.base_model!r}"
+        )
+    lora = req.lora_config or LoraConfig()
+    if lora.rank > 0:
+        raise InvalidRequestError(
+            f"lora_config.rank: LoRA is not supported yet, so rank {lora.rank} would not be "
+            "honoured; trainctl trains all parameters: ask for rank=0 "
+            "(create_lora_training_client(base_model, rank=0))"
+        )
+    if not (lora.train_mlp and lora.train_attn and lora.train_unembed):
+        raise InvalidRequestError(
+            "lora_config: train_mlp, train_attn and train_unembed must be true (trainctl "
+            "trains every parameter; freezing parts is not supported)"
+        )
+    if req.optimizer_config.type != "adamw":
+        raise InvalidRequestError(
+            f"optimizer_config.type: trainctl runs AdamW, not {req.optimizer_config.type!r}"
+        )
+    if info.step > 0:
+        raise ConflictError(
+            f"the served model has been trained to step {info.step}: create_model would "
+            f"present those weights as the base model {info.model_name!r}. Go on training them "
+            "with create_training_client_from_state(<a save_state path>), or restore the base "
+            "weights first (POST /v1/checkpoints/<a step-0 checkpoint>/load, or restart the "
+            "service without resuming)",
+            details={"step": info.step},
+        )
+
+
+def _unzstd(body: bytes, max_bytes: int) -> bytes:
+    import zstandard
+
+    try:
+        return zstandard.ZstdDecompressor().decompress(body, max_output_size=max_bytes)
+    except zstandard.ZstdError as e:
+        raise InvalidRequestError(f"body: not valid zstd ({e})") from e
+
+
+def install(app: FastAPI, api_token: str | None, order_timeout_s: float = 60.0) -> None:
+    """Serve the Tinker protocol on ``app``."""
+    app.state.tinker = TinkerState(order_timeout_s=order_timeout_s)
+    app.state.tinker_long_poll_s = LONG_POLL_S
+    app.include_router(build_router(api_token))

@@ -1,0 +1,364 @@
+"""The real ``tinker`` SDK (0.38, unpatched) trains on a real trainctl service over /api/v1.
+
+The service of this module is its own (dp=2, with an API token): ``create_model`` is refused
+once the served weights have been trained, so these tests must start from an untrained model.
+The tests run in file order; each says what state it leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker", reason="the dev extra installs tinker (Python >= 3.11)")
+from tinker import types  # noqa: E402
+
+from conftest import Service, digest, running_service  # noqa: E402
+
+TOKEN = "tinker-test-token"
+KEY = f"tml-{TOKEN}"
+BASE = "trainctl-tiny"
+TOKENS = [5, 17, 3, 9, 22, 41, 7, 8, 30, 2, 11]
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    data = tmp_path_factory.mktemp("tinker-data")
+    with running_service(data, "--dp=2", env={"TRAINCTL_API_TOKEN": TOKEN}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def service_client(svc: Service) -> Iterator[Any]:
+    sc = tinker.ServiceClient(base_url=svc.url, api_key=KEY)
+    yield sc
+    sc.close("success").result()
+
+
+@pytest.fixture(scope="module")
+def training(service_client: Any) -> Any:
+    """The first model handle, created while the service is untrained."""
+    return service_client.create_lora_training_client(base_model=BASE, rank=0).result()
+
+
+def _info(svc: Service) -> dict[str, Any]:
+    r = httpx.get(f"{svc.url}/v1/info", headers={"Authorization": f"Bearer {TOKEN}"})
+    r.raise_for_status()
+    return dict(r.json())
+
+
+def _datum(tokens: list[int], **inputs: Any) -> Any:
+    x, y = tokens[:-1], tokens[1:]
+    loss_inputs = {"target_tokens": np.asarray(y, np.int64)}
+    loss_inputs.update({k: np.asarray(v, np.float32) for k, v in inputs.items()})
+    return types.Datum(model_input=types.ModelInput.from_ints(x), loss_fn_inputs=loss_inputs)
+
+
+def _native_logprobs(svc: Service, tokens: list[int]) -> list[float]:
+    r = httpx.post(
+        f"{svc.url}/v1/logprobs",
+        json={"sequences": [{"tokens": tokens}]},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=120,
+    )
+    r.raise_for_status()
+    return list(r.json()["logprobs"][0])
+
+
+def test_info_and_get_info_name_the_served_model(svc: Service, training: Any) -> None:
+    assert _info(svc)["model_name"] == BASE
+    info = training.get_info()
+    assert info.model_data.model_name == BASE and info.is_lora is False
+    session, kind, n = info.model_id.split(":")
+    assert kind == "train" and n.isdigit() and session
+
+
+def test_forward_logprobs_equal_native_logprobs(svc: Service, training: Any) -> None:
+    """Tinker's ``logprobs[t]`` is ``/v1/logprobs[t + 1]`` of the input plus its last target."""
+    out = training.forward([_datum(TOKENS, weights=np.ones(len(TOKENS) - 1))], "cross_entropy")
+    got = out.result().loss_fn_outputs[0]["logprobs"].tolist()
+    want = _native_logprobs(svc, TOKENS)[1:]
+    assert len(got) == len(TOKENS) - 1
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_cross_entropy_steps_lower_the_loss(svc: Service, training: Any) -> None:
+    """Leaves the service trained (step >= 5)."""
+    step0 = _info(svc)["step"]
+    weights = np.r_[np.zeros(3), np.ones(len(TOKENS) - 4)]  # no loss on a 3-token prompt
+    d = _datum(TOKENS, weights=weights)
+    losses = []
+    for _ in range(5):
+        fb = training.forward_backward([d], "cross_entropy")
+        step = training.optim_step(types.AdamParams(learning_rate=1e-2))
+        out = fb.result()
+        losses.append(out.metrics["loss:sum"])
+        metrics = step.result().metrics
+        # elementwise_loss: -w * logprob at each position, summing to loss:sum
+        lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+        el = out.loss_fn_outputs[0]["elementwise_loss"].to_numpy()
+        np.testing.assert_allclose(el, -weights * lp, rtol=1e-6, atol=1e-6)
+        assert abs(el.sum() - out.metrics["loss:sum"]) <= 1e-4 * abs(el.sum())
+        for key in [*out.metrics, *metrics]:
+            _, reduction = key.split(":")  # exactly one ':'
+            assert reduction in ("mean", "sum", "min", "max", "slack", "hash2", "unique"), key
+    assert _info(svc)["step"] == step0 + 5
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def _reference(kind: str, lp: np.ndarray, q: np.ndarray, adv: np.ndarray, **cfg: float) -> float:
+    """Tinker's loss pages, in float64: the sum over every position."""
+    r = np.exp(lp - q)
+    lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
+    if kind == "importance_sampling":
+        terms = -r * adv
+    elif kind == "ppo":
+        terms = -np.minimum(r * adv, np.clip(r, lo, hi) * adv)
+    elif kind == "cispo":
+        terms = -np.clip(r, lo, hi) * lp * adv
+    else:  # dro
+        terms = -(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2)
+    return float(terms.sum())
+
+
+@pytest.mark.parametrize(
+    ("kind", "config"),
+    [
+        ("importance_sampling", {}),
+        ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+        ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.05}),
+        ("dro", {"beta": 0.3}),
+    ],
+)
+def test_policy_losses_match_tinker_definitions(
+    svc: Service, training: Any, kind: str, config: dict[str, float]
+) -> None:
+    """Each RL loss's ``loss:sum`` equals its formula on the forward pass's log-probs, with
+    sampler log-probs far enough off that the clips bind; then the step applies."""
+    n = len(TOKENS) - 1
+    base = _datum(TOKENS, weights=np.ones(n))
+    lp = training.forward([base], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    lp = lp.to_numpy().astype(np.float64)
+    rng = np.random.default_rng(len(kind))
+    q = lp + rng.normal(0, 0.3, n)
+    adv = rng.normal(0, 1, n)
+    d = _datum(TOKENS, logprobs=q, advantages=adv)
+    step0 = _info(svc)["step"]
+    out = training.forward_backward([d], kind, loss_fn_config=config).result()
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    want = _reference(kind, lp, q.astype(np.float32), adv.astype(np.float32), **config)
+    assert abs(out.metrics["loss:sum"] - want) <= 1e-4 * max(1.0, abs(want)), (out.metrics, want)
+    assert {"ratio:mean", "ratio:max", "logprob_diff:max", "entropy:mean"} <= set(out.metrics)
+    assert _info(svc)["step"] == step0 + 1
+
+
+def test_save_state_then_load_restores_step_weights_and_optimizer(
+    svc: Service, service_client: Any, training: Any
+) -> None:
+    """Save at step k, train on; loading with the optimizer brings back step k and the
+    digest, and the next step then equals the one taken after the save. Without the
+    optimizer: the same weights and step, but a fresh Adam, so that next step differs."""
+    saved = training.save_state(f"ck-{time.time_ns()}").result()
+    assert saved.path.startswith(f"tinker://{training.get_info().model_id}/weights/")
+    at_save = _info(svc)
+    d = _datum(TOKENS, weights=np.ones(len(TOKENS) - 1))
+
+    def one_step(client: Any) -> str:
+        client.forward_backward([d], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        return digest(_info(svc)["weights_digest"])
+
+    after_save = one_step(training)
+    one_step(training)
+
+    with_opt = service_client.create_training_client_from_state_with_optimizer(saved.path).result()
+    restored = _info(svc)
+    assert restored["step"] == at_save["step"]
+    assert digest(restored["weights_digest"]) == digest(at_save["weights_digest"])
+    assert one_step(with_opt) == after_save
+
+    weights_only = service_client.create_training_client_from_state(saved.path).result()
+    assert _info(svc)["step"] == at_save["step"]
+    assert digest(_info(svc)["weights_digest"]) == digest(at_save["weights_digest"])
+    assert one_step(weights_only) != after_save  # a fresh Adam's first step is another step
+
+
+def test_save_weights_for_sampler_writes_an_hf_export(svc: Service, training: Any) -> None:
+    name = f"sampler-{time.time_ns()}"
+    out = training.save_weights_for_sampler(name).result()
+    assert out.path == f"tinker://{training.get_info().model_id}/sampler_weights/{name}"
+    export = svc.data_dir / "exports" / name
+    config = json.loads((export / "config.json").read_text())
+    assert config["vocab_size"] > 0 and (export / "model.safetensors").stat().st_size > 0
+
+
+def test_lora_rank_above_zero_is_refused_clearly(service_client: Any) -> None:
+    with pytest.raises(Exception, match=r"LoRA is not supported yet.*rank=0"):
+        service_client.create_lora_training_client(base_model=BASE, rank=8).result()
+
+
+def test_create_model_after_training_is_refused(svc: Service, service_client: Any) -> None:
+    step = _info(svc)["step"]
+    assert step > 0
+    with pytest.raises(Exception, match=rf"trained to step {step}.*create_training_client_from"):
+        service_client.create_lora_training_client(base_model=BASE, rank=0).result()
+
+
+def test_other_base_model_is_refused(service_client: Any) -> None:
+    with pytest.raises(Exception, match="this service trains 'trainctl-tiny', not 'Qwen/Qwen3-8B'"):
+        service_client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=0).result()
+
+
+class _DroppingProxy:
+    """A loopback TCP proxy that, the first time a request carries ``trigger``, hands the
+    request to the server and then cuts the client's connection instead of relaying the
+    answer: the server did the work, the client saw a dropped connection and retries."""
+
+    def __init__(self, target_port: int, trigger: bytes) -> None:
+        self.target_port, self.trigger = target_port, trigger
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.dropped = 0
+        self._armed = True
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            cut = threading.Event()
+            threading.Thread(target=self._up, args=(client, upstream, cut), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client, cut), daemon=True).start()
+
+    def _up(self, client: socket.socket, upstream: socket.socket, cut: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(1 << 16):
+                if self._armed and self.trigger in data:
+                    self._armed = False
+                    cut.set()
+                    upstream.sendall(data)
+                    time.sleep(2.0)  # the server receives and runs it
+                    self.dropped += 1
+                    client.shutdown(socket.SHUT_RDWR)
+                    client.close()
+                    upstream.close()
+                    return
+                upstream.sendall(data)
+
+    def _down(self, upstream: socket.socket, client: socket.socket, cut: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(1 << 16):
+                if cut.is_set():
+                    return
+                client.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_step_retried_after_a_dropped_connection_applies_once(svc: Service) -> None:
+    """The SDK resends ``optim_step`` after the proxy cut its connection; the server, which
+    ran the first copy, answers the retry with the same future: one step, not two."""
+    proxy = _DroppingProxy(int(svc.url.rsplit(":", 1)[1]), b"/api/v1/optim_step")
+    sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{proxy.port}", api_key=KEY)
+    try:
+        step0 = _info(svc)["step"]
+        saved = svc.client(api_token=TOKEN).save_checkpoint(name=f"retry-{time.time_ns()}")
+        path = f"tinker://x:train:0/weights/{saved.checkpoint_id}"
+        tc = sc.create_training_client_from_state_with_optimizer(path).result()
+        tc.forward_backward([_datum(TOKENS)], "cross_entropy").result()
+        out = tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        assert proxy.dropped == 1
+        assert out.metrics["step:max"] == step0 + 1
+        assert _info(svc)["step"] == step0 + 1
+    finally:
+        sc.close("success").result()
+        proxy.close()
+
+
+def _post(svc: Service, route: str, body: Any, key: str | None = KEY, **kw: Any) -> httpx.Response:
+    headers = {"X-API-Key": key} if key else {}
+    return httpx.post(f"{svc.url}/api/v1/{route}", json=body, headers=headers, timeout=60, **kw)
+
+
+def test_raw_protocol_auth_config_and_schema(svc: Service) -> None:
+    assert _post(svc, "client/dynamic_config", {"sdk_version": "0.38.0"}, key=None).json() == {}
+    assert _post(svc, "create_session", {"tags": []}, key=None).status_code == 401
+    assert _post(svc, "create_session", {"tags": []}, key="tml-wrong").status_code == 403
+    assert _post(svc, "telemetry", {"events": []}).json() == {"status": "accepted"}
+    paths = httpx.get(f"{svc.url}/openapi.json").json()["paths"]
+    assert paths and not [p for p in paths if p.startswith("/api/")]
+
+
+def test_raw_protocol_failure_is_200_with_error_and_category(svc: Service) -> None:
+    session = _post(svc, "create_session", {"tags": []}).json()["session_id"]
+    body = {"session_id": session, "model_seq_id": 0, "base_model": "nope", "type": "x"}
+    fut = _post(svc, "create_model", body).json()
+    got = _post(svc, "retrieve_future", {"request_id": fut["request_id"]})
+    assert got.status_code == 200
+    assert got.json()["category"] == "user" and "base_model" in got.json()["error"]
+
+
+def _retrieve(svc: Service, future: dict[str, Any]) -> httpx.Response:
+    while True:
+        r = _post(svc, "retrieve_future", {"request_id": future["request_id"]})
+        if (
+            r.headers["content-type"].startswith("application/json")
+            and r.json().get("type") == "try_again"
+        ):
+            continue
+        return r
+
+
+def test_raw_forward_is_protobuf_in_and_out_zstd_and_deduplicated(svc: Service) -> None:
+    """A zstd protobuf body; the same (model_id, seq_id) and payload again is the same
+    future, another payload a 409; the result is a protobuf ForwardBackwardOutput."""
+    import zstandard
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    name = f"raw-{time.time_ns()}"
+    svc.client(api_token=TOKEN).save_checkpoint(name=name)
+    session = _post(svc, "create_session", {"tags": []}).json()["session_id"]
+    load = {"session_id": session, "model_seq_id": 0, "path": f"tinker://a:train:0/weights/{name}",
+            "optimizer": True}  # fmt: skip
+    assert _retrieve(svc, _post(svc, "load_weights", load).json()).json()["type"] == "load_weights"
+
+    def body(weight: float) -> bytes:
+        fwd = types.ForwardBackwardInput(
+            data=[_datum(TOKENS, weights=np.full(len(TOKENS) - 1, weight))],
+            loss_fn="cross_entropy",
+        )
+        req = types.ForwardBackwardRequest(
+            forward_backward_input=fwd, model_id=f"{session}:train:0", seq_id=1
+        )
+        msg = forward_backward_request_to_proto(req)
+        msg.forward_only = True
+        return bytes(zstandard.ZstdCompressor().compress(msg.SerializeToString()))
+
+    headers = {"X-API-Key": KEY, "Content-Type": "application/x-protobuf",
+               "Content-Encoding": "zstd"}  # fmt: skip
+    url = f"{svc.url}/api/v1/forward_backward"
+    first = httpx.post(url, content=body(1.0), headers=headers).json()
+    again = httpx.post(url, content=body(1.0), headers=headers).json()
+    assert again["request_id"] == first["request_id"]
+    other = httpx.post(url, content=body(2.0), headers=headers)
+    assert other.status_code == 409 and "different payload" in other.text
+    got = _retrieve(svc, first)
+    assert got.headers["content-type"] == "application/x-protobuf"
+    out = deserialize_forward_backward_output(got.content)
+    want = _native_logprobs(svc, TOKENS)[1:]
+    np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].tolist(), want, atol=1e-6)
+    assert abs(out.metrics["loss:sum"] + sum(want)) <= 1e-4 * abs(sum(want))

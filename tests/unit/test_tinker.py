@@ -1,0 +1,132 @@
+"""The Tinker adapter's pure parts: data and loss mapping (``convert``), and per-model
+ordering, deduplication and futures (``state``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from trainctl.api import ConflictError, InvalidRequestError, LossKind, Normalization
+from trainctl.service.tinker import convert, proto
+from trainctl.service.tinker.state import TinkerState
+
+
+def _request(tokens: list[int], targets: list[int], **inputs: Any) -> Any:
+    msg = proto.ForwardBackwardRequest(model_id="s:train:0", seq_id=1, loss_fn="cross_entropy")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.asarray(tokens, np.int32).tobytes()
+    for key, values in {"target_tokens": targets, **inputs}.items():
+        arr = np.asarray(values)
+        t = d.loss_fn_inputs[key]
+        t.dtype = proto.DTYPE_INT64 if arr.dtype.kind == "i" else proto.DTYPE_FLOAT32
+        t.dense = arr.astype(np.int64 if arr.dtype.kind == "i" else np.float32).tobytes()
+        t.shape.append(arr.size)
+    return msg
+
+
+def test_a_datum_becomes_the_sequence_shifted_by_one() -> None:
+    msg = _request([4, 5, 6], [5, 6, 7], weights=[0.0, 2.0, 1.0])
+    req = convert.forward_backward_request(msg)
+    seq = req.sequences[0]
+    assert seq.tokens.tolist() == [4, 5, 6, 7]
+    assert seq.weights.tolist() == [0.0, 0.0, 2.0, 1.0]  # Tinker's t sits on token t + 1
+    assert seq.loss_mask.tolist() == [0, 0, 1, 1]  # weight 0: no target
+    assert req.loss.normalization is Normalization.SUM and not req.forward_only
+
+
+def test_targets_that_are_not_the_input_shifted_are_refused() -> None:
+    with pytest.raises(InvalidRequestError, match=r"data\[0\].*shifted by one.*position 1"):
+        convert.forward_backward_request(_request([4, 5, 6], [5, 9, 7]))
+
+
+def test_sparse_tensors_image_chunks_and_unknown_keys_are_refused() -> None:
+    msg = _request([4, 5], [5, 6])
+    msg.data[0].loss_fn_inputs["target_tokens"].sparse_csr = b"\x0a\x00"
+    with pytest.raises(InvalidRequestError, match="sparse"):
+        convert.forward_backward_request(msg)
+    msg = _request([4, 5], [5, 6])
+    msg.data[0].model_input.add().image = b"\x0a\x01x"
+    with pytest.raises(InvalidRequestError, match=r"chunks\[1\].*only text"):
+        convert.forward_backward_request(msg)
+    with pytest.raises(InvalidRequestError, match="advantages: not an input of cross_entropy"):
+        convert.forward_backward_request(_request([4, 5], [5, 6], advantages=[1.0, 1.0]))
+
+
+def test_ratio_thresholds_map_to_epsilons() -> None:
+    cfg = convert.loss_config("ppo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3})
+    assert cfg.kind is LossKind.PPO
+    assert cfg.clip_low == pytest.approx(0.3) and cfg.clip_high == pytest.approx(0.3)
+    assert convert.loss_config("dro", {"beta": 0.5}).beta == 0.5
+    with pytest.raises(InvalidRequestError, match="beta: not read by ppo"):
+        convert.loss_config("ppo", {"beta": 0.5})
+    with pytest.raises(InvalidRequestError, match="ratio bounds"):
+        convert.loss_config("cispo", {"clip_low_threshold": 1.2})
+
+
+def test_metric_keys_get_one_colon_and_a_tinker_reduction() -> None:
+    got = convert.metrics({"loss:mean": 1.0, "grad_norm:value": 2.0, "a:b:max": 3.0, "x": 1})
+    assert got == {"grad_norm:mean": 2.0, "a_b:max": 3.0}
+
+
+def _admit(log: list[int], seq: int) -> Any:
+    async def admit() -> Any:
+        log.append(seq)
+
+        async def finish() -> int:
+            return seq
+
+        return finish()
+
+    return admit
+
+
+def test_requests_are_admitted_in_seq_id_order_and_retries_join() -> None:
+    async def run() -> None:
+        state = TinkerState(order_timeout_s=5)
+        model = state.add_model("s", 0)
+        log: list[int] = []
+        f3 = state.submit(model, 3, "c", "x", _admit(log, 3))
+        f2 = state.submit(model, 2, "b", "x", _admit(log, 2))
+        await asyncio.sleep(0.05)
+        assert log == []  # 1 has not arrived
+        f1 = state.submit(model, 1, "a", "x", _admit(log, 1))
+        assert state.submit(model, 2, "b", "x", _admit(log, 2)) is f2  # a retry joins
+        with pytest.raises(ConflictError, match="different payload"):
+            state.submit(model, 2, "other", "x", _admit(log, 2))
+        for f in (f1, f2, f3):
+            await asyncio.wait_for(f.done.wait(), 5)
+        assert log == [1, 2, 3] and [f.result for f in (f1, f2, f3)] == [1, 2, 3]
+
+    asyncio.run(run())
+
+
+def test_a_missing_predecessor_fails_the_request_after_the_timeout() -> None:
+    async def run() -> None:
+        state = TinkerState(order_timeout_s=0.2)
+        model = state.add_model("s", 0)
+        f = state.submit(model, 2, "b", "x", _admit([], 2))
+        await asyncio.wait_for(f.done.wait(), 5)
+        assert f.error is not None
+        message, category = f.error
+        assert category == "user" and "waited 0.2 s for seq_id 1" in message
+
+    asyncio.run(run())
+
+
+def test_a_failed_admission_still_passes_the_turn() -> None:
+    async def run() -> None:
+        state = TinkerState(order_timeout_s=5)
+        model = state.add_model("s", 0)
+
+        async def bad() -> Any:
+            raise InvalidRequestError("data[0]: bad")
+
+        f1 = state.submit(model, 1, "a", "x", bad)
+        f2 = state.submit(model, 2, "b", "x", _admit([], 2))
+        await asyncio.wait_for(f2.done.wait(), 5)
+        assert f1.error == ("data[0]: bad", "user") and f2.result == 2
+
+    asyncio.run(run())
