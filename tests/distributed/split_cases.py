@@ -23,14 +23,15 @@ def split_step_case(
     spec = LossConfig(kind=LossKind(kind), normalization=Normalization(norm), **options)
     eng = EngineShard(EngineConfig.from_dict(cfg))
     plans = [plan_step(to_host(b), eng.cfg, loss=spec, deferred_normalizer=True) for b in parts]
-    part_losses = []
+    part_losses, token_losses = [], []
     for i, plan in enumerate(plans):
         mbs = plan.microbatches[eng.coords.dp]
         if i == 1:
             eng.forward_backward_part(mbs, spec)
             eng.rollback_part()  # as if a peer failed this part: the sum is as before it
-        report, _ = eng.forward_backward_part(mbs, spec)
+        report, per_seq = eng.forward_backward_part(mbs, spec)
         part_losses.append(report.loss)
+        token_losses.append({i: tl.tolist() for i, (_, tl) in per_seq.items()})
     divisor = {
         "token_mean": sum(p.loss_normalizer for p in plans),
         "seq_mean_token_mean": sum(p.num_loss_sequences for p in plans),
@@ -44,6 +45,7 @@ def split_step_case(
         "coords": {"tp": eng.coords.tp},
         "is_last_stage": eng.is_last_stage,
         "part_losses": part_losses,
+        "token_losses": token_losses,
         "grads": grads,
         "grad_norm": norm_value,
         "params": numpy_shards(eng.canonical_shards(owned=True)),

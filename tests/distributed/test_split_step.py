@@ -54,6 +54,16 @@ def test_parts_then_one_step_equal_one_train_batch(
     params = full_tensors(split, "params")
     for name, p in full_tensors(union, "shard_params").items():
         np.testing.assert_allclose(params[name], p, rtol=RTOL, atol=1e-2 * LR, err_msg=name)
+    # Per-token losses, gathered over CP by the reporting ranks: every sequence of each part
+    # once, summing to the part's loss (Tinker's elementwise_loss).
+    for i, part in enumerate(parts):
+        merged: dict[int, list[float]] = {}
+        for r in split:
+            merged.update(r["token_losses"][i])
+        assert sorted(merged) == list(range(len(part)))
+        assert [len(v) for v in merged.values()] == [len(part[k]["tokens"]) for k in merged]
+        total, want_loss = sum(map(sum, merged.values())), split[0]["part_losses"][i]
+        assert abs(total - want_loss) <= 1e-5 * abs(want_loss), (total, want_loss)
 
 
 def test_a_part_undone_twice_leaves_the_window_as_before_it(

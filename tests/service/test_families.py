@@ -36,6 +36,7 @@ def test_export_restarts_with_the_same_eval_loss(tmp_path: Path, family: str) ->
     batch = ragged_batch(seed=31, vocab=256)
     with running_service(tmp_path / "a", f"--init-hf={source}", f"--engine-config={engine}") as a:
         c = a.client()
+        assert c.info().model_name == "source"  # the HF directory's name: Tinker's base_model
         before = c.eval_batch(batch).loss
         c.train_batch(batch)
         want = c.eval_batch(batch).loss

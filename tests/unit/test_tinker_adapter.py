@@ -130,3 +130,36 @@ def test_a_failed_admission_still_passes_the_turn() -> None:
         assert f1.error == ("data[0]: bad", "user") and f2.result == 2
 
     asyncio.run(run())
+
+
+def test_any_tml_key_passes_on_a_service_without_a_token(http: Any) -> None:
+    assert http.post("/api/v1/client/dynamic_config", json={}).json() == {}  # no key at all
+    ok = http.post("/api/v1/create_session", json={"tags": []}, headers={"X-API-Key": "tml-x"})
+    assert ok.status_code == 200 and ok.json()["session_id"]
+    for headers in ({}, {"X-API-Key": "sk-123"}):
+        r = http.post("/api/v1/create_session", json={"tags": []}, headers=headers)
+        assert r.status_code == 401 and "tml-" in r.json()["message"]
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"base_model": "Qwen/Qwen3-8B"}, "this service trains 'trainctl-tiny'"),
+        ({"lora_config": {"rank": 16}}, "LoRA is not supported yet, so rank 16"),
+        ({"lora_config": {"rank": 0, "train_attn": False}}, "must be true"),
+        ({"optimizer_config": {"type": "dimuon"}}, "AdamW, not 'dimuon'"),
+    ],
+)
+def test_create_model_refuses_what_it_would_not_honour(change: dict, words: str) -> None:
+    from trainctl.api import Info
+    from trainctl.service.tinker.routes import CreateModelRequest, _check_base_model
+
+    req = CreateModelRequest.model_validate(
+        {"session_id": "s", "model_seq_id": 0, "base_model": "trainctl-tiny", **change}
+    )
+    with pytest.raises(InvalidRequestError, match=words):
+        _check_base_model(req, Info.model_construct(model_name="trainctl-tiny", step=0))
+    fine = CreateModelRequest(session_id="s", model_seq_id=0, base_model="trainctl-tiny")
+    _check_base_model(fine, Info.model_construct(model_name="trainctl-tiny", step=0))
+    with pytest.raises(ConflictError, match="trained to step 2"):
+        _check_base_model(fine, Info.model_construct(model_name="trainctl-tiny", step=2))
