@@ -249,6 +249,21 @@ def build_router(api_token: str | None) -> APIRouter:
             s.finished = str((body.get("reason") or {}).get("type", "success"))
         return {}
 
+    @r.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok"}
+
+    @r.get("/get_server_capabilities", dependencies=[auth])
+    async def get_server_capabilities(request: Request) -> dict[str, Any]:
+        info = await _info(request)
+        model = {
+            "model_name": info.model_name,
+            "max_context_length": info.limits.max_seq_len - 1,  # the input, then one target
+            "trainable": True,
+            "sampleable": False,
+        }
+        return {"supported_models": [model]}
+
     @r.post("/telemetry", dependencies=[auth])
     async def telemetry() -> dict[str, Any]:
         return {"status": "accepted"}  # accepted and dropped

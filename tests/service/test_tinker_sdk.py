@@ -298,6 +298,10 @@ def test_raw_protocol_auth_config_and_schema(svc: Service) -> None:
     assert _post(svc, "create_session", {"tags": []}, key=None).status_code == 401
     assert _post(svc, "create_session", {"tags": []}, key="tml-wrong").status_code == 403
     assert _post(svc, "telemetry", {"events": []}).json() == {"status": "accepted"}
+    caps = tinker.RestClient(base_url=svc.url, api_key=KEY).get_server_capabilities().result()
+    assert [(m.model_name, m.trainable, m.sampleable) for m in caps.supported_models] == [
+        (BASE, True, False)
+    ]
     paths = httpx.get(f"{svc.url}/openapi.json").json()["paths"]
     assert paths and not [p for p in paths if p.startswith("/api/")]
 
