@@ -343,6 +343,9 @@ class RankInfo(BaseModel):
         description="sha256 of this rank's shards; null while the workers are being rebuilt."
     )
     pid: int | None = Field(default=None, description="Process id of the rank actor.")
+    node: str | None = Field(
+        default=None, description="The node it runs on: '<address>/<Ray node id prefix>'."
+    )
 
 
 class CheckpointInfo(BaseModel):

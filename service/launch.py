@@ -78,11 +78,18 @@ def create_controller(s: Settings, cfg: dict[str, Any], *, detached: bool) -> An
         # not in the home directory.
         "MPLCONFIGDIR": str(s.data_dir.resolve() / "cache" / "matplotlib"),
     }
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     options: dict[str, Any] = {
         "name": CONTROLLER_NAME,
         "namespace": NAMESPACE,
         "num_cpus": 0,
         "runtime_env": {"env_vars": env},
+        # On the launching node (the head): the controller holds the service's state and
+        # must not share the fate of a worker node, which may leave.
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            node_id=ray.get_runtime_context().get_node_id(), soft=False
+        ),
     }
     if detached:
         options.update(lifetime="detached", get_if_exists=True)

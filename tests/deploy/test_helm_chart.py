@@ -250,7 +250,7 @@ def test_application_args_are_serve_settings(source: str) -> None:
     from trainctl.service.launch import engine_config_dict, settings_from_args
 
     if source == "chart":
-        cfg = serve_config(rayservice("--set", "layout.tp=2"))
+        cfg = serve_config(rayservice("--set", "layout.tp=2", "--set", "workers.gpusPerPod=2"))
     else:
         cfg = yaml.safe_load((ROOT / "deploy" / "serve-config.yaml").read_text())
     args = cfg["applications"][0]["args"]
@@ -261,3 +261,18 @@ def test_application_args_are_serve_settings(source: str) -> None:
         assert engine["layout"]["tp"] == 2 and s.rank_num_gpus == 1
     with pytest.raises(ValueError, match="unknown application args \\['data_root'\\]"):
         settings_from_args({**args, "data_root": "/x"})
+
+
+def test_a_tp_group_wider_than_a_worker_pod_is_refused_by_the_schema() -> None:
+    """Placement keeps each tensor-parallel group on one node (a worker pod); a pod whose
+    GPUs are not a multiple of tp cannot hold whole groups."""
+    ok = ("--set", "layout.tp=2", "--set", "layout.dp=2", "--set", "workers.gpusPerPod=4")
+    assert worker_group(rayservice(*ok))["replicas"] == 1
+    for tp, per_pod in ((4, 2), (2, 3)):
+        world = per_pod * tp  # a multiple of both: only the TP rule can refuse it
+        r = render(
+            "--set", f"layout.tp={tp}", "--set", f"layout.dp={world // tp}",
+            "--set", f"workers.gpusPerPod={per_pod}", check=False,
+        )  # fmt: skip
+        assert r.returncode != 0
+        assert f"workers.gpusPerPod: Must be a multiple of {tp}" in r.stderr, r.stderr

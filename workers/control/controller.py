@@ -53,7 +53,7 @@ from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.control.rank_group import GroupLostError, RankGroup
 from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.control.telemetry import ControllerMetrics
-from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.config import ConfigError, EngineConfig
 from trainctl.workers.engine.families import export_problem
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ class Controller(OperationHost):
         self.steps = Steps(self.cfg, self.group, self.state, after_train=self._after_train)
         self.recorder = ProfileRecorder(self.group, self.profiles, self.state)
         self.ready = False
+        self.waiting: str | None = None
+        """Why the workers cannot be rebuilt yet (a lost node): the 503's message."""
         self.draining = False
         self.start_lock = asyncio.Lock()
         self.queue = OperationQueue(max_queued=max_queued_operations)
@@ -184,7 +186,7 @@ class Controller(OperationHost):
         if self.draining:
             raise NotReadyError("the service is shutting down")
         if not self.ready:
-            raise NotReadyError("the workers are still starting; retry shortly")
+            raise NotReadyError(self.waiting or "the workers are still starting; retry shortly")
 
     def _prepare(self, kind: OperationKind, req: BaseModel | None) -> Runner:
         """Validate (and plan) ``req`` now; return what runs it in its turn."""
@@ -236,7 +238,13 @@ class Controller(OperationHost):
     async def _rebuild(self, h: Handle, cause: str, step_before: int) -> Info:
         h.set_phase("rebuilding workers")
         self.state.window = None  # the new ranks hold no gradients
-        self.group.kill()
+        self.group.kill(release=True)
+        try:  # placed anew: a lost node's placement group cannot come back
+            await self.group.place()
+        except ConfigError as e:
+            self.waiting = f"waiting for the cluster to hold the workers again: {e}"
+            raise
+        self.waiting = None
         await self.group.spawn()
         latest = self._latest_checkpoint()
         if latest is not None:
@@ -390,7 +398,13 @@ class Controller(OperationHost):
             step=self.step,
             weights_digest=None if digests is None else self.group.digest_of(digests),
             ranks=[  # while recovering: no digests (the ranks may be gone)
-                RankInfo(rank=m["rank"], coords=m["coords"], weights_digest=d, pid=m.get("pid"))
+                RankInfo(
+                    rank=m["rank"],
+                    coords=m["coords"],
+                    weights_digest=d,
+                    pid=m.get("pid"),
+                    node=m.get("node"),
+                )
                 for m, d in zip(meta, per_rank, strict=True)
             ],
             versions=_versions(),

@@ -116,6 +116,7 @@ class RankWorker:
             "coords": {"dp": c.dp, "cp": c.cp, "tp": c.tp, "pp": c.pp},
             "parameters": self.engine.num_parameters(),
             "pid": os.getpid(),
+            "node": _node_address(),
         }
 
     def _shard(self, plan: StepPlan) -> Any:
@@ -270,3 +271,11 @@ class RankWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _node_address() -> str:
+    """This rank's node: its address and Ray node id (two simulated nodes share an address)."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return f"{ray.util.get_node_ip_address()}/{ctx.get_node_id()[:12]}"

@@ -17,12 +17,17 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainctl.api import NotReadyError, TrainctlError, WorkerError
+from trainctl.workers.control import placement
 from trainctl.workers.control.rank import RankWorker
-from trainctl.workers.engine.config import ConfigError, EngineConfig
+from trainctl.workers.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,35 +60,77 @@ class RankGroup:
         self.ranks: list[Any] = []
         self.meta: list[dict[str, Any]] = []
         """Per rank, from its build: rank, coords, parameters, pid."""
-        self.pg: Any = None
+        self.plan: list[placement.NodeRanks] = []
+        self.pgs: list[Any] = []
+        """One placement group per node of the plan."""
 
     @property
     def world_size(self) -> int:
         return self.cfg.layout.world_size
 
+    def nodes(self) -> list[placement.Node]:
+        """The cluster's live nodes and their rank slots: GPUs over ``num_gpus`` on GPU
+        nodes, else CPUs over ``num_cpus``; in a fixed order (address, then node id)."""
+        out = []
+        for n in ray.nodes():
+            res = n.get("Resources", {}) if n.get("Alive") else {}
+            if self.num_gpus:
+                slots = int(res.get("GPU", 0.0) / self.num_gpus + 1e-9)
+            else:
+                slots = int(res.get("CPU", 0.0) / self.num_cpus + 1e-9)
+            if slots:
+                out.append(placement.Node(n["NodeID"], n.get("NodeManagerAddress", "?"), slots))
+        return sorted(out, key=lambda n: (n.address, n.node_id))
+
     async def place(self) -> None:
-        """Reserve one bundle per rank; a clear error if the cluster cannot hold them."""
+        """Reserve one bundle per rank, each node's ranks in one ``STRICT_PACK`` placement
+        group pinned to it (``placement.py``); a ``ConfigError`` naming the numbers if the
+        cluster cannot hold the layout."""
         world = self.world_size
-        need = world * self.num_cpus
-        have = ray.cluster_resources().get("CPU", 0.0)
-        if need > have:
-            raise ConfigError(
-                f"{world} ranks x {self.num_cpus} CPU = {need:g} CPUs, but the Ray cluster "
-                f"has {have:g}: lower --rank-num-cpus or the parallel sizes, or add nodes"
-            )
+        self.plan = placement.plan(world, self.cfg.layout.tp, self.nodes())
         bundle = {"CPU": self.num_cpus}
         if self.num_gpus:
             bundle["GPU"] = self.num_gpus  # one rank per GPU on GPU nodes
-        self.pg = placement_group([bundle] * world, strategy="PACK")
+        self.pgs = [
+            placement_group(
+                [bundle] * len(part.ranks),
+                strategy="STRICT_PACK",
+                bundle_label_selector=[{NODE_ID_LABEL_KEY: part.node.node_id}] * len(part.ranks),
+            )
+            for part in self.plan
+        ]
         try:
-            await asyncio.wait_for(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            await asyncio.wait_for(
+                asyncio.gather(*[pg.ready() for pg in self.pgs]), timeout=PLACEMENT_TIMEOUT_S
+            )
         except asyncio.TimeoutError:
-            remove_placement_group(self.pg)
-            self.pg = None
+            self.release()
             raise NotReadyError(
                 f"the {world} rank actors could not be placed within {PLACEMENT_TIMEOUT_S:.0f}s "
-                f"({need:g} CPUs requested; {have:g} in the cluster, some may be in use)"
+                f"({world} x {bundle}; some of the nodes' resources may be in use)"
             ) from None
+        log.info(
+            "placed %d ranks on %d node(s): %s",
+            world,
+            len(self.plan),
+            ", ".join(
+                f"{p.node.address} ranks {p.ranks.start}-{p.ranks.stop - 1}" for p in self.plan
+            ),
+        )
+
+    def release(self) -> None:
+        """Free the placement groups."""
+        for pg in self.pgs:
+            remove_placement_group(pg)
+        self.pgs = []
+
+    def _slot(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        for part, pg in zip(self.plan, self.pgs, strict=True):
+            if rank in part.ranks:
+                return PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank - part.ranks.start
+                )
+        raise AssertionError(f"rank {rank} has no slot")
 
     async def spawn(self) -> None:
         """Create one rank actor per bundle, form the process group, build every shard."""
@@ -94,9 +141,7 @@ class RankGroup:
             actor_cls.options(
                 num_cpus=self.num_cpus,
                 num_gpus=self.num_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=i
-                ),
+                scheduling_strategy=self._slot(i),
                 runtime_env={"env_vars": env},
             ).remote(i, world)
             for i in range(world)
@@ -117,9 +162,8 @@ class RankGroup:
         for r in self.ranks:
             ray.kill(r, no_restart=True)
         self.ranks = []
-        if release and self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        if release:
+            self.release()
 
     async def call(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         """``method`` (a ``RankWorker`` method) on every rank; the results in rank order, or
