@@ -47,3 +47,12 @@ def test_a_layout_that_cannot_be_placed_is_refused_with_its_numbers(
     with pytest.raises(ConfigError) as e:
         plan(world, tp, _nodes(*slots))
     assert words in str(e.value)
+
+
+def test_with_moe_whole_expert_parallel_groups_stay_on_a_node_too() -> None:
+    """Experts are whole on each rank (expert TP = 1), so an EP group is ``ep`` consecutive
+    ranks: at tp=2, ep=4 a node takes runs of lcm = 4."""
+    got = plan(8, 2, _nodes(6, 6), ep=4)
+    assert [list(p.ranks) for p in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ConfigError, match="run of 4 ranks holding whole tensor-parallel"):
+        plan(8, 2, _nodes(2, 2, 2, 2), ep=4)

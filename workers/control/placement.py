@@ -12,6 +12,7 @@ Pure (no Ray): ``RankGroup`` reads the nodes from Ray and turns each node's rank
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from trainctl.workers.engine.config import ConfigError
@@ -31,30 +32,41 @@ class NodeRanks:
     ranks: range
 
 
-def plan(world: int, tp: int, nodes: list[Node]) -> list[NodeRanks]:
-    """Consecutive runs of whole TP groups, one run per node, in node order (the order given);
-    a ``ConfigError`` naming the numbers if the layout cannot be placed."""
-    if world % tp:
-        raise ConfigError(f"world size {world} is not a multiple of tp={tp}")
+def plan(world: int, tp: int, nodes: list[Node], ep: int = 1) -> list[NodeRanks]:
+    """Consecutive runs of whole groups, one run per node, in node order (the order given);
+    a ``ConfigError`` naming the numbers if the layout cannot be placed.
+
+    The group is the TP group, or with MoE the run of ``lcm(tp, ep)`` ranks that holds whole
+    TP groups and whole EP groups: experts are not tensor-parallel here (expert TP = 1), so
+    megatron's EP groups are ``ep`` consecutive ranks too, and their all-to-alls (every MoE
+    layer) stay on the node as well."""
+    unit = math.lcm(tp, ep)
+    what = f"tensor-parallel group of {tp}" if unit == tp else (
+        f"run of {unit} ranks holding whole tensor-parallel (tp={tp}) and expert-parallel "
+        f"(ep={ep}) groups"
+    )  # fmt: skip
+    if world % unit:
+        raise ConfigError(f"world size {world} is not a multiple of a {what}")
     largest = max((n.slots for n in nodes), default=0)
-    if tp > largest:
+    if unit > largest:
+        label = f"tp={tp}: a tensor-parallel group" if unit == tp else f"a {what}"
         raise ConfigError(
-            f"tp={tp}: a tensor-parallel group must sit on one node, but the largest node has "
-            f"{largest} rank slot(s) ({_describe(nodes)}); lower tp or use larger nodes"
+            f"{label} must sit on one node, but the largest node has {largest} rank slot(s) "
+            f"({_describe(nodes)}); lower tp{'' if unit == tp else ' or ep'} or use larger nodes"
         )
     out: list[NodeRanks] = []
     start = 0
     for n in nodes:
-        take = min(n.slots // tp * tp, world - start)
+        take = min(n.slots // unit * unit, world - start)
         if take:
             out.append(NodeRanks(n, range(start, start + take)))
             start += take
     if start < world:
-        usable = sum(n.slots // tp * tp for n in nodes)
+        usable = sum(n.slots // unit * unit for n in nodes)
+        groups = f"tensor-parallel groups of {tp}" if unit == tp else f"runs of {unit}"
         raise ConfigError(
-            f"{world} ranks need {world} slots in whole tensor-parallel groups of {tp}, but the "
-            f"cluster's nodes give {usable} ({_describe(nodes)}): add nodes or lower the "
-            "parallel sizes"
+            f"{world} ranks need {world} slots in whole {groups}, but the cluster's nodes give "
+            f"{usable} ({_describe(nodes)}): add nodes or lower the parallel sizes"
         )
     return out
 

@@ -87,7 +87,8 @@ class RankGroup:
         group pinned to it (``placement.py``); a ``ConfigError`` naming the numbers if the
         cluster cannot hold the layout."""
         world = self.world_size
-        self.plan = placement.plan(world, self.cfg.layout.tp, self.nodes())
+        lay = self.cfg.layout
+        self.plan = placement.plan(world, lay.tp, self.nodes(), ep=lay.ep)
         bundle = {"CPU": self.num_cpus}
         if self.num_gpus:
             bundle["GPU"] = self.num_gpus  # one rank per GPU on GPU nodes
