@@ -26,10 +26,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from trainctl.api import (
-    ConflictError,
     ErrorBody,
     ExportRequest,
     Info,
@@ -46,77 +45,23 @@ from trainctl.service.codec import read_body
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.routes.deps import get_limits
 from trainctl.service.tinker import convert, proto
+from trainctl.service.tinker.bodies import (
+    AdamParams,
+    Body,
+    CreateModelRequest,
+    LoadWeights,
+    ModelCall,
+    OptimStep,
+    SaveForSampler,
+    SaveWeights,
+    check_create_model,
+)
 from trainctl.service.tinker.state import Future, Model, TinkerState
 
 PREFIX = "/api/v1"
 LONG_POLL_S = 30.0
 """``retrieve_future`` waits this long before ``try_again`` (the SDK's read timeout is 45 s)."""
 OPERATION_WAIT_S = 30.0
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
-
-
-class LoraConfig(_Body):
-    rank: int = 0
-    train_unembed: bool = True
-    train_mlp: bool = True
-    train_attn: bool = True
-
-
-class OptimizerConfig(_Body):
-    type: str = "adamw"
-
-
-class CreateModelRequest(_Body):
-    session_id: str
-    model_seq_id: int = Field(ge=0)
-    base_model: str
-    lora_config: LoraConfig | None = None
-    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
-
-
-class AdamParams(_Body):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-    type: str = "adamw"
-
-
-class _ModelCall(_Body):
-    """A call on a model handle, in its ``seq_id`` order."""
-
-    model_id: str
-    seq_id: int
-
-
-class OptimStep(_ModelCall):
-    adam_params: AdamParams | None = None
-    optimizer_params: AdamParams | None = None
-
-
-class SaveWeights(_ModelCall):
-    path: str | None = None
-    overwrite: bool = False
-
-
-class LoadWeights(_Body):
-    path: str
-    optimizer: bool
-    model_id: str | None = None
-    seq_id: int | None = None
-    session_id: str | None = None
-    model_seq_id: int | None = None
-    base_model: str | None = None
-    optimizer_config: OptimizerConfig | None = None
-
-
-class SaveForSampler(_ModelCall):
-    path: str | None = None
 
 
 def _state(request: Request) -> TinkerState:
@@ -127,14 +72,14 @@ def _controller(request: Request) -> ControllerAPI:
     return request.app.state.controller  # type: ignore[no-any-return]
 
 
-async def _json(request: Request, model: type[_Body]) -> tuple[Any, str]:
+async def _json(request: Request, model: type[Body]) -> tuple[Any, str]:
     """The body as ``model`` and its fingerprint (sha256 of the canonical JSON)."""
     body = await read_body(request, request.app.state.max_body_bytes)
     req = model.model_validate_json(body or b"{}")
     return req, hashlib.sha256(req.model_dump_json().encode()).hexdigest()
 
 
-async def _model_call(request: Request, model: type[_ModelCall]) -> tuple[Any, str, Model]:
+async def _model_call(request: Request, model: type[ModelCall]) -> tuple[Any, str, Model]:
     """The body, its fingerprint and the model handle it names."""
     req, fp = await _json(request, model)
     return req, fp, _state(request).model(req.model_id)
@@ -277,7 +222,7 @@ def build_router(api_token: str | None) -> APIRouter:
 
         async def create() -> dict[str, Any]:
             info = await _info(request)
-            _check_base_model(req, info)
+            check_create_model(req, info)
             state.add_model(req.session_id, req.model_seq_id)
             return {"model_id": model_id, "type": "create_model"}
 
@@ -427,39 +372,6 @@ def _fb_result(r: Any) -> Any:
     from trainctl.api import ForwardBackwardResult
 
     return r if isinstance(r, ForwardBackwardResult) else ForwardBackwardResult.model_validate(r)
-
-
-def _check_base_model(req: CreateModelRequest, info: Info) -> None:
-    """Refuse what would train something other than what was asked."""
-    if req.base_model != info.model_name:
-        raise InvalidRequestError(
-            f"base_model: this service trains {info.model_name!r}, not {req.base_model!r}"
-        )
-    lora = req.lora_config or LoraConfig()
-    if lora.rank > 0:
-        raise InvalidRequestError(
-            f"lora_config.rank: LoRA is not supported yet, so rank {lora.rank} would not be "
-            "honoured; trainctl trains all parameters: ask for rank=0 "
-            "(create_lora_training_client(base_model, rank=0))"
-        )
-    if not (lora.train_mlp and lora.train_attn and lora.train_unembed):
-        raise InvalidRequestError(
-            "lora_config: train_mlp, train_attn and train_unembed must be true (trainctl "
-            "trains every parameter; freezing parts is not supported)"
-        )
-    if req.optimizer_config.type != "adamw":
-        raise InvalidRequestError(
-            f"optimizer_config.type: trainctl runs AdamW, not {req.optimizer_config.type!r}"
-        )
-    if info.step > 0:
-        raise ConflictError(
-            f"the served model has been trained to step {info.step}: create_model would "
-            f"present those weights as the base model {info.model_name!r}. Go on training them "
-            "with create_training_client_from_state(<a save_state path>), or restore the base "
-            "weights first (POST /v1/checkpoints/<a step-0 checkpoint>/load, or restart the "
-            "service without resuming)",
-            details={"step": info.step},
-        )
 
 
 def _unzstd(body: bytes, max_bytes: int) -> bytes:

@@ -152,14 +152,14 @@ def test_any_tml_key_passes_on_a_service_without_a_token(http: Any) -> None:
 )
 def test_create_model_refuses_what_it_would_not_honour(change: dict, words: str) -> None:
     from trainctl.api import Info
-    from trainctl.service.tinker.routes import CreateModelRequest, _check_base_model
+    from trainctl.service.tinker.bodies import CreateModelRequest, check_create_model
 
     req = CreateModelRequest.model_validate(
         {"session_id": "s", "model_seq_id": 0, "base_model": "trainctl-tiny", **change}
     )
     with pytest.raises(InvalidRequestError, match=words):
-        _check_base_model(req, Info.model_construct(model_name="trainctl-tiny", step=0))
+        check_create_model(req, Info.model_construct(model_name="trainctl-tiny", step=0))
     fine = CreateModelRequest(session_id="s", model_seq_id=0, base_model="trainctl-tiny")
-    _check_base_model(fine, Info.model_construct(model_name="trainctl-tiny", step=0))
+    check_create_model(fine, Info.model_construct(model_name="trainctl-tiny", step=0))
     with pytest.raises(ConflictError, match="trained to step 2"):
-        _check_base_model(fine, Info.model_construct(model_name="trainctl-tiny", step=2))
+        check_create_model(fine, Info.model_construct(model_name="trainctl-tiny", step=2))

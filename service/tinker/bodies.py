@@ -1,0 +1,104 @@
+"""What the SDK sends as JSON (only the fields read; the rest is ignored), and what
+``create_model`` refuses rather than train something other than what was asked."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainctl.api import ConflictError, Info, InvalidRequestError
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class LoraConfig(Body):
+    rank: int = 0
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class OptimizerConfig(Body):
+    type: str = "adamw"
+
+
+class CreateModelRequest(Body):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    lora_config: LoraConfig | None = None
+    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+
+
+class AdamParams(Body):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+    type: str = "adamw"
+
+
+class ModelCall(Body):
+    """A call on a model handle, in its ``seq_id`` order."""
+
+    model_id: str
+    seq_id: int
+
+
+class OptimStep(ModelCall):
+    adam_params: AdamParams | None = None
+    optimizer_params: AdamParams | None = None
+
+
+class SaveWeights(ModelCall):
+    path: str | None = None
+    overwrite: bool = False
+
+
+class LoadWeights(Body):
+    path: str
+    optimizer: bool
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    optimizer_config: OptimizerConfig | None = None
+
+
+class SaveForSampler(ModelCall):
+    path: str | None = None
+
+
+def check_create_model(req: CreateModelRequest, info: Info) -> None:
+    """Refuse what would train something other than what was asked."""
+    if req.base_model != info.model_name:
+        raise InvalidRequestError(
+            f"base_model: this service trains {info.model_name!r}, not {req.base_model!r}"
+        )
+    lora = req.lora_config or LoraConfig()
+    if lora.rank > 0:
+        raise InvalidRequestError(
+            f"lora_config.rank: LoRA is not supported yet, so rank {lora.rank} would not be "
+            "honoured; trainctl trains all parameters: ask for rank=0 "
+            "(create_lora_training_client(base_model, rank=0))"
+        )
+    if not (lora.train_mlp and lora.train_attn and lora.train_unembed):
+        raise InvalidRequestError(
+            "lora_config: train_mlp, train_attn and train_unembed must be true (trainctl "
+            "trains every parameter; freezing parts is not supported)"
+        )
+    if req.optimizer_config.type != "adamw":
+        raise InvalidRequestError(
+            f"optimizer_config.type: trainctl runs AdamW, not {req.optimizer_config.type!r}"
+        )
+    if info.step > 0:
+        raise ConflictError(
+            f"the served model has been trained to step {info.step}: create_model would "
+            f"present those weights as the base model {info.model_name!r}. Go on training them "
+            "with create_training_client_from_state(<a save_state path>), or restore the base "
+            "weights first (POST /v1/checkpoints/<a step-0 checkpoint>/load, or restart the "
+            "service without resuming)",
+            details={"step": info.step},
+        )
