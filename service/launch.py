@@ -30,6 +30,10 @@ ENGINE_SETTINGS: dict[str, tuple[str | None, str]] = {
 """Setting -> (section of the engine config, or None for the top level; key in it)."""
 
 
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+"""The resource only Ray's head node has."""
+
+
 def engine_config_dict(s: Settings) -> dict[str, Any]:
     """The validated engine config: the file's values, overridden by the settings given as a
     flag or in the environment, and the settings' defaults where the file is silent."""
@@ -78,18 +82,15 @@ def create_controller(s: Settings, cfg: dict[str, Any], *, detached: bool) -> An
         # not in the home directory.
         "MPLCONFIGDIR": str(s.data_dir.resolve() / "cache" / "matplotlib"),
     }
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     options: dict[str, Any] = {
         "name": CONTROLLER_NAME,
         "namespace": NAMESPACE,
         "num_cpus": 0,
         "runtime_env": {"env_vars": env},
-        # On the launching node (the head): the controller holds the service's state and
-        # must not share the fate of a worker node, which may leave.
-        "scheduling_strategy": NodeAffinitySchedulingStrategy(
-            node_id=ray.get_runtime_context().get_node_id(), soft=False
-        ),
+        # On the head node (Ray marks it with this resource), wherever the launch runs: the
+        # controller holds the service's state and must not share the fate of a worker node,
+        # which may leave.
+        "resources": {HEAD_NODE_RESOURCE: 0.001},
     }
     if detached:
         options.update(lifetime="detached", get_if_exists=True)
