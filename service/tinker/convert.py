@@ -211,14 +211,12 @@ def metrics(ours: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _batched(rows: list[np.ndarray]) -> Any:
-    """Per-datum float32 arrays as one proto ``BatchedTensor`` (byte offsets)."""
-    bt = proto.ForwardBackwardOutput().loss_fn_outputs.add().fields["x"]
+def _fill_batched(bt: Any, rows: list[np.ndarray]) -> None:
+    """Per-datum float32 arrays into the proto ``BatchedTensor`` ``bt`` (byte offsets)."""
     data = np.concatenate(rows).astype(np.float32) if rows else np.zeros(0, np.float32)
     offsets = np.zeros(len(rows) + 1, np.int64)
     np.cumsum([r.size * 4 for r in rows], out=offsets[1:])
     bt.data, bt.offsets, bt.dtype = data.tobytes(), offsets.tobytes(), proto.DTYPE_FLOAT32
-    return bt
 
 
 def forward_backward_output(result: ForwardBackwardResult) -> bytes:
@@ -230,7 +228,7 @@ def forward_backward_output(result: ForwardBackwardResult) -> bytes:
         ("logprobs", result.logprobs),
         ("elementwise_loss", result.elementwise_loss),
     ):
-        record.fields[name].CopyFrom(_batched([np.asarray(v[1:], np.float32) for v in per_seq]))
+        _fill_batched(record.fields[name], [np.asarray(v[1:], np.float32) for v in per_seq])
     for k, v in metrics(result.metrics).items():
         msg.metrics[k] = v
     msg.metrics["loss:sum"] = float(result.loss)

@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -31,6 +32,8 @@ from pydantic import BaseModel
 from trainctl.api import (
     ErrorBody,
     ExportRequest,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
     Info,
     InvalidRequestError,
     LoadCheckpointRequest,
@@ -56,7 +59,7 @@ from trainctl.service.tinker.bodies import (
     SaveWeights,
     check_create_model,
 )
-from trainctl.service.tinker.state import Future, Model, TinkerState
+from trainctl.service.tinker.state import Future, Model, TinkerState, model_id_of
 
 PREFIX = "/api/v1"
 LONG_POLL_S = 30.0
@@ -83,6 +86,11 @@ async def _model_call(request: Request, model: type[ModelCall]) -> tuple[Any, st
     """The body, its fingerprint and the model handle it names."""
     req, fp = await _json(request, model)
     return req, fp, _state(request).model(req.model_id)
+
+
+async def _fields(request: Request) -> dict[str, Any]:
+    """A small JSON body read as a plain object (the calls that name one id)."""
+    return dict(json.loads(await read_body(request, 1 << 16) or b"{}"))
 
 
 def _future(f: Future, model_id: str | None = None) -> dict[str, Any]:
@@ -123,39 +131,28 @@ def _op_error(body: ErrorBody) -> TrainctlError:
     return error_from(STATUS_OF[body.type], body.model_dump(mode="json"))
 
 
-def _admit(
-    controller: ControllerAPI,
-    kind: OperationKind,
-    req: BaseModel,
-    key: str,
-    fingerprint: str,
-    convert_result: Any,
-) -> Any:
-    """What ``TinkerState.submit`` admits: queue the native operation (idempotent under
-    ``key``), then wait for it and convert its result."""
-
-    async def admit() -> Any:
-        op = await controller.submit(kind, req, key, fingerprint)
-
-        async def finish() -> Any:
-            return convert_result(await _run_op(controller, op.id))
-
-        return finish()
-
-    return admit
-
-
 def _in_order(
     request: Request,
     model: Model,
     seq_id: int,
     fingerprint: str,
     kind: OperationKind,
-    native: BaseModel,
-    result_of: Any,
+    native: Callable[[], BaseModel],
+    result_of: Callable[[Any], Any],
 ) -> dict[str, Any]:
-    """Queue ``native`` in ``model``'s ``seq_id`` order; the future of its converted result."""
-    admit = _admit(_controller(request), kind, native, _key(model, seq_id), fingerprint, result_of)
+    """Queue the native request ``native()`` makes in ``model``'s ``seq_id`` order,
+    idempotent under its key; the future of its converted result. ``native`` runs in the
+    request's turn, so a request it refuses fails its future and passes the turn on."""
+    controller = _controller(request)
+
+    async def admit() -> Awaitable[Any]:
+        op = await controller.submit(kind, native(), _key(model, seq_id), fingerprint)
+
+        async def finish() -> Any:
+            return result_of(await _run_op(controller, op.id))
+
+        return finish()
+
     f = _state(request).submit(model, seq_id, fingerprint, kind.value, admit)
     return _future(f, model.model_id)
 
@@ -180,7 +177,7 @@ def build_router(api_token: str | None) -> APIRouter:
 
     @r.post("/session_heartbeat", dependencies=[auth])
     async def session_heartbeat(request: Request) -> Response:
-        body = json.loads(await read_body(request, 1 << 16) or b"{}")
+        body = await _fields(request)
         s = _state(request).session(str(body.get("session_id")))
         if s.finished is not None:
             return JSONResponse({"detail": f"session finished: {s.finished}"}, status_code=410)
@@ -188,7 +185,7 @@ def build_router(api_token: str | None) -> APIRouter:
 
     @r.post("/sessions/{session_id}/finish", dependencies=[auth])
     async def finish_session(session_id: str, request: Request) -> dict[str, Any]:
-        body = json.loads(await read_body(request, 1 << 16) or b"{}")
+        body = await _fields(request)
         s = _state(request).session(session_id)
         if s.finished is None:  # first wins
             s.finished = str((body.get("reason") or {}).get("type", "success"))
@@ -218,7 +215,7 @@ def build_router(api_token: str | None) -> APIRouter:
         req, fp = await _json(request, CreateModelRequest)
         state = _state(request)
         state.session(req.session_id)
-        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        model_id = model_id_of(req.session_id, req.model_seq_id)
 
         async def create() -> dict[str, Any]:
             info = await _info(request)
@@ -232,7 +229,7 @@ def build_router(api_token: str | None) -> APIRouter:
 
     @r.post("/get_info", dependencies=[auth])
     async def get_info(request: Request) -> dict[str, Any]:
-        body = json.loads(await read_body(request, 1 << 16) or b"{}")
+        body = await _fields(request)
         model = _state(request).model(str(body.get("model_id")))
         info = await _info(request)
         return {
@@ -259,25 +256,19 @@ def build_router(api_token: str | None) -> APIRouter:
             msg.ParseFromString(body)
         except Exception as e:
             raise InvalidRequestError(f"body: not a ForwardBackwardRequest protobuf ({e})") from e
-        state = _state(request)
-        model = state.model(msg.model_id)
+        model = _state(request).model(msg.model_id)
         limits = await get_limits(request, _controller(request))
 
-        async def admit() -> Any:
+        def native() -> ForwardBackwardRequest:
             req = convert.forward_backward_request(msg)
             req.check_limits(limits)
-            return await _admit(
-                _controller(request),
-                OperationKind.FORWARD_BACKWARD,
-                req,
-                _key(model, msg.seq_id),
-                hashlib.sha256(body).hexdigest(),
-                lambda r: convert.forward_backward_output(_fb_result(r)),
-            )()
+            return req
 
-        kind = "forward" if msg.forward_only else "forward_backward"
-        f = state.submit(model, msg.seq_id, hashlib.sha256(body).hexdigest(), kind, admit)
-        return _future(f, model.model_id)
+        return _in_order(
+            request, model, msg.seq_id, hashlib.sha256(body).hexdigest(),
+            OperationKind.FORWARD_BACKWARD, native,
+            lambda r: convert.forward_backward_output(ForwardBackwardResult.model_validate(r)),
+        )  # fmt: skip
 
     @r.post("/optim_step", dependencies=[auth])
     async def optim_step(request: Request) -> dict[str, Any]:
@@ -290,7 +281,7 @@ def build_router(api_token: str | None) -> APIRouter:
             weight_decay=p.weight_decay, clip_grad=p.grad_clip_norm,
         )  # fmt: skip
         return _in_order(
-            request, model, req.seq_id, fp, OperationKind.OPTIM_STEP, native,
+            request, model, req.seq_id, fp, OperationKind.OPTIM_STEP, lambda: native,
             lambda r: convert.optim_step_output(StepResult.model_validate(r)),
         )  # fmt: skip
 
@@ -301,7 +292,7 @@ def build_router(api_token: str | None) -> APIRouter:
         path = convert.TinkerPath(model.model_id, "weights", name)
         native = SaveCheckpointRequest(name=name, overwrite=req.overwrite)
         return _in_order(
-            request, model, req.seq_id, fp, OperationKind.SAVE_CHECKPOINT, native,
+            request, model, req.seq_id, fp, OperationKind.SAVE_CHECKPOINT, lambda: native,
             lambda _: {"path": str(path), "type": "save_weights"},
         )  # fmt: skip
 
@@ -316,7 +307,8 @@ def build_router(api_token: str | None) -> APIRouter:
             )
         path = convert.TinkerPath(model.model_id, "sampler_weights", req.path)
         return _in_order(
-            request, model, req.seq_id, fp, OperationKind.EXPORT_HF, ExportRequest(name=req.path),
+            request, model, req.seq_id, fp, OperationKind.EXPORT_HF,
+            lambda: ExportRequest(name=req.path),
             lambda _: {"path": str(path), "type": "save_weights_for_sampler"},
         )  # fmt: skip
 
@@ -342,13 +334,13 @@ def build_router(api_token: str | None) -> APIRouter:
                 "load_weights needs model_id and seq_id, or session_id and model_seq_id"
             )
         return _in_order(
-            request, model, seq_id, fp, OperationKind.LOAD_CHECKPOINT, native,
+            request, model, seq_id, fp, OperationKind.LOAD_CHECKPOINT, lambda: native,
             lambda _: {"path": req.path, "model_id": model.model_id, "type": "load_weights"},
         )  # fmt: skip
 
     @r.post("/retrieve_future", dependencies=[auth])
     async def retrieve_future(request: Request) -> Response:
-        body = json.loads(await read_body(request, 1 << 16) or b"{}")
+        body = await _fields(request)
         f = _state(request).future(str(body.get("request_id")))
         try:
             await asyncio.wait_for(f.done.wait(), request.app.state.tinker_long_poll_s)
@@ -366,12 +358,6 @@ def build_router(api_token: str | None) -> APIRouter:
 def _key(model: Model, seq_id: int) -> str:
     """The native idempotency key of a model's request: the controller applies it once."""
     return f"tinker:{model.model_id}:{seq_id}"
-
-
-def _fb_result(r: Any) -> Any:
-    from trainctl.api import ForwardBackwardResult
-
-    return r if isinstance(r, ForwardBackwardResult) else ForwardBackwardResult.model_validate(r)
 
 
 def _unzstd(body: bytes, max_bytes: int) -> bytes:

@@ -37,6 +37,11 @@ Admit = Callable[[], Awaitable[Awaitable[Any]]]
 ``seq_id`` once the controller has the request, not once it is done."""
 
 
+def model_id_of(session_id: str, model_seq_id: int) -> str:
+    """The id of a session's ``model_seq_id``-th model, as the SDK derives it on its side."""
+    return f"{session_id}:train:{model_seq_id}"
+
+
 def category(e: BaseException) -> str:
     """Tinker's error category: ``user`` for a request the client can fix (4xx)."""
     if isinstance(e, ValidationError):
@@ -122,7 +127,7 @@ class TinkerState:
         """The handle ``{session_id}:train:{model_seq_id}``, made if new; its requests start at
         ``first_seq`` (1 after ``create_model``; 0 when its creation is a load, which is
         its own request 0)."""
-        model_id = f"{session_id}:train:{model_seq_id}"
+        model_id = model_id_of(session_id, model_seq_id)
         m = self.models.get(model_id)
         if m is None:
             m = self.models[model_id] = Model(model_id, session_id, next_seq=first_seq)
