@@ -10,7 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from trainctl.workers.control.trie import build_tries, encode_segments
-from trainctl.workers.ops.tree_attention import Segments, tree_attention
+from trainctl.workers.ops.tree_attention import (
+    Segments,
+    flex_tree_attention,
+    subtree_ends,
+    tree_attention,
+)
 
 
 def _seqs(*rows: list[int]) -> list[np.ndarray]:
@@ -167,3 +172,61 @@ def test_tree_attention_of_a_cp_share_is_its_rows_of_the_whole() -> None:
         pos = zigzag_positions(cu, 2, rank)
         part = tree_attention(q[pos], k, v, segs, scale=0.3, query_pos=pos)
         torch.testing.assert_close(part, whole[pos], rtol=1e-12, atol=1e-12)
+
+
+def _packed_tries(*names: str) -> tuple[Segments, torch.Tensor]:
+    """Every trie of the named cases packed one after another, as a micro-batch holds them,
+    with a pad segment at the end (to a multiple of 4, as cp = 2 pads); and the dense
+    ``[N, N]`` ancestor-or-self mask."""
+    starts, ends, ancestors, blocks = [], [], [], []
+    offset = 0
+    for name in names:
+        for trie in build_tries(CASES[name], budget=1000):
+            starts += [offset + s for s in trie.seg_start.tolist()]
+            ends += [offset + e for e in trie.seg_end.tolist()]
+            ancestors += [offset + a for a in trie.seg_ancestors]
+            blocks.append((offset, trie))
+            offset += trie.size
+    n = offset + 4 - offset % 4
+    starts.append(offset)
+    ends.append(n)
+    ancestors.append(np.zeros(0, np.int64))
+    table = encode_segments(np.array(starts), np.array(ends), ancestors)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[offset:, offset:] = torch.ones(n - offset, n - offset, dtype=torch.bool).tril()  # pads
+    for off, trie in blocks:
+        for rows in trie.rows:
+            r = torch.from_numpy(rows + off)
+            mask[r[:, None], r[None, :]] |= torch.ones(len(r), len(r), dtype=torch.bool).tril()
+    return Segments.decode(torch.from_numpy(table), n), mask
+
+
+def test_a_rows_subtree_ends_after_its_last_descendant() -> None:
+    """``k <= q < ends[k]`` is the ancestor-or-self relation of the packed tries, pads and
+    trie boundaries included (FlexAttention's mask on CUDA is exactly this)."""
+    segs, mask = _packed_tries("multi_turn", "grpo", "prefix", "no_sharing")
+    ends = subtree_ends(segs)
+    n = mask.shape[0]
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    assert torch.equal((k <= q) & (q < ends[None, :]), mask)
+
+
+def test_flex_tree_attention_equals_the_dense_ancestor_mask() -> None:
+    """The FlexAttention path (its eager reference here; compiled on CUDA in the GPU tier),
+    whole and for a CP rank's zigzag queries, against dense attention under the mask."""
+    from trainctl.workers.ops.cp import zigzag_positions
+
+    segs, mask = _packed_tries("multi_turn", "duplicates", "grpo")
+    n = mask.shape[0]
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(n, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    out = flex_tree_attention(q, k, v, segs, scale=0.3, compiled=False)
+    torch.testing.assert_close(out, _dense_reference(q, k, v, mask, 0.3), rtol=1e-10, atol=1e-12)
+    per_segment = tree_attention(q, k, v, segs, scale=0.3)
+    torch.testing.assert_close(out, per_segment, rtol=1e-10, atol=1e-12)
+    for rank in range(2):
+        pos = zigzag_positions(torch.tensor([0, n]), 2, rank)
+        part = flex_tree_attention(
+            q[pos], k, v, segs, scale=0.3, query_pos=pos, query_key=rank, compiled=False
+        )
+        torch.testing.assert_close(part, out[pos], rtol=1e-10, atol=1e-12)

@@ -4,8 +4,9 @@ megatron-core's local ``DotProductAttention`` refuses packed (THD) input and con
 parallelism; TransformerEngine's attention needs CUDA. This module attends causally within each
 packed sequence with torch's ``scaled_dot_product_attention``, one sequence at a time, so no
 ``[T, T]`` mask is ever built; with CP it gathers keys and values over the CP group and masks
-by global (zigzag) positions. A micro-batch packed as prefix tries attends by ancestry, segment
-by segment (``workers/ops/tree_attention.py``).
+by global (zigzag) positions. A micro-batch packed as prefix tries attends by ancestry
+(``workers/ops/tree_attention.py``): segment by segment on the CPU, one FlexAttention kernel
+over the tree's block mask on CUDA.
 
 Rotary positions are applied here, from each token's position id (``rope_freqs``), not by
 megatron from the packed length: a trie token's position is its depth, not its index. megatron's
@@ -37,7 +38,7 @@ from megatron.core.utils import divide
 from torch import Tensor
 
 from trainctl.workers.ops.cp import gather_from_cp, zigzag_positions
-from trainctl.workers.ops.tree_attention import Segments, tree_attention
+from trainctl.workers.ops.tree_attention import Segments, flex_tree_attention, tree_attention
 
 
 @dataclass
@@ -58,7 +59,8 @@ def rope_freqs(rope: RotaryEmbedding, positions: Tensor) -> Tensor:
         raise NotImplementedError("interleaved or interpolated rotary embeddings")
     inv_freq = rope.inv_freq
     freqs = torch.outer(positions.to(device=inv_freq.device, dtype=inv_freq.dtype), inv_freq)
-    return torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    # megatron keeps inv_freq where it was built (the host, under CPU initialisation).
+    return torch.cat((freqs, freqs), dim=-1)[:, None, :].to(positions.device)
 
 
 class PackedCoreAttention(MegatronModule):
@@ -132,23 +134,28 @@ class PackedCoreAttention(MegatronModule):
         if packed_seq_params.cu_seqlens_q_padded is not None:
             cu = packed_seq_params.cu_seqlens_q_padded
         if packed_seq_params.tree is not None:
-            query_pos = None
+            query_pos, query_key = None, None
             if self.cp_size > 1:
                 # The tries are zigzag-split like sequences: gather every row's keys and
                 # values, and mask this rank's queries by ancestry over global rows.
                 assert self.cp_group is not None
                 key = gather_from_cp(key, cu, self.cp_group)
                 value = gather_from_cp(value, cu, self.cp_group)
-                query_pos = zigzag_positions(cu, self.cp_size, self.cp_group.rank())
-            out = tree_attention(
-                query,
-                key,
-                value,
-                packed_seq_params.tree,
-                scale=self.softmax_scale,
-                dropout_p=self.dropout_p if self.training else 0.0,
-                query_pos=query_pos,
-            )
+                query_key = self.cp_group.rank()
+                query_pos = zigzag_positions(cu, self.cp_size, query_key)
+            dropout_p = self.dropout_p if self.training else 0.0
+            tree = packed_seq_params.tree
+            if query.is_cuda and dropout_p == 0.0:
+                # One FlexAttention kernel over the tree's block mask (no dropout there).
+                out = flex_tree_attention(
+                    query, key, value, tree, scale=self.softmax_scale, query_pos=query_pos,
+                    query_key=query_key,
+                )  # fmt: skip
+            else:
+                out = tree_attention(
+                    query, key, value, tree, scale=self.softmax_scale, dropout_p=dropout_p,
+                    query_pos=query_pos,
+                )  # fmt: skip
             return out.reshape(out.shape[0], -1)
         if self.cp_size > 1:
             return self._forward_cp(query, key, value, cu)
@@ -180,10 +187,14 @@ class PackedCoreAttention(MegatronModule):
             h = length // (2 * c)
             local = slice(start // c, start // c + 2 * h)
             late = 2 * c - 1 - r
+            dev = query.device
             q_pos = torch.cat(
-                [torch.arange(r * h, (r + 1) * h), torch.arange(late * h, (late + 1) * h)]
+                [
+                    torch.arange(r * h, (r + 1) * h, device=dev),
+                    torch.arange(late * h, (late + 1) * h, device=dev),
+                ]
             )
-            allowed = q_pos[:, None] >= torch.arange(length)[None, :]  # [2h, L]
+            allowed = q_pos[:, None] >= torch.arange(length, device=dev)[None, :]  # [2h, L]
             q = query[local].transpose(0, 1).unsqueeze(0)
             k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (k_all, v_all))
             outs.append(self._attend(q, k, v, mask=allowed)[0].transpose(0, 1))

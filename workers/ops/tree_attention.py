@@ -19,13 +19,22 @@ over the CP group (all ``N`` rows, global order) and this rank's queries are the
 fall in it, masked by ancestry over global positions: every ancestor, and its own rows up to
 the query's.
 
+On CUDA the same attention runs as one FlexAttention call (``flex_tree_attention``) whose block
+mask skips every 128 x 128 tile holding no (token, ancestor) pair, so its cost follows the tree
+at tile granularity. In depth-first order a row's descendants are the rows right after it, up
+to the end of its subtree (``subtree_ends``): key ``k`` is an ancestor of (or is) query ``q``
+exactly when ``k <= q < end[k]``, a mask of two comparisons per pair that needs no ``[N, N]``
+table.
+
 Shapes: query ``[t, np, hn]`` (``t = N`` without CP), key/value ``[N, ng, hn]`` (``np`` a
 multiple of ``ng``: grouped-query attention) -> ``[t, np, hn]``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +46,8 @@ class Segments:
     start: list[int]
     end: list[int]
     ancestors: list[Tensor]  # per segment, int64 rows
+    _masks: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    """FlexAttention block masks by (device, queries): built once, used by every layer."""
 
     @classmethod
     def decode(cls, table: Tensor, num_rows: int) -> Segments:
@@ -64,6 +75,74 @@ class Segments:
             n = e - s
             total += n * int(a.numel()) + n * (n + 1) // 2
         return total
+
+
+def subtree_ends(segments: Segments) -> Tensor:
+    """``[N]``: one past the last row of each row's subtree. A row's subtree is the rest of
+    its segment and every segment that has it among its ancestors (in depth-first order, the
+    last such segment ends the subtree)."""
+    spans = zip(segments.start, segments.end, strict=True)
+    ends = torch.cat([torch.full((e - s,), e, dtype=torch.long) for s, e in spans])
+    for e, anc in zip(segments.end, segments.ancestors, strict=True):
+        if anc.numel():
+            ends.scatter_reduce_(0, anc, torch.full_like(anc, e), reduce="amax")
+    return ends
+
+
+def _flex_mask(segments: Segments, query_pos: Tensor | None, n_q: int, device: Any) -> Any:
+    """The block mask of ``k <= q < end[k]`` (queries at ``query_pos``, global rows)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ends = subtree_ends(segments).to(device)
+    n_kv = int(ends.numel())
+    qpos = torch.arange(n_q, device=device) if query_pos is None else query_pos.to(device)
+
+    def ancestor_or_self(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q = qpos[q_idx]
+        return (kv_idx <= q) & (q < ends[kv_idx])
+
+    return create_block_mask(
+        ancestor_or_self, B=None, H=None, Q_LEN=n_q, KV_LEN=n_kv, device=device
+    )
+
+
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def flex_tree_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    segments: Segments,
+    *,
+    scale: float,
+    query_pos: Tensor | None = None,
+    query_key: int | None = None,
+    compiled: bool = True,
+) -> Tensor:
+    """``tree_attention`` as one FlexAttention call (the same arguments, no dropout). The
+    block mask is built once per micro-batch, device and query set, and kept on ``segments``
+    for the next layer: ``query_key`` names the query set ``query_pos`` is (the CP rank); with
+    ``query_pos`` and no key, the mask is built for this call alone. ``compiled=False`` runs
+    FlexAttention's eager reference (it materialises ``[t, N]`` scores: for checking the mask
+    on small inputs, on any device)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    n_q = query.shape[0]
+    cache_key = (str(query.device), n_q, query_key)
+    mask = segments._masks.get(cache_key) if query_pos is None or query_key is not None else None
+    if mask is None:
+        mask = _flex_mask(segments, query_pos, n_q, query.device)
+        if query_pos is None or query_key is not None:
+            segments._masks[cache_key] = mask
+    fn: Callable[..., Any] = flex_attention
+    if compiled:
+        if "flex" not in _COMPILED:
+            _COMPILED["flex"] = torch.compile(flex_attention)
+        fn = _COMPILED["flex"]
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+    out = fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)  # type: ignore[no-any-return]
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, p: float) -> Tensor:
