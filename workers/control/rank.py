@@ -1,7 +1,7 @@
 """The rank actor: one Ray actor per global rank, hosting that rank's ``EngineShard``.
 
 The controller creates the actors in a placement group, asks rank 0 for a rendezvous address,
-initialises ``torch.distributed`` on all of them (gloo on CPU, NCCL with CUDA; every group with
+initialises ``torch.distributed`` on all of them (``process_group_backend``; every group with
 a timeout, so a dead peer becomes an error instead of a hang), then builds the engines.
 """
 
@@ -24,6 +24,14 @@ from trainctl.workers.control.operations import current_operation
 from trainctl.workers.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
+
+
+def process_group_backend(backend: str, *, cuda: bool) -> str:
+    """``auto``: gloo on CPU; with CUDA, NCCL for device tensors and gloo for host ones (the
+    step's bookkeeping - packing metadata, loss and metric scalars - stays on the host)."""
+    if backend != "auto":
+        return backend
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
 def quiet_megatron() -> None:
@@ -92,8 +100,7 @@ class RankWorker:
         import torch
         import torch.distributed as dist
 
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = process_group_backend(backend, cuda=torch.cuda.is_available())
         timeout = timedelta(seconds=timeout_s)
         store = self._store
         if store is None:
@@ -274,8 +281,14 @@ class RankWorker:
 
 
 def _node_address() -> str:
-    """This rank's node: its address and Ray node id (two simulated nodes share an address)."""
-    import ray
+    """This rank's node: its address and Ray node id (two simulated nodes share an address);
+    outside Ray (the in-process engine), the host's name."""
+    import sys
 
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        import socket
+
+        return socket.gethostname()
     ctx = ray.get_runtime_context()
     return f"{ray.util.get_node_ip_address()}/{ctx.get_node_id()[:12]}"

@@ -28,7 +28,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 
@@ -54,6 +53,7 @@ from trainctl.workers.control.operations import Handle, Runner
 from trainctl.workers.control.plan import plan_step
 from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.control.rank_group import GroupLostError, RankGroup
+from trainctl.workers.control.results import in_request_order, step_result, token_counts
 from trainctl.workers.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class Steps:
             await self._discard()
             raise
         await self._check_norms([r.grad_norm for r in reports])
-        result = self._result(plan, reports, t_plan)
+        result = step_result(plan, reports, step=self.state.step, t_plan=t_plan)
         await self._apply(h, result, None)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
@@ -254,8 +254,8 @@ class Steps:
         reports = [r for r, _ in parts]
         raw = next(r for r in reports if r.is_last_stage).loss
         own = normalizer(norm, int(plan.loss_normalizer), plan.num_loss_sequences)
-        per_seq = _in_request_order([lp for _, lp in parts], len(req.sequences))
-        step = self._result(plan, reports, t_plan)
+        per_seq = in_request_order([lp for _, lp in parts], len(req.sequences))
+        step = step_result(plan, reports, step=self.state.step, t_plan=t_plan)
         if backward:
             w = self.state.window = w or Window(normalization=norm)
             w.parts += 1
@@ -311,54 +311,17 @@ class Steps:
         t0 = time.perf_counter()
         h.set_phase("forward")
         reports = await self.group.call(RankWorker.eval_batch, ray.put(plan), h.op.id)
-        result = self._result(plan, reports, t_plan)
+        result = step_result(plan, reports, step=self.state.step, t_plan=t_plan)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 
     async def _logprobs(self, h: Handle, req: LogProbsRequest, plan: StepPlan) -> LogProbsResult:
         h.set_phase("forward")
         parts = await self.group.call(RankWorker.logprobs, ray.put(plan), req.entropy, h.op.id)
-        ordered = _in_request_order(parts, len(req.sequences))
+        ordered = in_request_order(parts, len(req.sequences))
         return LogProbsResult.model_construct(
             step=self.state.step,
             logprobs=[lp.tolist() for lp, _ in ordered],
             entropy=[ent.tolist() for _, ent in ordered] if req.entropy else None,
             metrics=token_counts(plan),
         )
-
-    def _result(self, plan: StepPlan, reports: list[Any], t_plan: float) -> StepResult:
-        last = next(r for r in reports if r.is_last_stage)
-        metrics = {
-            "loss:mean": last.loss,
-            **token_counts(plan),
-            "loss_tokens:sum": float(plan.loss_normalizer),
-            "sequences:sum": float(plan.num_sequences),
-            "padded_tokens:sum": float(plan.padded_tokens),
-            "microbatches_per_dp_rank:value": float(plan.num_microbatches),
-            "dummy_microbatches:sum": float(plan.num_dummies),
-        }
-        metrics.update(last.metrics)
-        timings = {"plan_s": t_plan}
-        for key in reports[0].timings:
-            timings[f"{key.removesuffix('_s')}_max_s"] = max(r.timings[key] for r in reports)
-        return StepResult(loss=last.loss, step=self.state.step, metrics=metrics, timings=timings)
-
-
-def _in_request_order(parts: list[dict[int, Any]], n: int) -> list[Any]:
-    """The reporting ranks' per-sequence results (each a ``{request index: value}``), merged
-    into request order; a sequence no rank reported is a worker error."""
-    merged: dict[int, Any] = {}
-    for part in parts:
-        merged.update(part)
-    missing = [i for i in range(n) if i not in merged]
-    if missing:
-        raise WorkerError(f"no rank reported log-probs of sequences {missing[:10]}")
-    return [merged[i] for i in range(n)]
-
-
-def token_counts(plan: StepPlan) -> dict[str, float]:
-    """The batch's tokens, and those the model computed (fewer where tries shared prefixes)."""
-    return {
-        "tokens:sum": float(plan.num_tokens),
-        "computed_tokens:sum": float(plan.computed_tokens),
-    }

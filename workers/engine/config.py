@@ -245,7 +245,7 @@ class EngineConfig:
     collective_timeout_s: float = 120.0
     """Timeout of every process group: a dead peer becomes an error, not a hang."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend; auto picks NCCL when CUDA is present, else gloo."""
+    """torch.distributed backend; auto: gloo on CPU, NCCL + gloo (device + host tensors) on CUDA."""
     init_hf: str = ""
     """Start from this Hugging Face checkpoint directory instead of the seeded initialisation
     (``model`` must match its config.json: ``workers/engine/hf.py``)."""

@@ -15,6 +15,7 @@ like sequences, and each CP rank takes the loss positions whose row it holds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,11 +73,19 @@ def packed_tokens(mb: PackedMicroBatch) -> PackedTensors:
     )
 
 
+_CPU = torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class StageInputs:
-    """Prepares micro-batches for one rank; built once per engine from its ``ParallelDims``."""
+    """Prepares micro-batches for one rank; built once per engine from its ``ParallelDims``.
+
+    The model's and the loss's tensors end on ``device`` (the rank's GPU on CUDA); the packing
+    metadata (boundaries, segment table) stays on the host, where attention reads it as
+    Python numbers. The TP broadcast happens before the move, on the host."""
 
     dims: ParallelDims
+    device: torch.device = _CPU
 
     def prepare(self, mb: PackedMicroBatch) -> RankMicroBatch:
         d = self.dims
@@ -105,6 +114,8 @@ class StageInputs:
         segments = None
         if batch.segments is not None:
             segments = Segments.decode(batch.segments, mb.model_tokens)
+        if self.device.type != "cpu":
+            batch = _to_device(batch, self.device)
         return RankMicroBatch(
             batch=batch,
             packed=PackedBatchParams(
@@ -185,6 +196,22 @@ class StageInputs:
             segments=torch.from_numpy(np.array(tree.segments)),
             **_loss_side(per_token, inputs),
         )
+
+
+_ON_DEVICE = ("tokens", "position_ids", "labels", "loss_mask", "rows")
+
+
+def _to_device(batch: StageBatch, device: torch.device) -> StageBatch:
+    """The per-token tensors of ``batch`` on ``device``; the metadata stays where it is."""
+    moved: dict[str, Any] = {
+        name: t.to(device, non_blocking=True)
+        for name in _ON_DEVICE
+        if (t := getattr(batch, name)) is not None
+    }
+    moved["loss_inputs"] = {
+        k: v.to(device, non_blocking=True) for k, v in batch.loss_inputs.items()
+    }
+    return dataclasses.replace(batch, **moved)
 
 
 def _loss_side(per_token: dict[str, Tensor], inputs: tuple[str, ...]) -> dict[str, Any]:

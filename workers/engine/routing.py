@@ -34,7 +34,8 @@ class RoutingStats:
         if self.counting:
             _probs, routing_map = outputs
             layer = module.layer_number - 1  # type: ignore[operator]
-            self.counts[layer] += routing_map.sum(dim=0).double()
+            # The counts stay on the host: a few hundred numbers per step.
+            self.counts[layer] += routing_map.sum(dim=0).double().cpu()
 
     def export(self) -> dict[str, float]:
         """``moe_routed:sum`` and ``moe_load_max_over_mean:value`` (1.0 = perfectly even)."""

@@ -245,11 +245,12 @@ class Schedule:
         cp_group = self.dims.cp_group
 
         def gather(values: Tensor) -> Tensor:
-            """This CP rank's per-position values -> every position's, in flat order."""
+            """This CP rank's per-position values -> every position's, in flat order, on
+            the host (where the reports are assembled)."""
             if mb.targets is not None:  # prefix tries: by the positions each rank computed
-                return gather_targets_from_cp(values, mb.targets, mb.num_targets, cp_group)
+                return gather_targets_from_cp(values, mb.targets, mb.num_targets, cp_group).cpu()
             assert b.cu_seqlens is not None
-            return gather_from_cp(values, b.cu_seqlens, cp_group)
+            return gather_from_cp(values, b.cu_seqlens, cp_group).cpu()
 
         if "logprobs" in outputs:
             report["logprobs"] = gather(lp.detach())

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 _CLIP_EPS = 1e-6  # keeps the clip coefficient finite when the gradient norm is ~0
 _EMPTY = torch.zeros(0)
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +84,12 @@ class EngineShard:
         )
         self.local_experts = cfg.model.num_experts // lay.ep
         self.zero = cfg.use_distributed_optimizer
-        bf16 = cfg.resolved_precision(cuda=torch.cuda.is_available()) == "bf16"
+        cuda = torch.cuda.is_available()
+        # On CUDA this rank's GPU is the current device (Ray gives each rank actor one GPU, and
+        # the in-process engine takes device 0); megatron-core builds on the CPU either way
+        # and the model moves there once its weights are assigned.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else _CPU
+        bf16 = cfg.resolved_precision(cuda=cuda) == "bf16"
         self.tc = transformer_config(cfg, bf16=bf16)
         self._grad_sync_s = 0.0
         self._pending_norm: float | None = None
@@ -102,6 +108,7 @@ class EngineShard:
                 vp_stage=vp_stage if lay.vp > 1 else None,
             )
             self._assign(model, source)
+            model.to(self.device)
             self.chunks.append(wrap_ddp(self.tc, model, distributed_optimizer=self.zero))
         # Hooks into this engine go on the config only after the model is built: MoE layers
         # deep-copy the config, and must not copy the engine along with it.
@@ -117,7 +124,7 @@ class EngineShard:
         self.schedule = Schedule(
             chunks=self.chunks,
             dims=self.dims,
-            inputs=StageInputs(self.dims),
+            inputs=StageInputs(self.dims, device=self.device),
             routing=self.routing,
             vocab_size=cfg.model.vocab_size,
             logprob_chunk_size=cfg.logprob_chunk_size,
@@ -251,8 +258,8 @@ class EngineShard:
         expert-DP for experts).
         """
         owned = zero.owned_grads(self.chunks) if self.zero else {}
-        dense = torch.zeros((), dtype=torch.float64)
-        experts = torch.zeros((), dtype=torch.float64)
+        dense = torch.zeros((), dtype=torch.float64, device=self.device)
+        experts = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, p in self._parameters():
             g = owned.get(p, _EMPTY) if self.zero else p.main_grad
             if ".local_experts." in name:

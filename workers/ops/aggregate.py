@@ -18,14 +18,15 @@ from torch.distributed import ProcessGroup
 
 
 def aggregate_loss(shares: Iterable[Tensor], dp_cp_group: ProcessGroup | None) -> Tensor:
-    """The global loss from this rank's per-micro-batch loss shares: summed in float64 over
-    the micro-batches, then over every rank of ``dp_cp_group`` (None: this rank alone).
+    """The global loss from this rank's per-micro-batch loss shares: summed in float64 on the
+    host over the micro-batches, then over every rank of ``dp_cp_group`` (None: this rank
+    alone; on CUDA the group's CPU backend carries it).
 
     Every rank of the group must call it (it is a collective); each gets the same value.
     """
     total = torch.zeros((), dtype=torch.float64)
     for share in shares:
-        total += share.detach().double().reshape(())
+        total += share.detach().double().reshape(()).cpu()
     if dp_cp_group is not None and dist.get_world_size(dp_cp_group) > 1:
         dist.all_reduce(total, group=dp_cp_group)
     return total

@@ -158,8 +158,9 @@ def sequence_log_ppl(
     a sequence split unevenly over CP ranks gets its true mean, not a mean of rank means.
     """
     w = mask.double()
-    sums = torch.zeros(num_seqs, dtype=torch.float64).index_add_(0, seq_id, nll.double() * w)
-    counts = torch.zeros(num_seqs, dtype=torch.float64).index_add_(0, seq_id, w)
+    zeros = torch.zeros(num_seqs, dtype=torch.float64, device=nll.device)
+    sums = zeros.index_add(0, seq_id, nll.double() * w)
+    counts = zeros.index_add(0, seq_id, w)
     _all_reduce(sums, dist.ReduceOp.SUM, cp_group)
     _all_reduce(counts, dist.ReduceOp.SUM, cp_group)
     has = counts > 0

@@ -85,7 +85,8 @@ def record_policy_metrics(
     # Sequence level: sum(lp - old) per sequence, summed over CP before exp. sequence_log_ppl
     # gives the per-sequence *mean*; times the token count it is the sum.
     mean, has = sequence_log_ppl(delta, mask, seq_id, num_seqs, cp_group=cp_group)
-    counts = torch.zeros(num_seqs, dtype=torch.float64).index_add_(0, seq_id, mask.double())
+    counts = torch.zeros(num_seqs, dtype=torch.float64, device=mask.device)
+    counts.index_add_(0, seq_id, mask.double())
     if cp_group is not None and torch.distributed.get_world_size(cp_group) > 1:
         torch.distributed.all_reduce(counts, group=cp_group)
     seq_ratio = (mean * counts).clamp(max=_MAX_LOG_RATIO).exp()
