@@ -49,11 +49,15 @@ FAMILIES: dict[str, Callable[[], Any]] = {
 TIED = ("qwen2", "qwen3")
 
 
-def tiny_model(family: str, directory: Path) -> Any:
+def tiny_model(family: str, directory: Path, **shape: Any) -> Any:
     """A tiny random model of ``family`` saved into ``directory``, with non-trivial norms and
-    biases, so that a wrong epsilon, norm or bias mapping shows."""
+    biases, so that a wrong epsilon, norm or bias mapping shows. ``shape``: config values
+    instead of ``SHAPE``'s (a larger model of the same family)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+    config = FAMILIES[family]()
+    for key, value in shape.items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -1,0 +1,189 @@
+"""The GPU tier's cases, on whatever device this process has: the in-process engine
+(``workers/control/inprocess.py``) on CUDA when present, else on the CPU.
+
+``tests/gpu`` runs them on a GPU; ``tests/distributed/test_inprocess.py`` runs the same code on
+the CPU in a rank-pool process, so the GPU tier's code is exercised by every CI run even though
+CI has no GPU. Each case returns numbers; the tests decide what they must be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hf_models import tiny_model
+
+GRPO_PROMPT, GRPO_RESPONSES = 40, (24, 31, 9, 17)
+
+
+def device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def batch(
+    vocab: int, lengths: tuple[int, ...] = (48, 33, 64, 20), seed: int = 0
+) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def grpo_group(vocab: int, seed: int = 0) -> list[list[int]]:
+    """One prompt, several responses: a trie with one shared prefix."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, vocab, GRPO_PROMPT).tolist()
+    return [prompt + rng.integers(0, vocab, n).tolist() for n in GRPO_RESPONSES]
+
+
+def _engine(**cfg: Any) -> Any:
+    from trainctl.workers.control.inprocess import InProcessEngine
+    from trainctl.workers.engine.config import EngineConfig
+
+    return InProcessEngine(EngineConfig.from_dict(cfg))
+
+
+@dataclass
+class Parity:
+    ours: float
+    """max over tokens of |ours - transformers fp32| / max(1, |transformers fp32|)"""
+    transformers_same_precision: float
+    """the same for transformers at the run's precision (0 in fp32)"""
+    tokens: int
+
+
+def hf_logprob_parity(directory: Path, precision: str, **shape: Any) -> Parity:
+    """A random Qwen3-shaped model saved by transformers, imported into the engine at
+    ``precision``; every token's log-prob against transformers' fp32 forward of the same
+    weights on the same device (and, for bf16, transformers' own bf16 forward)."""
+    from trainctl.api import LogProbsRequest
+    from trainctl.workers.engine import hf
+    from trainctl.workers.engine.config import ModelConfig
+
+    ref = tiny_model("qwen3", directory, **shape).to(device())
+    model = hf.model_config_from_hf(hf.read_config(directory), ModelConfig())
+    seqs = batch(model.vocab_size)
+    engine = _engine(
+        model=dataclasses.asdict(model), init_hf=str(directory), precision=precision,
+        max_tokens_per_microbatch=max(256, model.max_seq_len),
+    )  # fmt: skip
+    try:
+        got = engine.logprobs(LogProbsRequest(sequences=[{"tokens": t} for t in seqs]))
+    finally:
+        engine.close()
+    want = _hf_logprobs(ref, seqs)
+    ours = _worst(got.logprobs, want)
+    same = 0.0
+    if precision == "bf16":
+        same = _worst(_hf_logprobs(ref.to(torch.bfloat16), seqs), want)
+    return Parity(ours=ours, transformers_same_precision=same, tokens=sum(map(len, seqs)))
+
+
+def _worst(got: list[Any], want: list[np.ndarray]) -> float:
+    return max(
+        float((np.abs(np.asarray(g) - w) / np.maximum(1.0, np.abs(w))).max())
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+@torch.no_grad()
+def _hf_logprobs(model: Any, seqs: list[list[int]]) -> list[np.ndarray]:
+    """transformers' per-token log-probs, aligned as ours: ``[t]`` of token ``t``, ``[0] = 0``."""
+    out = []
+    for s in seqs:
+        ids = torch.tensor([s], device=device())
+        logits = model(ids).logits[0].float()
+        lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+        out.append(np.concatenate([[0.0], lp.double().cpu().numpy()]))
+    return out
+
+
+def losses_over_steps(steps: int, precision: str = "fp32", **model: Any) -> list[float]:
+    """The train loss of ``steps`` steps on one fixed batch (it must fall)."""
+    from trainctl.api import TrainBatchRequest
+
+    engine = _engine(model=model, precision=precision, optimizer={"lr": 3e-3})
+    try:
+        seqs = batch(engine.cfg.model.vocab_size)
+        req = TrainBatchRequest(sequences=[{"tokens": t} for t in seqs])
+        return [engine.train_batch(req).loss for _ in range(steps)]
+    finally:
+        engine.close()
+
+
+@dataclass
+class Snapshot:
+    path: Path
+    png: bytes
+    peak_bytes: float
+    events: int
+    snapshot: Any = None
+    """The CUDA allocator snapshot (``torch.cuda.memory._snapshot``'s dict), None on CPU."""
+
+
+def memory_snapshot(directory: Path, **model: Any) -> Snapshot:
+    """Start a memory profile, take a train step, stop; the profile file and our PNG of it."""
+    from trainctl.api import TrainBatchRequest
+    from trainctl.workers.control.profile_plot import memory_timeline, render_png
+
+    engine = _engine(model=model)
+    try:
+        seqs = batch(engine.cfg.model.vocab_size)
+        engine.start_memory_profile(max_entries=200_000)
+        engine.train_batch(TrainBatchRequest(sequences=[{"tokens": t} for t in seqs]))
+        path = engine.stop_memory_profile(directory)
+    finally:
+        engine.close()
+    data = path.read_bytes()
+    ts, total = memory_timeline(path.name, data)
+    png = render_png(path.name, ts, total)
+    snap = pickle.loads(data) if path.suffix == ".pickle" else None
+    peak = float(total.max()) if total.size else 0.0
+    return Snapshot(path=path, png=png, peak_bytes=peak, events=int(ts.size), snapshot=snap)
+
+
+@dataclass
+class TreeVsFlat:
+    logprobs: float
+    """max |tree - flat| over every token's log-prob"""
+    loss: tuple[float, float]
+    grad_norm: tuple[float, float]
+    params: float
+    """max over parameters of max |tree - flat| / max |flat| after one step"""
+    computed_tokens: tuple[float, float]
+
+
+def tree_vs_flat(**model: Any) -> TreeVsFlat:
+    """A GRPO group packed as a trie against the same batch packed flat: log-probs, then one
+    train step each from the same weights (two engines of one seed)."""
+    from trainctl.api import LogProbsRequest, TrainBatchRequest
+
+    results: dict[str, Any] = {}
+    for packing in ("tree", "flat"):
+        # A larger Adam epsilon keeps the first update continuous where a gradient is ~0
+        # (there, rounding could flip its sign and move the parameter by 2 x lr).
+        opt = {"eps": 1e-5, "clip_grad": 0.0}
+        engine = _engine(model=model, precision="fp32", packing=packing, optimizer=opt)
+        try:
+            seqs = grpo_group(engine.cfg.model.vocab_size)
+            lp = engine.logprobs(LogProbsRequest(sequences=[{"tokens": t} for t in seqs]))
+            step = engine.train_batch(TrainBatchRequest(sequences=[{"tokens": t} for t in seqs]))
+            params = {k: v.float().cpu() for k, v in engine.engine.canonical_shards().items()}
+        finally:
+            engine.close()
+        results[packing] = (lp.logprobs, step, params)
+    (lp_t, st_t, p_t), (lp_f, st_f, p_f) = results["tree"], results["flat"]
+    assert p_t.keys() == p_f.keys() and p_t, "both engines report the same parameters"
+    return TreeVsFlat(
+        logprobs=max(float(np.abs(np.array(a) - b).max()) for a, b in zip(lp_t, lp_f, strict=True)),
+        loss=(st_t.loss, st_f.loss),
+        grad_norm=(st_t.metrics["grad_norm:value"], st_f.metrics["grad_norm:value"]),
+        params=max(
+            float((p_t[k] - p_f[k]).abs().max() / p_f[k].abs().max().clamp(min=1e-30)) for k in p_f
+        ),
+        computed_tokens=(st_t.metrics["computed_tokens:sum"], st_f.metrics["computed_tokens:sum"]),
+    )

@@ -1,0 +1,38 @@
+"""The GPU tier's cases (``tests/device_cases.py``) on the CPU, through the in-process engine,
+in a rank-pool process: the code the GPU tier runs is run by every CI run. The bounds are the
+GPU tier's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import device_cases as cases
+from rankpool import RankPool
+
+
+def test_fp32_and_bf16_logprobs_against_transformers(pool1: RankPool, tmp_path: Path) -> None:
+    [fp32] = pool1.run(cases.hf_logprob_parity, tmp_path / "fp32", "fp32")
+    assert fp32.tokens > 100 and fp32.ours <= 1e-5, fp32
+    [bf16] = pool1.run(cases.hf_logprob_parity, tmp_path / "bf16", "bf16")
+    assert 0 < bf16.transformers_same_precision < 0.5, bf16
+    assert bf16.ours <= 2 * bf16.transformers_same_precision, bf16
+
+
+def test_train_loss_falls_in_process(pool1: RankPool) -> None:
+    [losses] = pool1.run(cases.losses_over_steps, 6)
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_memory_profile_round_trip_in_process(pool1: RankPool, tmp_path: Path) -> None:
+    [s] = pool1.run(cases.memory_snapshot, tmp_path)
+    assert s.path.name.endswith(".trace.json") and s.path.exists()  # the CPU profiler's file
+    assert s.png.startswith(b"\x89PNG") and s.events > 0 and s.peak_bytes > 0
+
+
+def test_tries_equal_flat_in_process(pool1: RankPool) -> None:
+    [r] = pool1.run(cases.tree_vs_flat)
+    assert r.computed_tokens[0] < r.computed_tokens[1]
+    assert r.logprobs <= 1e-5
+    for tree, flat in (r.loss, r.grad_norm):
+        assert abs(tree - flat) <= 1e-5 * abs(flat), (tree, flat)
+    assert r.params <= 1e-5
