@@ -17,7 +17,6 @@ is the service: no queue, no checkpoints on a schedule, no recovery.
 from __future__ import annotations
 
 import gc
-import math
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -33,12 +32,11 @@ from trainctl.api import (
     LossConfig,
     StepResult,
     TrainBatchRequest,
-    WorkerError,
 )
 from trainctl.workers.control.batch import StepPlan
 from trainctl.workers.control.plan import plan_step
 from trainctl.workers.control.rank import RankWorker, process_group_backend
-from trainctl.workers.control.results import in_request_order, step_result, token_counts
+from trainctl.workers.control.results import logprobs_result, nonfinite_norm_error, step_result
 from trainctl.workers.engine.config import EngineConfig
 
 
@@ -93,11 +91,10 @@ class InProcessEngine:
         t0 = time.perf_counter()
         plan, t_plan = self._plan(req)
         report = self.worker.accumulate(plan)
-        if report.grad_norm is None or not math.isfinite(report.grad_norm):
+        error = nonfinite_norm_error([report.grad_norm])
+        if error is not None:
             self.worker.discard()
-            raise WorkerError(
-                f"the gradient norm is not finite ({report.grad_norm}); the step was not applied"
-            )
+            raise error
         grad_norm, optimizer_s = self.worker.apply()
         self.step += 1
         result = step_result(plan, [report], step=self.step, t_plan=t_plan)
@@ -117,12 +114,9 @@ class InProcessEngine:
     def logprobs(self, req: LogProbsRequest) -> LogProbsResult:
         tokens_only = req.sequences.without(*req.sequences.present)
         plan = plan_step(list(tokens_only), self.cfg, loss=LossConfig(), packing=req.packing)
-        ordered = in_request_order([self.worker.logprobs(plan, req.entropy)], len(req.sequences))
-        return LogProbsResult.model_construct(
-            step=self.step,
-            logprobs=[lp.tolist() for lp, _ in ordered],
-            entropy=[ent.tolist() for _, ent in ordered] if req.entropy else None,
-            metrics=token_counts(plan),
+        parts = [self.worker.logprobs(plan, req.entropy)]
+        return logprobs_result(
+            parts, plan, n=len(req.sequences), entropy=req.entropy, step=self.step
         )
 
     def start_memory_profile(self, max_entries: int = 100_000) -> None:

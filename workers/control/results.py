@@ -3,9 +3,10 @@ in-process engine (``workers/control/inprocess.py``), so both report the same ke
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from trainctl.api import StepResult, WorkerError
+from trainctl.api import LogProbsResult, StepResult, WorkerError
 from trainctl.workers.control.batch import StepPlan
 
 
@@ -27,6 +28,30 @@ def step_result(plan: StepPlan, reports: list[Any], *, step: int, t_plan: float)
     for key in reports[0].timings:
         timings[f"{key.removesuffix('_s')}_max_s"] = max(r.timings[key] for r in reports)
     return StepResult(loss=last.loss, step=step, metrics=metrics, timings=timings)
+
+
+def nonfinite_norm_error(norms: list[float | None]) -> WorkerError | None:
+    """The error of a step whose phase-1 grad norm is not finite on some rank (nothing may be
+    applied then); None when every norm is finite."""
+    if all(n is not None and math.isfinite(n) for n in norms):
+        return None
+    return WorkerError(
+        f"the gradient norm is not finite ({norms[0]}); the step was not applied",
+        details={"grad_norm": str(norms[0])},
+    )
+
+
+def logprobs_result(
+    parts: list[dict[int, Any]], plan: StepPlan, *, n: int, entropy: bool, step: int
+) -> LogProbsResult:
+    """The reporting ranks' per-sequence ``(log-probs, entropy)`` as the API's result."""
+    ordered = in_request_order(parts, n)
+    return LogProbsResult.model_construct(
+        step=step,
+        logprobs=[lp.tolist() for lp, _ in ordered],
+        entropy=[ent.tolist() for _, ent in ordered] if entropy else None,
+        metrics=token_counts(plan),
+    )
 
 
 def in_request_order(parts: list[dict[int, Any]], n: int) -> list[Any]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -53,7 +52,12 @@ from trainctl.workers.control.operations import Handle, Runner
 from trainctl.workers.control.plan import plan_step
 from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.control.rank_group import GroupLostError, RankGroup
-from trainctl.workers.control.results import in_request_order, step_result, token_counts
+from trainctl.workers.control.results import (
+    in_request_order,
+    logprobs_result,
+    nonfinite_norm_error,
+    step_result,
+)
 from trainctl.workers.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -183,12 +187,10 @@ class Steps:
 
     async def _check_norms(self, norms: list[float | None]) -> None:
         """Phase 1's grad norm must be finite on every rank, or nothing is applied."""
-        if not all(n is not None and math.isfinite(n) for n in norms):
+        error = nonfinite_norm_error(norms)
+        if error is not None:
             await self._discard()
-            raise WorkerError(
-                f"the gradient norm is not finite ({norms[0]}); the step was not applied",
-                details={"grad_norm": str(norms[0])},
-            )
+            raise error
 
     async def _apply(self, h: Handle, result: StepResult, hyper: dict[str, float] | None) -> None:
         """Phases 2 and 3 of a step (every rank's phase 1 succeeded), into ``result``."""
@@ -318,10 +320,6 @@ class Steps:
     async def _logprobs(self, h: Handle, req: LogProbsRequest, plan: StepPlan) -> LogProbsResult:
         h.set_phase("forward")
         parts = await self.group.call(RankWorker.logprobs, ray.put(plan), req.entropy, h.op.id)
-        ordered = in_request_order(parts, len(req.sequences))
-        return LogProbsResult.model_construct(
-            step=self.state.step,
-            logprobs=[lp.tolist() for lp, _ in ordered],
-            entropy=[ent.tolist() for _, ent in ordered] if req.entropy else None,
-            metrics=token_counts(plan),
+        return logprobs_result(
+            parts, plan, n=len(req.sequences), entropy=req.entropy, step=self.state.step
         )

@@ -32,6 +32,7 @@ multiple of ``ng``: grouped-query attention) -> ``[t, np, hn]``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,7 +107,12 @@ def _flex_mask(segments: Segments, query_pos: Tensor | None, n_q: int, device: A
     )
 
 
-_COMPILED: dict[str, Callable[..., Any]] = {}
+@functools.cache
+def _compiled_flex() -> Callable[..., Any]:
+    """FlexAttention compiled once per process (its eager form is a slow reference)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)  # type: ignore[no-any-return]
 
 
 def flex_tree_attention(
@@ -130,16 +136,15 @@ def flex_tree_attention(
 
     n_q = query.shape[0]
     cache_key = (str(query.device), n_q, query_key)
-    mask = segments._masks.get(cache_key) if query_pos is None or query_key is not None else None
+    cacheable = query_pos is None or query_key is not None
+    mask = segments._masks.get(cache_key) if cacheable else None
     if mask is None:
         mask = _flex_mask(segments, query_pos, n_q, query.device)
-        if query_pos is None or query_key is not None:
+        if cacheable:
             segments._masks[cache_key] = mask
     fn: Callable[..., Any] = flex_attention
     if compiled:
-        if "flex" not in _COMPILED:
-            _COMPILED["flex"] = torch.compile(flex_attention)
-        fn = _COMPILED["flex"]
+        fn = _compiled_flex()
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
     out = fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)  # type: ignore[no-any-return]
