@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import struct
 import zlib
 from collections.abc import Iterator, Mapping
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from trainctl.api.batch import SequenceBatch
-from trainctl.api.errors import InvalidRequestError
+from trainctl.api.errors import InvalidRequestError, PayloadTooLargeError
 from trainctl.api.fields import OPTIONAL_FIELDS, FieldKind
 
 CONTENT_TYPE = "application/vnd.trainctl.tensors"
@@ -41,6 +42,9 @@ MAGIC = b"TCTB"
 VERSION = 1
 FLAG_ZLIB = 1
 _PREFIX = struct.Struct("<4sBBHI")
+MAX_INFLATED_BYTES = 1 << 30
+"""A compressed payload inflates to at most this many bytes unless the caller says less
+(the gateway passes its body limit: the limit applies to the inflated size)."""
 
 DTYPES: dict[str, np.dtype[Any]] = {
     "uint8": np.dtype("<u1"),
@@ -95,8 +99,12 @@ def to_bfloat16(x: np.ndarray) -> BFloat16:
     return rounded.view(BFloat16)
 
 
-def decode(body: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``(fields, arrays)`` of a frame; arrays are read-only views where not compressed."""
+def decode(
+    body: bytes, *, max_inflated: int = MAX_INFLATED_BYTES
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(fields, arrays)`` of a frame; arrays are read-only views where not compressed. A
+    compressed payload that would inflate past ``max_inflated`` bytes is a 413, found
+    without inflating more than that."""
     if len(body) < _PREFIX.size:
         raise WireError(f"body: {len(body)} bytes is shorter than the frame prefix")
     magic, version, flags, _, header_len = _PREFIX.unpack_from(body)
@@ -114,15 +122,29 @@ def decode(body: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         raise WireError("body: the frame header needs a 'fields' object and an 'arrays' list")
     payload: bytes | memoryview = memoryview(body)[start:]
     if flags & FLAG_ZLIB:
-        try:
-            payload = zlib.decompress(payload)
-        except zlib.error as e:
-            raise WireError(f"body: the compressed payload is corrupt: {e}") from None
+        payload = inflate(payload, max_inflated)
     arrays = {}
     for spec in specs:
         name, a = _array(spec, payload)
         arrays[name] = a
     return fields, arrays
+
+
+def inflate(data: bytes | memoryview, limit: int) -> bytes:
+    """zlib ``data`` inflated, in one bounded pass: never more than ``limit + 1`` bytes."""
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(data, limit + 1)
+    except zlib.error as e:
+        raise WireError(f"body: the compressed payload is corrupt: {e}") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise PayloadTooLargeError(
+            f"body: the compressed payload inflates past the limit of {limit} bytes",
+            details={"limit_bytes": limit},
+        )
+    if not d.eof:
+        raise WireError("body: the compressed payload is truncated")
+    return out
 
 
 def _array(spec: Any, payload: bytes | memoryview) -> tuple[str, np.ndarray]:
@@ -135,8 +157,8 @@ def _array(spec: Any, payload: bytes | memoryview) -> tuple[str, np.ndarray]:
     if dtype_name not in DTYPES:
         raise WireError(f"{name}: dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
     dtype = DTYPES[dtype_name]
-    count = int(np.prod(shape)) if shape else 1
-    if min(shape, default=0) < 0 or count * dtype.itemsize != nbytes:
+    count = math.prod(shape)  # Python ints: a shape cannot overflow into a small count
+    if any(not 0 <= d < 2**62 for d in shape) or count * dtype.itemsize != nbytes:
         raise WireError(f"{name}: shape {shape} of {dtype_name} does not fill {nbytes} bytes")
     if offset < 0 or offset + nbytes > len(payload):
         raise WireError(f"{name}: bytes [{offset}, {offset + nbytes}) lie outside the payload")
@@ -188,13 +210,13 @@ def _batch_of(sequences: list[Mapping[str, Any]]) -> SequenceBatch:
         )
 
 
-def decode_sequences(body: bytes) -> dict[str, Any]:
+def decode_sequences(body: bytes, *, max_inflated: int = MAX_INFLATED_BYTES) -> dict[str, Any]:
     """The request of a sequences frame: ``{**fields, "sequences": SequenceBatch}``.
 
     The batch's own checks run here (sizes, dtypes, 0/1 masks, finite floats; vectorised,
     naming the field); the request model then checks the rest exactly as for JSON.
     """
-    fields, arrays = decode(body)
+    fields, arrays = decode(body, max_inflated=max_inflated)
     if "sequences" in fields:
         raise WireError("sequences: send them as arrays, not in the header fields")
     if "lengths" not in arrays:

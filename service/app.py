@@ -7,59 +7,32 @@ resolve.)
 ``create_app(controller)`` builds the app around any ``ControllerAPI``; it runs under Ray Serve
 (``service/deployment.py``) and, in the fast test tier, under ``TestClient`` with a fake. The
 routes live in ``service/routes/``, one module per resource; this module adds what wraps them:
-auth, metrics, the error bodies (``service/errors.py``), the OpenAPI schema and the opt-in
+metrics, the error bodies (``service/errors.py``), the OpenAPI schema and the opt-in
 fault injection. A request is validated in full (shapes, types, token ids against the model's
 vocabulary, lengths against its maximum) before the controller sees it: a rejected request
 changes nothing.
 """
 
-import hmac
 import logging
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
-from trainctl.api import API_VERSION, ErrorBody, ErrorType, TrainctlError
+from trainctl.api import API_VERSION, TrainctlError
 from trainctl.api.operations import ROUTED
 from trainctl.service import routes
+from trainctl.service.auth import authorize
 from trainctl.service.controller_client import ControllerAPI
-from trainctl.service.errors import error_response, install_error_handlers
+from trainctl.service.errors import install_error_handlers
 from trainctl.service.metrics import GatewayMetrics
 from trainctl.service.tinker import routes as tinker_routes
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 256 * 2**20
-
-
-_OPEN_PATHS = (f"/{API_VERSION}/health", f"/{API_VERSION}/ready")
-
-
-def _install_auth(app: FastAPI, api_token: str) -> None:
-    """Bearer token on every /v1 route but health and readiness: 401 without, 403 if wrong.
-
-    The token is compared in constant time and never logged or echoed in an error body.
-    """
-    expected = api_token.encode()
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Any:
-        path = request.url.path
-        if path.startswith(f"/{API_VERSION}/") and path not in _OPEN_PATHS:
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not given:
-                body = ErrorBody(
-                    type=ErrorType.UNAUTHORIZED,
-                    message="missing bearer token: send 'Authorization: Bearer <token>'",
-                )
-                return error_response(request, 401, body)
-            if not hmac.compare_digest(given.strip().encode(), expected):
-                body = ErrorBody(type=ErrorType.FORBIDDEN, message="the bearer token is not valid")
-                return error_response(request, 403, body)
-        return await call_next(request)
 
 
 def _install_metrics(app: FastAPI) -> None:
@@ -135,22 +108,24 @@ def create_app(
     fault_injection: bool = False,
     tinker_order_timeout_s: float = 60.0,
 ) -> FastAPI:
-    """The gateway around ``controller``; with ``api_token``, /v1 routes need it as a bearer."""
+    """The gateway around ``controller``; with ``api_token``, every route but the open ones
+    (``service/auth.py``) needs it."""
     app = FastAPI(
         title="trainctl",
         version="0.1.0",
         description="Training control for RL post-training: train_batch, eval_batch, log-probs "
         "and memory profiles over megatron-core ranks on Ray.",
+        # Every route checks its declared access (service/auth.py): deny by default.
+        dependencies=[Depends(authorize)],
     )
     app.state.controller = controller
+    app.state.api_token = api_token or None
     app.state.max_body_bytes = max_body_bytes
     app.state.metrics = GatewayMetrics()
-    if api_token:
-        _install_auth(app, api_token)
     _install_metrics(app)
     install_error_handlers(app)
     routes.include(app)
-    tinker_routes.install(app, api_token, order_timeout_s=tinker_order_timeout_s)
+    tinker_routes.install(app, order_timeout_s=tinker_order_timeout_s)
     if fault_injection:
         _install_fault_injection(app)
     app.openapi = _openapi(app)  # type: ignore[method-assign]

@@ -60,7 +60,7 @@ async def decode_request(request: Request, model: type[M], max_bytes: int) -> De
     fingerprint = hashlib.sha256(body).hexdigest()
     if kind == wire.CONTENT_TYPE:
         # Arrays all the way: the frame's columns are validated vectorised, never listed.
-        validated = model.model_validate(wire.decode_sequences(body))
+        validated = model.model_validate(wire.decode_sequences(body, max_inflated=max_bytes))
     elif kind == wire.JSON_CONTENT_TYPE or kind.endswith("+json"):
         validated = model.model_validate_json(body or b"null")
     else:

@@ -5,6 +5,7 @@ from typing import Any
 from fastapi import Request
 
 from trainctl.api import ErrorBody, ErrorType, Health, Info
+from trainctl.service.auth import Access, access
 from trainctl.service.errors import error_response
 from trainctl.service.routes.deps import ControllerDep, resource_router
 
@@ -18,12 +19,14 @@ async def info(controller: ControllerDep) -> Info:
 
 
 @router.get("/health", response_model=Health)
+@access(Access.OPEN)
 async def health() -> Health:
     """Liveness: the gateway answers."""
     return Health(status="ok")
 
 
 @router.get("/ready", response_model=Health, responses={503: {"model": ErrorBody}})
+@access(Access.OPEN)
 async def ready(request: Request, controller: ControllerDep) -> Any:
     """Readiness: every rank is built and the service takes work."""
     if await controller.is_ready():

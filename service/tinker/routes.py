@@ -20,12 +20,11 @@ step 0).
 
 import asyncio
 import hashlib
-import hmac
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
@@ -39,11 +38,13 @@ from trainctl.api import (
     LoadCheckpointRequest,
     OperationKind,
     OptimStepRequest,
+    PayloadTooLargeError,
     SaveCheckpointRequest,
     StepResult,
     TrainctlError,
 )
-from trainctl.api.errors import STATUS_OF, ForbiddenError, UnauthorizedError, error_from
+from trainctl.api.errors import STATUS_OF, error_from
+from trainctl.service.auth import Access, access
 from trainctl.service.codec import read_body
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.routes.deps import get_limits
@@ -101,21 +102,6 @@ async def _info(request: Request) -> Info:
     return await _controller(request).info()
 
 
-def _check_auth(expected: str | None) -> Any:
-    async def check(request: Request) -> None:
-        key = request.headers.get("x-api-key", "")
-        if not key.startswith("tml-"):
-            raise UnauthorizedError(
-                "send X-API-Key: tml-<token> (the service's API token after 'tml-')"
-            )
-        if expected is not None and not hmac.compare_digest(
-            key.removeprefix("tml-").encode(), expected.encode()
-        ):
-            raise ForbiddenError("the API key is not valid")
-
-    return check
-
-
 async def _run_op(controller: ControllerAPI, op_id: str) -> Any:
     """Wait for a native operation; its result, or its error raised."""
     while True:
@@ -157,25 +143,28 @@ def _in_order(
     return _future(f, model.model_id)
 
 
-def build_router(api_token: str | None) -> APIRouter:
-    auth = Depends(_check_auth(api_token))
+def build_router() -> APIRouter:
     r = APIRouter(prefix=PREFIX, include_in_schema=False)
 
     @r.post("/client/dynamic_config")
+    @access(Access.OPEN)
     async def dynamic_config() -> dict[str, Any]:
         return {}
 
-    @r.post("/client/config", dependencies=[auth])
+    @r.post("/client/config")
+    @access(Access.TINKER)
     async def client_config() -> dict[str, Any]:
         # protobuf forward_backward bodies, zstd-compressed; no JWT exchange
         return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": True}
 
-    @r.post("/create_session", dependencies=[auth])
+    @r.post("/create_session")
+    @access(Access.TINKER)
     async def create_session(request: Request) -> dict[str, Any]:
         session_id = _state(request).create_session()
         return {"type": "create_session", "session_id": session_id}
 
-    @r.post("/session_heartbeat", dependencies=[auth])
+    @r.post("/session_heartbeat")
+    @access(Access.TINKER)
     async def session_heartbeat(request: Request) -> Response:
         body = await _fields(request)
         s = _state(request).session(str(body.get("session_id")))
@@ -183,7 +172,8 @@ def build_router(api_token: str | None) -> APIRouter:
             return JSONResponse({"detail": f"session finished: {s.finished}"}, status_code=410)
         return JSONResponse({"type": "session_heartbeat"})
 
-    @r.post("/sessions/{session_id}/finish", dependencies=[auth])
+    @r.post("/sessions/{session_id}/finish")
+    @access(Access.TINKER)
     async def finish_session(session_id: str, request: Request) -> dict[str, Any]:
         body = await _fields(request)
         s = _state(request).session(session_id)
@@ -192,10 +182,12 @@ def build_router(api_token: str | None) -> APIRouter:
         return {}
 
     @r.get("/healthz")
+    @access(Access.OPEN)
     async def healthz() -> dict[str, Any]:
         return {"status": "ok"}
 
-    @r.get("/get_server_capabilities", dependencies=[auth])
+    @r.get("/get_server_capabilities")
+    @access(Access.TINKER)
     async def get_server_capabilities(request: Request) -> dict[str, Any]:
         info = await _info(request)
         model = {
@@ -206,11 +198,13 @@ def build_router(api_token: str | None) -> APIRouter:
         }
         return {"supported_models": [model]}
 
-    @r.post("/telemetry", dependencies=[auth])
+    @r.post("/telemetry")
+    @access(Access.TINKER)
     async def telemetry() -> dict[str, Any]:
         return {"status": "accepted"}  # accepted and dropped
 
-    @r.post("/create_model", dependencies=[auth])
+    @r.post("/create_model")
+    @access(Access.TINKER)
     async def create_model(request: Request) -> dict[str, Any]:
         req, fp = await _json(request, CreateModelRequest)
         state = _state(request)
@@ -227,7 +221,8 @@ def build_router(api_token: str | None) -> APIRouter:
         f = state.once(state.created, key, fp, lambda: state.run("create_model", create))
         return _future(f, model_id)
 
-    @r.post("/get_info", dependencies=[auth])
+    @r.post("/get_info")
+    @access(Access.TINKER)
     async def get_info(request: Request) -> dict[str, Any]:
         body = await _fields(request)
         model = _state(request).model(str(body.get("model_id")))
@@ -246,7 +241,8 @@ def build_router(api_token: str | None) -> APIRouter:
             "optimizer_config": {"type": "adamw"},
         }
 
-    @r.post("/forward_backward", dependencies=[auth])
+    @r.post("/forward_backward")
+    @access(Access.TINKER)
     async def forward_backward(request: Request) -> dict[str, Any]:
         body = await read_body(request, request.app.state.max_body_bytes)
         if "zstd" in request.headers.get("content-encoding", "").lower():
@@ -270,7 +266,8 @@ def build_router(api_token: str | None) -> APIRouter:
             lambda r: convert.forward_backward_output(ForwardBackwardResult.model_validate(r)),
         )  # fmt: skip
 
-    @r.post("/optim_step", dependencies=[auth])
+    @r.post("/optim_step")
+    @access(Access.TINKER)
     async def optim_step(request: Request) -> dict[str, Any]:
         req, fp, model = await _model_call(request, OptimStep)
         p = req.adam_params or req.optimizer_params or AdamParams()
@@ -285,7 +282,8 @@ def build_router(api_token: str | None) -> APIRouter:
             lambda r: convert.optim_step_output(StepResult.model_validate(r)),
         )  # fmt: skip
 
-    @r.post("/save_weights", dependencies=[auth])
+    @r.post("/save_weights")
+    @access(Access.TINKER)
     async def save_weights(request: Request) -> dict[str, Any]:
         req, fp, model = await _model_call(request, SaveWeights)
         name = req.path or f"{model.model_id.replace(':', '-')}-{req.seq_id:06d}"
@@ -296,7 +294,8 @@ def build_router(api_token: str | None) -> APIRouter:
             lambda _: {"path": str(path), "type": "save_weights"},
         )  # fmt: skip
 
-    @r.post("/save_weights_for_sampler", dependencies=[auth])
+    @r.post("/save_weights_for_sampler")
+    @access(Access.TINKER)
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         req, fp, model = await _model_call(request, SaveForSampler)
         if req.path is None:
@@ -312,7 +311,8 @@ def build_router(api_token: str | None) -> APIRouter:
             lambda _: {"path": str(path), "type": "save_weights_for_sampler"},
         )  # fmt: skip
 
-    @r.post("/load_weights", dependencies=[auth])
+    @r.post("/load_weights")
+    @access(Access.TINKER)
     async def load_weights(request: Request) -> dict[str, Any]:
         req, fp = await _json(request, LoadWeights)
         state = _state(request)
@@ -338,7 +338,8 @@ def build_router(api_token: str | None) -> APIRouter:
             lambda _: {"path": req.path, "model_id": model.model_id, "type": "load_weights"},
         )  # fmt: skip
 
-    @r.post("/retrieve_future", dependencies=[auth])
+    @r.post("/retrieve_future")
+    @access(Access.TINKER)
     async def retrieve_future(request: Request) -> Response:
         body = await _fields(request)
         f = _state(request).future(str(body.get("request_id")))
@@ -361,16 +362,36 @@ def _key(model: Model, seq_id: int) -> str:
 
 
 def _unzstd(body: bytes, max_bytes: int) -> bytes:
+    """``body`` inflated in a bounded stream: the body limit applies to the inflated size,
+    whatever content size the frame states, and no more than ``max_bytes + 1`` bytes are
+    ever produced."""
     import zstandard
 
+    declared = zstandard.frame_content_size(body) if len(body) >= 18 else -1
+    if declared > max_bytes:
+        raise _inflates_past(max_bytes)
+    out, size = [], 0
     try:
-        return zstandard.ZstdDecompressor().decompress(body, max_output_size=max_bytes)
+        with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True) as r:
+            while chunk := r.read(1 << 20):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise _inflates_past(max_bytes)
+                out.append(chunk)
     except zstandard.ZstdError as e:
         raise InvalidRequestError(f"body: not valid zstd ({e})") from e
+    return b"".join(out)
 
 
-def install(app: FastAPI, api_token: str | None, order_timeout_s: float = 60.0) -> None:
+def _inflates_past(limit: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(
+        f"body: the zstd payload inflates past the limit of {limit} bytes",
+        details={"limit_bytes": limit},
+    )
+
+
+def install(app: FastAPI, order_timeout_s: float = 60.0) -> None:
     """Serve the Tinker protocol on ``app``."""
     app.state.tinker = TinkerState(order_timeout_s=order_timeout_s)
     app.state.tinker_long_poll_s = LONG_POLL_S
-    app.include_router(build_router(api_token))
+    app.include_router(build_router())

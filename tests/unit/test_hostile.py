@@ -1,0 +1,116 @@
+"""The review's hostile inputs, each through the gateway's routes: a clear 4xx, bounded memory
+and nothing reaching the controller."""
+
+from __future__ import annotations
+
+import json
+import struct
+import tracemalloc
+import zlib
+from collections.abc import Iterator
+
+import pytest
+import zstandard
+from fastapi.testclient import TestClient
+
+from trainctl.api import PayloadTooLargeError, wire
+from trainctl.service.app import create_app
+
+from fakes import FakeController
+
+LIMIT = 1 << 20
+TINKER = {"x-api-key": "tml-any"}
+
+
+@pytest.fixture
+def small(fake: FakeController) -> Iterator[TestClient]:
+    """A gateway whose body limit is 1 MiB."""
+    with TestClient(create_app(fake, max_body_bytes=LIMIT)) as client:
+        yield client
+
+
+def _zlib_frame(inflated: int) -> bytes:
+    """A wire frame whose zlib payload inflates to ``inflated`` zero bytes."""
+    header = json.dumps({"fields": {}, "arrays": [
+        {"name": "lengths", "dtype": "int64", "shape": [1], "offset": 0, "nbytes": 8},
+    ]}).encode()  # fmt: skip
+    payload = zlib.compress(bytes(inflated), 9)
+    return struct.pack("<4sBBHI", b"TCTB", 1, wire.FLAG_ZLIB, 0, len(header)) + header + payload
+
+
+def _peak_mib(fn: object) -> float:
+    tracemalloc.start()
+    try:
+        fn()  # type: ignore[operator]
+        return tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_zlib_bomb_is_413_without_inflating_it(small: TestClient, fake: FakeController) -> None:
+    body = _zlib_frame(64 << 20)  # 65 KB on the wire, 64 MiB inflated
+    assert len(body) < 100_000
+    holder: dict[str, object] = {}
+
+    def post() -> None:
+        holder["r"] = small.post(
+            "/v1/train_batch", content=body, headers={"content-type": wire.CONTENT_TYPE}
+        )
+
+    peak = _peak_mib(post)
+    r = holder["r"]
+    assert r.status_code == 413, r.text  # type: ignore[attr-defined]
+    assert "inflates past the limit of 1048576 bytes" in r.json()["message"]  # type: ignore[attr-defined]
+    assert peak < 16, f"{peak:.1f} MiB held while refusing the bomb"
+    assert fake.calls == []
+
+
+def test_wire_inflate_is_bounded() -> None:
+    blob = zlib.compress(bytes(8 << 20), 9)
+
+    def refuse() -> None:
+        with pytest.raises(PayloadTooLargeError):
+            wire.inflate(blob, LIMIT)
+
+    assert _peak_mib(refuse) < 4
+    assert wire.inflate(zlib.compress(b"x" * 100), 100) == b"x" * 100
+    with pytest.raises(wire.WireError, match="truncated"):
+        wire.inflate(zlib.compress(b"x" * 1000)[:-6], 10_000)
+
+
+@pytest.mark.parametrize("states_size", [True, False], ids=["size-in-frame", "streamed"])
+def test_a_zstd_bomb_is_413_without_inflating_it(
+    small: TestClient, fake: FakeController, states_size: bool
+) -> None:
+    body = zstandard.ZstdCompressor(level=19, write_content_size=states_size).compress(
+        bytes(64 << 20)
+    )
+    assert len(body) < 10_000
+    holder: dict[str, object] = {}
+
+    def post() -> None:
+        holder["r"] = small.post(
+            "/api/v1/forward_backward",
+            content=body,
+            headers={**TINKER, "content-encoding": "zstd",
+                     "content-type": "application/x-protobuf"},
+        )  # fmt: skip
+
+    peak = _peak_mib(post)
+    r = holder["r"]
+    assert r.status_code == 413, r.text  # type: ignore[attr-defined]
+    assert "inflates past the limit" in r.json()["message"]  # type: ignore[attr-defined]
+    assert peak < 16, f"{peak:.1f} MiB held while refusing the bomb"
+    assert fake.calls == []
+
+
+def test_a_shape_that_overflows_int64_is_422(http: TestClient, fake: FakeController) -> None:
+    header = json.dumps({"fields": {}, "arrays": [
+        {"name": "lengths", "dtype": "int64", "shape": [2**32, 2**32], "offset": 0,
+         "nbytes": 0},
+    ]}).encode()  # fmt: skip
+    body = struct.pack("<4sBBHI", b"TCTB", 1, 0, 0, len(header)) + header
+    r = http.post("/v1/train_batch", content=body, headers={"content-type": wire.CONTENT_TYPE})
+    assert r.status_code == 422, r.text
+    assert r.json()["message"].startswith("lengths: shape"), r.json()
+    assert fake.calls == []
