@@ -299,6 +299,11 @@ class StepResult(BaseModel):
         description="Named with their reduction, e.g. 'loss:mean', 'tokens:sum', 'grad_norm:value'."
     )
     timings: dict[str, float] = Field(description="Seconds per phase.")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="What failed beside an applied step (e.g. its scheduled checkpoint): the "
+        "step itself stands, so the call succeeds and a retry returns this result.",
+    )
 
 
 class MemoryProfileStartRequest(BaseModel):
@@ -357,10 +362,13 @@ class CheckpointInfo(BaseModel):
     layout: dict[str, int] = Field(description="It loads into this parallel layout only.")
     weights_digest: str
     size_bytes: int
+    sequence: int = Field(
+        0, description="Save order: the highest is the latest, whatever its step."
+    )
 
 
 class CheckpointList(BaseModel):
-    checkpoints: list[CheckpointInfo] = Field(description="Oldest first.")
+    checkpoints: list[CheckpointInfo] = Field(description="Oldest save first.")
 
 
 class ExportRequest(BaseModel):

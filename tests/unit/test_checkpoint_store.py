@@ -68,3 +68,32 @@ def test_named_checkpoints_are_kept_and_not_overwritten_unasked(tmp_path: Path) 
         store.check_name("before-ppo", overwrite=False)
     store.check_name("before-ppo", overwrite=True)
     store.check_name("other", overwrite=False)
+
+
+def test_latest_is_the_newest_save_not_the_highest_step(tmp_path: Path) -> None:
+    """The review's case: after loading step 1 of a history that reached step 10, the new
+    history's checkpoints were pruned at once and a recovery went back to step 10."""
+    store = CheckpointStore(tmp_path, keep=3)
+    for step in range(1, 11):
+        store.commit(_write(store, step, b"old"), _info(step))
+    # A load of step 1 happened (not kept: only step-8..10 are left); training goes on.
+    new = store.commit(_write(store, 2, b"new"), _info(2))
+    assert store.latest() == new
+    assert (tmp_path / "step-000002" / "rank-00000.pt").read_bytes() == b"new"
+    store.commit(_write(store, 3, b"new"), _info(3))
+    store.commit(_write(store, 4, b"new"), _info(4))
+    assert [c.step for c in store.list().checkpoints] == [2, 3, 4]  # the oldest saves pruned
+    assert store.latest().step == 4  # type: ignore[union-attr]
+
+
+def test_a_bad_manifest_is_skipped_not_fatal(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.commit(_write(store, 1, b"one"), _info(1))
+    bad = tmp_path / "step-000007"
+    bad.mkdir()
+    (bad / "manifest.json").write_text("{not json")
+    assert [c.step for c in store.list().checkpoints] == [1]
+    with pytest.raises(NotFoundError, match="unreadable"):
+        store.path("step-000007")
+    assert store.commit(_write(store, 2, b"two"), _info(2)).sequence == 2
+    assert store.latest().step == 2  # type: ignore[union-attr]

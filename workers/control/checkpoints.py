@@ -5,8 +5,15 @@
 
 A directory only gets its final name after every rank wrote its file and the manifest is on
 disk, and ``rename`` is atomic: a crash mid-write never replaces or corrupts a good
-checkpoint. ``keep`` bounds how many complete ones stay. With several nodes the root must be
-shared storage (the Helm chart mounts a volume).
+checkpoint. Every file is flushed to disk (``fsync``) before the rename, and the rename
+before the checkpoint is reported. ``keep`` bounds how many complete ones stay. With several
+nodes the root must be shared storage (the Helm chart mounts a volume).
+
+**Newest, not highest.** Each commit gets the next ``sequence`` number: "latest" is the
+highest sequence, whatever its step. After a load of an older checkpoint the history goes on
+from there, so a recovery restores the new history, never the abandoned one, and pruning
+drops the oldest saves first. A manifest that cannot be read is skipped with a warning:
+one bad directory breaks neither the list nor a save nor a resume.
 """
 
 from __future__ import annotations
@@ -20,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from trainctl.api import CheckpointInfo, CheckpointList, ConflictError, NotFoundError
-from trainctl.workers.control.profile_store import checked_name, write_atomic
+from trainctl.workers.control.profile_store import (
+    checked_name,
+    fsync_dir,
+    fsync_file,
+    write_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +63,13 @@ class CheckpointStore:
     def commit(self, tmp: Path, info: dict[str, Any], name: str | None = None) -> CheckpointInfo:
         """Write the manifest, then rename ``tmp`` to its final name (atomic): ``name``, or
         ``step-NNNNNN``. Only the unnamed ones are pruned to ``keep``."""
-        size = sum(f.stat().st_size for f in tmp.iterdir())
+        files = list(tmp.iterdir())
+        for f in files:
+            fsync_file(f)
+        newest = max((c.sequence for c in self.list().checkpoints), default=0)
         result = CheckpointInfo(
             checkpoint_id=name or _automatic(info["step"]), created_at=time.time(),
-            size_bytes=size, **info,
+            size_bytes=sum(f.stat().st_size for f in files), sequence=newest + 1, **info,
         )  # fmt: skip
         write_atomic(tmp / MANIFEST, result.model_dump_json(indent=1).encode())
         final = self.root / result.checkpoint_id
@@ -65,7 +80,9 @@ class CheckpointStore:
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        log.info("checkpoint %s written (%.1f MiB)", result.checkpoint_id, size / 2**20)
+        fsync_dir(self.root)
+        mib = result.size_bytes / 2**20
+        log.info("checkpoint %s written (%.1f MiB)", result.checkpoint_id, mib)
         self._prune()
         return result
 
@@ -73,13 +90,16 @@ class CheckpointStore:
         shutil.rmtree(tmp, ignore_errors=True)
 
     def list(self) -> CheckpointList:
+        """Complete checkpoints, oldest save first."""
         if not self.root.is_dir():
             return CheckpointList(checkpoints=[])
         out = []
         for d in sorted(self.root.iterdir()):
             if not d.name.startswith(_PARTIAL) and (d / MANIFEST).is_file():
-                out.append(CheckpointInfo.model_validate_json((d / MANIFEST).read_bytes()))
-        return CheckpointList(checkpoints=sorted(out, key=lambda c: c.step))
+                info = _read_manifest(d)
+                if info is not None:
+                    out.append(info)
+        return CheckpointList(checkpoints=sorted(out, key=lambda c: (c.sequence, c.created_at)))
 
     def latest(self) -> CheckpointInfo | None:
         found = self.list().checkpoints
@@ -87,9 +107,12 @@ class CheckpointStore:
 
     def path(self, checkpoint_id: str) -> tuple[Path, CheckpointInfo]:
         d = self.root / checked_name("checkpoint_id", checkpoint_id)
-        if checkpoint_id.startswith(_PARTIAL) or not (d / MANIFEST).is_file():
-            raise NotFoundError(f"checkpoint {checkpoint_id!r} does not exist")
-        return d, CheckpointInfo.model_validate_json((d / MANIFEST).read_bytes())
+        info = None
+        if not checkpoint_id.startswith(_PARTIAL) and (d / MANIFEST).is_file():
+            info = _read_manifest(d)
+        if info is None:
+            raise NotFoundError(f"checkpoint {checkpoint_id!r} does not exist or is unreadable")
+        return d, info
 
     def sweep_partial(self) -> None:
         """Remove temporary directories left by a crash."""
@@ -101,6 +124,19 @@ class CheckpointStore:
         found = [c for c in self.list().checkpoints if c.checkpoint_id == _automatic(c.step)]
         for c in found[: max(0, len(found) - self.keep)]:
             shutil.rmtree(self.root / c.checkpoint_id, ignore_errors=True)
+
+
+def _read_manifest(d: Path) -> CheckpointInfo | None:
+    """``d``'s manifest, or None (logged) if it cannot be read."""
+    try:
+        info = CheckpointInfo.model_validate_json((d / MANIFEST).read_bytes())
+    except (OSError, ValueError) as e:
+        log.warning("skipping checkpoint %s: its manifest cannot be read (%s)", d.name, e)
+        return None
+    if info.checkpoint_id != d.name:
+        log.warning("skipping checkpoint %s: its manifest names %s", d.name, info.checkpoint_id)
+        return None
+    return info
 
 
 def _automatic(step: int) -> str:

@@ -43,6 +43,7 @@ from trainctl.api import (
     RankInfo,
     RecoveryInfo,
     SaveCheckpointRequest,
+    TrainctlError,
 )
 from trainctl.workers.control import logs
 from trainctl.workers.control.checkpoints import CheckpointStore
@@ -205,9 +206,26 @@ class Controller(OperationHost):
 
         return guarded
 
-    async def _after_train(self, h: Handle) -> None:
-        if self.checkpoint_every_steps and self.step % self.checkpoint_every_steps == 0:
+    async def _after_train(self, h: Handle) -> str | None:
+        """The scheduled checkpoint after an applied step. The step stands whatever happens
+        here, so a failure is a warning beside its result, never the call's error (which a
+        client would retry, applying the step again)."""
+        if not self.checkpoint_every_steps or self.step % self.checkpoint_every_steps:
+            return None
+        try:
             await self._save(h)
+        except GroupLostError as e:
+            self._begin_recovery(e.cause)
+            return (
+                f"step {self.step} was applied, but a rank was lost while its scheduled "
+                f"checkpoint was written ({e.cause}); the workers are being restored from "
+                "the latest checkpoint"
+            )
+        except Exception as e:
+            log.exception("scheduled checkpoint of step %d failed", self.step)
+            message = e.message if isinstance(e, TrainctlError) else f"{type(e).__name__}: {e}"
+            return f"step {self.step} was applied, but its scheduled checkpoint failed: {message}"
+        return None
 
     # -- failure recovery --------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ Pure asyncio (no Ray, no torch), so the semantics are unit-tested directly:
   same key and the same request returns that operation (queued, running or finished) instead
   of a new one, so an optimizer step is never applied twice. The same key with a *different*
   request is a conflict. A failure that applied nothing and may pass later (429, 5xx) forgets
-  the key, so the retry runs afresh.
+  the key, so the retry runs afresh; once an operation has changed the model
+  (``Handle.applied``) its key is kept whatever follows, so a retry never applies it twice.
 * **Bounded memory.** Finished operations are kept for polling up to ``keep_finished``,
   oldest dropped first.
 """
@@ -58,6 +59,9 @@ class Handle:
     fingerprint: str
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     exc: TrainctlError | None = None
+    applied: bool = False
+    """Set by the runner once the model changed (a step applied): from then on the key is
+    kept, so a retry gets this operation, never a second step."""
 
     def set_phase(self, phase: str) -> None:
         self.op.phase = phase
@@ -232,7 +236,7 @@ class OperationQueue:
         else:
             op.status, h.exc = OperationStatus.FAILED, exc
             op.error = ErrorBody(type=exc.type, message=exc.message, details=exc.details)
-            if exc.retryable and h.key is not None:
+            if exc.retryable and not h.applied and h.key is not None:
                 self._by_key.pop(h.key, None)  # nothing applied: a retry may run afresh
             level = logging.ERROR if exc.type is ErrorType.INTERNAL else logging.WARNING
             log.log(level, "%s %s failed: %s", op.kind, op.id, exc.message)

@@ -107,11 +107,12 @@ class Steps:
         group: RankGroup,
         state: ModelState,
         *,
-        after_train: Callable[[Handle], Awaitable[None]],
+        after_train: Callable[[Handle], Awaitable[str | None]],
     ) -> None:
         self.cfg, self.group, self.state = cfg, group, state
         self.after_train = after_train
-        """Called after every applied step (scheduled checkpoints)."""
+        """Called after every applied step (scheduled checkpoints); it never raises, and what
+        it returns is a warning to report beside the step's result."""
 
     # -- planning (at submit) ------------------------------------------------------------------
 
@@ -213,8 +214,11 @@ class Steps:
                 cause=cause,
             ) from None
         self.state.step += 1
+        h.applied = True  # from here on the call answers its result, never a retryable error
         result.step = self.state.step
-        await self.after_train(h)
+        warning = await self.after_train(h)
+        if warning is not None:
+            result.warnings.append(warning)
         result.metrics["grad_norm:value"] = applied[0][0]
         result.metrics["lr:value"] = (hyper or {}).get("lr", self.cfg.optimizer.lr)
         result.timings["optimizer_max_s"] = max(a[1] for a in applied)

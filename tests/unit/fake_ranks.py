@@ -1,0 +1,91 @@
+"""A stand-in for the controller's ``RankGroup`` (fast tier only): the real ``Controller``
+(queue, steps, checkpoints, recovery) runs around ranks that hold one number, their
+"weights version", so the controller's own bookkeeping is tested without Ray or torch."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from trainctl.workers.engine.config import EngineConfig
+
+
+class FakeRankGroup:
+    def __init__(self, world_size: int = 2) -> None:
+        self.world_size = world_size
+        self.version = 0
+        """What the ranks hold: +1 per applied step; saved and loaded by checkpoints."""
+        self.calls: list[str] = []
+        self.fail: dict[str, list[BaseException]] = {}
+        """Method name -> errors raised by its next calls, one per call."""
+        self.ranks: list[Any] = []
+        self.meta: list[dict[str, Any]] = []
+        self.per_rank_loaded: list[int] = []
+
+    async def place(self) -> None:
+        pass
+
+    async def spawn(self) -> None:
+        self.calls.append("spawn")
+        self.version = 0
+        self.ranks = [object()] * self.world_size
+        self.meta = [
+            {"rank": r, "coords": {"dp": r, "cp": 0, "tp": 0, "pp": 0}, "parameters": 10}
+            for r in range(self.world_size)
+        ]
+
+    def kill(self, *, release: bool = False) -> None:
+        self.calls.append("kill")
+        self.ranks = []
+
+    async def call(self, method: Any, *args: Any) -> list[Any]:
+        name = method.__name__
+        self.calls.append(name)
+        if self.fail.get(name):
+            raise self.fail[name].pop(0)
+        return [self._one(name, rank, *args) for rank in range(self.world_size)]
+
+    def _one(self, name: str, rank: int, *args: Any) -> Any:
+        if name == "finish_window":
+            return 1.0
+        if name == "apply":
+            if rank == 0:
+                self.version += 1
+            return (1.0, 0.01)
+        if name == "save_checkpoint":
+            path = Path(args[0]) / f"rank-{rank:05d}.pt"
+            path.write_text(str(self.version))
+            return {"name": path.name, "size_bytes": path.stat().st_size}
+        if name == "load_checkpoint":
+            loaded = int((Path(args[0]) / f"rank-{rank:05d}.pt").read_text())
+            if rank == 0:
+                self.version = loaded
+            return loaded
+        if name == "weights_digest":
+            return hashlib.sha256(f"{rank}:{self.version}".encode()).hexdigest()
+        return None
+
+    async def call_quietly(self, method: Any) -> None:
+        self.calls.append(method.__name__)
+
+    def digest_of(self, digests: list[str]) -> str:
+        return hashlib.sha256("".join(digests).encode()).hexdigest()
+
+    async def digests(self) -> list[str]:
+        from trainctl.workers.control.rank import RankWorker
+
+        return await self.call(RankWorker.weights_digest)
+
+    def parameters_per_replica(self) -> int:
+        return 10
+
+
+def controller(data: Path, world_size: int = 2, **kwargs: Any) -> tuple[Any, FakeRankGroup]:
+    """A real ``Controller`` over a ``FakeRankGroup``; call ``await c.start()`` first."""
+    from trainctl.workers.control.controller import Controller
+
+    c = Controller(EngineConfig().to_dict(), data_root=str(data), rank_num_cpus=1, **kwargs)
+    fake = FakeRankGroup(world_size)
+    c.group = c.steps.group = c.recorder.group = fake  # type: ignore[assignment]
+    return c, fake

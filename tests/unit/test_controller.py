@@ -1,0 +1,99 @@
+"""The real controller's bookkeeping over fake ranks: a step is applied at most once per
+idempotency key whatever fails after it, and "latest checkpoint" means the newest save."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from trainctl.api import (
+    LoadCheckpointRequest,
+    Normalization,
+    OperationKind,
+    OptimStepRequest,
+    StepResult,
+)
+from trainctl.workers.control.rank_group import GroupLostError
+from trainctl.workers.control.steps import Window
+
+from fake_ranks import controller
+
+
+def _gradients(c: object) -> None:
+    """What a forward_backward part leaves behind: one window of gradients."""
+    c.state.window = Window(Normalization.TOKEN_MEAN, parts=1, loss_tokens=4, raw_loss=2.0)  # type: ignore[attr-defined]
+
+
+async def _step(c: object, key: str | None = None) -> StepResult:
+    _gradients(c)
+    return await c.run(OperationKind.OPTIM_STEP, OptimStepRequest(), key, key or "")  # type: ignore[attr-defined,no-any-return]
+
+
+def test_a_failed_scheduled_checkpoint_is_reported_beside_the_applied_step(
+    tmp_path: Path,
+) -> None:
+    """The review's case: a full disk at the scheduled checkpoint turned the call into a 5xx
+    and dropped its key, so the SDK's retries applied the step again (5 steps for one call)."""
+    c, ranks = controller(tmp_path, checkpoint_every_steps=1)
+
+    async def main() -> None:
+        await c.start()
+        (tmp_path / "checkpoints").write_text("a file where the directory was: saves fail")
+        first = await _step(c, key="k")
+        assert first.step == 1 and c.step == 1
+        assert len(first.warnings) == 1 and "scheduled checkpoint failed" in first.warnings[0]
+        for _ in range(4):  # the retries of one call
+            again = await c.run(OperationKind.OPTIM_STEP, OptimStepRequest(), "k", "k")
+            assert again == first
+        assert c.step == 1 and ranks.calls.count("apply") == 1 and ranks.version == 1
+
+    asyncio.run(main())
+
+
+def test_a_key_is_kept_once_the_step_applied_even_if_the_call_fails_after(
+    tmp_path: Path,
+) -> None:
+    """A rank lost while the scheduled checkpoint is written: the step stands (reported, and
+    the workers are restored), the key is kept."""
+    c, ranks = controller(tmp_path, checkpoint_every_steps=1)
+
+    async def main() -> None:
+        await c.start()
+        await _step(c, key="a")
+        ranks.fail["save_checkpoint"] = [GroupLostError("rank 1 died", cause="rank 1 died")]
+        second = await _step(c, key="b")
+        assert second.step == 2 and "rank was lost" in second.warnings[0]
+        await c.queue.idle()  # the recovery restores step-000001
+        assert c.step == 1 and c.recovery is not None
+        retry = await c.run(OperationKind.OPTIM_STEP, OptimStepRequest(), "b", "b")
+        assert retry == second and ranks.calls.count("apply") == 2
+
+    asyncio.run(main())
+
+
+def test_recovery_restores_the_newest_history_not_the_highest_step(tmp_path: Path) -> None:
+    """The review's case: load step 1 of a history that reached 5, train on, lose a rank:
+    the restore went back to step 5 (steps_lost = -3)."""
+    c, ranks = controller(tmp_path, checkpoint_every_steps=1, keep_checkpoints=10)
+
+    async def main() -> None:
+        await c.start()
+        for _ in range(5):
+            await _step(c)
+        await c.run(
+            OperationKind.LOAD_CHECKPOINT, LoadCheckpointRequest(checkpoint_id="step-000001")
+        )
+        assert c.step == 1 and ranks.version == 1
+        await _step(c)  # step 2 of the new history
+        await _step(c)  # step 3
+        ranks.fail["apply"] = [GroupLostError("rank 0 died", cause="rank 0 died")]
+        _gradients(c)
+        op = await c.submit(OperationKind.OPTIM_STEP, OptimStepRequest())
+        await c.queue.idle()
+        assert c.queue.get(op.id).error is not None
+        assert c.step == 3 and ranks.version == 3, (c.step, ranks.version)
+        assert c.steps_lost == 0
+        latest = (await c.list_checkpoints()).checkpoints[-1]
+        assert (latest.checkpoint_id, latest.step) == ("step-000003", 3)
+
+    asyncio.run(main())
