@@ -82,6 +82,12 @@ class ModelLimits(BaseModel):
 
     vocab_size: int
     max_seq_len: int
+    max_sequences: int | None = Field(
+        None, description="Sequences one request may carry (the gateway's --max-sequences)."
+    )
+    max_tokens_per_request: int | None = Field(
+        None, description="Tokens one request may carry (--max-tokens-per-request)."
+    )
 
 
 class LossConfig(BaseModel):
@@ -148,6 +154,20 @@ class _SequencesRequest(BaseModel):
 
     def check_limits(self, limits: ModelLimits) -> None:
         """Raise ``InvalidRequestError`` naming the first field that the model cannot take."""
+        n, tokens = len(self.sequences), self.sequences.num_tokens
+        if limits.max_sequences is not None and n > limits.max_sequences:
+            raise field_error(
+                "sequences",
+                f"{n} sequences exceed this service's limit of {limits.max_sequences} per "
+                "request: split the batch",
+            )
+        cap = limits.max_tokens_per_request
+        if cap is not None and tokens > cap:
+            raise field_error(
+                "sequences",
+                f"{tokens} tokens exceed this service's limit of {cap} per request: split "
+                "the batch",
+            )
         self.sequences.check_limits(vocab_size=limits.vocab_size, max_seq_len=limits.max_seq_len)
 
     @property

@@ -33,6 +33,8 @@ from trainctl.service.tinker import routes as tinker_routes
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 256 * 2**20
+DEFAULT_MAX_SEQUENCES = 16384
+DEFAULT_MAX_TOKENS_PER_REQUEST = 1 << 24
 
 
 def _install_metrics(app: FastAPI) -> None:
@@ -105,6 +107,8 @@ def create_app(
     *,
     api_token: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_sequences: int = DEFAULT_MAX_SEQUENCES,
+    max_tokens_per_request: int = DEFAULT_MAX_TOKENS_PER_REQUEST,
     fault_injection: bool = False,
     tinker_order_timeout_s: float = 60.0,
 ) -> FastAPI:
@@ -121,6 +125,10 @@ def create_app(
     app.state.controller = controller
     app.state.api_token = api_token or None
     app.state.max_body_bytes = max_body_bytes
+    app.state.request_caps = {
+        "max_sequences": max_sequences,
+        "max_tokens_per_request": max_tokens_per_request,
+    }
     app.state.metrics = GatewayMetrics()
     _install_metrics(app)
     install_error_handlers(app)

@@ -6,7 +6,7 @@ from typing import Any
 
 from ray import serve
 
-from trainctl.service.app import DEFAULT_MAX_BODY_BYTES, create_app
+from trainctl.service.app import create_app
 from trainctl.service.controller_client import RayController
 from trainctl.workers.control import logs
 
@@ -19,18 +19,12 @@ def gateway(
     controller_name: str,
     namespace: str,
     max_ongoing_requests: int = 64,
-    api_token: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    fault_injection: bool = False,
+    **app_settings: Any,
 ) -> Any:
-    """A bound Serve application serving the gateway for the named controller actor."""
+    """A bound Serve application serving the gateway for the named controller actor;
+    ``app_settings`` are ``create_app``'s (token, limits, fault injection)."""
     logs.configure()
-    app = create_app(
-        RayController(controller_name, namespace),
-        api_token=api_token,
-        max_body_bytes=max_body_bytes,
-        fault_injection=fault_injection,
-    )
+    app = create_app(RayController(controller_name, namespace), **app_settings)
     deployment = serve.deployment(
         name=DEPLOYMENT_NAME,
         # The gateway only validates and forwards: it needs no CPU reservation of its own.

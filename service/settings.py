@@ -120,6 +120,14 @@ class Settings(BaseSettings):
     max_body_mb: float = Field(
         256, gt=0, description="Largest request body accepted, in MiB (413 beyond it)."
     )
+    max_sequences: int = Field(
+        16384, ge=1, description="Sequences one request may carry (422 beyond it)."
+    )
+    max_tokens_per_request: int = Field(
+        1 << 24,
+        ge=1,
+        description="Tokens one request may carry, summed over its sequences (422 beyond it).",
+    )
     max_queued_operations: int = Field(
         64, ge=1, description="Operations waiting to run before new ones get 429."
     )

@@ -19,10 +19,12 @@ ControllerDep = Annotated[ControllerAPI, Depends(get_controller)]
 
 
 async def get_limits(request: Request, controller: ControllerDep) -> ModelLimits:
-    """The model's limits, fetched from the controller once and cached."""
+    """The model's limits, fetched from the controller once and cached, with the gateway's
+    own caps on one request's size."""
     limits: ModelLimits | None = getattr(request.app.state, "limits", None)
     if limits is None:
-        limits = await controller.model_limits()
+        model = await controller.model_limits()
+        limits = model.model_copy(update=request.app.state.request_caps)
         request.app.state.limits = limits
     return limits
 

@@ -44,7 +44,7 @@ class FakeController(OperationHost):
 
     # -- operations ------------------------------------------------------------------------
 
-    def _prepare(self, kind: str, req: Any) -> Any:
+    async def _prepare(self, kind: str, req: Any) -> Any:
         work = {
             OperationKind.TRAIN_BATCH: self._train,
             OperationKind.EVAL_BATCH: self._eval,

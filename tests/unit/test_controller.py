@@ -4,7 +4,10 @@ idempotency key whatever fails after it, and "latest checkpoint" means the newes
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
+
+import numpy as np
 
 from trainctl.api import (
     LoadCheckpointRequest,
@@ -12,7 +15,9 @@ from trainctl.api import (
     OperationKind,
     OptimStepRequest,
     StepResult,
+    TrainBatchRequest,
 )
+from trainctl.api.batch import SequenceBatch
 from trainctl.workers.control.rank_group import GroupLostError
 from trainctl.workers.control.steps import Window
 
@@ -97,3 +102,36 @@ def test_recovery_restores_the_newest_history_not_the_highest_step(tmp_path: Pat
         assert (latest.checkpoint_id, latest.step) == ("step-000003", 3)
 
     asyncio.run(main())
+
+
+def test_planning_a_large_batch_leaves_the_event_loop_free(tmp_path: Path) -> None:
+    """The review's case: the controller planned on its only event loop, so a request of
+    many tiny sequences froze readiness and every poll while it was planned."""
+    c, _ = controller(tmp_path)
+    n = 16384
+    req = TrainBatchRequest(
+        sequences=SequenceBatch(np.full(n, 2, np.int64), {"tokens": np.ones(2 * n, np.int64)})
+    )
+
+    async def main() -> tuple[float, float]:
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def heartbeat() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        beat = asyncio.ensure_future(heartbeat())
+        t0 = time.perf_counter()
+        await c._prepare(OperationKind.TRAIN_BATCH, req)
+        took = time.perf_counter() - t0
+        done.set()
+        await beat
+        return took, max(gaps)
+
+    took, worst = asyncio.run(main())
+    assert worst < took / 3, f"the loop stalled {worst:.2f} s of {took:.2f} s of planning"

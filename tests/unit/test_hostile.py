@@ -9,11 +9,13 @@ import tracemalloc
 import zlib
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import zstandard
 from fastapi.testclient import TestClient
 
 from trainctl.api import PayloadTooLargeError, wire
+from trainctl.api.batch import SequenceBatch
 from trainctl.service.app import create_app
 
 from fakes import FakeController
@@ -114,3 +116,26 @@ def test_a_shape_that_overflows_int64_is_422(http: TestClient, fake: FakeControl
     assert r.status_code == 422, r.text
     assert r.json()["message"].startswith("lengths: shape"), r.json()
     assert fake.calls == []
+
+
+def test_too_many_sequences_or_tokens_are_422_before_the_controller(fake: FakeController) -> None:
+    """The review's case: an 825-byte request of tiny sequences froze the controller."""
+    app = create_app(fake, max_sequences=1000, max_tokens_per_request=5000)
+    many = wire.encode_sequences(
+        SequenceBatch(np.full(1001, 2, np.int64), {"tokens": np.ones(2002, np.int64)}), {},
+        compress=True,
+    )  # fmt: skip
+    long = {"sequences": [{"tokens": [1] * 16}] * 400}  # 6400 tokens
+    with TestClient(app) as http:
+        r = http.post("/v1/train_batch", content=many,
+                      headers={"content-type": wire.CONTENT_TYPE})  # fmt: skip
+        assert r.status_code == 422, r.text
+        assert r.json()["message"] == (
+            "sequences: 1001 sequences exceed this service's limit of 1000 per request: "
+            "split the batch"
+        )
+        r = http.post("/v1/logprobs", json=long)
+        assert r.status_code == 422 and "6400 tokens exceed" in r.json()["message"], r.text
+        ok = http.post("/v1/train_batch", json={"sequences": [{"tokens": [1, 2]}] * 1000})
+        assert ok.status_code == 200, ok.text
+    assert fake.calls == ["train_batch"]

@@ -189,13 +189,15 @@ class Controller(OperationHost):
         if not self.ready:
             raise NotReadyError(self.waiting or "the workers are still starting; retry shortly")
 
-    def _prepare(self, kind: OperationKind, req: BaseModel | None) -> Runner:
-        """Validate (and plan) ``req`` now; return what runs it in its turn."""
+    async def _prepare(self, kind: OperationKind, req: BaseModel | None) -> Runner:
+        """Validate (and plan) ``req`` now; return what runs it in its turn. A batch is
+        planned on a worker thread: however large, it never stalls the controller's event
+        loop (readiness, polls, other submissions)."""
         spec = OPERATIONS.get(OperationKind(kind))
         handler = self._handlers.get(OperationKind(kind))
         if spec is None or handler is None or not isinstance(req, spec.request):
             raise InvalidRequestError(f"no operation {kind!r} taking {type(req).__name__}")
-        run: Runner = handler(req)
+        run: Runner = await asyncio.to_thread(handler, req) if spec.batch else handler(req)
 
         async def guarded(h: Handle) -> Any:
             try:

@@ -262,7 +262,7 @@ class OperationHost:
 
     queue: OperationQueue
 
-    def _prepare(self, kind: OperationKind, req: Any) -> Runner:
+    async def _prepare(self, kind: OperationKind, req: Any) -> Runner:
         raise NotImplementedError
 
     def _check_serving(self) -> None:
@@ -276,7 +276,8 @@ class OperationHost:
         existing = self.queue.find(kind, key, fingerprint)
         if existing is not None:
             return existing
-        return self.queue.submit(kind, self._prepare(kind, req), key=key, fingerprint=fingerprint)
+        run = await self._prepare(kind, req)
+        return self.queue.submit(kind, run, key=key, fingerprint=fingerprint)
 
     async def run(
         self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
