@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -169,12 +170,19 @@ def _memory_profile(args: argparse.Namespace, c: TrainctlClient) -> int:
             raise SystemExit(f"trainctl: no memory profile {args.profile_id!r}")
         target = Path(args.output) / args.profile_id
         names = [n for f in profile.files for n in (f.name, f.picture) if n]
+        bad = [n for n in names if not _SAFE_FILE_NAME.fullmatch(n)]
+        if bad:  # the server names the files: never let it pick a path
+            raise SystemExit(f"trainctl: refusing the server's file name {bad[0][:80]!r}")
         print(f"downloading {len(names)} file(s) into {target.resolve()}/", file=sys.stderr)
         target.mkdir(parents=True, exist_ok=True)
         for name in names:
             (target / name).write_bytes(c.download_profile_file(args.profile_id, name))
             print(target / name)
     return 0
+
+
+_SAFE_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+"""A downloaded file's name: one plain path component, never '..', '/' or a NUL."""
 
 
 def _add_loss_flags(p: argparse.ArgumentParser) -> None:

@@ -43,6 +43,11 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
 def _settings_from(args: argparse.Namespace) -> Settings:
     fields = Settings.model_fields
     overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if "api_token" in overrides:
+        log.warning(
+            "--api-token is visible to every local user in the process list; prefer "
+            "TRAINCTL_API_TOKEN or --api-token-file"
+        )
     return Settings(**overrides)
 
 
@@ -85,6 +90,12 @@ def _check_reachable(address: str) -> None:
 
 
 def _serve(s: Settings) -> int:
+    try:
+        s.token()
+    except OSError as e:
+        raise StartupError(f"cannot read {e.filename}: {e.strerror}") from None
+    except ValueError as e:
+        raise StartupError(str(e)) from None
     _check_port(s.host, s.port)
     # Before Ray is imported: its C++ core reads the auth mode once.
     if s.ray_address:

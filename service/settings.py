@@ -165,9 +165,25 @@ class Settings(BaseSettings):
     )
 
     def token(self) -> str | None:
+        """The API token, or None for no auth. A token that is set but empty (an empty
+        file, ``TRAINCTL_API_TOKEN=""``) is an error, never a silent "no auth"."""
         if self.api_token_file is not None:
-            return self.api_token_file.read_text().strip() or None
-        return self.api_token.get_secret_value() if self.api_token else None
+            token = self.api_token_file.read_text().strip()
+            if not token:
+                raise ValueError(
+                    f"api_token_file: {self.api_token_file} is empty; put the token in it, "
+                    "or leave the setting out to serve without auth"
+                )
+            return token
+        if self.api_token is None:
+            return None
+        token = self.api_token.get_secret_value().strip()
+        if not token:
+            raise ValueError(
+                'api_token: it is set but empty (e.g. TRAINCTL_API_TOKEN=""); give a '
+                "token, or unset it to serve without auth"
+            )
+        return token
 
     def profiles_dir(self) -> Path:
         return (self.profile_root or self.data_dir / "profiles").resolve()

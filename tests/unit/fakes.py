@@ -41,6 +41,8 @@ class FakeController(OperationHost):
         self.delay_s = 0.0
         self.queue = OperationQueue(max_queued=max_queued)
         self.files: dict[str, bytes] = {}
+        self.file_name = "snapshot_rank00_p0d0c0t0.trace.json"
+        """The name the profile lists its file under (a hostile server may pick any)."""
 
     # -- operations ------------------------------------------------------------------------
 
@@ -105,8 +107,10 @@ class FakeController(OperationHost):
         if not self.profiling:
             raise ConflictError("no memory profile is recording; start one first")
         self.profiling = False
-        name = "snapshot_rank00_p0d0c0t0.trace.json"
-        self.files = {name: b'{"traceEvents": []}', "snapshot_rank00_p0d0c0t0.png": b"\x89PNG"}
+        self.files = {
+            self.file_name: b'{"traceEvents": []}',
+            "snapshot_rank00_p0d0c0t0.png": b"\x89PNG",
+        }
         return self._profile()
 
     def _profile(self) -> MemoryProfileResult:
@@ -114,7 +118,7 @@ class FakeController(OperationHost):
             profile_id="p1",
             files=[
                 ProfileFile(
-                    name="snapshot_rank00_p0d0c0t0.trace.json",
+                    name=self.file_name,
                     rank=0,
                     coords={"dp": 0, "cp": 0, "tp": 0, "pp": 0},
                     size_bytes=19,

@@ -105,3 +105,18 @@ def test_serve_against_an_unreachable_cluster_is_one_line(tmp_path: Path) -> Non
         f"trainctl: cannot reach the Ray cluster at 127.0.0.1:{port} (Connection refused); "
         "check --ray-address and that the cluster is running"
     ], r.stderr
+
+
+@pytest.mark.parametrize("name", ["../escaped.json", "/tmp/abs.json", "a/b.json", ".."])
+def test_memory_profile_download_refuses_a_server_chosen_path(
+    url: str, fake: FakeController, tmp_path: Path, name: str
+) -> None:
+    fake.file_name = name
+    httpx.post(f"{url}/v1/memory_profile/start", json={}).raise_for_status()
+    httpx.post(f"{url}/v1/memory_profile/stop").raise_for_status()
+    out = tmp_path / "out"
+    r = trainctl("--url", url, "memory-profile", "download", "p1", "-o", str(out),
+                 capture_output=True)  # fmt: skip
+    assert r.returncode != 0 and "refusing the server's file name" in r.stderr, r.stderr
+    assert not (tmp_path / "escaped.json").exists() and not Path("/tmp/abs.json").exists()
+    assert not out.exists() or not any(out.rglob("*.json"))

@@ -114,3 +114,23 @@ def test_auto_precision_and_zero_resolve_by_device_and_layout() -> None:
     assert not EngineConfig(
         layout=ParallelLayout(dp=2), distributed_optimizer="off"
     ).use_distributed_optimizer
+
+
+@pytest.mark.parametrize("how", ["env", "file"])
+def test_an_empty_token_is_a_startup_error_not_no_auth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], how: str
+) -> None:
+    """The review's case: an empty token file or TRAINCTL_API_TOKEN="" turned auth off."""
+    from trainctl.service.cli import serve_main
+
+    if how == "env":
+        monkeypatch.setenv("TRAINCTL_API_TOKEN", "")
+        s = Settings(port=0)
+    else:
+        (tmp_path / "token").write_text("\n")
+        s = Settings(port=0, api_token_file=tmp_path / "token")
+    assert serve_main(s) == 2  # before any port, Ray or worker is touched
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("is empty" in err or "set but empty" in err), err
+    with pytest.raises(ValueError, match="empty"):
+        s.token()
