@@ -8,6 +8,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from trainctl.api import WorkerError
 from trainctl.workers.engine.config import EngineConfig
 
 
@@ -21,7 +22,7 @@ class FakeRankGroup:
         """Method name -> errors raised by its next calls, one per call."""
         self.ranks: list[Any] = []
         self.meta: list[dict[str, Any]] = []
-        self.per_rank_loaded: list[int] = []
+        self.staged = 0
 
     async def place(self) -> None:
         pass
@@ -44,7 +45,13 @@ class FakeRankGroup:
         self.calls.append(name)
         if self.fail.get(name):
             raise self.fail[name].pop(0)
-        return [self._one(name, rank, *args) for rank in range(self.world_size)]
+        out = []
+        for rank in range(self.world_size):
+            try:
+                out.append(self._one(name, rank, *args))
+            except Exception as e:  # as the real group reports a rank's exception
+                raise WorkerError(f"rank {rank} failed in {name}: {type(e).__name__}: {e}") from e
+        return out
 
     def _one(self, name: str, rank: int, *args: Any) -> Any:
         if name == "finish_window":
@@ -57,11 +64,17 @@ class FakeRankGroup:
             path = Path(args[0]) / f"rank-{rank:05d}.pt"
             path.write_text(str(self.version))
             return {"name": path.name, "size_bytes": path.stat().st_size}
-        if name == "load_checkpoint":
-            loaded = int((Path(args[0]) / f"rank-{rank:05d}.pt").read_text())
+        if name == "load_checkpoint":  # one phase: each rank reads and applies its shard
             if rank == 0:
-                self.version = loaded
-            return loaded
+                self.version = int((Path(args[0]) / f"rank-{rank:05d}.pt").read_text())
+            return int((Path(args[0]) / f"rank-{rank:05d}.pt").read_text())
+        if name == "stage_checkpoint":
+            self.staged = int((Path(args[0]) / f"rank-{rank:05d}.pt").read_text())
+            return None
+        if name == "apply_checkpoint":
+            if rank == 0:
+                self.version = self.staged
+            return self.staged
         if name == "weights_digest":
             return hashlib.sha256(f"{rank}:{self.version}".encode()).hexdigest()
         return None

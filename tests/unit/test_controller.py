@@ -14,8 +14,10 @@ from trainctl.api import (
     Normalization,
     OperationKind,
     OptimStepRequest,
+    SaveCheckpointRequest,
     StepResult,
     TrainBatchRequest,
+    WorkerError,
 )
 from trainctl.api.batch import SequenceBatch
 from trainctl.workers.control.rank_group import GroupLostError
@@ -135,3 +137,55 @@ def test_planning_a_large_batch_leaves_the_event_loop_free(tmp_path: Path) -> No
 
     took, worst = asyncio.run(main())
     assert worst < took / 3, f"the loop stalled {worst:.2f} s of {took:.2f} s of planning"
+
+
+def test_a_load_that_fails_on_one_rank_changes_no_rank(tmp_path: Path) -> None:
+    """Loads run in two phases: every rank reads and checks its shard, then all apply. A
+    corrupt shard fails the load with every rank's weights as they were (no recovery)."""
+    c, ranks = controller(tmp_path, checkpoint_every_steps=1)
+
+    async def main() -> None:
+        await c.start()
+        await _step(c)
+        await _step(c)
+        (tmp_path / "checkpoints" / "step-000001" / "rank-00001.pt").write_text("corrupt")
+        before = (await c.info()).weights_digest
+        try:
+            await c.run(OperationKind.LOAD_CHECKPOINT,
+                        LoadCheckpointRequest(checkpoint_id="step-000001"))  # fmt: skip
+        except Exception as e:
+            assert "ValueError" in str(e), e
+        else:
+            raise AssertionError("the load of a corrupt shard succeeded")
+        assert ranks.version == 2 and c.step == 2 and c.recovery is None
+        assert "apply_checkpoint" not in ranks.calls and "drop_staged" in ranks.calls
+        assert (await c.info()).weights_digest == before
+
+        # A failure while applying may leave the ranks different: they are restored.
+        ranks.fail["apply_checkpoint"] = [WorkerError("rank 1 failed in apply_checkpoint")]
+        op = await c.submit(OperationKind.LOAD_CHECKPOINT,
+                            LoadCheckpointRequest(checkpoint_id="step-000002"))  # fmt: skip
+        await c.queue.idle()
+        assert c.queue.get(op.id).error is not None
+        assert c.recovery is not None and c.recovery.restored_checkpoint == "step-000002"
+
+    asyncio.run(main())
+
+
+def test_info_hashes_the_weights_once_per_version(tmp_path: Path) -> None:
+    c, ranks = controller(tmp_path)
+
+    async def main() -> None:
+        await c.start()
+        first = [(await c.info()).weights_digest for _ in range(3)]
+        assert ranks.calls.count("weights_digest") == 1 and len(set(first)) == 1
+        await _step(c)
+        stepped = (await c.info()).weights_digest
+        assert ranks.calls.count("weights_digest") == 2 and stepped != first[0]
+        await c.run(OperationKind.SAVE_CHECKPOINT, SaveCheckpointRequest())
+        await c.run(OperationKind.LOAD_CHECKPOINT,
+                    LoadCheckpointRequest(checkpoint_id="step-000001"))  # fmt: skip
+        assert (await c.info()).weights_digest == stepped  # the same weights, hashed anew
+        assert ranks.calls.count("weights_digest") == 3
+
+    asyncio.run(main())

@@ -8,6 +8,7 @@ import struct
 import tracemalloc
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,3 +140,34 @@ def test_too_many_sequences_or_tokens_are_422_before_the_controller(fake: FakeCo
         ok = http.post("/v1/train_batch", json={"sequences": [{"tokens": [1, 2]}] * 1000})
         assert ok.status_code == 200, ok.text
     assert fake.calls == ["train_batch"]
+
+
+class _Payload:
+    """A pickle that runs code when unpickled: it writes ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (Path.write_text, (Path(self.marker), "ran"))  # type: ignore[return-value]
+
+
+def test_checkpoint_and_profile_files_are_never_unpickled_as_code(tmp_path: Path) -> None:
+    import pickle
+
+    import torch
+
+    from trainctl.workers.control.profile_plot import memory_timeline
+    from trainctl.workers.control.rank import RankWorker
+
+    marker = tmp_path / "ran"
+    torch.save({"chunks": [_Payload(str(marker))]}, tmp_path / "rank-00000.pt")
+    worker = RankWorker(rank=0, world_size=1)
+    with pytest.raises(pickle.UnpicklingError):
+        worker.stage_checkpoint(str(tmp_path))
+    with pytest.raises(pickle.UnpicklingError):
+        memory_timeline("snapshot.pickle", pickle.dumps(_Payload(str(marker))))
+    assert not marker.exists()
+    snapshot = {"device_traces": [[{"action": "alloc", "size": 8, "time_us": 1}]]}
+    _, total = memory_timeline("snapshot.pickle", pickle.dumps(snapshot))
+    assert total.tolist() == [8.0]

@@ -164,3 +164,34 @@ def test_wait_returns_the_running_state_after_the_timeout() -> None:
         assert done.status is OperationStatus.DONE and done.finished_at is not None
 
     asyncio.run(main())
+
+
+def test_a_finished_operation_lets_go_of_its_request_and_plan() -> None:
+    """The review's case: finished operations kept their request and plan, and the
+    controller's memory stayed high; only the result is kept for polling."""
+    import gc
+    import weakref
+
+    class Plan:
+        """Stands for the request and the plan a runner closes over."""
+
+    async def main() -> None:
+        q = OperationQueue()
+        plans, ops = [], []
+        for fail in (None, WorkerError("rank 0 failed")):
+            plan = Plan()
+            plans.append(weakref.ref(plan))
+
+            async def run(h: Handle, plan: Plan = plan, fail: Exception | None = fail) -> int:
+                if fail is not None:
+                    raise fail
+                return id(plan)
+
+            ops.append(q.submit("train_batch", run, key=f"k{len(ops)}"))
+            del plan, run
+        await q.idle()
+        gc.collect()
+        assert [p() for p in plans] == [None, None]
+        assert q.get(ops[0].id).result is not None  # the result stays for polling
+
+    asyncio.run(main())

@@ -44,6 +44,7 @@ from trainctl.api import (
     RecoveryInfo,
     SaveCheckpointRequest,
     TrainctlError,
+    WorkerError,
 )
 from trainctl.workers.control import logs
 from trainctl.workers.control.checkpoints import CheckpointStore
@@ -106,6 +107,9 @@ class Controller(OperationHost):
         self.steps_lost = 0
         self.group = RankGroup(self.cfg, num_cpus=rank_num_cpus, num_gpus=rank_num_gpus)
         self.state = ModelState()
+        self._weights_epoch = 0
+        """Bumped by every load and rebuild: with the step, the version of the weights."""
+        self._digest_cache: tuple[tuple[int, int], list[str]] | None = None
         self.limits = ModelLimits(
             vocab_size=self.cfg.model.vocab_size, max_seq_len=self.cfg.model.max_seq_len
         )
@@ -265,6 +269,7 @@ class Controller(OperationHost):
             self.waiting = f"waiting for the cluster to hold the workers again: {e}"
             raise
         self.waiting = None
+        self._weights_epoch += 1
         await self.group.spawn()
         latest = self._latest_checkpoint()
         if latest is not None:
@@ -313,7 +318,7 @@ class Controller(OperationHost):
         tmp = self.checkpoints.begin(self.step)
         try:
             await self.group.call(RankWorker.save_checkpoint, str(tmp))
-            digest = self.group.digest_of(await self.group.digests())
+            digest = self.group.digest_of(await self._digests())
             info = {"step": self.step, "layout": self._layout(), "weights_digest": digest}
             saved = await asyncio.to_thread(self.checkpoints.commit, tmp, info, name)
         except BaseException:
@@ -337,7 +342,24 @@ class Controller(OperationHost):
             )
         if h is not None:
             h.set_phase(f"loading {checkpoint_id}")
-        await self.group.call(RankWorker.load_checkpoint, str(path), optimizer)
+        # Phase 1 changes nothing on any rank: if a shard is missing, corrupt or does not fit,
+        # the load fails and every rank keeps the weights it had.
+        try:
+            await self.group.call(RankWorker.stage_checkpoint, str(path))
+        except TrainctlError:
+            await self.group.call_quietly(RankWorker.drop_staged)
+            raise
+        self._weights_epoch += 1
+        try:  # phase 2: local on every rank; a failure here leaves the replicas different
+            await self.group.call(RankWorker.apply_checkpoint, optimizer)
+        except WorkerError as e:
+            cause = f"{e.message} (applying {checkpoint_id})"
+            raise GroupLostError(
+                f"{cause}; the ranks may now hold different weights, so they are being "
+                "restored from the latest checkpoint: retry shortly",
+                details=e.details,
+                cause=cause,
+            ) from None
         self.state.window = None  # a load drops the gradients waiting for optim_step
         self.state.step = info.step
         self.state.last_checkpoint_step = info.step
@@ -399,7 +421,7 @@ class Controller(OperationHost):
         answer is an error (never an empty digest); while the workers are rebuilt the digests
         are null, so that ``info`` keeps answering."""
         meta = self.group.meta
-        digests: list[str] | None = await self.group.digests() if self.ready else None
+        digests: list[str] | None = await self._digests() if self.ready else None
         per_rank: list[str | None] = [None] * len(meta) if digests is None else [*digests]
         cfg = self.cfg
         return Info(
@@ -432,6 +454,14 @@ class Controller(OperationHost):
             recovery=self.recovery,
             steps_lost=self.steps_lost,
         )
+
+    async def _digests(self) -> list[str]:
+        """Every rank's weights digest, hashed once per version of the weights: a step, a
+        load or a rebuild makes a new version (``info`` is polled; hashing is not free)."""
+        version = (self.step, self._weights_epoch)
+        if self._digest_cache is None or self._digest_cache[0] != version:
+            self._digest_cache = (version, await self.group.digests())
+        return list(self._digest_cache[1])
 
     async def is_ready(self) -> bool:
         return self.ready and not self.draining

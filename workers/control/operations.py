@@ -54,7 +54,8 @@ class Handle:
     """One operation's mutable state; ``snapshot()`` is its API view."""
 
     op: Operation
-    run: Runner
+    run: Runner | None
+    """What runs it; dropped once it finished, with the request and plan it holds."""
     key: str | None
     fingerprint: str
     finished: asyncio.Event = field(default_factory=asyncio.Event)
@@ -214,6 +215,7 @@ class OperationQueue:
             token = current_operation.set(h.op.id)
             try:
                 log.info("%s started", h.op.kind)
+                assert h.run is not None
                 result = await h.run(h)
             except TrainctlError as e:
                 self._finish(h, exc=e)
@@ -228,12 +230,15 @@ class OperationQueue:
 
     def _finish(self, h: Handle, *, result: Any = None, exc: TrainctlError | None = None) -> None:
         op = h.op
+        h.run = None  # the request and its plan: only the result is kept for polling
         op.finished_at, op.phase = time.time(), None
         if exc is None:
             op.status, op.result = OperationStatus.DONE, result
             if op.started_at is not None:
                 self._avg_run_s = 0.8 * self._avg_run_s + 0.2 * (op.finished_at - op.started_at)
         else:
+            # Kept to raise again for waiters; without its frames, which hold the request.
+            exc.__traceback__ = exc.__context__ = exc.__cause__ = None
             op.status, h.exc = OperationStatus.FAILED, exc
             op.error = ErrorBody(type=exc.type, message=exc.message, details=exc.details)
             if exc.retryable and not h.applied and h.key is not None:

@@ -11,8 +11,17 @@ import io
 import json
 import pickle
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only (dicts, lists, strings, numbers): a snapshot holds nothing
+    else, and a pickle naming any class or function is refused instead of run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a memory snapshot holds no {module}.{name}")
 
 
 def memory_timeline(name: str, data: bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -28,7 +37,7 @@ def memory_timeline(name: str, data: bytes) -> tuple[np.ndarray, np.ndarray]:
         ts = np.array([t for t, _ in mem], dtype=np.float64) / 1e6
         total = np.array([b for _, b in mem], dtype=np.float64)
     elif name.endswith(".pickle"):
-        snapshot = pickle.loads(data)  # written by this service's own ranks
+        snapshot = _PlainUnpickler(io.BytesIO(data)).load()
         deltas = []
         for trace in snapshot.get("device_traces", []):
             for e in trace:

@@ -78,6 +78,8 @@ class RankWorker:
         self.engine: Any = None
         self._faults: dict[str, int] = {}
         self._store: Any = None
+        self._staged: dict[str, Any] | None = None
+        """A checkpoint shard read by ``stage_checkpoint``, waiting for ``apply_checkpoint``."""
 
     def rendezvous_address(self, timeout_s: float) -> tuple[str, int]:
         """Called on rank 0: start the rendezvous store on a port the OS picks (no race with
@@ -228,13 +230,26 @@ class RankWorker:
         os.replace(tmp, path)
         return {"name": path.name, "size_bytes": path.stat().st_size}
 
-    def load_checkpoint(self, directory: str, optimizer: bool = True) -> int:
+    def stage_checkpoint(self, directory: str) -> None:
+        """Phase 1 of a load: read this rank's shard and check it fits, changing nothing
+        (only tensors and plain containers are unpickled: ``weights_only``)."""
         import torch
 
         path = Path(directory) / f"rank-{self.rank:05d}.pt"
-        state = torch.load(path, map_location="cpu", weights_only=False)  # our own files
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.engine.check_checkpoint_state(state)
+        self._staged = state
+
+    def apply_checkpoint(self, optimizer: bool = True) -> int:
+        """Phase 2 of a load, once every rank staged its shard: local, no collective."""
+        state, self._staged = self._staged, None
+        if state is None:
+            raise RuntimeError("apply_checkpoint without a staged checkpoint")
         self.engine.load_checkpoint_state(state, optimizer=optimizer)
         return int(self.engine.step)
+
+    def drop_staged(self) -> None:
+        self._staged = None
 
     def canonical_shards(self) -> dict[str, Any]:
         """The parameters this rank adds to one full copy of the model, by canonical name, with

@@ -469,14 +469,39 @@ class EngineShard:
             "coords": dataclasses.asdict(self.coords),
         }
 
+    def check_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Raise unless ``state`` loads here: this rank's coordinates, and every chunk's
+        tensors with this shard's names and shapes. Changes nothing."""
+        if state.get("coords") != dataclasses.asdict(self.coords):
+            raise ValueError(
+                f"checkpoint shard of {state.get('coords')} loaded on rank {self.coords}: "
+                "a checkpoint loads into the layout it was saved from"
+            )
+        chunks = state.get("chunks")
+        if not isinstance(chunks, list) or len(chunks) != len(self.chunks):
+            raise ValueError(f"checkpoint shard: {len(self.chunks)} model chunk(s) expected")
+        for c, sd in zip(self.chunks, chunks, strict=True):
+            own = {
+                k: v for k, v in c.module.state_dict().items()
+                if k not in weights.tied_copies(c.module)
+            }  # fmt: skip
+            if not isinstance(sd, dict) or sd.keys() != own.keys():
+                got = set(sd) if isinstance(sd, dict) else set()
+                raise ValueError(
+                    f"checkpoint shard: missing {sorted(own.keys() - got)[:5]}, "
+                    f"unexpected {sorted(got - own.keys())[:5]}"
+                )
+            for k, v in own.items():
+                shape = getattr(sd[k], "shape", None)
+                if isinstance(v, torch.Tensor) and shape != v.shape:
+                    raise ValueError(
+                        f"checkpoint shard: {k} has shape {shape}, not {tuple(v.shape)}"
+                    )
+
     def load_checkpoint_state(self, state: dict[str, Any], *, optimizer: bool = True) -> None:
         """Inverse of ``checkpoint_state`` (same layout: the coordinates must match). Without
         ``optimizer``, the weights and step only: the optimizer starts afresh on them."""
-        if state["coords"] != dataclasses.asdict(self.coords):
-            raise ValueError(
-                f"checkpoint shard of {state['coords']} loaded on rank {self.coords}: "
-                "a checkpoint loads into the layout it was saved from"
-            )
+        self.check_checkpoint_state(state)
         with torch.no_grad():
             for c, sd in zip(self.chunks, state["chunks"], strict=True):
                 missing, unexpected = c.module.load_state_dict(sd, strict=False)
