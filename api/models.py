@@ -399,6 +399,9 @@ class ExportRequest(BaseModel):
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
         description="Directory name under the server's export root; default: step-NNNNNN.",
     )
+    overwrite: bool = Field(
+        default=False, description="Replace an export of the same name (else 409)."
+    )
 
 
 class ExportResult(BaseModel):

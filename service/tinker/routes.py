@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from trainctl.api import (
     ErrorBody,
@@ -76,22 +76,51 @@ def _controller(request: Request) -> ControllerAPI:
     return request.app.state.controller  # type: ignore[no-any-return]
 
 
+def _object(body: bytes) -> dict[str, Any]:
+    """``body`` as a JSON object, or a 422 saying what it is instead."""
+    try:
+        raw = json.loads(body or b"{}")
+    except ValueError as e:
+        raise InvalidRequestError(f"body: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequestError(f"body: a JSON object is expected, not {type(raw).__name__}")
+    return raw
+
+
 async def _json(request: Request, model: type[Body]) -> tuple[Any, str]:
     """The body as ``model`` and its fingerprint (sha256 of the canonical JSON)."""
-    body = await read_body(request, request.app.state.max_body_bytes)
-    req = model.model_validate_json(body or b"{}")
+    raw = _object(await read_body(request, request.app.state.max_body_bytes))
+    req = model.model_validate(raw)
     return req, hashlib.sha256(req.model_dump_json().encode()).hexdigest()
 
 
 async def _model_call(request: Request, model: type[ModelCall]) -> tuple[Any, str, Model]:
-    """The body, its fingerprint and the model handle it names."""
-    req, fp = await _json(request, model)
+    """The body, its fingerprint and the model handle it names. A body refused after its
+    model and ``seq_id`` are known passes that ``seq_id``'s turn on, so the model's later
+    requests do not wait for it."""
+    raw = _object(await read_body(request, request.app.state.max_body_bytes))
+    try:
+        req = model.model_validate(raw)
+    except ValidationError as e:
+        state, model_id, seq_id = _state(request), raw.get("model_id"), raw.get("seq_id")
+        if isinstance(model_id, str) and type(seq_id) is int and model_id in state.models:
+            state.refuse(state.models[model_id], seq_id, "refused", e)
+        raise
+    fp = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
     return req, fp, _state(request).model(req.model_id)
 
 
 async def _fields(request: Request) -> dict[str, Any]:
     """A small JSON body read as a plain object (the calls that name one id)."""
-    return dict(json.loads(await read_body(request, 1 << 16) or b"{}"))
+    return _object(await read_body(request, 1 << 16))
+
+
+def _text(body: dict[str, Any], name: str) -> str:
+    """``body[name]`` as a string, or a 422 naming it."""
+    value = body.get(name)
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{name}: a string is required")
+    return value
 
 
 def _future(f: Future, model_id: str | None = None) -> dict[str, Any]:
@@ -125,6 +154,7 @@ def _in_order(
     kind: OperationKind,
     native: Callable[[], BaseModel],
     result_of: Callable[[Any], Any],
+    nbytes: int = 0,
 ) -> dict[str, Any]:
     """Queue the native request ``native()`` makes in ``model``'s ``seq_id`` order,
     idempotent under its key; the future of its converted result. ``native`` runs in the
@@ -139,7 +169,7 @@ def _in_order(
 
         return finish()
 
-    f = _state(request).submit(model, seq_id, fingerprint, kind.value, admit)
+    f = _state(request).submit(model, seq_id, fingerprint, kind.value, admit, nbytes)
     return _future(f, model.model_id)
 
 
@@ -167,7 +197,7 @@ def build_router() -> APIRouter:
     @access(Access.TINKER)
     async def session_heartbeat(request: Request) -> Response:
         body = await _fields(request)
-        s = _state(request).session(str(body.get("session_id")))
+        s = _state(request).session(_text(body, "session_id"))
         if s.finished is not None:
             return JSONResponse({"detail": f"session finished: {s.finished}"}, status_code=410)
         return JSONResponse({"type": "session_heartbeat"})
@@ -178,7 +208,10 @@ def build_router() -> APIRouter:
         body = await _fields(request)
         s = _state(request).session(session_id)
         if s.finished is None:  # first wins
-            s.finished = str((body.get("reason") or {}).get("type", "success"))
+            reason = body.get("reason")
+            s.finished = (
+                str(reason.get("type", "success")) if isinstance(reason, dict) else "success"
+            )
         return {}
 
     @r.get("/healthz")
@@ -225,7 +258,7 @@ def build_router() -> APIRouter:
     @access(Access.TINKER)
     async def get_info(request: Request) -> dict[str, Any]:
         body = await _fields(request)
-        model = _state(request).model(str(body.get("model_id")))
+        model = _state(request).model(_text(body, "model_id"))
         info = await _info(request)
         return {
             "type": "get_info",
@@ -264,6 +297,7 @@ def build_router() -> APIRouter:
             request, model, msg.seq_id, hashlib.sha256(body).hexdigest(),
             OperationKind.FORWARD_BACKWARD, native,
             lambda r: convert.forward_backward_output(ForwardBackwardResult.model_validate(r)),
+            nbytes=len(body),
         )  # fmt: skip
 
     @r.post("/optim_step")
@@ -271,14 +305,17 @@ def build_router() -> APIRouter:
     async def optim_step(request: Request) -> dict[str, Any]:
         req, fp, model = await _model_call(request, OptimStep)
         p = req.adam_params or req.optimizer_params or AdamParams()
-        if p.type != "adamw":
-            raise InvalidRequestError(f"optim_params: trainctl runs AdamW, not {p.type!r}")
-        native = OptimStepRequest(
-            lr=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
-            weight_decay=p.weight_decay, clip_grad=p.grad_clip_norm,
-        )  # fmt: skip
+
+        def native() -> OptimStepRequest:
+            if p.type != "adamw":
+                raise InvalidRequestError(f"optim_params: trainctl runs AdamW, not {p.type!r}")
+            return OptimStepRequest(
+                lr=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
+                weight_decay=p.weight_decay, clip_grad=p.grad_clip_norm,
+            )  # fmt: skip
+
         return _in_order(
-            request, model, req.seq_id, fp, OperationKind.OPTIM_STEP, lambda: native,
+            request, model, req.seq_id, fp, OperationKind.OPTIM_STEP, native,
             lambda r: convert.optim_step_output(StepResult.model_validate(r)),
         )  # fmt: skip
 
@@ -288,9 +325,9 @@ def build_router() -> APIRouter:
         req, fp, model = await _model_call(request, SaveWeights)
         name = req.path or f"{model.model_id.replace(':', '-')}-{req.seq_id:06d}"
         path = convert.TinkerPath(model.model_id, "weights", name)
-        native = SaveCheckpointRequest(name=name, overwrite=req.overwrite)
         return _in_order(
-            request, model, req.seq_id, fp, OperationKind.SAVE_CHECKPOINT, lambda: native,
+            request, model, req.seq_id, fp, OperationKind.SAVE_CHECKPOINT,
+            lambda: SaveCheckpointRequest(name=name, overwrite=req.overwrite),
             lambda _: {"path": str(path), "type": "save_weights"},
         )  # fmt: skip
 
@@ -298,16 +335,19 @@ def build_router() -> APIRouter:
     @access(Access.TINKER)
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         req, fp, model = await _model_call(request, SaveForSampler)
-        if req.path is None:
-            raise InvalidRequestError(
-                "path: trainctl trains and does not sample; name the weights "
-                "(save_weights_for_sampler(name)) to get a Hugging Face export for vLLM or "
-                "transformers"
-            )
-        path = convert.TinkerPath(model.model_id, "sampler_weights", req.path)
+        path = convert.TinkerPath(model.model_id, "sampler_weights", req.path or "")
+
+        def native() -> ExportRequest:
+            if req.path is None:
+                raise InvalidRequestError(
+                    "path: trainctl trains and does not sample; name the weights "
+                    "(save_weights_for_sampler(name)) to get a Hugging Face export for vLLM "
+                    "or transformers"
+                )
+            return ExportRequest(name=req.path, overwrite=True)  # Tinker names replace
+
         return _in_order(
-            request, model, req.seq_id, fp, OperationKind.EXPORT_HF,
-            lambda: ExportRequest(name=req.path),
+            request, model, req.seq_id, fp, OperationKind.EXPORT_HF, native,
             lambda _: {"path": str(path), "type": "save_weights_for_sampler"},
         )  # fmt: skip
 
@@ -342,7 +382,7 @@ def build_router() -> APIRouter:
     @access(Access.TINKER)
     async def retrieve_future(request: Request) -> Response:
         body = await _fields(request)
-        f = _state(request).future(str(body.get("request_id")))
+        f = _state(request).future(_text(body, "request_id"))
         try:
             await asyncio.wait_for(f.done.wait(), request.app.state.tinker_long_poll_s)
         except asyncio.TimeoutError:

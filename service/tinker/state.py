@@ -9,7 +9,14 @@
   ``seq_id`` it waited for.
 * **Deduplication** on ``(model_id, seq_id)``: the same payload again returns the first
   future; another payload is a 409. (The SDK's outer retry sends a new idempotency key, so
-  the key alone would apply a retried step twice.)
+  the key alone would apply a retried step twice.) A model remembers its last
+  ``DEDUP_WINDOW`` seq_ids.
+* **Refusals pass the turn.** A request refused after its ``seq_id`` is known (a bad field,
+  a full queue that never frees) fails its own future and lets the next ``seq_id`` run;
+  a controller queue that is full (429) is waited out, since the future was accepted.
+* **Bounds.** Requests waiting for their turn are capped in count and bytes (429 past
+  either); sessions not heard from for ``session_ttl_s`` expire with their model handles,
+  and at most ``max_sessions`` are kept.
 
 One gateway replica holds this state (the Serve deployment runs one); the controller keeps
 what must outlive it (the weights, their step, checkpoints).
@@ -18,8 +25,10 @@ what must outlive it (the weights, their step, checkpoints).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -28,9 +37,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from trainctl.api import ConflictError, NotFoundError, TrainctlError
+from trainctl.api import ConflictError, NotFoundError, RateLimitedError, TrainctlError
 
 log = logging.getLogger(__name__)
+
+DEDUP_WINDOW = 1024
+"""seq_ids per model whose payload fingerprints are kept for deduplication."""
+ADMIT_WAIT_S = 600.0
+"""How long an accepted request waits for room in a full controller queue."""
 
 Admit = Callable[[], Awaitable[Awaitable[Any]]]
 """Runs in the request's turn and returns what finishes it: the turn passes to the next
@@ -46,8 +60,8 @@ def category(e: BaseException) -> str:
     """Tinker's error category: ``user`` for a request the client can fix (4xx)."""
     if isinstance(e, ValidationError):
         return "user"
-    if isinstance(e, TrainctlError):
-        return "user" if 400 <= e.status < 500 else "server"
+    if isinstance(e, TrainctlError):  # 429 is the server's state, not the user's mistake
+        return "user" if 400 <= e.status < 500 and e.status != 429 else "server"
     return "unknown"
 
 
@@ -96,12 +110,27 @@ class Session:
     session_id: str
     finished: str | None = None
     """The finish reason, once finished."""
+    last_seen: float = field(default_factory=time.monotonic)
 
 
 class TinkerState:
-    def __init__(self, *, order_timeout_s: float = 60.0, keep_finished: int = 4096) -> None:
+    def __init__(
+        self,
+        *,
+        order_timeout_s: float = 60.0,
+        keep_finished: int = 4096,
+        max_waiting: int = 256,
+        max_waiting_bytes: int = 256 << 20,
+        session_ttl_s: float = 3600.0,
+        max_sessions: int = 1024,
+    ) -> None:
         self.order_timeout_s = order_timeout_s
         self.keep_finished = keep_finished
+        self.max_waiting, self.max_waiting_bytes = max_waiting, max_waiting_bytes
+        self.session_ttl_s, self.max_sessions = session_ttl_s, max_sessions
+        self.waiting = 0
+        self.waiting_bytes = 0
+        """Requests (and their body bytes) waiting for their seq_id turn."""
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.futures: OrderedDict[str, Future] = OrderedDict()
@@ -113,6 +142,9 @@ class TinkerState:
     # -- sessions and models -------------------------------------------------------------------
 
     def create_session(self) -> str:
+        self.expire_sessions()
+        while len(self.sessions) >= self.max_sessions:  # the longest silent goes first
+            self._drop_session(min(self.sessions.values(), key=lambda s: s.last_seen))
         session_id = uuid.uuid4().hex[:16]
         self.sessions[session_id] = Session(session_id)
         return session_id
@@ -120,8 +152,26 @@ class TinkerState:
     def session(self, session_id: str) -> Session:
         s = self.sessions.get(session_id)
         if s is None:
-            raise NotFoundError(f"session {session_id!r} does not exist (create_session first)")
+            raise NotFoundError(
+                f"session {session_id!r} does not exist or expired (create_session first)"
+            )
+        s.last_seen = time.monotonic()
         return s
+
+    def expire_sessions(self) -> None:
+        """Drop the sessions not heard from for ``session_ttl_s``, with their models."""
+        cutoff = time.monotonic() - self.session_ttl_s
+        for s in [s for s in self.sessions.values() if s.last_seen < cutoff]:
+            log.info("tinker session %s expired (silent for %.0f s)", s.session_id,
+                     self.session_ttl_s)  # fmt: skip
+            self._drop_session(s)
+
+    def _drop_session(self, s: Session) -> None:
+        del self.sessions[s.session_id]
+        for model_id in [m for m, h in self.models.items() if h.session_id == s.session_id]:
+            del self.models[model_id]
+        for key in [k for k in self.created if k[0] == s.session_id]:
+            del self.created[key]
 
     def add_model(self, session_id: str, model_seq_id: int, first_seq: int = 1) -> Model:
         """The handle ``{session_id}:train:{model_seq_id}``, made if new; its requests start at
@@ -138,8 +188,10 @@ class TinkerState:
         if m is None:
             raise NotFoundError(
                 f"model {model_id!r} does not exist: create it with create_model (or "
-                "create_training_client_from_state) in this server's lifetime"
+                "create_training_client_from_state) in this server's lifetime; a session "
+                "silent for long expires with its models"
             )
+        self.session(m.session_id)  # a call on a model keeps its session alive
         return m
 
     # -- futures -------------------------------------------------------------------------------
@@ -189,10 +241,17 @@ class TinkerState:
         return f
 
     def submit(
-        self, model: Model, seq_id: int, fingerprint: str, kind: str, admit: Admit
+        self,
+        model: Model,
+        seq_id: int,
+        fingerprint: str,
+        kind: str,
+        admit: Admit,
+        nbytes: int = 0,
     ) -> Future:
         """The future of ``model``'s request ``seq_id``: admitted in ``seq_id`` order, once
-        (a retry with the same payload gets the first future; another payload, a 409)."""
+        (a retry with the same payload gets the first future; another payload, a 409).
+        ``nbytes``: what the request holds while it waits for its turn (bounded)."""
         if seq_id < model.next_seq and seq_id not in model.seen:
             raise ConflictError(
                 f"seq_id {seq_id} of model {model.model_id} is behind the next expected "
@@ -200,13 +259,43 @@ class TinkerState:
             )
 
         def make() -> Future:
+            if seq_id > model.next_seq and (
+                self.waiting >= self.max_waiting
+                or self.waiting_bytes + nbytes > self.max_waiting_bytes
+            ):
+                err = RateLimitedError(
+                    f"{self.waiting} requests ({self.waiting_bytes} bytes) already wait for "
+                    f"their seq_id turn (limits {self.max_waiting}, {self.max_waiting_bytes} "
+                    "bytes); retry after the Retry-After seconds"
+                )
+                err.retry_after_s = 2.0
+                raise err
             f = self.new_future(kind)
-            self._spawn(self._in_turn(model, seq_id, f, admit))
+            self._spawn(self._in_turn(model, seq_id, f, admit, nbytes))
             return f
 
-        return self.once(model.seen, seq_id, fingerprint, make)
+        f = self.once(model.seen, seq_id, fingerprint, make)
+        while len(model.seen) > DEDUP_WINDOW:
+            del model.seen[min(model.seen)]
+        return f
 
-    async def _in_turn(self, model: Model, seq_id: int, f: Future, admit: Admit) -> None:
+    def refuse(self, model: Model, seq_id: int, fingerprint: str, error: Exception) -> None:
+        """A request refused before it could be queued: its ``seq_id`` turn passes on, so
+        the model's later requests do not wait for it."""
+
+        async def fail() -> Awaitable[Any]:
+            raise error
+
+        # Behind, a duplicate or no room: then the turn is not this request's to pass.
+        with contextlib.suppress(TrainctlError):
+            self.submit(model, seq_id, fingerprint, "refused", fail)
+
+    async def _in_turn(
+        self, model: Model, seq_id: int, f: Future, admit: Admit, nbytes: int = 0
+    ) -> None:
+        waits = seq_id > model.next_seq
+        if waits:
+            self.waiting, self.waiting_bytes = self.waiting + 1, self.waiting_bytes + nbytes
         try:
             async with model.turn:
                 await asyncio.wait_for(
@@ -221,8 +310,11 @@ class TinkerState:
                 )
             )
             return
+        finally:
+            if waits:
+                self.waiting, self.waiting_bytes = self.waiting - 1, self.waiting_bytes - nbytes
         try:
-            finishing = await admit()
+            finishing = await self._admit(admit)
         except Exception as e:
             f.finish(error=e)
             finishing = None
@@ -231,6 +323,19 @@ class TinkerState:
             model.turn.notify_all()
         if finishing is not None:
             await self._finish(f, lambda: finishing)
+
+    @staticmethod
+    async def _admit(admit: Admit) -> Awaitable[Any]:
+        """``admit()``, waiting out a full controller queue: the future was accepted, so a
+        429 from the queue is the server's backlog, not the request's failure."""
+        deadline = time.monotonic() + ADMIT_WAIT_S
+        while True:
+            try:
+                return await admit()
+            except RateLimitedError as e:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(e.retry_after_s or 1.0)
 
     async def _finish(self, f: Future, work: Callable[[], Awaitable[Any]]) -> None:
         try:

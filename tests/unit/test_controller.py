@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from trainctl.api import (
+    ConflictError,
+    ExportRequest,
     LoadCheckpointRequest,
     Normalization,
     OperationKind,
@@ -187,5 +189,26 @@ def test_info_hashes_the_weights_once_per_version(tmp_path: Path) -> None:
                     LoadCheckpointRequest(checkpoint_id="step-000001"))  # fmt: skip
         assert (await c.info()).weights_digest == stepped  # the same weights, hashed anew
         assert ranks.calls.count("weights_digest") == 3
+
+    asyncio.run(main())
+
+
+def test_an_export_never_replaces_one_silently_and_crash_leftovers_are_swept(
+    tmp_path: Path,
+) -> None:
+    c, _ = controller(tmp_path)
+    (tmp_path / "exports" / "mine").mkdir(parents=True)
+    (tmp_path / "exports" / ".partial-mine-123").mkdir()
+
+    async def main() -> None:
+        await c.start()
+        assert not (tmp_path / "exports" / ".partial-mine-123").exists()
+        try:
+            await c.submit(OperationKind.EXPORT_HF, ExportRequest(name="mine"))
+        except ConflictError as e:
+            assert "pass overwrite" in e.message
+        else:
+            raise AssertionError("an export replaced 'mine' silently")
+        assert c.queue.depth == 0 and (tmp_path / "exports" / "mine").is_dir()
 
     asyncio.run(main())

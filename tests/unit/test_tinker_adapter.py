@@ -4,12 +4,19 @@ ordering, deduplication and futures (``state``)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
-from trainctl.api import ConflictError, InvalidRequestError, LossKind, Normalization
+from trainctl.api import (
+    ConflictError,
+    InvalidRequestError,
+    LossKind,
+    Normalization,
+    RateLimitedError,
+)
 from trainctl.service.tinker import convert, proto
 from trainctl.service.tinker.state import TinkerState
 
@@ -163,3 +170,112 @@ def test_create_model_refuses_what_it_would_not_honour(change: dict, words: str)
     check_create_model(fine, Info.model_construct(model_name="trainctl-tiny", step=0))
     with pytest.raises(ConflictError, match="trained to step 2"):
         check_create_model(fine, Info.model_construct(model_name="trainctl-tiny", step=2))
+
+
+TML = {"X-API-Key": "tml-x"}
+
+
+def _tinker_model(http: Any) -> str:
+    session = http.post("/api/v1/create_session", json={}, headers=TML).json()["session_id"]
+    body = {"session_id": session, "model_seq_id": 0, "base_model": "trainctl-tiny"}
+    made = http.post("/api/v1/create_model", json=body, headers=TML).json()
+    done = http.post("/api/v1/retrieve_future", json={"request_id": made["request_id"]},
+                     headers=TML)  # fmt: skip
+    assert done.status_code == 200 and done.json()["model_id"], done.text
+    return str(made["model_id"])
+
+
+def test_requests_refused_before_they_queue_do_not_block_the_next_seq_id(
+    fake: Any,
+) -> None:
+    """The review's case: a request refused before it was queued (a bad field, a bad save
+    name) held its model's later requests for the 60 s order timeout."""
+    from fastapi.testclient import TestClient
+
+    from trainctl.service.app import create_app
+
+    with TestClient(create_app(fake, tinker_order_timeout_s=60)) as http:
+        http.app.state.tinker_long_poll_s = 5
+        model_id = _tinker_model(http)
+        bad_field = {"model_id": model_id, "seq_id": 1, "overwrite": "sometimes"}
+        r = http.post("/api/v1/save_weights", json=bad_field, headers=TML)
+        assert r.status_code == 422, r.text
+        bad_name = {"model_id": model_id, "seq_id": 2, "path": "../../etc"}
+        f2 = http.post("/api/v1/save_weights", json=bad_name, headers=TML).json()
+        third = {"model_id": model_id, "seq_id": 3, "path": None}
+        f3 = http.post("/api/v1/save_weights_for_sampler", json=third, headers=TML).json()
+        t0 = time.monotonic()
+        for f, words in ((f2, "name"), (f3, "path: trainctl trains and does not sample")):
+            r = http.post("/api/v1/retrieve_future", json={"request_id": f["request_id"]},
+                          headers=TML)  # fmt: skip
+            assert r.json().get("category") == "user" and words in r.json()["error"], r.text
+        assert time.monotonic() - t0 < 4  # not the order timeout
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"session_id": 5}',
+                                  b'{"request_id": null}', b'{"model_id": ["x"]}'])  # fmt: skip
+def test_malformed_tinker_json_is_a_4xx(http: Any, body: bytes) -> None:
+    for route in ("session_heartbeat", "retrieve_future", "get_info", "optim_step",
+                  "save_weights", "create_model", "load_weights", "sessions/x/finish"):  # fmt: skip
+        r = http.post(f"/api/v1/{route}", content=body,
+                      headers={**TML, "content-type": "application/json"})  # fmt: skip
+        assert 400 <= r.status_code < 500, (route, body, r.status_code, r.text)
+
+
+def test_a_full_controller_queue_is_waited_out_and_429_is_a_server_error() -> None:
+    from trainctl.service.tinker.state import category
+
+    assert category(RateLimitedError("queue full")) == "server"
+    assert category(InvalidRequestError("bad")) == "user"
+
+    async def run() -> None:
+        state = TinkerState(order_timeout_s=5)
+        model = state.add_model("s", 0)
+        tries: list[int] = []
+
+        async def admit() -> Any:
+            tries.append(1)
+            if len(tries) < 3:
+                err = RateLimitedError("64 operations are queued")
+                err.retry_after_s = 0.01
+                raise err
+            return asyncio.sleep(0, 7)
+
+        f = state.submit(model, 1, "a", "x", admit)
+        await asyncio.wait_for(f.done.wait(), 5)
+        assert f.result == 7 and len(tries) == 3
+
+    asyncio.run(run())
+
+
+def test_waiting_requests_and_sessions_are_bounded() -> None:
+    async def run() -> None:
+        state = TinkerState(order_timeout_s=5, max_waiting=2, max_waiting_bytes=100)
+        model = state.add_model(state.create_session(), 0)
+        state.submit(model, 3, "c", "x", _admit([], 3), nbytes=10)
+        state.submit(model, 4, "d", "x", _admit([], 4), nbytes=10)
+        await asyncio.sleep(0.01)
+        assert (state.waiting, state.waiting_bytes) == (2, 20)
+        with pytest.raises(RateLimitedError, match="wait for their seq_id turn"):
+            state.submit(model, 5, "e", "x", _admit([], 5))
+        other = state.add_model(state.create_session(), 0)
+        with pytest.raises(RateLimitedError, match="bytes"):
+            state.submit(other, 2, "b", "x", _admit([], 2), nbytes=90)
+        f1 = state.submit(model, 1, "a", "x", _admit([], 1))  # its turn: never limited
+        await asyncio.wait_for(f1.done.wait(), 5)
+        f2 = state.submit(model, 2, "b", "x", _admit([], 2))
+        await asyncio.wait_for(f2.done.wait(), 5)
+        await asyncio.sleep(0.05)
+        assert f1.result == 1 and (state.waiting, state.waiting_bytes) == (0, 0)
+
+        state.session_ttl_s = 0.05
+        await asyncio.sleep(0.1)
+        state.create_session()  # sweeps the silent ones
+        assert len(state.sessions) == 1 and state.models == {}
+        state.max_sessions = 3
+        for _ in range(5):
+            state.create_session()
+        assert len(state.sessions) == 3
+
+    asyncio.run(run())

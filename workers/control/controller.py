@@ -67,6 +67,20 @@ DEFAULT_MODEL_NAME = "trainctl-tiny"
 """The name the embedded default model is served under (``Info.model_name``)."""
 
 
+_PARTIAL_EXPORT = ".partial-"
+"""An export being written (or left by a crash, and swept at start)."""
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    """Put the complete directory ``tmp`` at ``target``: the old one (if any) aside first,
+    so ``target`` is whole at every moment but one rename."""
+    aside = target.with_name(f"{_PARTIAL_EXPORT}old-{target.name}-{os.getpid()}")
+    if target.exists():
+        os.rename(target, aside)
+    os.rename(tmp, target)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -150,6 +164,8 @@ class Controller(OperationHost):
         await self.group.place()
         await self.group.spawn()
         self.checkpoints.sweep_partial()
+        for d in self.export_root.glob(f"{_PARTIAL_EXPORT}*"):  # a crash's leftovers
+            shutil.rmtree(d, ignore_errors=True)
         latest = self._latest_checkpoint()
         if self.resume and latest is not None:
             await self._load(latest.checkpoint_id)
@@ -370,19 +386,31 @@ class Controller(OperationHost):
         problem = export_problem(m.family, m.num_experts)
         if problem:
             raise InvalidRequestError(f"export: {problem}")
+        if req.name is not None:
+            self._check_export_name(req.name, req.overwrite)  # 409 now, not once queued
         return lambda h: self._write_export(req, h)
+
+    def _check_export_name(self, name: str, overwrite: bool) -> None:
+        if not overwrite and (self.export_root / name).exists():
+            raise ConflictError(
+                f"an export named {name!r} exists; pass overwrite to replace it",
+                details={"name": name},
+            )
 
     async def _write_export(self, req: ExportRequest, h: Handle) -> ExportResult:
         name = req.name or f"step-{self.step:06d}"
+        self._check_export_name(name, req.overwrite or req.name is None)
         target = self.export_root / name
-        tmp = self.export_root / f".partial-{name}-{os.getpid()}"
+        tmp = self.export_root / f"{_PARTIAL_EXPORT}{name}-{os.getpid()}"
         h.set_phase("gathering weights")
         parts = [r.canonical_shards.remote() for r in self.group.ranks]
         h.set_phase("writing safetensors")
-        files = await self.group.ranks[0].write_hf.remote(str(tmp), parts)
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
+        try:
+            files = await self.group.ranks[0].write_hf.remote(str(tmp), parts)
+            await asyncio.to_thread(_replace_dir, tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return ExportResult(
             name=name,
             step=self.step,
