@@ -10,6 +10,7 @@ Every error body is ``{"type": ..., "message": ..., "details": ...}``; ``type`` 
     ├── ForbiddenError          403
     ├── NotFoundError           404
     ├── ConflictError           409  idempotency key reused, stale expected_step, ...
+    ├── RequestTimeoutError     408  the body did not arrive in time
     ├── PayloadTooLargeError    413
     ├── UnsupportedMediaTypeError 415
     ├── RateLimitedError        429  retry after ``retry_after_s``
@@ -34,6 +35,8 @@ class ErrorType(str, Enum):
     FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
     CONFLICT = "conflict"
+    REQUEST_TIMEOUT = "request_timeout"
+    """The request body did not arrive within the gateway's deadline."""
     PAYLOAD_TOO_LARGE = "payload_too_large"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     RATE_LIMITED = "rate_limited"
@@ -51,6 +54,7 @@ STATUS_OF: dict[ErrorType, int] = {
     ErrorType.FORBIDDEN: 403,
     ErrorType.NOT_FOUND: 404,
     ErrorType.CONFLICT: 409,
+    ErrorType.REQUEST_TIMEOUT: 408,
     ErrorType.PAYLOAD_TOO_LARGE: 413,
     ErrorType.UNSUPPORTED_MEDIA_TYPE: 415,
     ErrorType.RATE_LIMITED: 429,
@@ -120,6 +124,10 @@ class PayloadTooLargeError(TrainctlError):
     type = ErrorType.PAYLOAD_TOO_LARGE
 
 
+class RequestTimeoutError(TrainctlError):
+    type = ErrorType.REQUEST_TIMEOUT
+
+
 class UnsupportedMediaTypeError(TrainctlError):
     type = ErrorType.UNSUPPORTED_MEDIA_TYPE
 
@@ -166,7 +174,8 @@ ERROR_CLASSES: dict[ErrorType, type[TrainctlError]] = {
     c.type: c
     for c in (
         InvalidRequestError, UnauthorizedError, ForbiddenError, NotFoundError, ConflictError,
-        PayloadTooLargeError, UnsupportedMediaTypeError, RateLimitedError, NotReadyError,
+        PayloadTooLargeError, RequestTimeoutError, UnsupportedMediaTypeError,
+        RateLimitedError, NotReadyError,
         WorkerError, InternalError,
     )
 }  # fmt: skip

@@ -25,6 +25,7 @@ from trainctl.api import API_VERSION, TrainctlError
 from trainctl.api.operations import ROUTED
 from trainctl.service import routes
 from trainctl.service.auth import authorize
+from trainctl.service.codec import BODY_TIMEOUT_S
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.errors import install_error_handlers
 from trainctl.service.metrics import GatewayMetrics
@@ -109,6 +110,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_sequences: int = DEFAULT_MAX_SEQUENCES,
     max_tokens_per_request: int = DEFAULT_MAX_TOKENS_PER_REQUEST,
+    body_timeout_s: float = BODY_TIMEOUT_S,
     fault_injection: bool = False,
     tinker_order_timeout_s: float = 60.0,
 ) -> FastAPI:
@@ -125,6 +127,7 @@ def create_app(
     app.state.controller = controller
     app.state.api_token = api_token or None
     app.state.max_body_bytes = max_body_bytes
+    app.state.body_timeout_s = body_timeout_s
     app.state.request_caps = {
         "max_sequences": max_sequences,
         "max_tokens_per_request": max_tokens_per_request,

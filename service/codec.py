@@ -5,6 +5,7 @@ validated by the same pydantic model either way, so both encodings accept and re
 requests with the same messages. The response encoding follows the Accept header.
 """
 
+import asyncio
 import hashlib
 from typing import Any, TypeVar
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel
 from trainctl.api import (
     LogProbsResult,
     PayloadTooLargeError,
+    RequestTimeoutError,
     UnsupportedMediaTypeError,
     wire,
 )
@@ -28,12 +30,36 @@ class DecodedBody:
         self.model, self.fingerprint, self.nbytes = model, fingerprint, nbytes
 
 
+BODY_IDLE_S = 30.0
+"""A body that sends nothing for this long is dropped (408)."""
+BODY_TIMEOUT_S = 300.0
+"""A body must have arrived whole within this long (408): a slow upload cannot hold one of
+the gateway's request slots for ever."""
+
+
 async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole body, within ``max_bytes`` (413) and the app's read deadlines (408)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(int(declared), max_bytes)
+    total_s = getattr(request.app.state, "body_timeout_s", BODY_TIMEOUT_S)
+    idle_s = min(BODY_IDLE_S, total_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + total_s
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = request.stream().__aiter__()
+    while True:
+        wait = min(idle_s, deadline - loop.time())
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), max(wait, 0.0))
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(
+                f"body: {size} bytes arrived, then nothing within the gateway's deadline "
+                f"({idle_s:g} s idle, {total_s:g} s in all); send the body at once",
+                details={"received_bytes": size},
+            ) from None
         size += len(chunk)
         if size > max_bytes:
             raise _too_large(size, max_bytes)

@@ -111,6 +111,7 @@ def gateway_app(s: Settings) -> Any:
         max_ongoing_requests=s.max_ongoing_requests,
         api_token=s.token(),
         max_body_bytes=int(s.max_body_mb * 2**20),
+        body_timeout_s=s.body_timeout_s,
         max_sequences=s.max_sequences,
         max_tokens_per_request=s.max_tokens_per_request,
         fault_injection=s.enable_fault_injection,

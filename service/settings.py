@@ -120,6 +120,12 @@ class Settings(BaseSettings):
     max_body_mb: float = Field(
         256, gt=0, description="Largest request body accepted, in MiB (413 beyond it)."
     )
+    body_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A request body must arrive whole within this many seconds, "
+        "and never pause 30 s (408 otherwise).",
+    )
     max_sequences: int = Field(
         16384, ge=1, description="Sequences one request may carry (422 beyond it)."
     )

@@ -7,37 +7,23 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from trainctl.service.app import create_app
 from trainctl.service.cluster import free_port
 
+from conftest import served
 from fakes import FakeController
 
 
 @pytest.fixture
 def url(fake: FakeController) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(fake), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield base
-    server.should_exit = True
-    thread.join(timeout=10)
+    with served(create_app(fake)) as base:
+        yield base
 
 
 def trainctl(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import tracemalloc
 import zlib
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from trainctl.api import PayloadTooLargeError, wire
 from trainctl.api.batch import SequenceBatch
 from trainctl.service.app import create_app
 
+from conftest import served
 from fakes import FakeController
 
 LIMIT = 1 << 20
@@ -171,3 +173,23 @@ def test_checkpoint_and_profile_files_are_never_unpickled_as_code(tmp_path: Path
     snapshot = {"device_traces": [[{"action": "alloc", "size": 8, "time_us": 1}]]}
     _, total = memory_timeline("snapshot.pickle", pickle.dumps(snapshot))
     assert total.tolist() == [8.0]
+
+
+def test_a_slow_body_is_dropped_with_408(fake: FakeController) -> None:
+    """The review's case: idle authenticated uploads held every gateway slot for ever."""
+    import socket
+
+    app = create_app(fake, body_timeout_s=0.5)
+    with served(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/train_batch HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
+                b'\r\ncontent-length: 1000\r\n\r\n{"sequences": ['
+            )  # ... and nothing more
+            t0 = time.monotonic()
+            reply = sock.recv(4096).decode()
+            waited = time.monotonic() - t0
+    assert reply.startswith("HTTP/1.1 408"), reply
+    assert "send the body at once" in reply and waited < 5
+    assert fake.calls == []
