@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from trainctl.api import API_VERSION, TrainctlError
 from trainctl.api.operations import ROUTED
 from trainctl.service import routes
-from trainctl.service.auth import authorize
+from trainctl.service.auth import Access, access, authorize
 from trainctl.service.codec import BODY_TIMEOUT_S
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.errors import install_error_handlers
@@ -38,7 +38,7 @@ DEFAULT_MAX_SEQUENCES = 16384
 DEFAULT_MAX_TOKENS_PER_REQUEST = 1 << 24
 
 
-def _install_metrics(app: FastAPI) -> None:
+def _install_metrics(app: FastAPI, open_metrics: bool) -> None:
     metrics: GatewayMetrics = app.state.metrics
 
     @app.middleware("http")
@@ -51,6 +51,7 @@ def _install_metrics(app: FastAPI) -> None:
         return response
 
     @app.get("/metrics", include_in_schema=False)
+    @access(Access.OPEN if open_metrics else Access.BEARER)
     async def prometheus(request: Request) -> Response:
         """Prometheus text: the gateway's metrics, then the controller's."""
         controller: ControllerAPI = request.app.state.controller
@@ -113,10 +114,16 @@ def create_app(
     body_timeout_s: float = BODY_TIMEOUT_S,
     fault_injection: bool = False,
     tinker_order_timeout_s: float = 60.0,
+    open_metrics: bool = True,
+    open_docs: bool = True,
 ) -> FastAPI:
     """The gateway around ``controller``; with ``api_token``, every route but the open ones
-    (``service/auth.py``) needs it."""
+    (``service/auth.py``) needs it. ``open_metrics`` / ``open_docs``: ``/metrics`` and the
+    API docs (``/docs``, ``/openapi.json``) answer without the token; when closed, /metrics
+    and /openapi.json need it and the browser docs are off."""
+    docs = {} if open_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(
+        **docs,  # type: ignore[arg-type]
         title="trainctl",
         version="0.1.0",
         description="Training control for RL post-training: train_batch, eval_batch, log-probs "
@@ -133,11 +140,17 @@ def create_app(
         "max_tokens_per_request": max_tokens_per_request,
     }
     app.state.metrics = GatewayMetrics()
-    _install_metrics(app)
+    _install_metrics(app, open_metrics)
     install_error_handlers(app)
     routes.include(app)
     tinker_routes.install(app, order_timeout_s=tinker_order_timeout_s)
     if fault_injection:
         _install_fault_injection(app)
     app.openapi = _openapi(app)  # type: ignore[method-assign]
+    if not open_docs:
+
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi_json() -> dict[str, Any]:
+            return app.openapi()
+
     return app

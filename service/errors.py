@@ -6,6 +6,8 @@ the same shape.
 """
 
 import logging
+import re
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,12 +30,34 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out or "body"
 
 
+_IP = re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b")
+_PID = re.compile(r"\bpid=\d+")
+_PATH = re.compile(r"(?<![\w:/])/(?:[\w.@+-]+/)+[\w.@+-]*")
+_PUBLIC_DETAILS = {"ranks", "method", "queued", "accumulated_parts", "operation"}
+
+
+def public(body: ErrorBody) -> ErrorBody:
+    """A server error as a client may see it: the first line of its message, without
+    addresses, pids or file paths; no remote tracebacks in its details; and an ``error_id``
+    that finds the whole story in the service log (logged here)."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("error %s: %s %s (details: %s)", error_id, body.type.value, body.message,
+              body.details)  # fmt: skip
+    first = body.message.strip().splitlines()[0] if body.message.strip() else body.type.value
+    message = _PATH.sub("<path>", _PID.sub("pid=<pid>", _IP.sub("<address>", first)))[:500]
+    kept = body.details if isinstance(body.details, dict) else {}
+    details = {k: v for k, v in kept.items() if k in _PUBLIC_DETAILS}
+    return ErrorBody(type=body.type, message=message, details={**details, "error_id": error_id})
+
+
 def error_response(
     request: Request, status: int, body: ErrorBody, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     metrics: GatewayMetrics | None = getattr(request.app.state, "metrics", None)
     if metrics is not None:
         metrics.errors.labels(body.type.value).inc()
+    if status >= 500:
+        body = public(body)
     return JSONResponse(status_code=status, content=body.model_dump(mode="json"), headers=headers)
 
 
@@ -67,8 +91,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(TrainctlError)
     async def _domain(request: Request, exc: TrainctlError) -> JSONResponse:
-        if exc.status >= 500:
-            log.error("%s %s failed: %s", request.method, request.url.path, exc.message)
         headers = None
         if exc.retry_after_s is not None:
             headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}

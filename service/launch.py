@@ -115,6 +115,8 @@ def gateway_app(s: Settings) -> Any:
         max_sequences=s.max_sequences,
         max_tokens_per_request=s.max_tokens_per_request,
         fault_injection=s.enable_fault_injection,
+        open_metrics=s.open_metrics,
+        open_docs=s.open_docs,
     )
 
 

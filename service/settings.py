@@ -145,6 +145,14 @@ class Settings(BaseSettings):
     api_token_file: Path | None = Field(
         None, description="File holding the bearer token (e.g. a mounted Kubernetes Secret)."
     )
+    open_metrics: bool = Field(
+        True, description="/metrics answers without the token (Prometheus scrapes it)."
+    )
+    open_docs: bool = Field(
+        True,
+        description="/docs and /openapi.json answer without the token; false: "
+        "/openapi.json needs it and /docs is off.",
+    )
 
     checkpoint_every_steps: int = Field(
         0, ge=0, description="Save a checkpoint every N optimizer steps (0: only when asked)."

@@ -14,10 +14,11 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel
 
 from trainctl.api import API_VERSION, Operation, OperationKind, OperationSpec, wire
-from trainctl.api.errors import field_error
+from trainctl.api.errors import STATUS_OF, field_error
 from trainctl.api.operations import ROUTED
 from trainctl.service.codec import decode_request, encode_response, read_body
 from trainctl.service.controller_client import ControllerAPI
+from trainctl.service.errors import public
 from trainctl.service.metrics import GatewayMetrics
 from trainctl.service.routes.deps import (
     MAX_WAIT_S,
@@ -144,4 +145,7 @@ async def get_operation(
 ) -> Response:
     """An operation: queued (with its position), running (with its phase), done (with the
     result) or failed (with the error)."""
-    return encode_response(request, await controller.operation(op_id, wait))
+    op = await controller.operation(op_id, wait)
+    if op.error is not None and STATUS_OF[op.error.type] >= 500:
+        op.error = public(op.error)
+    return encode_response(request, op)

@@ -37,7 +37,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from trainctl.api import ConflictError, NotFoundError, RateLimitedError, TrainctlError
+from trainctl.api import (
+    ConflictError,
+    ErrorBody,
+    ErrorType,
+    NotFoundError,
+    RateLimitedError,
+    TrainctlError,
+)
+from trainctl.service.errors import public
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +80,12 @@ def describe(e: BaseException) -> str:
             f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}"
             for err in e.errors()
         )
-    return e.message if isinstance(e, TrainctlError) else f"{type(e).__name__}: {e}"
+    if isinstance(e, TrainctlError) and e.status < 500:
+        return e.message
+    body = e.body() if isinstance(e, TrainctlError) else None
+    body = body or ErrorBody(type=ErrorType.INTERNAL, message=f"{type(e).__name__}: {e}")
+    shown = public(body)  # a server error: no paths, addresses or remote tracebacks
+    return f"{shown.message} (error_id {shown.details['error_id']})"
 
 
 @dataclass(eq=False)

@@ -19,7 +19,9 @@ from trainctl.service.auth import Access, access_of
 from fakes import FakeController
 
 TOKEN = "s3cret-token"
-OPEN_PATHS = {"/v1/health", "/v1/ready", "/api/v1/client/dynamic_config", "/api/v1/healthz"}
+OPEN_PATHS = {
+    "/v1/health", "/v1/ready", "/api/v1/client/dynamic_config", "/api/v1/healthz", "/metrics"
+}  # fmt: skip
 
 
 def _flat(routes: list) -> Iterator:
@@ -99,3 +101,18 @@ def test_without_a_token_native_routes_are_open_and_tinker_still_wants_its_key()
         assert http.post("/api/v1/create_session", json={}).status_code == 401
         ok = http.post("/api/v1/create_session", json={}, headers={"x-api-key": "tml-any"})
         assert ok.status_code == 200
+
+
+def test_metrics_and_docs_can_be_closed() -> None:
+    app = create_app(FakeController(), api_token=TOKEN, open_metrics=False, open_docs=False)
+    with TestClient(app) as http:
+        assert "/metrics" not in {p for _, p, a in _routes(app) if a is Access.OPEN}
+        assert http.get("/metrics").status_code == 401
+        assert http.get("/openapi.json").status_code == 401
+        assert http.get("/docs").status_code == 404
+        bearer = {"authorization": f"Bearer {TOKEN}"}
+        assert http.get("/metrics", headers=bearer).status_code == 200
+        assert http.get("/openapi.json", headers=bearer).json()["paths"]
+    with TestClient(create_app(FakeController(), api_token=TOKEN)) as http:
+        assert http.get("/metrics").status_code == 200
+        assert http.get("/openapi.json").status_code == 200

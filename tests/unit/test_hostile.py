@@ -193,3 +193,37 @@ def test_a_slow_body_is_dropped_with_408(fake: FakeController) -> None:
     assert reply.startswith("HTTP/1.1 408"), reply
     assert "send the body at once" in reply and waited < 5
     assert fake.calls == []
+
+
+def test_server_errors_show_no_paths_addresses_pids_or_tracebacks(
+    fake: FakeController, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainctl.api import WorkerError
+
+    secret = (
+        "cannot open /srv/trainctl/data/checkpoints/step-000001/rank-00001.pt on "
+        '10.1.2.3:6379 (pid=4242)\nTraceback (most recent call last):\n  File "/srv/x.py"'
+    )
+
+    async def boom() -> None:
+        raise RuntimeError(secret)
+
+    async def worker_error(*_: object) -> None:
+        raise WorkerError(f"rank 1 failed in accumulate: {secret}",
+                          details={"ranks": [1], "causes": {"1": secret}})  # fmt: skip
+
+    monkeypatch.setattr(fake, "info", boom)
+    monkeypatch.setattr(fake, "run", worker_error)
+    with TestClient(create_app(fake), raise_server_exceptions=False) as http:
+        replies = [
+            http.get("/v1/info"),
+            http.post("/v1/train_batch", json={"sequences": [{"tokens": [1, 2, 3]}]}),
+        ]
+    for r in replies:
+        assert r.status_code == 500, r.text
+        body = r.json()
+        for leak in ("/srv", "10.1.2.3", "4242", "Traceback", "rank-00001.pt", "causes"):
+            assert leak not in r.text, (leak, r.text)
+        assert body["details"]["error_id"] and body["message"].startswith(
+            ("RuntimeError: cannot open <path>", "rank 1 failed in accumulate")
+        ), body
