@@ -227,3 +227,33 @@ def test_server_errors_show_no_paths_addresses_pids_or_tracebacks(
         assert body["details"]["error_id"] and body["message"].startswith(
             ("RuntimeError: cannot open <path>", "rank 1 failed in accumulate")
         ), body
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """The local addresses that listen on TCP ``port`` (from /proc/net/tcp and tcp6)."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                out.append(addr)
+    return out
+
+
+def test_the_rendezvous_store_listens_on_the_node_address_only() -> None:
+    """The review's case: rank 0's TCPStore listened on every interface, uncredentialed."""
+    import ray
+
+    from trainctl.workers.control.rank import RankWorker
+
+    worker = RankWorker(rank=0, world_size=1)
+    host, port = worker.rendezvous_address(timeout_s=5)
+    assert host == ray.util.get_node_ip_address()
+    listening = _listening_addresses(port)
+    wildcard = {"00000000", "00000000000000000000000000000000"}
+    assert listening and not wildcard & set(listening), listening
+    worker.init_process_group(host, port, "gloo", 5)  # the store works as before
+    import torch.distributed as dist
+
+    dist.destroy_process_group()

@@ -78,23 +78,32 @@ class RankWorker:
         self.engine: Any = None
         self._faults: dict[str, int] = {}
         self._store: Any = None
+        self._listener: Any = None
+        """Rank 0: the socket the rendezvous store listens on (kept open while it lives)."""
         self._staged: dict[str, Any] | None = None
         """A checkpoint shard read by ``stage_checkpoint``, waiting for ``apply_checkpoint``."""
 
     def rendezvous_address(self, timeout_s: float) -> tuple[str, int]:
         """Called on rank 0: start the rendezvous store on a port the OS picks (no race with
-        other processes for a 'free' port) and return its address."""
+        other processes for a 'free' port) and return its address. The store listens on the
+        node's cluster address only (torch's own server would listen on every interface):
+        we bind the socket and hand it over."""
+        import socket
+
         import ray
         import torch.distributed as dist
 
         host = ray.util.get_node_ip_address()
+        self._listener = socket.create_server((host, 0), backlog=128)
+        port = self._listener.getsockname()[1]
         self._store = dist.TCPStore(
             host,
-            0,
+            port,
             self.world_size,
             is_master=True,
             timeout=timedelta(seconds=timeout_s),
             wait_for_workers=False,
+            master_listen_fd=self._listener.fileno(),
         )
         return host, int(self._store.port)
 
