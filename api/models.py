@@ -460,3 +460,10 @@ class Info(BaseModel):
 
 class Health(BaseModel):
     status: str
+    service: Literal["trainctl"] = Field(
+        description="Always 'trainctl': a readiness check tells this service from whatever "
+        "else may answer on its port."
+    )
+    instance: str = Field(
+        "", description="This start of the service (--instance-id, else random per start)."
+    )

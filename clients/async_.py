@@ -275,12 +275,14 @@ class AsyncTrainctlClient:
         """The Prometheus text of ``/metrics``."""
         return await self._send(self._req.metrics())
 
-    async def is_ready(self) -> bool:
+    async def is_ready(self, instance: str | None = None) -> bool:
+        """Whether trainctl answers ready at this URL: a 200 from anything else (a server
+        that took the port) is not ready. ``instance``: also that it is this start of it."""
         try:
-            await self._send(self._req.get("ready", Health), NO_RETRY)
-        except TrainctlError:
+            health = await self._send(self._req.get("ready", Health), NO_RETRY)
+        except (TrainctlError, ValueError):  # ValueError: a body that is not trainctl's
             return False
-        return True
+        return health.status == "ready" and instance in (None, health.instance)
 
     async def wait_ready(self, timeout: float = 300.0, poll_s: float = 1.0) -> None:
         """Block until the service reports ready; ``TimeoutError`` after ``timeout`` seconds."""

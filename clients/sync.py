@@ -267,12 +267,14 @@ class TrainctlClient:
         """The Prometheus text of ``/metrics``."""
         return self._send(self._req.metrics())
 
-    def is_ready(self) -> bool:
+    def is_ready(self, instance: str | None = None) -> bool:
+        """Whether trainctl answers ready at this URL: a 200 from anything else (a server
+        that took the port) is not ready. ``instance``: also that it is this start of it."""
         try:
-            self._send(self._req.get("ready", Health), NO_RETRY)
-        except TrainctlError:
+            health = self._send(self._req.get("ready", Health), NO_RETRY)
+        except (TrainctlError, ValueError):  # ValueError: a body that is not trainctl's
             return False
-        return True
+        return health.status == "ready" and instance in (None, health.instance)
 
     def wait_ready(self, timeout: float = 300.0, poll_s: float = 1.0) -> None:
         """Block until the service reports ready; ``TimeoutError`` after ``timeout`` seconds."""

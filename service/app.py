@@ -116,6 +116,7 @@ def create_app(
     tinker_order_timeout_s: float = 60.0,
     open_metrics: bool = True,
     open_docs: bool = True,
+    instance_id: str = "",
 ) -> FastAPI:
     """The gateway around ``controller``; with ``api_token``, every route but the open ones
     (``service/auth.py``) needs it. ``open_metrics`` / ``open_docs``: ``/metrics`` and the
@@ -133,6 +134,7 @@ def create_app(
     )
     app.state.controller = controller
     app.state.api_token = api_token or None
+    app.state.instance_id = instance_id
     app.state.max_body_bytes = max_body_bytes
     app.state.body_timeout_s = body_timeout_s
     app.state.request_caps = {

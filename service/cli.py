@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from typing import Any
 
 from pydantic import ValidationError
@@ -60,18 +61,34 @@ def serve_main(s: Settings) -> int:
         return 2
 
 
-def _check_port(host: str, port: int) -> None:
-    """Fail before starting anything if the gateway's port is taken."""
+def _reserve_port(host: str, port: int) -> socket.socket | None:
+    """Bind the gateway's port now and hold it until the gateway takes it: nothing started
+    in between (the Ray head's daemons) can take it. A port already in use is a one-line
+    error."""
     if port == 0:
-        return
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as e:
+        return None
+    sock = socket.socket()
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StartupError(
+            f"cannot listen on {host}:{port} ({e.strerror}); stop what holds the port "
+            "or pass another --port"
+        ) from None
+    return sock
+
+
+def _check_own_port(url: str, instance: str) -> None:
+    """The gateway's port must answer as this start of trainctl, not as anything else."""
+    from trainctl.clients import TrainctlClient
+
+    with TrainctlClient(url, timeout=10) as c:
+        if not c.is_ready(instance=instance):
             raise StartupError(
-                f"cannot listen on {host}:{port} ({e.strerror}); stop what holds the port "
-                "or pass another --port"
-            ) from None
+                f"{url} does not answer as this trainctl service (instance {instance}); "
+                "another server may hold the port: stop it or pass another --port"
+            )
 
 
 def _check_reachable(address: str) -> None:
@@ -96,7 +113,8 @@ def _serve(s: Settings) -> int:
         raise StartupError(f"cannot read {e.filename}: {e.strerror}") from None
     except ValueError as e:
         raise StartupError(str(e)) from None
-    _check_port(s.host, s.port)
+    reservation = _reserve_port(s.host, s.port)
+    instance = s.instance_id or uuid.uuid4().hex[:16]
     # Before Ray is imported: its C++ core reads the auth mode once.
     if s.ray_address:
         _check_reachable(s.ray_address)
@@ -143,7 +161,11 @@ def _serve(s: Settings) -> int:
         if s.ray_address:
             address = s.ray_address
         else:
-            head = LocalRayHead(num_cpus=s.num_cpus, log_path=s.data_dir.resolve() / "ray-head.log")
+            head = LocalRayHead(
+                num_cpus=s.num_cpus,
+                log_path=s.data_dir.resolve() / "ray-head.log",
+                worker_ports=s.ray_worker_ports,
+            )
             address = head.__enter__()
         # Ours before ray.init, so a signal while connecting stops start-up; and again after:
         # Ray's core worker installs a SIGTERM handler that aborts the process, and ours
@@ -166,13 +188,18 @@ def _serve(s: Settings) -> int:
         except ray.exceptions.RayTaskError as e:
             raise StartupError(f"could not start the workers: {e.cause}") from None
         log.info("model: %s parameters per replica", info.engine["parameters_per_replica"])
+        if reservation is not None:
+            reservation.close()  # the gateway's own, from here
         serve.start(http_options={"host": s.host, "port": s.port})
         serve.run(
-            launch.gateway_app(s),
+            launch.gateway_app(s, instance),
             name=APP_NAME,
             route_prefix="/",
             logging_config={"enable_access_log": False, "log_level": s.log_level},
         )
+        if s.port:
+            local = "127.0.0.1" if s.host in ("0.0.0.0", "::", "") else s.host
+            _check_own_port(f"http://{local}:{s.port}", s.instance_id or instance)
         started.set()
         print(
             f"trainctl ready at {s.url} (API docs: {s.url}/docs) "
@@ -194,6 +221,8 @@ def _serve(s: Settings) -> int:
             "(run with --log-level DEBUG for the traceback)"
         ) from None
     finally:
+        if reservation is not None:
+            reservation.close()
         _shutdown(controller, checkpoint=s.checkpoint_on_exit)
         if head is not None:
             head.stop()

@@ -28,41 +28,74 @@ keep, yet wait out timeouts of their own (about 15 s measured) before exiting.""
 
 def free_port() -> int:
     """A TCP port free on loopback now (another process may still take it first)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on loopback now: all bound at once, then released."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+HEAD_PORTS = (
+    "port", "ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
+    "node-manager-port", "object-manager-port",
+)  # fmt: skip
+"""The ``ray start`` port flags trainctl fills itself, with ports free when it starts the
+head; the autoscaler's metrics port (``AUTOSCALER_METRIC_PORT``) too. Left to Ray, several
+are fixed (8265, 10001, 44217, 52365) or taken at random later, and one of them could be
+the port a caller picked for the gateway."""
 
 
 class LocalRayHead:
     """``with LocalRayHead(num_cpus, log_path) as address: ray.init(address=address)``."""
 
-    def __init__(self, *, num_cpus: int | None, log_path: Path) -> None:
+    def __init__(
+        self, *, num_cpus: int | None, log_path: Path, worker_ports: str = "10002-19999"
+    ) -> None:
         self.num_cpus = num_cpus
         self.log_path = log_path
+        self.worker_ports = worker_ports
         self.proc: subprocess.Popen[bytes] | None = None
         self.address = ""
+        self.ports: dict[str, int] = {}
+        """Every port the head was told to use, by its ``ray start`` flag."""
 
     def __enter__(self) -> str:
-        port = free_port()
+        picked = free_ports(len(HEAD_PORTS) + 1)
+        self.ports = dict(zip(HEAD_PORTS, picked, strict=False))
+        low, high = self.worker_ports.split("-")
+        port = self.ports["port"]
         cmd = [
             sys.executable,
             "-m",
             "ray.scripts.scripts",
             "start",
             "--head",
-            f"--port={port}",
+            *[f"--{flag}={p}" for flag, p in self.ports.items()],
+            f"--min-worker-port={low}",
+            f"--max-worker-port={high}",
             "--node-ip-address=127.0.0.1",
             "--include-dashboard=false",
             "--disable-usage-stats",
             "--block",
         ]
+        self.ports["autoscaler-metrics"] = picked[-1]
         if self.num_cpus is not None:
             cmd.append(f"--num-cpus={self.num_cpus}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting a local Ray head on port %d (log: %s)", port, self.log_path)
         with self.log_path.open("ab") as out:
+            env = {**os.environ, "AUTOSCALER_METRIC_PORT": str(picked[-1])}
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )
         self.address = f"127.0.0.1:{port}"
         return self.address

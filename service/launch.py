@@ -99,9 +99,9 @@ def create_controller(s: Settings, cfg: dict[str, Any], *, detached: bool) -> An
     )
 
 
-def gateway_app(s: Settings) -> Any:
+def gateway_app(s: Settings, instance_id: str = "") -> Any:
     """The bound Serve application of the gateway, for the controller ``create_controller``
-    made."""
+    made; ``instance_id``: what its health checks report (``s.instance_id`` wins)."""
     from trainctl.service.deployment import gateway
     from trainctl.workers.control.controller import CONTROLLER_NAME, NAMESPACE
 
@@ -117,6 +117,7 @@ def gateway_app(s: Settings) -> Any:
         fault_injection=s.enable_fault_injection,
         open_metrics=s.open_metrics,
         open_docs=s.open_docs,
+        instance_id=s.instance_id or instance_id,
     )
 
 

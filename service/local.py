@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from types import TracebackType
 
@@ -40,6 +41,8 @@ class LocalService:
         self.log_path = data_dir / "serve.log"
         self.num_cpus, self.env = num_cpus, env or {}
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
+        self.instance = uuid.uuid4().hex[:16]
+        """The identity this start reports at /v1/ready (``--instance-id``)."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
         self.leftovers: list[str] = []
@@ -57,6 +60,7 @@ class LocalService:
         merged = {
             **os.environ,
             "TRAINCTL_DATA_DIR": str(self.data_dir),
+            "TRAINCTL_INSTANCE_ID": self.instance,
             "PYTHONUNBUFFERED": "1",
             **self.env,
         }
@@ -69,7 +73,7 @@ class LocalService:
             )
         deadline = time.monotonic() + self.start_timeout_s
         with self.client() as c:
-            while not c.is_ready():
+            while not c.is_ready(instance=self.instance):  # ours, not whatever took the port
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.kill()
                     raise RuntimeError(

@@ -172,6 +172,19 @@ class Settings(BaseSettings):
         "(config.json + *.safetensors); the model shape comes from its config.json.",
     )
 
+    instance_id: str | None = Field(
+        None,
+        max_length=64,
+        description="The identity /v1/health and /v1/ready report, so a check can tell this "
+        "start of the service from any other server on its port; default: random per start.",
+    )
+    ray_worker_ports: str = Field(
+        "10002-19999",
+        pattern=r"^\d+-\d+$",
+        description="Port range of the local Ray head's worker processes (ignored when "
+        "joining a cluster); every other port of the head is picked by trainctl.",
+    )
+
     enable_fault_injection: bool = Field(
         False,
         description="Serve POST /v1/debug/faults, which makes a rank fail on purpose "

@@ -20,9 +20,9 @@ async def info(controller: ControllerDep) -> Info:
 
 @router.get("/health", response_model=Health)
 @access(Access.OPEN)
-async def health() -> Health:
+async def health(request: Request) -> Health:
     """Liveness: the gateway answers."""
-    return Health(status="ok")
+    return _health(request, "ok")
 
 
 @router.get("/ready", response_model=Health, responses={503: {"model": ErrorBody}})
@@ -30,6 +30,10 @@ async def health() -> Health:
 async def ready(request: Request, controller: ControllerDep) -> Any:
     """Readiness: every rank is built and the service takes work."""
     if await controller.is_ready():
-        return Health(status="ready")
+        return _health(request, "ready")
     body = ErrorBody(type=ErrorType.NOT_READY, message="workers not ready")
     return error_response(request, 503, body, {"Retry-After": "2"})
+
+
+def _health(request: Request, status: str) -> Health:
+    return Health(status=status, service="trainctl", instance=request.app.state.instance_id)

@@ -352,3 +352,61 @@ def test_the_home_directory_is_left_empty(service: Service) -> None:
     assert service.client().list_memory_profiles().profiles, "a profile was rendered first"
     assert sorted(p.relative_to(home).as_posix() for p in home.rglob("*")) == []
     assert (service.data_dir / "cache" / "matplotlib").is_dir()
+
+
+class _Squatter:
+    """An HTTP server that answers 200 with Prometheus text on every path, as Ray's
+    autoscaler metrics exporter did on the port a test had picked for the gateway."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = b"# HELP autoscaler_worker_create_node_time\n"
+                self.send_response(200)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_port_that_is_not_its_own_ends_in_a_clear_error(service: Service, tmp_path: Path) -> None:
+    from trainctl.service.local import LocalService
+
+    squatter = _Squatter()
+    try:
+        with TrainctlClient(f"http://127.0.0.1:{squatter.port}") as c:
+            assert not c.is_ready()  # a 200 that is not trainctl's is not ready
+        # A service whose port is taken stops at once, before Ray, with one line.
+        taken = LocalService(tmp_path / "squatted", start_timeout_s=60)
+        taken.port, taken.url = squatter.port, f"http://127.0.0.1:{squatter.port}"
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{squatter.port}"):
+            taken.start()
+        assert time.monotonic() - t0 < 30
+    finally:
+        squatter.close()
+    # A second service on the first one's port: the same one-line error, exit 2.
+    r = subprocess.run(
+        [sys.executable, "-m", "trainctl.service.cli", "serve", "--port", str(service.port),
+         "--data-dir", str(tmp_path / "second")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"cannot listen on 127.0.0.1:{service.port}" in r.stderr
+    # The running service answers as itself, and only as itself.
+    with service.client() as c:
+        assert c.is_ready(instance=service.instance)
+        assert not c.is_ready(instance="someone-else")

@@ -88,7 +88,7 @@ def test_ready_reflects_controller(http: TestClient, fake: FakeController) -> No
     fake.ready = False
     r = http.get("/v1/ready")
     assert r.status_code == 503 and r.json()["type"] == "not_ready"
-    assert http.get("/v1/health").json() == {"status": "ok"}
+    assert http.get("/v1/health").json() == {"status": "ok", "service": "trainctl", "instance": ""}
 
 
 def test_openapi_documents_every_route(http: TestClient) -> None:
