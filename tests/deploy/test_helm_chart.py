@@ -4,6 +4,7 @@ one test per values knob checking what it changes in the output."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -83,7 +84,7 @@ def test_lint_and_every_manifest_validates(values: list[str]) -> None:
             ServeDeploySchema.model_validate(serve_config(d))
         else:
             kubernetes_validate.validate(d, KUBE.rsplit(".", 1)[0], strict=True)
-    assert {"RayService", "Service", "PersistentVolumeClaim"} <= kinds
+    assert {"RayService", "Service", "PersistentVolumeClaim", "Secret", "NetworkPolicy"} <= kinds
 
 
 def test_the_rayservice_schema_rejects_a_broken_manifest() -> None:
@@ -166,18 +167,45 @@ def test_resources_node_selectors_tolerations() -> None:
     assert "nodeSelector" not in head(rayservice())
 
 
-def test_auth_secret_created_or_referenced() -> None:
-    assert not any(k.startswith("Secret/") for k in docs())
-    created = docs("--set", "auth.token=s3cret")
-    assert created["Secret/t-trainctl-auth"]["stringData"]["token"] == "s3cret"
-    env = head(next(d for k, d in created.items() if k.startswith("RayService/")))
-    ref = next(e for e in env["containers"][0]["env"] if e["name"] == "TRAINCTL_API_TOKEN")
+def _env(container: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(e for e in container.get("env", []) if e["name"] == name)
+
+
+def test_secure_by_default_api_and_ray_tokens_generated() -> None:
+    """The review's case: the chart bound 0.0.0.0 with no token, no Ray auth and no
+    NetworkPolicy by default."""
+    d = docs()
+    token = base64.b64decode(d["Secret/t-trainctl-auth"]["data"]["token"]).decode()
+    ray_token = base64.b64decode(d["Secret/t-trainctl-ray"]["data"]["token"]).decode()
+    assert len(token) == 40 and len(ray_token) == 48 and token != ray_token
+    assert token != base64.b64decode(docs()["Secret/t-trainctl-auth"]["data"]["token"]).decode()
+    rs = d["RayService/t-trainctl"]
+    ref = _env(head(rs)["containers"][0], "TRAINCTL_API_TOKEN")
     assert ref["valueFrom"]["secretKeyRef"] == {"name": "t-trainctl-auth", "key": "token"}
+    for c in (head(rs)["containers"][0], worker_group(rs)["template"]["spec"]["containers"][0]):
+        assert _env(c, "RAY_AUTH_MODE")["value"] == "token"
+        ray_ref = _env(c, "RAY_AUTH_TOKEN")["valueFrom"]["secretKeyRef"]
+        assert ray_ref == {"name": "t-trainctl-ray", "key": "token"}
+    policy = d["NetworkPolicy/t-trainctl"]["spec"]
+    own, gateway, operator = policy["ingress"]
+    assert own["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "t"
+    assert gateway["ports"] == [{"port": 8000, "protocol": "TCP"}] and "from" not in gateway
+    assert {p["port"] for p in operator["ports"]} == {8265, 52365}
+
+
+def test_auth_secret_given_referenced_or_turned_off() -> None:
+    created = docs("--set", "auth.token=s3cret")
+    assert base64.b64decode(created["Secret/t-trainctl-auth"]["data"]["token"]) == b"s3cret"
     existing = docs("--set", "auth.existingSecret=mine")
-    assert not any(k.startswith("Secret/") for k in existing)
-    rs = next(d for k, d in existing.items() if k.startswith("RayService/"))
-    ref = next(e for e in head(rs)["containers"][0]["env"] if e["name"] == "TRAINCTL_API_TOKEN")
+    assert "Secret/t-trainctl-auth" not in existing
+    rs = existing["RayService/t-trainctl"]
+    ref = _env(head(rs)["containers"][0], "TRAINCTL_API_TOKEN")
     assert ref["valueFrom"]["secretKeyRef"]["name"] == "mine"
+    off = docs("--set", "auth.enabled=false", "--set", "ray.tokenAuth=false",
+               "--set", "networkPolicy.enabled=false")  # fmt: skip
+    assert not any(k.startswith(("Secret/", "NetworkPolicy/")) for k in off)
+    env = head(off["RayService/t-trainctl"])["containers"][0].get("env", [])
+    assert not any(e["name"] in ("TRAINCTL_API_TOKEN", "RAY_AUTH_MODE") for e in env)
 
 
 @pytest.mark.parametrize("volume", ["profiles", "checkpoints"])

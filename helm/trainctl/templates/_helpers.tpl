@@ -55,12 +55,30 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end -}}
 
+{{- define "trainctl.raySecretName" -}}
+{{ printf "%s-ray" (include "trainctl.fullname" .) }}
+{{- end -}}
+
+{{/* Every pod: Ray's token auth. */}}
+{{- define "trainctl.rayEnv" -}}
+{{- if .Values.ray.tokenAuth }}
+- {name: RAY_AUTH_MODE, value: token}
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "trainctl.raySecretName" . }}
+      key: token
+{{- end }}
+{{- end -}}
+
+{{/* The head pod: the gateway's API token, and Ray's. */}}
 {{- define "trainctl.env" -}}
-{{- if or .Values.auth.existingSecret .Values.auth.token }}
+{{- if .Values.auth.enabled }}
 - name: TRAINCTL_API_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ include "trainctl.secretName" . }}
       key: token
 {{- end }}
+{{ include "trainctl.rayEnv" . }}
 {{- end -}}
