@@ -333,7 +333,8 @@ class MemoryProfileStartRequest(BaseModel):
         default=100_000,
         ge=1,
         le=10_000_000,
-        description="CUDA: ring-buffer size of the allocation history. CPU: not capped.",
+        description="CUDA: ring-buffer size of the allocation history. CPU: the recording "
+        "stops after 10 minutes instead (stop still writes it).",
     )
 
 

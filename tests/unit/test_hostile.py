@@ -257,3 +257,24 @@ def test_the_rendezvous_store_listens_on_the_node_address_only() -> None:
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def test_a_cpu_memory_profile_stops_recording_at_its_time_cap(tmp_path: Path) -> None:
+    """The review's case: the CPU profiler recorded without bound until stopped."""
+    import json as _json
+
+    import torch
+
+    from trainctl.workers.engine.profiling import MemoryProfiler, RankCoords
+
+    prof = MemoryProfiler(RankCoords(rank=0, dp=0, cp=0, tp=0, pp=0), cpu_max_seconds=0.2)
+    prof.start(max_entries=10)
+    torch.ones(1000).sum()
+    assert not prof.pause_if_expired()  # within the cap: still recording
+    time.sleep(0.3)
+    assert prof.pause_if_expired()
+    for _ in range(50):  # after the cap: nothing more is recorded
+        torch.full((4096,), 7.0).cumsum(0)
+    path = prof.stop(tmp_path)
+    names = {e.get("name") for e in _json.loads(path.read_text())["traceEvents"]}
+    assert "aten::ones" in names and "aten::cumsum" not in names

@@ -139,6 +139,7 @@ class RankWorker:
 
     def _shard(self, plan: StepPlan) -> Any:
         self._check_fault("forward")
+        self.engine.profiler.pause_if_expired()  # a CPU profile's recording is capped
         return plan.microbatches[self.engine.coords.dp]
 
     def accumulate(self, plan: StepPlan, op_id: str = "-") -> Any:

@@ -3,7 +3,9 @@
 On CUDA: ``torch.cuda.memory`` allocation history, dumped as a snapshot pickle (viewable at
 pytorch.org/memory_viz). On CPU: ``torch.profiler`` with memory profiling, exported as a
 Chrome trace whose ``[memory]`` events record every allocation and free (viewable in Perfetto
-or chrome://tracing). The CPU profiler has no ring buffer: ``max_entries`` caps nothing there.
+or chrome://tracing). The CPU profiler has no ring buffer, so its recording is capped in time
+instead: after ``cpu_max_seconds`` (10 minutes) the next pass stops it, and ``stop`` writes
+what was recorded until then.
 
 File names carry the global rank and the parallel coordinates:
 ``snapshot_rank{global:02d}_p{pp}d{dp}c{cp}t{tp}.pickle`` (CUDA) or ``….trace.json`` (CPU).
@@ -12,6 +14,7 @@ File names carry the global rank and the parallel coordinates:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,14 +42,31 @@ class RankCoords:
 class MemoryProfiler:
     """Records this rank's allocations between ``start`` and ``stop``."""
 
-    def __init__(self, coords: RankCoords) -> None:
+    def __init__(self, coords: RankCoords, cpu_max_seconds: float = 600.0) -> None:
         self.coords = coords
+        self.cpu_max_seconds = cpu_max_seconds
         self._cpu_prof: Any = None
+        self._cpu_recording = False
+        self._cpu_deadline = 0.0
         self._cuda_active = False
 
     @property
     def active(self) -> bool:
         return self._cuda_active or self._cpu_prof is not None
+
+    def pause_if_expired(self) -> bool:
+        """Called before every pass: a CPU recording past its time cap stops recording (its
+        events so far are kept for ``stop``), so its memory stops growing. True if it did."""
+        if not self._cpu_recording or time.monotonic() < self._cpu_deadline:
+            return False
+        self._cpu_prof.__exit__(None, None, None)
+        self._cpu_recording = False
+        log.warning(
+            "rank %d: the CPU memory profile reached its %.0f s cap; recording stopped, "
+            "stop_memory_profile writes what was recorded", self.coords.rank,
+            self.cpu_max_seconds,
+        )  # fmt: skip
+        return True
 
     def start(self, max_entries: int) -> None:
         if self.active:
@@ -62,7 +82,8 @@ class MemoryProfiler:
             with_stack=False,
         )
         prof.__enter__()
-        self._cpu_prof = prof
+        self._cpu_prof, self._cpu_recording = prof, True
+        self._cpu_deadline = time.monotonic() + self.cpu_max_seconds
 
     def stop(self, directory: Path) -> Path:
         """Stop recording and write this rank's file into ``directory``; returns its path."""
@@ -76,7 +97,9 @@ class MemoryProfiler:
             self._cuda_active = False
             return path
         prof, self._cpu_prof = self._cpu_prof, None
-        prof.__exit__(None, None, None)
+        if self._cpu_recording:
+            prof.__exit__(None, None, None)
+            self._cpu_recording = False
         path = directory / f"{self.coords.file_stem()}.trace.json"
         prof.export_chrome_trace(str(path))
         log.info("rank %d wrote memory profile %s", self.coords.rank, path)
