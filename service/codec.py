@@ -6,6 +6,7 @@ requests with the same messages. The response encoding follows the Accept header
 """
 
 import asyncio
+import contextlib
 import hashlib
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ class DecodedBody:
         self.model, self.fingerprint, self.nbytes = model, fingerprint, nbytes
 
 
+HEAD_BYTES = 4096
 BODY_IDLE_S = 30.0
 """A body that sends nothing for this long is dropped (408)."""
 BODY_TIMEOUT_S = 300.0
@@ -37,10 +39,16 @@ BODY_TIMEOUT_S = 300.0
 the gateway's request slots for ever."""
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole body, within ``max_bytes`` (413) and the app's read deadlines (408)."""
+async def read_body(request: Request, max_bytes: int, head: bytearray | None = None) -> bytes:
+    """The whole body, within ``max_bytes`` (413) and the app's read deadlines (408).
+    ``head`` receives what was read of a refused body (at most ``max_bytes``; with a declared
+    length past the limit, its first chunk): enough to read which request it was."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        if head is not None:
+            with contextlib.suppress(Exception):
+                stream = request.stream().__aiter__()
+                head += (await asyncio.wait_for(stream.__anext__(), 1.0))[:HEAD_BYTES]
         raise _too_large(int(declared), max_bytes)
     total_s = getattr(request.app.state, "body_timeout_s", BODY_TIMEOUT_S)
     idle_s = min(BODY_IDLE_S, total_s)
@@ -61,9 +69,11 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
                 details={"received_bytes": size},
             ) from None
         size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(size, max_bytes)
         chunks.append(chunk)
+        if size > max_bytes:
+            if head is not None:  # what was read anyway: a compressed body's head needs more
+                head[:] = b"".join(chunks)[:max_bytes]
+            raise _too_large(size, max_bytes)
     return b"".join(chunks)
 
 

@@ -45,7 +45,7 @@ from trainctl.api import (
 )
 from trainctl.api.errors import STATUS_OF, error_from
 from trainctl.service.auth import Access, access
-from trainctl.service.codec import read_body
+from trainctl.service.codec import HEAD_BYTES, read_body
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.routes.deps import get_limits
 from trainctl.service.tinker import convert, proto
@@ -277,9 +277,20 @@ def build_router() -> APIRouter:
     @r.post("/forward_backward")
     @access(Access.TINKER)
     async def forward_backward(request: Request) -> dict[str, Any]:
-        body = await read_body(request, request.app.state.max_body_bytes)
-        if "zstd" in request.headers.get("content-encoding", "").lower():
-            body = await asyncio.to_thread(_unzstd, body, request.app.state.max_body_bytes)
+        zstd = "zstd" in request.headers.get("content-encoding", "").lower()
+        head = bytearray()  # the body's start, or (zstd) the whole compressed body once read
+        try:
+            body = await read_body(request, request.app.state.max_body_bytes, head)
+            if zstd:
+                head = bytearray(body)
+                body = await asyncio.to_thread(_unzstd, body, request.app.state.max_body_bytes)
+        except PayloadTooLargeError as e:
+            # Its seq_id's turn passes on: the model's next request must not wait for it.
+            ids = _leading_ids(_unzstd_head(bytes(head)) if zstd else bytes(head))
+            state = _state(request)
+            if ids is not None and ids[0] in state.models:
+                state.refuse(state.models[ids[0]], ids[1], "refused", e)
+            raise
         msg = proto.ForwardBackwardRequest()
         try:
             msg.ParseFromString(body)
@@ -421,6 +432,46 @@ def _unzstd(body: bytes, max_bytes: int) -> bytes:
     except zstandard.ZstdError as e:
         raise InvalidRequestError(f"body: not valid zstd ({e})") from e
     return b"".join(out)
+
+
+def _unzstd_head(body: bytes) -> bytes:
+    """The first ``HEAD_BYTES`` a zstd body (or its start) inflates to; b"" if it cannot
+    say. Bounded: no more is ever inflated."""
+    import zstandard
+
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body) as r:
+            return bytes(r.read(HEAD_BYTES))
+    except zstandard.ZstdError:
+        return b""
+
+
+def _leading_ids(buf: bytes) -> tuple[str, int] | None:
+    """``(model_id, seq_id)`` from the start of a ``ForwardBackwardRequest``: protobuf writes
+    fields in number order, and these are fields 1 and 2, ahead of the data."""
+    pos, model_id, seq_id = 0, None, None
+    try:
+        while pos < len(buf) and (model_id is None or seq_id is None):
+            key, pos = _varint(buf, pos)
+            if key == (1 << 3) | 2:  # model_id: length-delimited
+                n, pos = _varint(buf, pos)
+                model_id, pos = buf[pos : pos + n].decode(), pos + n
+            elif key == (2 << 3) | 0:  # seq_id: varint
+                seq_id, pos = _varint(buf, pos)
+            else:
+                break
+    except (IndexError, UnicodeDecodeError):
+        return None
+    return None if model_id is None or seq_id is None else (model_id, seq_id)
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[pos]
+        value, shift, pos = value | (b & 0x7F) << shift, shift + 7, pos + 1
+        if b < 0x80 or shift > 63:
+            return value, pos
 
 
 def _inflates_past(limit: int) -> PayloadTooLargeError:

@@ -279,3 +279,35 @@ def test_waiting_requests_and_sessions_are_bounded() -> None:
         assert len(state.sessions) == 3
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("encoding", ["identity", "zstd"])
+def test_a_forward_backward_refused_as_too_large_passes_its_turn(fake: Any, encoding: str) -> None:
+    """A 413 names no seq_id in its body's fields, but protobuf writes model_id and seq_id
+    first: the gateway reads them from the body's head, and the model's next request does
+    not wait out the order timeout."""
+    import zstandard
+    from fastapi.testclient import TestClient
+
+    from trainctl.service.app import create_app
+
+    with TestClient(create_app(fake, max_body_bytes=1 << 18)) as http:
+        http.app.state.tinker_long_poll_s = 5
+        model_id = _tinker_model(http)
+        tokens = np.random.default_rng(0).integers(0, 2**31 - 1, 200_000)
+        msg = _request(tokens.tolist(), tokens.tolist())  # 2.4 MB, > 256 KiB compressed
+        msg.model_id, msg.seq_id = model_id, 1
+        body = msg.SerializeToString()
+        headers = {**TML, "content-type": "application/x-protobuf"}
+        if encoding == "zstd":
+            body = zstandard.ZstdCompressor().compress(body)
+            headers["content-encoding"] = "zstd"
+        r = http.post("/api/v1/forward_backward", content=body, headers=headers)
+        assert r.status_code == 413, r.text
+        nxt = {"model_id": model_id, "seq_id": 2, "path": None}
+        f2 = http.post("/api/v1/save_weights_for_sampler", json=nxt, headers=TML).json()
+        t0 = time.monotonic()
+        r = http.post("/api/v1/retrieve_future", json={"request_id": f2["request_id"]},
+                      headers=TML)  # fmt: skip
+        assert "does not sample" in r.json().get("error", ""), r.text
+        assert time.monotonic() - t0 < 4
