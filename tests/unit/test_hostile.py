@@ -8,8 +8,9 @@ import struct
 import time
 import tracemalloc
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,31 +44,36 @@ def _zlib_frame(inflated: int) -> bytes:
     return struct.pack("<4sBBHI", b"TCTB", 1, wire.FLAG_ZLIB, 0, len(header)) + header + payload
 
 
-def _peak_mib(fn: object) -> float:
+def _peak_mib(fn: Callable[[], object]) -> float:
     tracemalloc.start()
     try:
-        fn()  # type: ignore[operator]
+        fn()
         return tracemalloc.get_traced_memory()[1] / 2**20
     finally:
         tracemalloc.stop()
 
 
+def _refused_as_a_bomb(post: Callable[[], Any], fake: FakeController, words: str) -> None:
+    """``post()`` answers 413 saying ``words``, holding little memory, reaching nothing."""
+    replies: list[Any] = []
+    peak = _peak_mib(lambda: replies.append(post()))
+    r = replies[0]
+    assert r.status_code == 413, r.text
+    assert words in r.json()["message"], r.json()
+    assert peak < 16, f"{peak:.1f} MiB held while refusing the bomb"
+    assert fake.calls == []
+
+
 def test_a_zlib_bomb_is_413_without_inflating_it(small: TestClient, fake: FakeController) -> None:
     body = _zlib_frame(64 << 20)  # 65 KB on the wire, 64 MiB inflated
     assert len(body) < 100_000
-    holder: dict[str, object] = {}
-
-    def post() -> None:
-        holder["r"] = small.post(
+    _refused_as_a_bomb(
+        lambda: small.post(
             "/v1/train_batch", content=body, headers={"content-type": wire.CONTENT_TYPE}
-        )
-
-    peak = _peak_mib(post)
-    r = holder["r"]
-    assert r.status_code == 413, r.text  # type: ignore[attr-defined]
-    assert "inflates past the limit of 1048576 bytes" in r.json()["message"]  # type: ignore[attr-defined]
-    assert peak < 16, f"{peak:.1f} MiB held while refusing the bomb"
-    assert fake.calls == []
+        ),
+        fake,
+        "inflates past the limit of 1048576 bytes",
+    )
 
 
 def test_wire_inflate_is_bounded() -> None:
@@ -91,22 +97,12 @@ def test_a_zstd_bomb_is_413_without_inflating_it(
         bytes(64 << 20)
     )
     assert len(body) < 10_000
-    holder: dict[str, object] = {}
-
-    def post() -> None:
-        holder["r"] = small.post(
-            "/api/v1/forward_backward",
-            content=body,
-            headers={**TINKER, "content-encoding": "zstd",
-                     "content-type": "application/x-protobuf"},
-        )  # fmt: skip
-
-    peak = _peak_mib(post)
-    r = holder["r"]
-    assert r.status_code == 413, r.text  # type: ignore[attr-defined]
-    assert "inflates past the limit" in r.json()["message"]  # type: ignore[attr-defined]
-    assert peak < 16, f"{peak:.1f} MiB held while refusing the bomb"
-    assert fake.calls == []
+    headers = {**TINKER, "content-encoding": "zstd", "content-type": "application/x-protobuf"}
+    _refused_as_a_bomb(
+        lambda: small.post("/api/v1/forward_backward", content=body, headers=headers),
+        fake,
+        "inflates past the limit",
+    )
 
 
 def test_a_shape_that_overflows_int64_is_422(http: TestClient, fake: FakeController) -> None:
