@@ -62,6 +62,7 @@ def controller_kwargs(s: Settings, *, rank_num_gpus: float) -> dict[str, Any]:
         "checkpoint_every_steps": s.checkpoint_every_steps,
         "keep_checkpoints": s.keep_checkpoints,
         "resume": s.resume,
+        "metrics_log": s.metrics_log,
     }
 
 

@@ -154,6 +154,12 @@ class Settings(BaseSettings):
         "/openapi.json needs it and /docs is off.",
     )
 
+    metrics_log: str | None = Field(
+        None,
+        pattern=r"^tensorboard:[^,]+(,tensorboard:[^,]+)*$",
+        description="Write every step's metrics to a tracker: 'tensorboard:DIR' (event files "
+        "under <data_dir>/DIR, read by `tensorboard --logdir`).",
+    )
     checkpoint_every_steps: int = Field(
         0, ge=0, description="Save a checkpoint every N optimizer steps (0: only when asked)."
     )

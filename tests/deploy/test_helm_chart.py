@@ -304,3 +304,75 @@ def test_a_tp_group_wider_than_a_worker_pod_is_refused_by_the_schema() -> None:
         )  # fmt: skip
         assert r.returncode != 0
         assert f"workers.gpusPerPod: Must be a multiple of {tp}" in r.stderr, r.stderr
+
+
+def _exported_series() -> set[str]:
+    """Every series name the gateway and the controller export once a step, a failure, a
+    recovery and an HTTP error were observed (the real metric classes)."""
+    import time as _time
+
+    from trainctl.api import (
+        ErrorBody,
+        ErrorType,
+        Operation,
+        OperationKind,
+        OperationStatus,
+        StepResult,
+    )
+    from trainctl.service.metrics import GatewayMetrics
+    from trainctl.workers.control.operations import Handle
+    from trainctl.workers.control.telemetry import ControllerMetrics
+
+    controller, gateway = ControllerMetrics(lambda: 0), GatewayMetrics()
+    now = _time.time()
+    step = StepResult(loss=1.0, step=1, metrics={"tokens:sum": 8.0, "computed_tokens:sum": 6.0,
+                      "grad_norm:value": 0.5}, timings={"forward_backward_s": 0.1,
+                      "optimizer_max_s": 0.01, "total_s": 0.2})  # fmt: skip
+    for kind, status, result, error in [
+        (OperationKind.TRAIN_BATCH, OperationStatus.DONE, step, None),
+        (OperationKind.RECOVER, OperationStatus.DONE, None, None),
+        (OperationKind.TRAIN_BATCH, OperationStatus.FAILED, None,
+         ErrorBody(type=ErrorType.WORKER_ERROR, message="x")),
+    ]:  # fmt: skip
+        op = Operation(id="op", kind=kind, status=status, created_at=now, started_at=now,
+                       finished_at=now, result=result, error=error)  # fmt: skip
+        controller.observe(Handle(op=op, run=None, key=None, fingerprint=""))
+    gateway.requests.labels("/v1/train_batch", "200").inc()
+    gateway.latency.labels("/v1/train_batch").observe(0.1)
+    gateway.errors.labels("invalid_request").inc()
+    text = (controller.text() + gateway.text()).decode()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+            if line.startswith("trainctl_")}  # fmt: skip
+
+
+def test_the_dashboard_charts_only_series_the_service_exports() -> None:
+    import re
+
+    d = docs()
+    cm = d["ConfigMap/t-trainctl-dashboard"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dash = json.loads(cm["data"]["trainctl.json"])
+    titles = {p["title"] for p in dash["panels"]}
+    for want in (
+        "Loss",
+        "Gradient norm",
+        "Tokens per second",
+        "Queue depth",
+        "Recoveries",
+        "Computed / total tokens (prefix sharing)",
+        "Step latency by phase (median)",
+    ):
+        assert want in titles, titles
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
+    used = {name for e in exprs for name in re.findall(r"\btrainctl_\w+", e)}
+    exported = _exported_series()
+    assert used and used <= exported, sorted(used - exported)
+    assert {p["id"] for p in dash["panels"]} == set(range(1, len(dash["panels"]) + 1))
+    assert "ServiceMonitor/t-trainctl" not in d
+    monitor = docs("--set", "monitoring.serviceMonitor.enabled=true")["ServiceMonitor/t-trainctl"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["port"] == "http"
+    service = d["Service/t-trainctl"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()

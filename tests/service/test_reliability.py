@@ -31,7 +31,8 @@ TOKEN = "tok-" + "x" * 24
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     data = tmp_path_factory.mktemp("reliability")
-    flags = ("--enable-fault-injection=true", "--checkpoint-on-exit=true", "--max-body-mb=2")
+    flags = ("--enable-fault-injection=true", "--checkpoint-on-exit=true", "--max-body-mb=2",
+             "--metrics-log=tensorboard:tb")  # fmt: skip
     with running_service(data, *flags, env={"TRAINCTL_API_TOKEN": TOKEN}) as s:
         yield s
         final_step = client(s).info().step
@@ -67,6 +68,26 @@ def test_auth_matrix(svc: Service) -> None:
     r = httpx.post(svc.url + "/v1/train_batch", json={"sequences": ragged_batch(seed=1)})
     assert r.status_code == 401
     assert client(svc).info().step == 0
+
+
+def test_step_metrics_are_written_to_tensorboard(svc: Service) -> None:
+    """--metrics-log tensorboard:tb: each applied step's loss, read back with TensorBoard's
+    own reader at the step the service reports."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = client(svc).train_batch(ragged_batch(seed=5))
+    deadline = time.monotonic() + 30
+    while True:
+        events = EventAccumulator(str(svc.data_dir / "tb"))
+        events.Reload()
+        if "train/loss" in events.Tags()["scalars"]:
+            found = {e.step: e.value for e in events.Scalars("train/loss")}
+            if result.step in found:
+                break
+        assert time.monotonic() < deadline, "no train/loss event for the step"
+        time.sleep(0.5)
+    assert abs(found[result.step] - result.loss) <= 1e-6 * abs(result.loss)
+    assert "train/tokens_per_s" in events.Tags()["scalars"]
 
 
 def test_an_oversize_body_is_413_and_changes_nothing(svc: Service) -> None:

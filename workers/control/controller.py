@@ -55,6 +55,7 @@ from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.control.rank_group import GroupLostError, RankGroup
 from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.control.telemetry import ControllerMetrics
+from trainctl.workers.control.trackers import TrackerLog, open_trackers
 from trainctl.workers.engine.config import ConfigError, EngineConfig
 from trainctl.workers.engine.families import export_problem
 
@@ -108,6 +109,7 @@ class Controller(OperationHost):
         checkpoint_every_steps: int = 0,
         keep_checkpoints: int = 3,
         resume: bool = True,
+        metrics_log: str | None = None,
     ) -> None:
         logs.configure()
         self.cfg = EngineConfig.from_dict(cfg).validate()
@@ -137,6 +139,8 @@ class Controller(OperationHost):
         self.queue = OperationQueue(max_queued=max_queued_operations)
         self.metrics = ControllerMetrics(lambda: self.queue.depth)
         self.queue.listeners.append(self.metrics.observe)
+        self.trackers = TrackerLog(open_trackers(metrics_log, root))
+        self.queue.listeners.append(self._track)
         self._handlers: dict[OperationKind, Any] = {
             OperationKind.TRAIN_BATCH: self.steps.train,
             OperationKind.EVAL_BATCH: self.steps.eval,
@@ -199,6 +203,7 @@ class Controller(OperationHost):
             except Exception:
                 log.exception("could not save a checkpoint on shutdown")
         self.group.kill(release=True)
+        self.trackers.close()
         self.ready = False
 
     # -- operations --------------------------------------------------------------------------
@@ -227,6 +232,11 @@ class Controller(OperationHost):
                 raise
 
         return guarded
+
+    def _track(self, h: Handle) -> None:
+        """A finished operation's step metrics, to the trackers of ``--metrics-log``."""
+        if h.exc is None:
+            self.trackers.observe(h.op.kind, h.op.result)
 
     async def _after_train(self, h: Handle) -> str | None:
         """The scheduled checkpoint after an applied step. The step stands whatever happens

@@ -52,6 +52,22 @@ class ControllerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.loss = Gauge(
+            "trainctl_loss", "Loss of the latest step, by operation kind.", ["kind"], registry=r
+        )
+        self.grad_norm = Gauge(
+            "trainctl_grad_norm", "Global gradient norm of the latest applied step.", registry=r
+        )
+        self.phases = Histogram(
+            "trainctl_phase_seconds",
+            "Time of each phase of a step (forward_backward, optimizer, ...), by kind.",
+            ["kind", "phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.recoveries = Counter(
+            "trainctl_recoveries", "Rebuilds of the worker group after a failure.", registry=r
+        )
         depth = Gauge("trainctl_queue_depth", "Operations waiting to run.", registry=r)
         depth.set_function(lambda: float(queue_depth()))
 
@@ -65,7 +81,17 @@ class ControllerMetrics:
             self.queue_wait.observe(op.started_at - op.created_at)
         if op.status is OperationStatus.FAILED and op.error is not None:
             self.errors.labels(op.error.type.value).inc()
-        elif isinstance(op.result, StepResult | LogProbsResult):
+            return
+        if OperationKind(op.kind) is OperationKind.RECOVER:
+            self.recoveries.inc()
+        if isinstance(op.result, StepResult):
+            self.loss.labels(kind).set(op.result.loss)
+            for name, seconds in op.result.timings.items():
+                if name != "total_s":
+                    self.phases.labels(kind, name.removesuffix("_s")).observe(seconds)
+            if "grad_norm:value" in op.result.metrics:
+                self.grad_norm.set(op.result.metrics["grad_norm:value"])
+        if isinstance(op.result, StepResult | LogProbsResult):
             metrics = op.result.metrics
             self.tokens.labels(kind).inc(metrics.get("tokens:sum", 0.0))
             self.computed_tokens.labels(kind).inc(metrics.get("computed_tokens:sum", 0.0))
