@@ -123,7 +123,17 @@ class CheckpointStore:
     def _prune(self) -> None:
         found = [c for c in self.list().checkpoints if c.checkpoint_id == _automatic(c.step)]
         for c in found[: max(0, len(found) - self.keep)]:
-            shutil.rmtree(self.root / c.checkpoint_id, ignore_errors=True)
+            self._remove(self.root / c.checkpoint_id)
+
+    def _remove(self, d: Path) -> None:
+        """Out of the list in one rename, then deleted: a crash mid-delete leaves a
+        ``.partial-`` directory (swept), never a listed checkpoint missing files."""
+        doomed = self.root / f"{_PARTIAL}gone-{d.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(d, doomed)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _read_manifest(d: Path) -> CheckpointInfo | None:
