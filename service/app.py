@@ -146,6 +146,7 @@ def create_app(
     install_error_handlers(app)
     routes.include(app)
     tinker_routes.install(app, order_timeout_s=tinker_order_timeout_s)
+    app.state.metrics.track_evictions(app.state.tinker.evicted)
     if fault_injection:
         _install_fault_injection(app)
     app.openapi = _openapi(app)  # type: ignore[method-assign]

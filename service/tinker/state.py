@@ -141,6 +141,8 @@ class TinkerState:
         self.keep_finished = keep_finished
         self.max_waiting, self.max_waiting_bytes = max_waiting, max_waiting_bytes
         self.session_ttl_s, self.max_sessions = session_ttl_s, max_sessions
+        self.evicted = {"tinker_sessions": 0, "tinker_futures": 0, "tinker_dedup": 0}
+        """Entries dropped from each bounded table (the gateway's /metrics shows them)."""
         self.waiting = 0
         self.waiting_bytes = 0
         """Requests (and their body bytes) waiting for their seq_id turn."""
@@ -181,6 +183,7 @@ class TinkerState:
 
     def _drop_session(self, s: Session) -> None:
         del self.sessions[s.session_id]
+        self.evicted["tinker_sessions"] += 1
         for model_id in [m for m, h in self.models.items() if h.session_id == s.session_id]:
             del self.models[model_id]
         for key in [k for k in self.created if k[0] == s.session_id]:
@@ -217,6 +220,7 @@ class TinkerState:
             if not oldest.done.is_set():
                 break
             self.futures.popitem(last=False)
+            self.evicted["tinker_futures"] += 1
         return f
 
     def future(self, future_id: str) -> Future:
@@ -290,6 +294,7 @@ class TinkerState:
         f = self.once(model.seen, seq_id, fingerprint, make)
         while len(model.seen) > DEDUP_WINDOW:
             del model.seen[min(model.seen)]
+            self.evicted["tinker_dedup"] += 1
         return f
 
     def refuse(self, model: Model, seq_id: int, fingerprint: str, error: Exception) -> None:

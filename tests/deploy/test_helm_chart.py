@@ -340,6 +340,7 @@ def _exported_series() -> set[str]:
     gateway.requests.labels("/v1/train_batch", "200").inc()
     gateway.latency.labels("/v1/train_batch").observe(0.1)
     gateway.errors.labels("invalid_request").inc()
+    gateway.track_evictions({"tinker_sessions": 1})
     text = (controller.text() + gateway.text()).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines()
             if line.startswith("trainctl_")}  # fmt: skip

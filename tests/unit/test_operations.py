@@ -195,3 +195,25 @@ def test_a_finished_operation_lets_go_of_its_request_and_plan() -> None:
         assert q.get(ops[0].id).result is not None  # the result stays for polling
 
     asyncio.run(main())
+
+
+def test_evicted_operations_are_counted() -> None:
+    from trainctl.workers.control.telemetry import ControllerMetrics
+
+    async def main() -> None:
+        q, m = OperationQueue(keep_finished=3), Model()
+        metrics = ControllerMetrics(lambda: q.depth, lambda: q.evicted)
+        for i in range(5):
+            q.submit("train_batch", m.runner(str(i), delay=0), key=f"k{i}")
+        await q.idle()
+        assert q.evicted == 2
+        assert 'trainctl_controller_evictions{table="finished_operations"} 2.0' in (
+            metrics.text().decode()
+        )
+        # An evicted operation's key went with it; a kept one's still guards its request.
+        q.submit("train_batch", m.runner("again", delay=0), key="k0", fingerprint="other")
+        with pytest.raises(ConflictError):
+            q.submit("train_batch", m.runner("again", delay=0), key="k4", fingerprint="other")
+        await q.idle()
+
+    asyncio.run(main())

@@ -311,3 +311,17 @@ def test_a_forward_backward_refused_as_too_large_passes_its_turn(fake: Any, enco
                       headers=TML)  # fmt: skip
         assert "does not sample" in r.json().get("error", ""), r.text
         assert time.monotonic() - t0 < 4
+
+
+def test_evictions_are_counted_on_metrics(fake: Any) -> None:
+    from fastapi.testclient import TestClient
+
+    from trainctl.service.app import create_app
+
+    with TestClient(create_app(fake)) as http:
+        http.app.state.tinker.max_sessions = 2
+        for _ in range(5):
+            http.post("/api/v1/create_session", json={}, headers=TML)
+        text = http.get("/metrics").text
+    assert 'trainctl_gateway_evictions{table="tinker_sessions"} 3.0' in text, text
+    assert text.count("# HELP trainctl_gateway_evictions ") == 1

@@ -137,7 +137,7 @@ class Controller(OperationHost):
         self.draining = False
         self.start_lock = asyncio.Lock()
         self.queue = OperationQueue(max_queued=max_queued_operations)
-        self.metrics = ControllerMetrics(lambda: self.queue.depth)
+        self.metrics = ControllerMetrics(lambda: self.queue.depth, lambda: self.queue.evicted)
         self.queue.listeners.append(self.metrics.observe)
         self.trackers = TrackerLog(open_trackers(metrics_log, root))
         self.queue.listeners.append(self._track)

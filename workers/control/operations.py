@@ -83,6 +83,8 @@ class OperationQueue:
         self._worker: asyncio.Task[None] | None = None
         self._seq = itertools.count(1)
         self._avg_run_s = avg_run_s
+        self.evicted = 0
+        """Finished operations dropped (with their keys) to keep ``keep_finished``."""
         self.listeners: list[Callable[[Handle], None]] = []
         """Called with every finished operation (metrics)."""
 
@@ -254,6 +256,7 @@ class OperationQueue:
         finished = [k for k, h in self._ops.items() if h.finished.is_set()]
         for op_id in finished[: max(0, len(finished) - self.keep_finished)]:
             h = self._ops.pop(op_id)
+            self.evicted += 1
             if h.key is not None and self._by_key.get(h.key) is h:
                 del self._by_key[h.key]
 

@@ -17,7 +17,9 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
 class ControllerMetrics:
-    def __init__(self, queue_depth: Callable[[], int]) -> None:
+    def __init__(
+        self, queue_depth: Callable[[], int], evicted: Callable[[], int] = lambda: 0
+    ) -> None:
         r = self.registry = CollectorRegistry()
         self.steps = Counter("trainctl_steps", "Optimizer steps applied.", registry=r)
         self.tokens = Counter(
@@ -68,6 +70,13 @@ class ControllerMetrics:
         self.recoveries = Counter(
             "trainctl_recoveries", "Rebuilds of the worker group after a failure.", registry=r
         )
+        evictions = Gauge(
+            "trainctl_controller_evictions",
+            "Entries dropped from a bounded table of the controller since start, by table.",
+            ["table"],
+            registry=r,
+        )
+        evictions.labels("finished_operations").set_function(lambda: float(evicted()))
         depth = Gauge("trainctl_queue_depth", "Operations waiting to run.", registry=r)
         depth.set_function(lambda: float(queue_depth()))
 
