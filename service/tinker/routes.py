@@ -87,11 +87,15 @@ def _object(body: bytes) -> dict[str, Any]:
     return raw
 
 
-async def _json(request: Request, model: type[Body]) -> tuple[Any, str]:
-    """The body as ``model`` and its fingerprint (sha256 of the canonical JSON)."""
-    raw = _object(await read_body(request, request.app.state.max_body_bytes))
+def _validated(raw: dict[str, Any], model: type[Body]) -> tuple[Any, str]:
+    """``raw`` as ``model`` and its fingerprint (sha256 of the canonical JSON)."""
     req = model.model_validate(raw)
     return req, hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+
+
+async def _json(request: Request, model: type[Body]) -> tuple[Any, str]:
+    """The body as ``model`` and its fingerprint."""
+    return _validated(_object(await read_body(request, request.app.state.max_body_bytes)), model)
 
 
 async def _model_call(request: Request, model: type[ModelCall]) -> tuple[Any, str, Model]:
@@ -100,13 +104,12 @@ async def _model_call(request: Request, model: type[ModelCall]) -> tuple[Any, st
     requests do not wait for it."""
     raw = _object(await read_body(request, request.app.state.max_body_bytes))
     try:
-        req = model.model_validate(raw)
+        req, fp = _validated(raw, model)
     except ValidationError as e:
         state, model_id, seq_id = _state(request), raw.get("model_id"), raw.get("seq_id")
         if isinstance(model_id, str) and type(seq_id) is int and model_id in state.models:
             state.refuse(state.models[model_id], seq_id, "refused", e)
         raise
-    fp = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
     return req, fp, _state(request).model(req.model_id)
 
 

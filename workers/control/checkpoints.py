@@ -31,6 +31,7 @@ from trainctl.workers.control.profile_store import (
     checked_name,
     fsync_dir,
     fsync_file,
+    replace_dir,
     write_atomic,
 )
 
@@ -73,13 +74,7 @@ class CheckpointStore:
         )  # fmt: skip
         write_atomic(tmp / MANIFEST, result.model_dump_json(indent=1).encode())
         final = self.root / result.checkpoint_id
-        if final.exists():  # the same step saved again: replace it, old one aside first
-            aside = self.root / f"{_PARTIAL}old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, aside)
-            os.rename(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        replace_dir(tmp, final)  # the same step saved again replaces it whole
         fsync_dir(self.root)
         mib = result.size_bytes / 2**20
         log.info("checkpoint %s written (%.1f MiB)", result.checkpoint_id, mib)

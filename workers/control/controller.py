@@ -49,7 +49,7 @@ from trainctl.api import (
 from trainctl.workers.control import logs
 from trainctl.workers.control.checkpoints import CheckpointStore
 from trainctl.workers.control.operations import Handle, OperationHost, OperationQueue, Runner
-from trainctl.workers.control.profile_store import ProfileStore
+from trainctl.workers.control.profile_store import ProfileStore, replace_dir
 from trainctl.workers.control.profiles import ProfileRecorder
 from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.control.rank_group import GroupLostError, RankGroup
@@ -70,16 +70,6 @@ DEFAULT_MODEL_NAME = "trainctl-tiny"
 
 _PARTIAL_EXPORT = ".partial-"
 """An export being written (or left by a crash, and swept at start)."""
-
-
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Put the complete directory ``tmp`` at ``target``: the old one (if any) aside first,
-    so ``target`` is whole at every moment but one rename."""
-    aside = target.with_name(f"{_PARTIAL_EXPORT}old-{target.name}-{os.getpid()}")
-    if target.exists():
-        os.rename(target, aside)
-    os.rename(tmp, target)
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _versions() -> dict[str, str]:
@@ -417,7 +407,7 @@ class Controller(OperationHost):
         h.set_phase("writing safetensors")
         try:
             files = await self.group.ranks[0].write_hf.remote(str(tmp), parts)
-            await asyncio.to_thread(_replace_dir, tmp, target)
+            await asyncio.to_thread(replace_dir, tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

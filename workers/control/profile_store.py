@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,17 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def replace_dir(tmp: Path, target: Path) -> None:
+    """Put the complete directory ``tmp`` at ``target``: an old one is renamed aside first
+    (``.partial-old-*``, swept like any partial), so ``target`` is whole at every moment but
+    between two renames, and never half deleted."""
+    aside = target.with_name(f".partial-old-{target.name}-{uuid.uuid4().hex[:8]}")
+    if target.exists():
+        os.rename(target, aside)
+    os.rename(tmp, target)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def fsync_file(path: Path) -> None:
