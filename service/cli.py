@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from trainctl.api import Info
 from trainctl.service import ray_auth
-from trainctl.service.cluster import LocalRayHead
+from trainctl.service.cluster import HEAD_ATTEMPTS, LocalRayHead
 from trainctl.service.ray_auth import StartupError
 from trainctl.service.settings import Settings
 from trainctl.workers.control import logs
@@ -158,20 +158,19 @@ def _serve(s: Settings) -> int:
     controller = None
     head: LocalRayHead | None = None
     try:
+        # Ours before ray.init, so a signal while connecting stops start-up; and again after:
+        # Ray's core worker installs a SIGTERM handler that aborts the process, and ours
+        # replaces it so a SIGTERM drains instead.
+        _handle_signals(_on_signal)
         if s.ray_address:
-            address = s.ray_address
+            _connect(s.ray_address, None, timeout_s=0.0)
         else:
             head = LocalRayHead(
                 num_cpus=s.num_cpus,
                 log_path=s.data_dir.resolve() / "ray-head.log",
                 worker_ports=s.ray_worker_ports,
             )
-            address = head.__enter__()
-        # Ours before ray.init, so a signal while connecting stops start-up; and again after:
-        # Ray's core worker installs a SIGTERM handler that aborts the process, and ours
-        # replaces it so a SIGTERM drains instead.
-        _handle_signals(_on_signal)
-        _connect(address, head, timeout_s=120.0 if head is not None else 0.0)
+            _start_head(head)
         _handle_signals(_on_signal)
         controller = launch.create_controller(s, cfg, detached=False)
         layout = cfg["layout"]
@@ -239,6 +238,32 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
 
 
+class _HeadExited(StartupError):
+    pass
+
+
+def _start_head(head: LocalRayHead) -> None:
+    """Start the local head and join it, on fresh ports each attempt (``HEAD_ATTEMPTS``)."""
+    for attempt in range(1, HEAD_ATTEMPTS + 1):
+        address = head.__enter__()
+        try:
+            if not head.wait_started(timeout_s=120.0):
+                raise _HeadExited(f"the local Ray head exited during start-up; see {head.log_path}")
+            _connect(address, head, timeout_s=120.0)
+            return
+        except _HeadExited:
+            head.stop()
+            if attempt == HEAD_ATTEMPTS:
+                raise
+            log.warning(
+                "the local Ray head exited during start-up (attempt %d of %d; see %s); "
+                "starting it again on other ports",
+                attempt,
+                HEAD_ATTEMPTS,
+                head.log_path,
+            )
+
+
 def _connect(address: str, head: LocalRayHead | None, timeout_s: float = 120.0) -> None:
     """``ray.init`` against ``address``, retrying while a fresh head is still starting
     (``timeout_s`` 0: one attempt, for a cluster that should already be up).
@@ -259,7 +284,7 @@ def _connect(address: str, head: LocalRayHead | None, timeout_s: float = 120.0) 
             raise StartupError(ray_auth.missing_token_hint(address)) from None
         except (ConnectionError, RuntimeError) as e:
             if head is not None and not head.running():
-                raise StartupError(
+                raise _HeadExited(
                     f"the local Ray head exited during start-up; see {head.log_path}"
                 ) from None
             if time.monotonic() > deadline:

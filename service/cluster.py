@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -43,6 +44,42 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def quiet_ports(n: int, *, avoid: tuple[int, int]) -> list[int]:
+    """``n`` distinct ports free on every interface now, drawn at random from outside the
+    kernel's ephemeral range and outside ``avoid`` (a ``low, high`` range, inclusive).
+
+    A port from ``bind(0)`` lies in the ephemeral range, which is also where every outgoing
+    connection takes its source port: on a busy machine one of them can take the port in
+    the moment between our check and the daemon's bind. Outside that range only a process
+    that names the port can take it.
+    """
+    eph = _ephemeral_range()
+    pool = [
+        p
+        for p in range(1024, 65536)
+        if not (eph[0] <= p <= eph[1]) and not (avoid[0] <= p <= avoid[1])
+    ]
+    picked: list[int] = []
+    for port in random.sample(pool, len(pool)):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        picked.append(port)
+        if len(picked) == n:
+            return picked
+    raise RuntimeError(f"fewer than {n} free ports outside {eph} and {avoid}")
+
+
 HEAD_PORTS = (
     "port", "ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port",
     "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
@@ -52,6 +89,14 @@ HEAD_PORTS = (
 head; the autoscaler's metrics port (``AUTOSCALER_METRIC_PORT``) too. Left to Ray, several
 are fixed (8265, 10001, 44217, 52365) or taken at random later, and one of them could be
 the port a caller picked for the gateway."""
+
+STARTED = b"Ray runtime started."
+"""What ``ray start`` writes once the head node is up."""
+
+HEAD_ATTEMPTS = 3
+"""How many times ``trainctl serve`` starts its local head, on fresh ports each time, before
+it gives up: a port checked free can still be taken before Ray binds it, and Ray then
+exits instead of picking another."""
 
 
 class LocalRayHead:
@@ -65,13 +110,14 @@ class LocalRayHead:
         self.worker_ports = worker_ports
         self.proc: subprocess.Popen[bytes] | None = None
         self.address = ""
+        self._log_start = 0
         self.ports: dict[str, int] = {}
         """Every port the head was told to use, by its ``ray start`` flag."""
 
     def __enter__(self) -> str:
-        picked = free_ports(len(HEAD_PORTS) + 1)
-        self.ports = dict(zip(HEAD_PORTS, picked, strict=False))
         low, high = self.worker_ports.split("-")
+        picked = quiet_ports(len(HEAD_PORTS) + 1, avoid=(int(low), int(high)))
+        self.ports = dict(zip(HEAD_PORTS, picked, strict=False))
         port = self.ports["port"]
         cmd = [
             sys.executable,
@@ -92,6 +138,7 @@ class LocalRayHead:
             cmd.append(f"--num-cpus={self.num_cpus}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting a local Ray head on port %d (log: %s)", port, self.log_path)
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as out:
             env = {**os.environ, "AUTOSCALER_METRIC_PORT": str(picked[-1])}
             self.proc = subprocess.Popen(
@@ -102,6 +149,23 @@ class LocalRayHead:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def wait_started(self, timeout_s: float) -> bool:
+        """Wait until ``ray start`` reports the node up (True), or exits (False).
+
+        Joining a head whose daemon died on a taken port can hang ``ray.init`` for many
+        minutes; ``ray start`` itself gives up within about 30 s and says so by exiting.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.log_path.open("rb") as f:
+                f.seek(self._log_start)
+                if STARTED in f.read():
+                    return True
+            if not self.running():
+                return False
+            time.sleep(0.2)
+        return self.running()
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
