@@ -24,6 +24,8 @@ import re
 import signal
 import sys
 import time
+import typing
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +87,7 @@ def _run_operation(c: TrainctlClient, kind: OperationKind, batch: list[Any], **k
 
 
 def _loss(args: argparse.Namespace) -> LossConfig:
-    return LossConfig(
-        kind=args.loss_kind,
-        normalization=args.normalization,
-        clip_low=args.clip_low,
-        clip_high=args.clip_high,
-        kl_coef=args.kl_coef,
-        beta=args.beta,
-    )
+    return LossConfig(**{name: getattr(args, f"loss_{name}") for name in LossConfig.model_fields})
 
 
 def _add_packing_flag(p: argparse.ArgumentParser) -> None:
@@ -186,17 +181,20 @@ _SAFE_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
 def _add_loss_flags(p: argparse.ArgumentParser) -> None:
-    d = LossConfig()
-    p.add_argument(
-        "--loss-kind",
-        default=d.kind.value,
-        help="cross_entropy, importance_sampling, ppo, cispo, dro",
-    )
-    p.add_argument("--normalization", default=d.normalization.value)
-    p.add_argument("--clip-low", type=float, default=d.clip_low)
-    p.add_argument("--clip-high", type=float, default=d.clip_high)
-    p.add_argument("--kl-coef", type=float, default=d.kl_coef)
-    p.add_argument("--beta", type=float, default=d.beta, help="dro: the quadratic penalty")
+    """One flag per ``LossConfig`` field, so a new loss option is a flag without a line here:
+    ``--loss-kind``, ``--normalization``, ``--clip-low``, ``--tis-cap``, ..."""
+    for name, f in LossConfig.model_fields.items():
+        flag = "--loss-kind" if name == "kind" else f"--{name.replace('_', '-')}"
+        kw: dict[str, Any] = {"dest": f"loss_{name}", "default": f.default, "metavar": "X"}
+        args = typing.get_args(f.annotation) or (f.annotation,)
+        enum = next((a for a in args if isinstance(a, type) and issubclass(a, Enum)), None)
+        if enum is not None:
+            kw["choices"] = [m.value for m in enum]
+            kw["default"], kw["metavar"] = f.default.value, None
+        elif float in args:
+            kw["type"] = float
+        text = f.description or ((enum.__doc__ or "").splitlines()[0] if enum else "")
+        p.add_argument(flag, help=text.replace("%", "%%"), **kw)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -106,3 +106,20 @@ def test_memory_profile_download_refuses_a_server_chosen_path(
     assert r.returncode != 0 and "refusing the server's file name" in r.stderr, r.stderr
     assert not (tmp_path / "escaped.json").exists() and not Path("/tmp/abs.json").exists()
     assert not out.exists() or not any(out.rglob("*.json"))
+
+
+def test_every_loss_option_is_a_flag() -> None:
+    """The loss flags come from ``LossConfig``: each field reaches the request, and the
+    defaults are the model's."""
+    from trainctl.api import LossConfig
+    from trainctl.clients import cli
+
+    args = cli.parser().parse_args(
+        ["train-batch", "b.jsonl", "--loss-kind", "ppo", "--tis-cap", "2.5", "--clip-high", "0.3",
+         "--kl-coef", "0.1", "--beta", "0.2", "--clip-low", "0.1", "--normalization", "sum"]
+    )  # fmt: skip
+    assert cli._loss(args) == LossConfig(
+        kind="ppo", tis_cap=2.5, clip_high=0.3, kl_coef=0.1, beta=0.2, clip_low=0.1,
+        normalization="sum",
+    )  # fmt: skip
+    assert cli._loss(cli.parser().parse_args(["eval-batch", "b.jsonl"])) == LossConfig()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trainctl.api.models import LossConfig, LossKind
-from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
+from trainctl.workers.ops.loss import LOSS_KINDS, connected_zero, local_loss, per_token_terms
 from trainctl.workers.ops.metrics import Reduction, StatsTracker, sequence_log_ppl
 
 
@@ -184,3 +184,14 @@ def test_ensure_adds_identities_and_keeps_what_was_recorded() -> None:
     assert out["x:max"] == 3.0 and out["x:min"] == float("inf") and out["y:sum"] == 0.0
     assert out["z:mean"] != out["z:mean"]  # 0 / 0: nothing recorded anywhere is NaN
     assert out["n:sum"] == 2.0
+
+
+def test_the_loss_table_is_the_wire_enum() -> None:
+    """Every ``LossKind`` the API accepts has its function, and no function lacks a kind;
+    every kind computes through ``per_token_terms`` (none falls through to the error)."""
+    assert set(LOSS_KINDS) == {k.value for k in LossKind}
+    assert len(LOSS_KINDS) == len(set(LOSS_KINDS))
+    x = _inputs()
+    for kind in LossKind:
+        terms = per_token_terms(**x, **LossConfig(kind=kind).options())
+        assert terms.shape == x["logprobs"].shape and torch.isfinite(terms).all(), kind

@@ -23,6 +23,9 @@ log-probs to the inference engine's, a constant per token (no gradient through i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -37,12 +40,56 @@ def connected_zero(output: Tensor) -> Tensor:
     return output.sum() * 0.0
 
 
-_KINDS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
-
-
 def _masked(x: Tensor, mask: Tensor) -> Tensor:
     """``x`` where the mask is set, 0 elsewhere: pads never reach ``exp``."""
     return torch.where(mask > 0, x, torch.zeros_like(x))
+
+
+@dataclass(frozen=True)
+class PolicyTerms:
+    """What a policy loss reads, per token ``[T]``: the current log-probs, the advantages,
+    the masked log-ratio to the behaviour policy and its (capped) exponential."""
+
+    logprobs: Tensor
+    advantages: Tensor
+    delta: Tensor
+    """``lp - old_lp`` where the mask is set, 0 elsewhere."""
+    ratio: Tensor
+    """``exp(delta)``, the exponent capped so it stays finite."""
+    clip_low: float
+    clip_high: float
+    beta: float
+
+
+def importance_sampling(t: PolicyTerms) -> Tensor:
+    return -t.ratio * t.advantages
+
+
+def ppo(t: PolicyTerms) -> Tensor:
+    clipped = -t.ratio.clamp(1.0 - t.clip_low, 1.0 + t.clip_high) * t.advantages
+    return torch.maximum(importance_sampling(t), clipped)
+
+
+def cispo(t: PolicyTerms) -> Tensor:
+    weight = t.ratio.clamp(1.0 - t.clip_low, 1.0 + t.clip_high).detach()
+    return -weight * t.logprobs * t.advantages
+
+
+def dro(t: PolicyTerms) -> Tensor:
+    return -(t.logprobs * t.advantages - 0.5 * t.beta * t.delta * t.delta)
+
+
+POLICY_LOSSES: dict[str, Callable[[PolicyTerms], Tensor]] = {
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+}
+"""Every policy loss by its wire name (``api.LossKind``): one function each. Adding a kind
+is one function here, one row in this table and its member in ``api.LossKind``."""
+
+LOSS_KINDS = ("cross_entropy", *POLICY_LOSSES)
+"""Every loss kind: supervised ``cross_entropy`` (``-lp``) and the policy losses."""
 
 
 def per_token_terms(
@@ -62,29 +109,21 @@ def per_token_terms(
 ) -> Tensor:
     """Loss term of every token ``[T]`` (0 where the mask is 0).
 
-    ``kind``: ``cross_entropy``, ``importance_sampling`` (``-ratio * advantage``), ``ppo``
-    (the ratio clipped to ``[1 - clip_low, 1 + clip_high]``), ``cispo`` (the clipped ratio,
-    detached, weighting ``-lp * advantage``) or ``dro`` (``beta``: the quadratic penalty's
-    weight); ``kl_coef`` adds the k3 estimate of the KL to the reference policy."""
-    if kind not in _KINDS:
-        raise ValueError(f"unknown loss kind {kind!r}; one of {_KINDS}")
+    ``kind``: ``cross_entropy`` or a policy loss of ``POLICY_LOSSES`` (``clip_low`` /
+    ``clip_high``: the ratio's clip distances from 1; ``beta``: ``dro``'s quadratic penalty);
+    ``tis_cap`` truncates importance sampling against the sampler; ``kl_coef`` adds the k3
+    estimate of the KL to the reference policy."""
     if kind == "cross_entropy":
         terms = -logprobs
-    else:
+    elif kind in POLICY_LOSSES:
         if advantages is None or old_logprobs is None:
             raise ValueError(f"{kind} loss needs advantages and old_logprobs")
         delta = _masked(logprobs - old_logprobs, loss_mask)
         ratio = delta.clamp(max=_MAX_LOG_RATIO).exp()
-        if kind == "cispo":
-            weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
-            terms = -weight * logprobs * advantages
-        elif kind == "dro":
-            terms = -(logprobs * advantages - 0.5 * beta * delta * delta)
-        else:
-            terms = -ratio * advantages
-            if kind == "ppo":
-                clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-                terms = torch.maximum(terms, clipped)
+        policy = PolicyTerms(logprobs, advantages, delta, ratio, clip_low, clip_high, beta)
+        terms = POLICY_LOSSES[kind](policy)
+    else:
+        raise ValueError(f"unknown loss kind {kind!r}; one of {LOSS_KINDS}")
     if tis_cap is not None:
         if kind == "cross_entropy":
             raise ValueError("tis_cap corrects a policy loss, not cross_entropy")
