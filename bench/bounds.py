@@ -34,7 +34,7 @@ def rss_mib() -> float:
 async def _operations(n: int, probe: Callable[[int], None]) -> int:
     """``n`` keyed operations, each holding a 64 KiB request until it finishes."""
     from trainctl.api import OperationKind
-    from trainctl.workers.control.operations import OperationQueue
+    from trainctl.workers.control.op_queue import OperationQueue
 
     q = OperationQueue(max_queued=64)
     for i in range(n):

@@ -320,7 +320,7 @@ def _exported_series() -> set[str]:
         StepResult,
     )
     from trainctl.service.metrics import GatewayMetrics
-    from trainctl.workers.control.operations import Handle
+    from trainctl.workers.control.op_queue import Handle
     from trainctl.workers.control.telemetry import ControllerMetrics
 
     controller, gateway = ControllerMetrics(lambda: 0), GatewayMetrics()

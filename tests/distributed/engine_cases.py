@@ -184,7 +184,7 @@ def step_and_collect(
         r: dict[str, Any] = {
             "eval_loss": ev.loss,
             "eval_metrics": ev.metrics,
-            "loss": eng.forward_backward(mbs, spec),
+            "loss": eng.train_pass(mbs, spec).loss,
         }
         for h in handles:
             h.remove()
@@ -217,7 +217,8 @@ def step_and_collect(
             r["grad_norm"] = eng.grad_norm()
             eng.zero_grad()
         else:
-            r["grad_norm"] = eng.optimizer_step()
+            r["grad_norm"] = eng.update_local()
+            eng.publish()
             out["shard_params"] = numpy_shards(eng.canonical_shards(owned=True))
             out["dummies"] = plan.num_dummies
             out["real_microbatches"] = sum(not mb.is_dummy for mb in mbs)
@@ -338,7 +339,7 @@ def logprobs_and_grads(
     plan = plan_step(to_host(batch), eng.cfg, loss=LossConfig(), packing=packing)
     mbs = plan.microbatches[eng.coords.dp]
     out = eng.logprobs(mbs, entropy=True)
-    eng.forward_backward(mbs, LossConfig())
+    eng.train_pass(mbs, LossConfig())
     return {
         "coords": {"tp": eng.coords.tp},
         "logprobs": {i: lp for i, (lp, _) in out.items()},
@@ -365,7 +366,7 @@ def recompute_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str
         for m in c.modules():
             if isinstance(m, MLP):
                 m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    loss = eng.forward_backward(mbs, LossConfig())
+    loss = eng.train_pass(mbs, LossConfig()).loss
     return {
         "coords": {"tp": eng.coords.tp},
         "loss": loss,

@@ -27,11 +27,11 @@ def split_step_case(
     for i, plan in enumerate(plans):
         mbs = plan.microbatches[eng.coords.dp]
         if i == 1:
-            eng.forward_backward_part(mbs, spec)
+            eng.forward_backward(mbs, spec)
             eng.rollback_part()  # as if a peer failed this part: the sum is as before it
-        report, per_seq = eng.forward_backward_part(mbs, spec)
-        part_losses.append(report.loss)
-        token_losses.append({i: tl.tolist() for i, (_, tl) in per_seq.items()})
+        part = eng.forward_backward(mbs, spec)
+        part_losses.append(part.report.loss)
+        token_losses.append({i: tl.tolist() for i, (_, tl) in part.per_sequence.items()})
     divisor = {
         "token_mean": sum(p.loss_normalizer for p in plans),
         "seq_mean_token_mean": sum(p.num_loss_sequences for p in plans),
@@ -62,9 +62,9 @@ def rollback_twice_case(cfg: dict[str, Any]) -> dict[str, Any]:
 
     eng = EngineShard(EngineConfig.from_dict(cfg))
     a, b = (plan_step(to_host(ragged_batch(s)), eng.cfg, deferred_normalizer=True) for s in (1, 2))
-    eng.forward_backward_part(a.microbatches[eng.coords.dp], a.loss)
+    eng.forward_backward(a.microbatches[eng.coords.dp], a.loss)
     after_a = [g.clone() for g in grad_buffers(eng.chunks)]
-    eng.forward_backward_part(b.microbatches[eng.coords.dp], b.loss)
+    eng.forward_backward(b.microbatches[eng.coords.dp], b.loss)
     eng.rollback_part()
     eng.rollback_part()
     same = all(bool((g == s).all()) for g, s in zip(grad_buffers(eng.chunks), after_a, strict=True))

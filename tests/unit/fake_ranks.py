@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from trainctl.api import WorkerError
+from trainctl.workers.engine.boundary import Applied, RankCoords, RankMeta, WrittenFile
 from trainctl.workers.engine.config import EngineConfig
 
 
@@ -21,7 +22,7 @@ class FakeRankGroup:
         self.fail: dict[str, list[BaseException]] = {}
         """Method name -> errors raised by its next calls, one per call."""
         self.ranks: list[Any] = []
-        self.meta: list[dict[str, Any]] = []
+        self.meta: list[RankMeta] = []
         self.staged = 0
 
     async def place(self) -> None:
@@ -32,7 +33,9 @@ class FakeRankGroup:
         self.version = 0
         self.ranks = [object()] * self.world_size
         self.meta = [
-            {"rank": r, "coords": {"dp": r, "cp": 0, "tp": 0, "pp": 0}, "parameters": 10}
+            RankMeta(
+                coords=RankCoords(rank=r, dp=r, cp=0, tp=0, pp=0), parameters=10, pid=0, node=""
+            )
             for r in range(self.world_size)
         ]
 
@@ -59,11 +62,11 @@ class FakeRankGroup:
         if name == "apply":
             if rank == 0:
                 self.version += 1
-            return (1.0, 0.01)
+            return Applied(grad_norm=1.0, seconds=0.01)
         if name == "save_checkpoint":
             path = Path(args[0]) / f"rank-{rank:05d}.pt"
             path.write_text(str(self.version))
-            return {"name": path.name, "size_bytes": path.stat().st_size}
+            return WrittenFile(name=path.name, size_bytes=path.stat().st_size)
         if name == "load_checkpoint":  # one phase: each rank reads and applies its shard
             if rank == 0:
                 self.version = int((Path(args[0]) / f"rank-{rank:05d}.pt").read_text())
@@ -78,6 +81,9 @@ class FakeRankGroup:
         if name == "weights_digest":
             return hashlib.sha256(f"{rank}:{self.version}".encode()).hexdigest()
         return None
+
+    def put(self, value: Any) -> Any:
+        return value
 
     async def call_quietly(self, method: Any) -> None:
         self.calls.append(method.__name__)

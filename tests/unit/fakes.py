@@ -27,7 +27,7 @@ from trainctl.api import (
     StepResult,
     TrainBatchRequest,
 )
-from trainctl.workers.control.operations import Handle, OperationHost, OperationQueue
+from trainctl.workers.control.op_queue import Handle, OperationHost, OperationQueue
 
 
 class FakeController(OperationHost):

@@ -23,7 +23,7 @@ from trainctl.api import (
     WorkerError,
 )
 from trainctl.api.batch import SequenceBatch
-from trainctl.workers.control.rank_group import GroupLostError
+from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.steps import Window
 
 from fake_ranks import controller

@@ -261,7 +261,8 @@ def test_a_cpu_memory_profile_stops_recording_at_its_time_cap(tmp_path: Path) ->
 
     import torch
 
-    from trainctl.workers.engine.profiling import MemoryProfiler, RankCoords
+    from trainctl.workers.engine.boundary import RankCoords
+    from trainctl.workers.engine.profiling import MemoryProfiler
 
     prof = MemoryProfiler(RankCoords(rank=0, dp=0, cp=0, tp=0, pp=0), cpu_max_seconds=0.2)
     prof.start(max_entries=10)

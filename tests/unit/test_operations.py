@@ -14,7 +14,7 @@ from trainctl.api import (
     RateLimitedError,
     WorkerError,
 )
-from trainctl.workers.control.operations import Handle, OperationQueue
+from trainctl.workers.control.op_queue import Handle, OperationQueue
 
 
 class Model:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -27,14 +26,9 @@ from pydantic import BaseModel
 
 from trainctl.api import (
     OPERATIONS,
-    CheckpointInfo,
     CheckpointList,
-    ConflictError,
-    ExportRequest,
-    ExportResult,
     Info,
     InvalidRequestError,
-    LoadCheckpointRequest,
     MemoryProfileList,
     MemoryProfileResult,
     ModelLimits,
@@ -42,34 +36,28 @@ from trainctl.api import (
     OperationKind,
     RankInfo,
     RecoveryInfo,
-    SaveCheckpointRequest,
     TrainctlError,
-    WorkerError,
 )
 from trainctl.workers.control import logs
 from trainctl.workers.control.checkpoints import CheckpointStore
-from trainctl.workers.control.operations import Handle, OperationHost, OperationQueue, Runner
-from trainctl.workers.control.profile_store import ProfileStore, replace_dir
+from trainctl.workers.control.group import GroupLostError
+from trainctl.workers.control.op_queue import Handle, OperationHost, OperationQueue, Runner
+from trainctl.workers.control.profile_store import ProfileStore
 from trainctl.workers.control.profiles import ProfileRecorder
-from trainctl.workers.control.rank import RankWorker
-from trainctl.workers.control.rank_group import GroupLostError, RankGroup
+from trainctl.workers.control.rank_group import RankGroup
+from trainctl.workers.control.recovery import RecoveryPart
+from trainctl.workers.control.saves import PARTIAL_EXPORT, SavesPart
 from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.control.telemetry import ControllerMetrics
 from trainctl.workers.control.trackers import TrackerLog, open_trackers
-from trainctl.workers.engine.config import ConfigError, EngineConfig
-from trainctl.workers.engine.families import export_problem
+from trainctl.workers.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-RECOVERY_RETRY_S = 15.0
 CONTROLLER_NAME = "trainctl-controller"
 NAMESPACE = "trainctl"
 DEFAULT_MODEL_NAME = "trainctl-tiny"
 """The name the embedded default model is served under (``Info.model_name``)."""
-
-
-_PARTIAL_EXPORT = ".partial-"
-"""An export being written (or left by a crash, and swept at start)."""
 
 
 def _versions() -> dict[str, str]:
@@ -84,7 +72,7 @@ def _versions() -> dict[str, str]:
     return out
 
 
-class Controller(OperationHost):
+class Controller(RecoveryPart, SavesPart, OperationHost):
     """Plain class; ``ControllerActor`` below is its Ray actor."""
 
     def __init__(
@@ -158,7 +146,7 @@ class Controller(OperationHost):
         await self.group.place()
         await self.group.spawn()
         self.checkpoints.sweep_partial()
-        for d in self.export_root.glob(f"{_PARTIAL_EXPORT}*"):  # a crash's leftovers
+        for d in self.export_root.glob(f"{PARTIAL_EXPORT}*"):  # a crash's leftovers
             shutil.rmtree(d, ignore_errors=True)
         latest = self._latest_checkpoint()
         if self.resume and latest is not None:
@@ -249,175 +237,6 @@ class Controller(OperationHost):
             return f"step {self.step} was applied, but its scheduled checkpoint failed: {message}"
         return None
 
-    # -- failure recovery --------------------------------------------------------------------
-
-    def _begin_recovery(self, cause: str) -> None:
-        """Stop taking work and queue the rebuild ahead of everything else."""
-        if not self.ready:
-            return  # already recovering
-        self.ready = False
-        log.error("worker group lost (%s): rebuilding", cause)
-        self._queue_recovery(cause, self.step)
-
-    def _queue_recovery(self, cause: str, step_before: int) -> None:
-        if not self.draining:
-            run = lambda h: self._recover(h, cause, step_before)  # noqa: E731
-            self.queue.submit(OperationKind.RECOVER, run, front=True)
-
-    async def _recover(self, h: Handle, cause: str, step_before: int) -> Info:
-        """Replace every rank actor and restore the latest checkpoint; retried while it fails
-        (e.g. the cluster has no room yet for a replacement)."""
-        try:
-            return await self._rebuild(h, cause, step_before)
-        except Exception:
-            log.exception("recovery failed; trying again in %.0fs", RECOVERY_RETRY_S)
-            loop = asyncio.get_running_loop()
-            loop.call_later(RECOVERY_RETRY_S, self._queue_recovery, cause, step_before)
-            raise
-
-    async def _rebuild(self, h: Handle, cause: str, step_before: int) -> Info:
-        h.set_phase("rebuilding workers")
-        self.state.window = None  # the new ranks hold no gradients
-        self.group.kill(release=True)
-        try:  # placed anew: a lost node's placement group cannot come back
-            await self.group.place()
-        except ConfigError as e:
-            self.waiting = f"waiting for the cluster to hold the workers again: {e}"
-            raise
-        self.waiting = None
-        self._weights_epoch += 1
-        await self.group.spawn()
-        latest = self._latest_checkpoint()
-        if latest is not None:
-            h.set_phase(f"restoring {latest.checkpoint_id}")
-            await self._load(latest.checkpoint_id)
-        else:
-            self.state.step = 0
-        self.recovery = RecoveryInfo(
-            at=time.time(),
-            cause=cause,
-            restored_checkpoint=latest.checkpoint_id if latest else None,
-            step_before=step_before,
-            step_after=self.step,
-        )
-        self.steps_lost += step_before - self.step
-        self.ready = True
-        log.warning(
-            "recovered: at step %d (was %d; %d step(s) lost)",
-            self.step,
-            step_before,
-            step_before - self.step,
-        )
-        return await self.info()
-
-    # -- checkpoints and export --------------------------------------------------------------
-
-    def _layout(self) -> dict[str, int]:
-        return dict(self.cfg.to_dict()["layout"])
-
-    def _latest_checkpoint(self) -> CheckpointInfo | None:
-        found = [c for c in self.checkpoints.list().checkpoints if c.layout == self._layout()]
-        return found[-1] if found else None
-
-    def _save_op(self, req: SaveCheckpointRequest) -> Runner:
-        if req.name is not None:
-            self.checkpoints.check_name(req.name, req.overwrite)  # 409 now, not once queued
-        return lambda h: self._save(h, req.name, req.overwrite)
-
-    async def _save(
-        self, h: Handle | None = None, name: str | None = None, overwrite: bool = False
-    ) -> CheckpointInfo:
-        if h is not None:
-            h.set_phase("writing checkpoint")
-        if name is not None:
-            self.checkpoints.check_name(name, overwrite)  # again: one may have been saved since
-        tmp = self.checkpoints.begin(self.step)
-        try:
-            await self.group.call(RankWorker.save_checkpoint, str(tmp))
-            digest = self.group.digest_of(await self._digests())
-            info = {"step": self.step, "layout": self._layout(), "weights_digest": digest}
-            saved = await asyncio.to_thread(self.checkpoints.commit, tmp, info, name)
-        except BaseException:
-            self.checkpoints.abort(tmp)
-            raise
-        self.state.last_checkpoint_step = self.step
-        return saved
-
-    def _load_op(self, req: LoadCheckpointRequest) -> Runner:
-        self.checkpoints.path(req.checkpoint_id)  # 404 now, not once queued
-        return lambda h: self._load(req.checkpoint_id, h, optimizer=req.optimizer)
-
-    async def _load(
-        self, checkpoint_id: str, h: Handle | None = None, *, optimizer: bool = True
-    ) -> CheckpointInfo:
-        path, info = self.checkpoints.path(checkpoint_id)
-        if info.layout != self._layout():
-            raise ConflictError(
-                f"checkpoint {checkpoint_id} was saved with layout {info.layout}; this service "
-                f"runs {self._layout()}"
-            )
-        if h is not None:
-            h.set_phase(f"loading {checkpoint_id}")
-        # Phase 1 changes nothing on any rank: if a shard is missing, corrupt or does not fit,
-        # the load fails and every rank keeps the weights it had.
-        try:
-            await self.group.call(RankWorker.stage_checkpoint, str(path))
-        except TrainctlError:
-            await self.group.call_quietly(RankWorker.drop_staged)
-            raise
-        self._weights_epoch += 1
-        try:  # phase 2: local on every rank; a failure here leaves the replicas different
-            await self.group.call(RankWorker.apply_checkpoint, optimizer)
-        except WorkerError as e:
-            cause = f"{e.message} (applying {checkpoint_id})"
-            raise GroupLostError(
-                f"{cause}; the ranks may now hold different weights, so they are being "
-                "restored from the latest checkpoint: retry shortly",
-                details=e.details,
-                cause=cause,
-            ) from None
-        self.state.window = None  # a load drops the gradients waiting for optim_step
-        self.state.step = info.step
-        self.state.last_checkpoint_step = info.step
-        return info
-
-    def _export(self, req: ExportRequest) -> Runner:
-        m = self.cfg.model
-        problem = export_problem(m.family, m.num_experts)
-        if problem:
-            raise InvalidRequestError(f"export: {problem}")
-        if req.name is not None:
-            self._check_export_name(req.name, req.overwrite)  # 409 now, not once queued
-        return lambda h: self._write_export(req, h)
-
-    def _check_export_name(self, name: str, overwrite: bool) -> None:
-        if not overwrite and (self.export_root / name).exists():
-            raise ConflictError(
-                f"an export named {name!r} exists; pass overwrite to replace it",
-                details={"name": name},
-            )
-
-    async def _write_export(self, req: ExportRequest, h: Handle) -> ExportResult:
-        name = req.name or f"step-{self.step:06d}"
-        self._check_export_name(name, req.overwrite or req.name is None)
-        target = self.export_root / name
-        tmp = self.export_root / f"{_PARTIAL_EXPORT}{name}-{os.getpid()}"
-        h.set_phase("gathering weights")
-        parts = [r.canonical_shards.remote() for r in self.group.ranks]
-        h.set_phase("writing safetensors")
-        try:
-            files = await self.group.ranks[0].write_hf.remote(str(tmp), parts)
-            await asyncio.to_thread(replace_dir, tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return ExportResult(
-            name=name,
-            step=self.step,
-            path=str(target),
-            files={f["name"]: f["size_bytes"] for f in files},
-        )
-
     async def list_checkpoints(self) -> CheckpointList:
         return self.checkpoints.list()
 
@@ -469,11 +288,11 @@ class Controller(OperationHost):
             weights_digest=None if digests is None else self.group.digest_of(digests),
             ranks=[  # while recovering: no digests (the ranks may be gone)
                 RankInfo(
-                    rank=m["rank"],
-                    coords=m["coords"],
+                    rank=m.coords.rank,
+                    coords=m.coords.grid(),
                     weights_digest=d,
-                    pid=m.get("pid"),
-                    node=m.get("node"),
+                    pid=m.pid,
+                    node=m.node,
                 )
                 for m, d in zip(meta, per_rank, strict=True)
             ],

@@ -9,13 +9,15 @@ backend the rank actors use (``rank.process_group_backend``). On CUDA the engine
 current device (device 0 unless the caller set another). The layout must be one rank; a
 multi-rank layout needs the rank actors (``trainctl serve``).
 
-It drives the same ``RankWorker`` as a rank actor, with the controller's planning and result
-merging (``plan.plan_step``, ``results``), so its numbers are the service's. What it leaves out
-is the service: no queue, no checkpoints on a schedule, no recovery.
+It runs the controller's own step sequence (``steps.Steps``: planning, the phases, the
+non-finite-norm check, result merging) over a ``LocalGroup``, one ``RankWorker`` in this
+process, so its numbers and its step code are the service's. What it leaves out is the
+service: no queue, no checkpoints on a schedule, no recovery.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
 from datetime import timedelta
@@ -27,17 +29,25 @@ import torch.distributed as dist
 
 from trainctl.api import (
     EvalBatchRequest,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
     LogProbsRequest,
     LogProbsResult,
-    LossConfig,
+    OptimStepRequest,
     StepResult,
     TrainBatchRequest,
 )
-from trainctl.workers.control.batch import StepPlan
-from trainctl.workers.control.plan import plan_step
+from trainctl.api.operations import Operation, OperationKind, OperationStatus
+from trainctl.workers.control.group import LocalGroup
+from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.rank import RankWorker, process_group_backend
-from trainctl.workers.control.results import logprobs_result, nonfinite_norm_error, step_result
+from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.engine.config import EngineConfig
+
+
+async def _no_hook(_h: Handle) -> str | None:
+    """The service checkpoints on a schedule after a step; in-process, nothing happens."""
+    return None
 
 
 def init_single_process(backend: str = "auto", timeout_s: float = 120.0) -> None:
@@ -70,54 +80,51 @@ class InProcessEngine:
             )
         init_single_process(cfg.backend, cfg.collective_timeout_s)
         self.worker = RankWorker(0, 1, num_threads=num_threads or torch.get_num_threads())
-        self.worker.build(cfg.to_dict())
+        self.worker.build(cfg)
         self.cfg: EngineConfig = self.worker.engine.cfg
-        self.step = 0
+        self.state = ModelState()
+        self.steps = Steps(self.cfg, LocalGroup(self.worker), self.state, after_train=_no_hook)
 
     @property
     def engine(self) -> Any:
         """The ``EngineShard`` (its model chunks, optimizer and profiler)."""
         return self.worker.engine
 
-    def _plan(self, req: TrainBatchRequest | EvalBatchRequest) -> tuple[StepPlan, float]:
-        t0 = time.perf_counter()
-        plan = plan_step(list(req.sequences), self.cfg, loss=req.loss, packing=req.packing)
-        return plan, time.perf_counter() - t0
+    @property
+    def step(self) -> int:
+        """Optimizer steps applied."""
+        return self.state.step
+
+    def _run(self, kind: OperationKind, runner: Runner) -> Any:
+        op = Operation(
+            id=f"local-{kind.value}", kind=kind, status=OperationStatus.RUNNING,
+            created_at=time.time(),
+        )  # fmt: skip
+        handle = Handle(op=op, run=None, key=None, fingerprint="")
+
+        async def run() -> Any:
+            return await runner(handle)
+
+        return asyncio.run(run())
 
     def train_batch(self, req: TrainBatchRequest) -> StepResult:
         """Forward/backward and the optimizer step; a non-finite gradient norm applies
         nothing (as in the service)."""
-        req.check_expected_step(self.step)
-        t0 = time.perf_counter()
-        plan, t_plan = self._plan(req)
-        report = self.worker.accumulate(plan)
-        error = nonfinite_norm_error([report.grad_norm])
-        if error is not None:
-            self.worker.discard()
-            raise error
-        grad_norm, optimizer_s = self.worker.apply()
-        self.step += 1
-        result = step_result(plan, [report], step=self.step, t_plan=t_plan)
-        result.metrics["grad_norm:value"] = grad_norm
-        result.metrics["lr:value"] = self.cfg.optimizer.lr
-        result.timings["optimizer_max_s"] = optimizer_s
-        result.timings["total_s"] = time.perf_counter() - t0
-        return result
+        return self._run(OperationKind.TRAIN_BATCH, self.steps.train(req))  # type: ignore[no-any-return]
 
     def eval_batch(self, req: EvalBatchRequest) -> StepResult:
-        t0 = time.perf_counter()
-        plan, t_plan = self._plan(req)
-        result = step_result(plan, [self.worker.eval_batch(plan)], step=self.step, t_plan=t_plan)
-        result.timings["total_s"] = time.perf_counter() - t0
-        return result
+        return self._run(OperationKind.EVAL_BATCH, self.steps.eval(req))  # type: ignore[no-any-return]
 
     def logprobs(self, req: LogProbsRequest) -> LogProbsResult:
-        tokens_only = req.sequences.without(*req.sequences.present)
-        plan = plan_step(list(tokens_only), self.cfg, loss=LossConfig(), packing=req.packing)
-        parts = [self.worker.logprobs(plan, req.entropy)]
-        return logprobs_result(
-            parts, plan, n=len(req.sequences), entropy=req.entropy, step=self.step
-        )
+        return self._run(OperationKind.LOGPROBS, self.steps.logprobs(req))  # type: ignore[no-any-return]
+
+    def forward_backward(self, req: ForwardBackwardRequest) -> ForwardBackwardResult:
+        """A split-step part: gradients wait for ``optim_step``."""
+        kind = OperationKind.FORWARD_BACKWARD
+        return self._run(kind, self.steps.forward_backward(req))  # type: ignore[no-any-return]
+
+    def optim_step(self, req: OptimStepRequest) -> StepResult:
+        return self._run(OperationKind.OPTIM_STEP, self.steps.optim_step(req))  # type: ignore[no-any-return]
 
     def start_memory_profile(self, max_entries: int = 100_000) -> None:
         """Record allocations (CUDA: the allocator's history; CPU: the profiler's events)."""

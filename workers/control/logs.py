@@ -13,7 +13,7 @@ import logging
 import os
 import time
 
-from trainctl.workers.control.operations import current_operation
+from trainctl.workers.control.op_queue import current_operation
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [op=%(op)s] %(message)s"
 

@@ -15,11 +15,11 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
 
 from trainctl.api import InvalidRequestError, MemoryProfileList, MemoryProfileResult, ProfileFile
 from trainctl.api.errors import NotFoundError
 from trainctl.workers.control.profile_plot import memory_timeline, render_png
+from trainctl.workers.engine.boundary import RankProfile
 
 log = logging.getLogger(__name__)
 
@@ -95,19 +95,19 @@ class ProfileStore:
             raise InvalidRequestError(f"{profile_id}/{name}: outside the profile root")
         return p
 
-    def save(self, profile_id: str, files: list[dict[str, Any]]) -> MemoryProfileResult:
-        """Store each rank's ``{"name", "rank", "coords", "data"}`` and its picture."""
+    def save(self, profile_id: str, files: list[RankProfile]) -> MemoryProfileResult:
+        """Store each rank's file and its picture."""
         directory = self.path(profile_id)
         directory.mkdir(parents=True, exist_ok=True)
         out = []
-        for f in sorted(files, key=lambda f: int(f["rank"])):
-            name = checked_name("name", f["name"])
-            write_atomic(directory / name, f["data"])
+        for f in sorted(files, key=lambda f: f.coords.rank):
+            name = checked_name("name", f.name)
+            write_atomic(directory / name, f.data)
             picture = None
             try:
-                ts, total = memory_timeline(name, f["data"])
-                coords = " ".join(f"{k}{v}" for k, v in f["coords"].items())
-                png = render_png(f"rank {f['rank']} ({coords}): allocated memory", ts, total)
+                ts, total = memory_timeline(name, f.data)
+                coords = " ".join(f"{k}{v}" for k, v in f.coords.grid().items())
+                png = render_png(f"rank {f.coords.rank} ({coords}): allocated memory", ts, total)
                 picture = f"{name.split('.')[0]}.png"
                 write_atomic(directory / picture, png)
             except Exception:  # a picture is a convenience: never lose the profile over it
@@ -115,9 +115,9 @@ class ProfileStore:
             out.append(
                 ProfileFile(
                     name=name,
-                    rank=int(f["rank"]),
-                    coords=f["coords"],
-                    size_bytes=len(f["data"]),
+                    rank=f.coords.rank,
+                    coords=f.coords.grid(),
+                    size_bytes=len(f.data),
                     picture=picture,
                 )
             )

@@ -13,7 +13,7 @@ from trainctl.api import (
     MemoryProfileStartRequest,
     NoArguments,
 )
-from trainctl.workers.control.operations import Runner
+from trainctl.workers.control.op_queue import Runner
 from trainctl.workers.control.profile_store import ProfileStore
 from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.control.rank_group import RankGroup

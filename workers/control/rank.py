@@ -20,7 +20,17 @@ from typing import Any
 
 from trainctl.workers.control import logs
 from trainctl.workers.control.batch import StepPlan
-from trainctl.workers.control.operations import current_operation
+from trainctl.workers.control.op_queue import current_operation
+from trainctl.workers.engine.boundary import (
+    Applied,
+    OwnedShards,
+    PartResult,
+    PerSequence,
+    RankMeta,
+    RankProfile,
+    StepReport,
+    WrittenFile,
+)
 from trainctl.workers.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -124,30 +134,28 @@ class RankWorker:
             timeout=timeout,
         )
 
-    def build(self, cfg: dict[str, Any]) -> dict[str, Any]:
+    def build(self, cfg: EngineConfig) -> RankMeta:
         from trainctl.workers.engine.shard import EngineShard
 
-        self.engine = EngineShard(EngineConfig.from_dict(cfg))
-        c = self.engine.coords
-        return {
-            "rank": c.rank,
-            "coords": {"dp": c.dp, "cp": c.cp, "tp": c.tp, "pp": c.pp},
-            "parameters": self.engine.num_parameters(),
-            "pid": os.getpid(),
-            "node": _node_address(),
-        }
+        self.engine = EngineShard(cfg)
+        return RankMeta(
+            coords=self.engine.coords,
+            parameters=self.engine.num_parameters(),
+            pid=os.getpid(),
+            node=_node_address(),
+        )
 
     def _shard(self, plan: StepPlan) -> Any:
         self._check_fault("forward")
         self.engine.profiler.pause_if_expired()  # a CPU profile's recording is capped
         return plan.microbatches[self.engine.coords.dp]
 
-    def accumulate(self, plan: StepPlan, op_id: str = "-") -> Any:
+    def accumulate(self, plan: StepPlan, op_id: str = "-") -> StepReport:
         """Phase 1 of a train step: forward/backward; gradients held until ``apply``."""
         with _operation(op_id):
             report = self.engine.accumulate(self._shard(plan), plan.loss)
             self._fault_point("accumulate_end", undo=self.engine.zero_grad)
-            return report
+            return report  # type: ignore[no-any-return]
 
     def _fault_point(self, phase: str, *, undo: Callable[[], None]) -> None:
         """An injected fault at the end of ``phase``, after ``undo`` took back its work."""
@@ -157,7 +165,7 @@ class RankWorker:
             undo()
             raise
 
-    def apply(self, op_id: str = "-", hyper: dict[str, float] | None = None) -> tuple[float, float]:
+    def apply(self, op_id: str = "-", hyper: dict[str, float] | None = None) -> Applied:
         """Phase 2, once every rank finished phase 1: the optimizer update (local), with
         ``hyper`` (``optim_step``'s AdamW settings) or the engine config's."""
         from trainctl.workers.engine.config import OptimizerConfig
@@ -167,15 +175,17 @@ class RankWorker:
             opt = OptimizerConfig(**hyper) if hyper is not None else None
             return self.engine.apply(opt)  # type: ignore[no-any-return]
 
-    def forward_backward(self, plan: StepPlan, op_id: str = "-", backward: bool = True) -> Any:
-        """A split-step part: gradients added to the window (not reduced); ``(report,
-        per-sequence (log-probs, token losses))``. On failure here the window is as before the
+    def forward_backward(
+        self, plan: StepPlan, op_id: str = "-", backward: bool = True
+    ) -> PartResult:
+        """A split-step part: gradients added to the window (not reduced), its report and
+        per-sequence log-probs and token losses. On failure here the window is as before the
         call. Without ``backward``: the same outputs, no gradients."""
         with _operation(op_id):
-            out = self.engine.forward_backward_part(self._shard(plan), plan.loss, backward=backward)
+            out = self.engine.forward_backward(self._shard(plan), plan.loss, backward=backward)
             if backward:
                 self._fault_point("forward_backward_end", undo=self.engine.rollback_part)
-            return out
+            return out  # type: ignore[no-any-return]
 
     def rollback_part(self) -> None:
         """Undo this rank's last part (another rank failed it)."""
@@ -200,13 +210,13 @@ class RankWorker:
         """Drop the accumulated gradients (another rank failed phase 1)."""
         self.engine.zero_grad()
 
-    def eval_batch(self, plan: StepPlan, op_id: str = "-") -> Any:
+    def eval_batch(self, plan: StepPlan, op_id: str = "-") -> StepReport:
         with _operation(op_id):
-            return self.engine.eval_batch(self._shard(plan), plan.loss)
+            return self.engine.eval_batch(self._shard(plan), plan.loss)  # type: ignore[no-any-return]
 
-    def logprobs(self, plan: StepPlan, entropy: bool, op_id: str = "-") -> Any:
+    def logprobs(self, plan: StepPlan, entropy: bool, op_id: str = "-") -> PerSequence:
         with _operation(op_id):
-            return self.engine.logprobs(self._shard(plan), entropy=entropy)
+            return self.engine.logprobs(self._shard(plan), entropy=entropy)  # type: ignore[no-any-return]
 
     def weights_digest(self) -> str:
         return str(self.engine.weights_digest())
@@ -214,22 +224,16 @@ class RankWorker:
     def start_memory_profile(self, max_entries: int) -> None:
         self.engine.profiler.start(max_entries)
 
-    def stop_memory_profile(self) -> dict[str, Any]:
+    def stop_memory_profile(self) -> RankProfile:
         """Stop recording; this rank's file, as bytes (the controller stores it)."""
         with tempfile.TemporaryDirectory(prefix="trainctl-profile-") as tmp:
             path = self.engine.profiler.stop(Path(tmp))
             data = path.read_bytes()
-        c = self.engine.coords
-        return {
-            "name": path.name,
-            "rank": c.rank,
-            "coords": {"dp": c.dp, "cp": c.cp, "tp": c.tp, "pp": c.pp},
-            "data": data,
-        }
+        return RankProfile(name=path.name, coords=self.engine.coords, data=data)
 
     # -- checkpoints and export ----------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str) -> dict[str, Any]:
+    def save_checkpoint(self, directory: str) -> WrittenFile:
         """Write this rank's shard of the training state into ``directory`` (not yet final:
         the controller renames the directory once every rank has written)."""
         import torch
@@ -238,7 +242,7 @@ class RankWorker:
         tmp = path.with_suffix(".pt.partial")
         torch.save(self.engine.checkpoint_state(), tmp)
         os.replace(tmp, path)
-        return {"name": path.name, "size_bytes": path.stat().st_size}
+        return WrittenFile(name=path.name, size_bytes=path.stat().st_size)
 
     def stage_checkpoint(self, directory: str) -> None:
         """Phase 1 of a load: read this rank's shard and check it fits, changing nothing
@@ -261,27 +265,28 @@ class RankWorker:
     def drop_staged(self) -> None:
         self._staged = None
 
-    def canonical_shards(self) -> dict[str, Any]:
-        """The parameters this rank adds to one full copy of the model, by canonical name, with
-        its TP coordinate (for export)."""
-        return {"tp": self.engine.coords.tp, "shards": self.engine.canonical_shards(owned=True)}
+    def canonical_shards(self) -> OwnedShards:
+        """The parameters this rank adds to one full copy of the model (for export)."""
+        return OwnedShards(
+            tp=self.engine.coords.tp, shards=self.engine.canonical_shards(owned=True)
+        )
 
-    def write_hf(self, directory: str, parts: list[Any]) -> list[dict[str, Any]]:
+    def write_hf(self, directory: str, parts: list[Any]) -> list[WrittenFile]:
         """On one rank: merge every rank's ``canonical_shards`` and write a Hugging Face
         checkpoint of the model's family."""
         import ray
 
         from trainctl.workers.engine import hf, weights
 
-        got = ray.get(parts)
-        names = {n for g in got for n in g["shards"]}
+        got: list[OwnedShards] = ray.get(parts)
+        names = {n for g in got for n in g.shards}
         tp = self.engine.cfg.layout.tp
         full = {}
         for name in sorted(names):
-            by_tp = {g["tp"]: g["shards"][name] for g in got if name in g["shards"]}
+            by_tp = {g.tp: g.shards[name] for g in got if name in g.shards}
             full[name] = weights.shard_rule(name).unshard([by_tp[r] for r in range(tp)])
         files = hf.save(Path(directory), full, self.engine.cfg.model)
-        return [{"name": f.name, "size_bytes": f.stat().st_size} for f in files]
+        return [WrittenFile(name=f.name, size_bytes=f.stat().st_size) for f in files]
 
     # -- fault injection (operators and tests, through Ray only: not on the HTTP API) ---------
 

@@ -26,7 +26,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainctl.api import NotReadyError, TrainctlError, WorkerError
 from trainctl.workers.control import placement
+from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.rank import RankWorker
+from trainctl.workers.engine.boundary import RankMeta
 from trainctl.workers.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -37,29 +39,13 @@ FAILURE_GRACE_S = 10.0
 _FORWARDED_ENV = ("TRAINCTL_LOG_LEVEL", "TRAINCTL_LOG_FORMAT")
 
 
-class GroupLostError(NotReadyError):
-    """The process group is gone (a rank died or peers are stuck): nothing was applied, and
-    the workers must be rebuilt. ``cause`` says what happened, for the recovery record."""
-
-    def __init__(self, message: str, details: Any = None, *, cause: str = "") -> None:
-        super().__init__(message, details)
-        self.cause = cause or message
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_group_lost, (self.message, self.details, self.cause))
-
-
-def _group_lost(message: str, details: Any, cause: str) -> GroupLostError:
-    return GroupLostError(message, details, cause=cause)
-
-
 class RankGroup:
     def __init__(self, cfg: EngineConfig, *, num_cpus: float, num_gpus: float = 0.0) -> None:
         self.cfg = cfg
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.ranks: list[Any] = []
-        self.meta: list[dict[str, Any]] = []
-        """Per rank, from its build: rank, coords, parameters, pid."""
+        self.meta: list[RankMeta] = []
+        """Per rank, from its build: coordinates, parameters, pid, node."""
         self.plan: list[placement.NodeRanks] = []
         self.pgs: list[Any] = []
         """One placement group per node of the plan."""
@@ -156,7 +142,7 @@ class RankGroup:
             ]
         )
         log.info("process group formed at %s:%d; building engine shards", host, port)
-        self.meta = await asyncio.gather(*[r.build.remote(self.cfg.to_dict()) for r in self.ranks])
+        self.meta = await asyncio.gather(*[r.build.remote(self.cfg) for r in self.ranks])
 
     def kill(self, *, release: bool = False) -> None:
         """Stop every rank actor; ``release`` also frees the placement group."""
@@ -165,6 +151,9 @@ class RankGroup:
         self.ranks = []
         if release:
             self.release()
+
+    def put(self, value: Any) -> Any:
+        return ray.put(value)
 
     async def call(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         """``method`` (a ``RankWorker`` method) on every rank; the results in rank order, or
@@ -223,7 +212,7 @@ class RankGroup:
         return [
             item
             for item, m in zip(per_rank, self.meta, strict=True)
-            if m["coords"]["dp"] == 0 and m["coords"]["cp"] == 0
+            if m.coords.dp == 0 and m.coords.cp == 0
         ]
 
     def digest_of(self, digests: list[str]) -> str:
@@ -234,4 +223,4 @@ class RankGroup:
         return await self.call(RankWorker.weights_digest)
 
     def parameters_per_replica(self) -> int:
-        return sum(m["parameters"] for m in self.replica0(self.meta))
+        return sum(m.parameters for m in self.replica0(self.meta))

@@ -28,8 +28,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import ray
-
 from trainctl.api import (
     ConflictError,
     EvalBatchRequest,
@@ -48,10 +46,10 @@ from trainctl.api import (
 )
 from trainctl.api.batch import SequenceBatch
 from trainctl.workers.control.batch import StepPlan
-from trainctl.workers.control.operations import Handle, Runner
+from trainctl.workers.control.group import Group, GroupLostError
+from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.plan import plan_step
 from trainctl.workers.control.rank import RankWorker
-from trainctl.workers.control.rank_group import GroupLostError, RankGroup
 from trainctl.workers.control.results import (
     in_request_order,
     logprobs_result,
@@ -104,7 +102,7 @@ class Steps:
     def __init__(
         self,
         cfg: EngineConfig,
-        group: RankGroup,
+        group: Group,
         state: ModelState,
         *,
         after_train: Callable[[Handle], Awaitable[str | None]],
@@ -173,7 +171,7 @@ class Steps:
         req.check_expected_step(self.state.step)
         self._no_window("train_batch")
         t0 = time.perf_counter()
-        ref = ray.put(plan)
+        ref = self.group.put(plan)
         h.set_phase("forward_backward")
         try:
             reports = await self.group.call(RankWorker.accumulate, ref, h.op.id)
@@ -219,9 +217,9 @@ class Steps:
         warning = await self.after_train(h)
         if warning is not None:
             result.warnings.append(warning)
-        result.metrics["grad_norm:value"] = applied[0][0]
+        result.metrics["grad_norm:value"] = applied[0].grad_norm
         result.metrics["lr:value"] = (hyper or {}).get("lr", self.cfg.optimizer.lr)
-        result.timings["optimizer_max_s"] = max(a[1] for a in applied)
+        result.timings["optimizer_max_s"] = max(a.seconds for a in applied)
         if self.cfg.use_distributed_optimizer:
             result.timings["parameter_gather_max_s"] = max(published)
 
@@ -251,16 +249,16 @@ class Steps:
         backward = not req.forward_only
         try:
             parts = await self.group.call(
-                RankWorker.forward_backward, ray.put(plan), h.op.id, backward
+                RankWorker.forward_backward, self.group.put(plan), h.op.id, backward
             )
         except TrainctlError:
             if backward:  # ranks that finished this part take it back: the window is as before
                 await self.group.call_quietly(RankWorker.rollback_part)
             raise
-        reports = [r for r, _ in parts]
+        reports = [p.report for p in parts]
         raw = next(r for r in reports if r.is_last_stage).loss
         own = normalizer(norm, int(plan.loss_normalizer), plan.num_loss_sequences)
-        per_seq = in_request_order([lp for _, lp in parts], len(req.sequences))
+        per_seq = in_request_order([p.per_sequence for p in parts], len(req.sequences))
         step = step_result(plan, reports, step=self.state.step, t_plan=t_plan)
         if backward:
             w = self.state.window = w or Window(normalization=norm)
@@ -316,14 +314,15 @@ class Steps:
     async def _eval(self, h: Handle, plan: StepPlan, t_plan: float) -> StepResult:
         t0 = time.perf_counter()
         h.set_phase("forward")
-        reports = await self.group.call(RankWorker.eval_batch, ray.put(plan), h.op.id)
+        reports = await self.group.call(RankWorker.eval_batch, self.group.put(plan), h.op.id)
         result = step_result(plan, reports, step=self.state.step, t_plan=t_plan)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 
     async def _logprobs(self, h: Handle, req: LogProbsRequest, plan: StepPlan) -> LogProbsResult:
         h.set_phase("forward")
-        parts = await self.group.call(RankWorker.logprobs, ray.put(plan), req.entropy, h.op.id)
+        ref = self.group.put(plan)
+        parts = await self.group.call(RankWorker.logprobs, ref, req.entropy, h.op.id)
         return logprobs_result(
             parts, plan, n=len(req.sequences), entropy=req.entropy, step=self.state.step
         )

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from trainctl.api import LogProbsResult, OperationKind, OperationStatus, StepResult
-from trainctl.workers.control.operations import Handle
+from trainctl.workers.control.op_queue import Handle
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainctl.workers.control.batch import TreeLayout
+from trainctl.workers.engine.boundary import TreeLayout
 
 
 @dataclass(frozen=True, kw_only=True)

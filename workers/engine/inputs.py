@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainctl.workers.control.batch import PackedMicroBatch
 from trainctl.workers.engine.attention import PackedBatchParams
+from trainctl.workers.engine.boundary import PackedMicroBatch
 from trainctl.workers.engine.parallel import ParallelDims
 from trainctl.workers.ops.cp import split_for_cp, split_targets_for_cp
 from trainctl.workers.ops.pp_broadcast import BroadcastConfig, StageBatch, broadcast_stage_batch

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from torch.distributed import ProcessGroup
 
+from trainctl.workers.engine.boundary import RankCoords
 from trainctl.workers.engine.config import ParallelLayout
-from trainctl.workers.engine.profiling import RankCoords
 from trainctl.workers.ops.pp_broadcast import StageRole
 
 

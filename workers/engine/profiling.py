@@ -15,28 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainctl.workers.engine.boundary import RankCoords
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankCoords:
-    """Where a rank sits in the parallel layout."""
-
-    rank: int
-    dp: int
-    cp: int
-    tp: int
-    pp: int
-    ep: int = 0
-
-    def file_stem(self) -> str:
-        return f"snapshot_rank{self.rank:02d}_p{self.pp}d{self.dp}c{self.cp}t{self.tp}"
 
 
 class MemoryProfiler:

@@ -33,9 +33,9 @@ from megatron.core.tensor_parallel import (
 from torch import Tensor
 
 from trainctl.api.models import LossConfig
-from trainctl.workers.control.batch import PackedMicroBatch
 from trainctl.workers.engine import megatron_cpu
 from trainctl.workers.engine.attention import rope_freqs
+from trainctl.workers.engine.boundary import PackedMicroBatch
 from trainctl.workers.engine.inputs import RankMicroBatch, StageInputs
 from trainctl.workers.engine.model import lm_head_weight
 from trainctl.workers.engine.parallel import ParallelDims
@@ -45,7 +45,7 @@ from trainctl.workers.ops.cp import gather_from_cp, gather_targets_from_cp
 from trainctl.workers.ops.fused_head import fused_head_entropy, fused_head_logprob, head_logits
 from trainctl.workers.ops.logprob import vocab_parallel_entropy, vocab_parallel_logprob
 from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
-from trainctl.workers.ops.metrics import StatsTracker
+from trainctl.workers.ops.metrics import Reduction, StatsTracker
 from trainctl.workers.ops.rl_metrics import policy_metric_keys, record_policy_metrics
 
 PER_TOKEN_OUTPUTS = ("logprobs", "entropy", "token_loss")
@@ -62,6 +62,17 @@ class PassResult:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """Last stage only: the RL metrics of a pass whose batch carries ``old_logprobs``
     (``workers/ops/rl_metrics.py``), reduced over DP x CP."""
+
+
+@dataclass
+class _Pass:
+    """One pass's own state, handed to megatron's step functions (never kept on the
+    ``Schedule``, which outlives its passes)."""
+
+    loss: LossConfig
+    outputs: tuple[str, ...]
+    stats: StatsTracker = dataclasses.field(default_factory=StatsTracker)
+    policy_keys: list[tuple[str, Reduction]] = dataclasses.field(default_factory=list)
 
 
 class Schedule:
@@ -102,17 +113,16 @@ class Schedule:
         tensors = [self.inputs.prepare(mb) for mb in mbs]
         # RL metrics when the batch carries the behaviour policy's log-probs (the same
         # decision on every rank: the plan is global).
-        self.stats = StatsTracker()
-        self.policy_keys = []
+        run = _Pass(loss=loss, outputs=outputs)
         if "old_logprobs" in mbs[0].loss_inputs:
             with_ref = "ref_logprobs" in mbs[0].loss_inputs
-            self.policy_keys = policy_metric_keys(with_ref=with_ref, with_entropy=True)
+            run.policy_keys = policy_metric_keys(with_ref=with_ref, with_entropy=True)
         iters: Any = [iter(tensors) for _ in self.chunks] if len(self.chunks) > 1 else iter(tensors)
         for c in self.chunks:
             c.train(not forward_only)
         with megatron_cpu.cuda_to_cpu():
             out = get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, loss, outputs),
+                forward_step_func=partial(self._forward_step, run),
                 data_iterator=iters,
                 model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
                 num_microbatches=len(tensors),
@@ -128,18 +138,14 @@ class Schedule:
         total = aggregate_loss((item["loss"] for item in items), self.dims.dp_cp_group)
         kept = [{k: item[k] for k in outputs} for item in items]
         metrics = {}
-        if self.policy_keys:
+        if run.policy_keys:
             # Every DP x CP rank joins every metric's reduction, one with only dummies too.
-            self.stats.ensure(self.policy_keys)
-            metrics = self.stats.export(group=self.dims.dp_cp_group)
+            run.stats.ensure(run.policy_keys)
+            metrics = run.stats.export(group=self.dims.dp_cp_group)
         return PassResult(loss=float(total), outputs=kept, metrics=metrics)
 
     def _forward_step(
-        self,
-        loss: LossConfig,
-        outputs: tuple[str, ...],
-        data: Iterator[RankMicroBatch],
-        model: Any,
+        self, run: _Pass, data: Iterator[RankMicroBatch], model: Any
     ) -> tuple[Tensor, Any]:
         mb = next(data)
         self.routing.counting = not mb.is_dummy
@@ -150,7 +156,7 @@ class Schedule:
         hidden = model(mb.batch.tokens, positions, attention_mask=None, packed_seq_params=packed)
         # Only the last stage has an output layer (megatron calls the loss function there alone).
         weight = lm_head_weight(gpt) if gpt.post_process else None
-        return hidden, partial(self._loss_func, mb, loss, outputs, weight)
+        return hidden, partial(self._loss_func, run, mb, weight)
 
     def _head(
         self, hidden: Tensor, weight: Tensor, labels: Tensor, rows: Tensor | None
@@ -204,16 +210,11 @@ class Schedule:
         return lp[inverse], lambda: entropy()[inverse]
 
     def _loss_func(
-        self,
-        mb: RankMicroBatch,
-        loss: LossConfig,
-        outputs: tuple[str, ...],
-        weight: Tensor | None,
-        hidden: Tensor,
+        self, run: _Pass, mb: RankMicroBatch, weight: Tensor | None, hidden: Tensor
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """``hidden [1, t, H]`` -> (this micro-batch's loss share, its local target count, what
         the pass returns) for megatron's schedule."""
-        b = mb.batch
+        b, loss, outputs = mb.batch, run.loss, run.outputs
         assert weight is not None, "the loss function runs on the last stage"
         assert b.labels is not None and b.loss_mask is not None and b.cu_seqlens is not None
         if b.rows is None:
@@ -229,10 +230,10 @@ class Schedule:
             per_token: dict[str, Any] = {k: v[0] for k, v in b.loss_inputs.items()}
             scale = per_token.pop("loss_scale")
             seq_id = per_token.pop("seq_id").long()
-            if self.policy_keys:
+            if run.policy_keys:
                 with torch.no_grad():
                     record_policy_metrics(
-                        self.stats, lp, loss_mask=b.loss_mask[0],
+                        run.stats, lp, loss_mask=b.loss_mask[0],
                         old_logprobs=per_token["old_logprobs"], seq_id=seq_id,
                         num_seqs=mb.num_sequences, cp_group=self.dims.cp_group,
                         clip_low=loss.clip_low, clip_high=loss.clip_high,

@@ -18,55 +18,44 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 from torch import Tensor
 
 from trainctl.api.models import LossConfig
-from trainctl.workers.control.batch import PackedMicroBatch
 from trainctl.workers.engine import hf, megatron_cpu, weights, zero
 from trainctl.workers.engine.accumulation import Accumulation
+from trainctl.workers.engine.boundary import (
+    Applied,
+    PackedMicroBatch,
+    PartResult,
+    PerSequence,
+    StepReport,
+)
+from trainctl.workers.engine.checkpoint import CheckpointPart
 from trainctl.workers.engine.config import EngineConfig, OptimizerConfig
 from trainctl.workers.engine.inputs import StageInputs
 from trainctl.workers.engine.model import (
     build_gpt,
     build_optimizer,
-    set_hyperparameters,
     transformer_config,
     wrap_ddp,
 )
+from trainctl.workers.engine.optimizer import OptimizerPart
 from trainctl.workers.engine.parallel import ParallelDims
-from trainctl.workers.engine.profiling import MemoryProfiler, RankCoords
+from trainctl.workers.engine.profiling import MemoryProfiler
 from trainctl.workers.engine.routing import RoutingStats
-from trainctl.workers.engine.schedule import Schedule, per_sequence
+from trainctl.workers.engine.schedule import PassResult, Schedule, per_sequence
 
 log = logging.getLogger(__name__)
 
-_CLIP_EPS = 1e-6  # keeps the clip coefficient finite when the gradient norm is ~0
-_EMPTY = torch.zeros(0)
 _CPU = torch.device("cpu")
 
 
-@dataclass(frozen=True, kw_only=True)
-class StepReport:
-    """What one rank reports for a step; the controller merges reports of all ranks."""
-
-    coords: RankCoords
-    is_last_stage: bool
-    loss: float
-    """Global token-mean loss (already reduced over DP x CP); meaningful on the last stage."""
-    grad_norm: float | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-class EngineShard:
+class EngineShard(OptimizerPart, CheckpointPart):
     """This rank's share of the model and the training step."""
 
     def __init__(self, cfg: EngineConfig) -> None:
@@ -93,7 +82,6 @@ class EngineShard:
         self.tc = transformer_config(cfg, bf16=bf16)
         self._grad_sync_s = 0.0
         self._pending_norm: float | None = None
-        self._pass_metrics: dict[str, float] = {}
         source = weights.seeded(cfg.model.seed, cfg.model.num_layers)
         if cfg.init_hf:
             source = weights.from_dict(hf.load(Path(cfg.init_hf), cfg.model))
@@ -181,114 +169,18 @@ class EngineShard:
             if not weights.is_tied_copy(p)
         ]
 
-    def _sync_tied_embedding(self) -> None:
-        """Make the last stage's copy of tied embeddings equal to the first stage's (the copy
-        is zeroed, then summed with the original over the embedding group)."""
-        if not (self.cfg.model.tie_embeddings and self.dims.embd_group is not None):
-            return
-        tied = [
-            p
-            for c in self.chunks
-            for n, p in c.module.named_parameters()
-            if weights.is_tied_copy(p) or n == weights.EMBEDDING
-        ]
-        for p in tied:  # one on the first and on the last stage
-            if weights.is_tied_copy(p):
-                p.data.zero_()
-            dist.all_reduce(p.data, group=self.dims.embd_group)
-
     # -- the RPC surface -------------------------------------------------------------------
 
-    def forward_backward(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> float:
-        """Accumulate gradients of the step's loss (synchronised over DP x CP); the loss. The
-        pass's RL metrics wait in ``_pass_metrics`` for the step's report."""
-        result = self.schedule.run(mbs, loss, forward_only=False)
-        self._pass_metrics = result.metrics
-        return result.loss
-
-    def optimizer_step(self, grad_norm: float | None = None) -> float:
-        """Clip by global norm, apply AdamW, zero the gradients; returns the pre-clip norm
-        (computed here unless given: computing it is a collective)."""
-        grad_norm = self.update_local(grad_norm)
-        self.publish()
-        return grad_norm
-
-    def update_local(
-        self, grad_norm: float | None = None, hyper: OptimizerConfig | None = None
-    ) -> float:
-        """The optimizer update of what this rank owns (all of it, or its ZeRO shard); no
-        collective unless the norm must still be computed. Gradients are zeroed after it.
-        ``hyper``: this update's AdamW settings and clip norm (default: the engine config's)."""
-        hyper = hyper or self.cfg.optimizer
-        set_hyperparameters(self.optimizer, hyper)
-        with megatron_cpu.cuda_to_cpu():
-            self.optimizer.prepare_grads()
-            if grad_norm is None:
-                grad_norm = self.grad_norm()
-            clip = hyper.clip_grad
-            if clip > 0 and grad_norm > clip:
-                coeff = clip / (grad_norm + _CLIP_EPS)
-                for group in self.optimizer.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.mul_(coeff)
-            if self.zero:
-                zero.update_local(self.optimizer)
-            else:
-                self.optimizer.step_with_ready_grads()
-        self.zero_grad()
-        self.step += 1
-        return grad_norm
-
-    def publish(self) -> None:
-        """ZeRO-1: all-gather the updated parameter shards (a collective over DP x CP); nothing
-        to do without it."""
-        if self.zero:
-            with megatron_cpu.cuda_to_cpu():
-                zero.publish(self.chunks)
-
-    def grad_norm(self) -> float:
-        """L2 norm of the full model's gradient: every canonical parameter counted once.
-
-        TP-replicated parameters (norms, routers, experts) count on TP rank 0 only, tied
-        embeddings on the first stage only; the sum of squares is then all-reduced over the
-        model-parallel group (TP x PP). Without ZeRO, DP x CP replicas already hold the
-        synchronised gradient; with it, each rank sums the squares of the slices it holds
-        summed (``zero.owned_grads``) and those partial sums are added over DP x CP (over
-        expert-DP for experts).
-        """
-        owned = zero.owned_grads(self.chunks) if self.zero else {}
-        dense = torch.zeros((), dtype=torch.float64, device=self.device)
-        experts = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self._parameters():
-            g = owned.get(p, _EMPTY) if self.zero else p.main_grad
-            if ".local_experts." in name:
-                experts += g.double().pow(2).sum()
-            elif self.coords.tp == 0 or weights.shard_rule(name).kind != "replicated":
-                dense += g.double().pow(2).sum()
-        if self.zero:
-            dist.all_reduce(dense, group=self.dims.dp_cp_group)
-            if self.cfg.model.num_experts:
-                dist.all_reduce(experts, group=self.dims.expert_dp_group)
-        # Each EP rank holds different experts: their squares add up over the EP group too.
-        if self.cfg.layout.ep > 1:
-            dist.all_reduce(experts, group=self.dims.ep_group)
-        # Experts are whole on every TP rank (expert TP = 1): they count on TP rank 0 only.
-        sq = dense + (experts if self.coords.tp == 0 else torch.zeros_like(experts))
-        dist.all_reduce(sq, group=self.dims.mp_group)
-        return float(sq.sqrt())
-
-    def zero_grad(self) -> None:
-        for c in self.chunks:
-            c.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        self.window.clear()
+    def train_pass(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> PassResult:
+        """Forward and backward over this rank's micro-batches: gradients accumulate and are
+        synchronised over DP x CP; the pass's loss and RL metrics."""
+        return self.schedule.run(mbs, loss, forward_only=False)
 
     # -- the split step (docs/algorithms.md §11) ----------------------------------------------
 
-    def forward_backward_part(
+    def forward_backward(
         self, mbs: Sequence[PackedMicroBatch], loss: LossConfig, *, backward: bool = True
-    ) -> tuple[StepReport, dict[int, tuple[np.ndarray, np.ndarray]]]:
+    ) -> PartResult:
         """One ``forward_backward``: this part's gradients added to the window's local sum
         (not reduced over DP x CP: ``finish_window`` does that once), its loss (the global
         sum of its scaled terms) and, per sequence, the per-token log-probs and loss shares
@@ -307,7 +199,7 @@ class EngineShard:
                 self.window.rollback()
                 raise
             self.window.end_part()
-        per_seq = {}
+        per_seq: PerSequence = {}
         if self.dims.reports_logprobs():
             lps = per_sequence(mbs, [o["logprobs"] for o in result.outputs])
             losses = per_sequence(mbs, [o["token_loss"] for o in result.outputs])
@@ -319,7 +211,7 @@ class EngineShard:
             metrics={**self.routing.export(), **result.metrics},
             timings={"forward_backward_s": time.perf_counter() - t0},
         )
-        return report, per_seq
+        return PartResult(report=report, per_sequence=per_seq)
 
     def rollback_part(self) -> None:
         """Undo the last ``forward_backward`` part (another rank failed it)."""
@@ -347,7 +239,7 @@ class EngineShard:
         t0 = time.perf_counter()
         self._grad_sync_s = 0.0
         try:
-            value = self.forward_backward(mbs, loss)
+            result = self.train_pass(mbs, loss)
             with megatron_cpu.cuda_to_cpu():
                 self._pending_norm = self.grad_norm()
         except BaseException:
@@ -356,29 +248,30 @@ class EngineShard:
         return StepReport(
             coords=self.coords,
             is_last_stage=self.is_last_stage,
-            loss=value,
+            loss=result.loss,
             grad_norm=self._pending_norm,
-            metrics={**self.routing.export(), **self._pass_metrics},
+            metrics={**self.routing.export(), **result.metrics},
             timings={
                 "forward_backward_s": time.perf_counter() - t0,
                 "grad_sync_s": self._grad_sync_s,
             },
         )
 
-    def apply(self, hyper: OptimizerConfig | None = None) -> tuple[float, float]:
+    def apply(self, hyper: OptimizerConfig | None = None) -> Applied:
         """Phase 2: the optimizer update of what this rank owns, from the accumulated gradients
-        and phase 1's norm; ``(grad_norm, seconds)``. Local: no collective. ``hyper``: this
-        step's AdamW settings (``optim_step``), else the engine config's."""
+        and phase 1's norm. Local: no collective. ``hyper``: this step's AdamW settings
+        (``optim_step``), else the engine config's."""
         t0 = time.perf_counter()
         grad_norm = self.update_local(self._pending_norm, hyper)
-        return grad_norm, time.perf_counter() - t0
+        return Applied(grad_norm=grad_norm, seconds=time.perf_counter() - t0)
 
     def train_batch(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> StepReport:
         """Both phases in one call (tests, benchmarks and the single-process reference)."""
         report = self.accumulate(mbs, loss)
-        _, optimizer_s = self.apply()
+        applied = self.apply()
         self.publish()
-        return dataclasses.replace(report, timings={**report.timings, "optimizer_s": optimizer_s})
+        timings = {**report.timings, "optimizer_s": applied.seconds}
+        return dataclasses.replace(report, timings=timings)
 
     @torch.no_grad()
     def eval_batch(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> StepReport:
@@ -393,9 +286,7 @@ class EngineShard:
         )
 
     @torch.no_grad()
-    def logprobs(
-        self, mbs: Sequence[PackedMicroBatch], *, entropy: bool = False
-    ) -> dict[int, tuple[np.ndarray, np.ndarray | None]]:
+    def logprobs(self, mbs: Sequence[PackedMicroBatch], *, entropy: bool = False) -> PerSequence:
         """Per-token log-probs (and entropy) of every real sequence in ``mbs``, by request index.
 
         A forward pass that returns them: each value is aligned with the sequence's tokens,
@@ -447,74 +338,3 @@ class EngineShard:
                 t = p.main_grad if grads else p
                 out[names[name]] = t.detach().clone()
         return out
-
-    # -- checkpoints ---------------------------------------------------------------------------
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything this rank needs to resume: weights, optimizer state, step, RNG."""
-        return {
-            # A tied embedding is saved once, by the first stage; the last stage's copy is
-            # restored from it on load.
-            "chunks": [
-                {
-                    k: v
-                    for k, v in c.module.state_dict().items()
-                    if k not in weights.tied_copies(c.module)
-                }
-                for c in self.chunks
-            ],
-            "optimizer": zero.state(self.optimizer) if self.zero else self.optimizer.state_dict(),
-            "step": self.step,
-            "rng": torch.get_rng_state(),
-            "coords": dataclasses.asdict(self.coords),
-        }
-
-    def check_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Raise unless ``state`` loads here: this rank's coordinates, and every chunk's
-        tensors with this shard's names and shapes. Changes nothing."""
-        if state.get("coords") != dataclasses.asdict(self.coords):
-            raise ValueError(
-                f"checkpoint shard of {state.get('coords')} loaded on rank {self.coords}: "
-                "a checkpoint loads into the layout it was saved from"
-            )
-        chunks = state.get("chunks")
-        if not isinstance(chunks, list) or len(chunks) != len(self.chunks):
-            raise ValueError(f"checkpoint shard: {len(self.chunks)} model chunk(s) expected")
-        for c, sd in zip(self.chunks, chunks, strict=True):
-            own = {
-                k: v for k, v in c.module.state_dict().items()
-                if k not in weights.tied_copies(c.module)
-            }  # fmt: skip
-            if not isinstance(sd, dict) or sd.keys() != own.keys():
-                got = set(sd) if isinstance(sd, dict) else set()
-                raise ValueError(
-                    f"checkpoint shard: missing {sorted(own.keys() - got)[:5]}, "
-                    f"unexpected {sorted(got - own.keys())[:5]}"
-                )
-            for k, v in own.items():
-                shape = getattr(sd[k], "shape", None)
-                if isinstance(v, torch.Tensor) and shape != v.shape:
-                    raise ValueError(
-                        f"checkpoint shard: {k} has shape {shape}, not {tuple(v.shape)}"
-                    )
-
-    def load_checkpoint_state(self, state: dict[str, Any], *, optimizer: bool = True) -> None:
-        """Inverse of ``checkpoint_state`` (same layout: the coordinates must match). Without
-        ``optimizer``, the weights and step only: the optimizer starts afresh on them."""
-        self.check_checkpoint_state(state)
-        with torch.no_grad():
-            for c, sd in zip(self.chunks, state["chunks"], strict=True):
-                missing, unexpected = c.module.load_state_dict(sd, strict=False)
-                bad = [k for k in missing if k not in weights.tied_copies(c.module)]
-                if bad or unexpected:
-                    raise ValueError(f"checkpoint shard: missing {bad}, unexpected {unexpected}")
-            self._sync_tied_embedding()
-        if not optimizer:
-            zero.restart(self.optimizer)
-        elif self.zero:
-            zero.load_state(self.optimizer, state["optimizer"])
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.zero_grad()
-        torch.set_rng_state(state["rng"])
-        self.step = int(state["step"])

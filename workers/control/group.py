@@ -1,0 +1,69 @@
+"""What the step code needs of the ranks, whoever hosts them: ``Group``.
+
+``RankGroup`` (``rank_group.py``) is the service's: one Ray actor per rank. ``LocalGroup`` is
+one ``RankWorker`` in this process (``inprocess.py``: the GPU tier and the benchmarks), so
+both run the controller's own step sequence (``steps.py``). Imports no Ray and no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from trainctl.api import NotReadyError, TrainctlError, WorkerError
+
+
+class GroupLostError(NotReadyError):
+    """The process group is gone (a rank died or peers are stuck): nothing was applied, and
+    the workers must be rebuilt. ``cause`` says what happened, for the recovery record."""
+
+    def __init__(self, message: str, details: Any = None, *, cause: str = "") -> None:
+        super().__init__(message, details)
+        self.cause = cause or message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_group_lost, (self.message, self.details, self.cause))
+
+
+def _group_lost(message: str, details: Any, cause: str) -> GroupLostError:
+    return GroupLostError(message, details, cause=cause)
+
+
+class Group(Protocol):
+    """Calls on every rank at once."""
+
+    def put(self, value: Any) -> Any:
+        """``value`` as the ranks receive it (Ray: one object-store copy for all ranks)."""
+
+    async def call(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        """``method`` (a ``RankWorker`` method) on every rank; the results in rank order."""
+
+    async def call_quietly(self, method: Callable[..., Any]) -> None:
+        """``method`` on every rank that still answers; failures ignored (cleanup)."""
+
+
+class LocalGroup:
+    """A group of one: a ``RankWorker`` in this process, called directly."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def put(self, value: Any) -> Any:
+        return value
+
+    async def call(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        try:
+            return [method(self.worker, *args)]
+        except TrainctlError:
+            raise
+        except Exception as e:
+            raise WorkerError(
+                f"rank 0 failed in {method.__name__}: {type(e).__name__}: {e}",
+                details={"method": method.__name__},
+            ) from e
+
+    async def call_quietly(self, method: Callable[..., Any]) -> None:
+        # Cleanup after a failure: that failure is what the caller reports.
+        with contextlib.suppress(Exception):
+            method(self.worker)

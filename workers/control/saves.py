@@ -1,0 +1,159 @@
+"""The controller's checkpoints and exports: save (every rank's shard, then one commit),
+load in two phases (stage everywhere, then apply: a bad shard changes nothing), and the
+Hugging Face export (every rank's canonical shards merged and written on rank 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainctl.api import (
+    CheckpointInfo,
+    ConflictError,
+    ExportRequest,
+    ExportResult,
+    InvalidRequestError,
+    LoadCheckpointRequest,
+    SaveCheckpointRequest,
+    TrainctlError,
+    WorkerError,
+)
+from trainctl.workers.control.checkpoints import CheckpointStore
+from trainctl.workers.control.group import GroupLostError
+from trainctl.workers.control.op_queue import Handle, Runner
+from trainctl.workers.control.profile_store import replace_dir
+from trainctl.workers.control.rank import RankWorker
+from trainctl.workers.control.rank_group import RankGroup
+from trainctl.workers.control.steps import ModelState
+from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.families import export_problem
+
+PARTIAL_EXPORT = ".partial-"
+"""An export being written (or left by a crash, and swept at start)."""
+
+
+class SavesPart:
+    """Mixed into ``Controller``: what it needs of the controller is declared here."""
+
+    cfg: EngineConfig
+    checkpoints: CheckpointStore
+    export_root: Path
+    group: RankGroup
+    state: ModelState
+    _weights_epoch: int
+
+    if TYPE_CHECKING:
+
+        @property
+        def step(self) -> int: ...
+
+        async def _digests(self) -> list[str]: ...
+
+    def _layout(self) -> dict[str, int]:
+        return dict(self.cfg.to_dict()["layout"])
+
+    def _latest_checkpoint(self) -> CheckpointInfo | None:
+        found = [c for c in self.checkpoints.list().checkpoints if c.layout == self._layout()]
+        return found[-1] if found else None
+
+    def _save_op(self, req: SaveCheckpointRequest) -> Runner:
+        if req.name is not None:
+            self.checkpoints.check_name(req.name, req.overwrite)  # 409 now, not once queued
+        return lambda h: self._save(h, req.name, req.overwrite)
+
+    async def _save(
+        self, h: Handle | None = None, name: str | None = None, overwrite: bool = False
+    ) -> CheckpointInfo:
+        if h is not None:
+            h.set_phase("writing checkpoint")
+        if name is not None:
+            self.checkpoints.check_name(name, overwrite)  # again: one may have been saved since
+        tmp = self.checkpoints.begin(self.step)
+        try:
+            await self.group.call(RankWorker.save_checkpoint, str(tmp))
+            digest = self.group.digest_of(await self._digests())
+            info = {"step": self.step, "layout": self._layout(), "weights_digest": digest}
+            saved = await asyncio.to_thread(self.checkpoints.commit, tmp, info, name)
+        except BaseException:
+            self.checkpoints.abort(tmp)
+            raise
+        self.state.last_checkpoint_step = self.step
+        return saved
+
+    def _load_op(self, req: LoadCheckpointRequest) -> Runner:
+        self.checkpoints.path(req.checkpoint_id)  # 404 now, not once queued
+        return lambda h: self._load(req.checkpoint_id, h, optimizer=req.optimizer)
+
+    async def _load(
+        self, checkpoint_id: str, h: Handle | None = None, *, optimizer: bool = True
+    ) -> CheckpointInfo:
+        path, info = self.checkpoints.path(checkpoint_id)
+        if info.layout != self._layout():
+            raise ConflictError(
+                f"checkpoint {checkpoint_id} was saved with layout {info.layout}; this service "
+                f"runs {self._layout()}"
+            )
+        if h is not None:
+            h.set_phase(f"loading {checkpoint_id}")
+        # Phase 1 changes nothing on any rank: if a shard is missing, corrupt or does not fit,
+        # the load fails and every rank keeps the weights it had.
+        try:
+            await self.group.call(RankWorker.stage_checkpoint, str(path))
+        except TrainctlError:
+            await self.group.call_quietly(RankWorker.drop_staged)
+            raise
+        self._weights_epoch += 1
+        try:  # phase 2: local on every rank; a failure here leaves the replicas different
+            await self.group.call(RankWorker.apply_checkpoint, optimizer)
+        except WorkerError as e:
+            cause = f"{e.message} (applying {checkpoint_id})"
+            raise GroupLostError(
+                f"{cause}; the ranks may now hold different weights, so they are being "
+                "restored from the latest checkpoint: retry shortly",
+                details=e.details,
+                cause=cause,
+            ) from None
+        self.state.window = None  # a load drops the gradients waiting for optim_step
+        self.state.step = info.step
+        self.state.last_checkpoint_step = info.step
+        return info
+
+    def _export(self, req: ExportRequest) -> Runner:
+        m = self.cfg.model
+        problem = export_problem(m.family, m.num_experts)
+        if problem:
+            raise InvalidRequestError(f"export: {problem}")
+        if req.name is not None:
+            self._check_export_name(req.name, req.overwrite)  # 409 now, not once queued
+        return lambda h: self._write_export(req, h)
+
+    def _check_export_name(self, name: str, overwrite: bool) -> None:
+        if not overwrite and (self.export_root / name).exists():
+            raise ConflictError(
+                f"an export named {name!r} exists; pass overwrite to replace it",
+                details={"name": name},
+            )
+
+    async def _write_export(self, req: ExportRequest, h: Handle) -> ExportResult:
+        name = req.name or f"step-{self.step:06d}"
+        self._check_export_name(name, req.overwrite or req.name is None)
+        target = self.export_root / name
+        tmp = self.export_root / f"{PARTIAL_EXPORT}{name}-{os.getpid()}"
+        h.set_phase("gathering weights")
+        parts = [r.canonical_shards.remote() for r in self.group.ranks]
+        h.set_phase("writing safetensors")
+        try:
+            files = await self.group.ranks[0].write_hf.remote(str(tmp), parts)
+            await asyncio.to_thread(replace_dir, tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return ExportResult(
+            name=name,
+            step=self.step,
+            path=str(target),
+            files={f.name: f.size_bytes for f in files},
+        )

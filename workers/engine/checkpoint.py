@@ -1,0 +1,116 @@
+"""The shard's checkpoint part: its training state as a dict of tensors and plain
+containers (what ``torch.load(weights_only=True)`` reads back), checked before it is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from trainctl.workers.engine import weights, zero
+from trainctl.workers.engine.boundary import RankCoords
+from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.parallel import ParallelDims
+
+
+class CheckpointPart:
+    """Mixed into ``EngineShard``: what it needs of the shard is declared here."""
+
+    cfg: EngineConfig
+    coords: RankCoords
+    dims: ParallelDims
+    chunks: list[Any]
+    optimizer: Any
+    zero: bool
+    step: int
+
+    if TYPE_CHECKING:
+
+        def zero_grad(self) -> None: ...
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything this rank needs to resume: weights, optimizer state, step, RNG."""
+        return {
+            # A tied embedding is saved once, by the first stage; the last stage's copy is
+            # restored from it on load.
+            "chunks": [
+                {
+                    k: v
+                    for k, v in c.module.state_dict().items()
+                    if k not in weights.tied_copies(c.module)
+                }
+                for c in self.chunks
+            ],
+            "optimizer": zero.state(self.optimizer) if self.zero else self.optimizer.state_dict(),
+            "step": self.step,
+            "rng": torch.get_rng_state(),
+            "coords": dataclasses.asdict(self.coords),
+        }
+
+    def check_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Raise unless ``state`` loads here: this rank's coordinates, and every chunk's
+        tensors with this shard's names and shapes. Changes nothing."""
+        if state.get("coords") != dataclasses.asdict(self.coords):
+            raise ValueError(
+                f"checkpoint shard of {state.get('coords')} loaded on rank {self.coords}: "
+                "a checkpoint loads into the layout it was saved from"
+            )
+        chunks = state.get("chunks")
+        if not isinstance(chunks, list) or len(chunks) != len(self.chunks):
+            raise ValueError(f"checkpoint shard: {len(self.chunks)} model chunk(s) expected")
+        for c, sd in zip(self.chunks, chunks, strict=True):
+            own = {
+                k: v for k, v in c.module.state_dict().items()
+                if k not in weights.tied_copies(c.module)
+            }  # fmt: skip
+            if not isinstance(sd, dict) or sd.keys() != own.keys():
+                got = set(sd) if isinstance(sd, dict) else set()
+                raise ValueError(
+                    f"checkpoint shard: missing {sorted(own.keys() - got)[:5]}, "
+                    f"unexpected {sorted(got - own.keys())[:5]}"
+                )
+            for k, v in own.items():
+                shape = getattr(sd[k], "shape", None)
+                if isinstance(v, torch.Tensor) and shape != v.shape:
+                    raise ValueError(
+                        f"checkpoint shard: {k} has shape {shape}, not {tuple(v.shape)}"
+                    )
+
+    def load_checkpoint_state(self, state: dict[str, Any], *, optimizer: bool = True) -> None:
+        """Inverse of ``checkpoint_state`` (same layout: the coordinates must match). Without
+        ``optimizer``, the weights and step only: the optimizer starts afresh on them."""
+        self.check_checkpoint_state(state)
+        with torch.no_grad():
+            for c, sd in zip(self.chunks, state["chunks"], strict=True):
+                missing, unexpected = c.module.load_state_dict(sd, strict=False)
+                bad = [k for k in missing if k not in weights.tied_copies(c.module)]
+                if bad or unexpected:
+                    raise ValueError(f"checkpoint shard: missing {bad}, unexpected {unexpected}")
+            self._sync_tied_embedding()
+        if not optimizer:
+            zero.restart(self.optimizer)
+        elif self.zero:
+            zero.load_state(self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.zero_grad()
+        torch.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+
+    def _sync_tied_embedding(self) -> None:
+        """Make the last stage's copy of tied embeddings equal to the first stage's (the copy
+        is zeroed, then summed with the original over the embedding group)."""
+        if not (self.cfg.model.tie_embeddings and self.dims.embd_group is not None):
+            return
+        tied = [
+            p
+            for c in self.chunks
+            for n, p in c.module.named_parameters()
+            if weights.is_tied_copy(p) or n == weights.EMBEDDING
+        ]
+        for p in tied:  # one on the first and on the last stage
+            if weights.is_tied_copy(p):
+                p.data.zero_()
+            dist.all_reduce(p.data, group=self.dims.embd_group)
