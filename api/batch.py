@@ -21,6 +21,7 @@ from pydantic_core import core_schema
 
 from trainctl.api.errors import InvalidRequestError, field_error
 from trainctl.api.fields import BY_NAME, FIELD_NAMES, OPTIONAL_FIELDS, FieldKind
+from trainctl.api.sequence import Sequence
 
 _HOST_DTYPE = {FieldKind.TOKEN: np.int64, FieldKind.MASK: np.uint8, FieldKind.FLOAT: np.float32}
 """What a JSON list becomes (float32: the precision the ranks compute the loss inputs in)."""
@@ -258,8 +259,6 @@ class SequenceBatch:
     ) -> core_schema.CoreSchema:
         """JSON: ``list[Sequence]`` (types checked by pydantic, with field locations), then
         packed; Python: a ``SequenceBatch`` as is, or anything ``from_sequences`` takes."""
-        from trainctl.api.models import Sequence
-
         as_list = core_schema.list_schema(handler.generate_schema(Sequence), min_length=1)
         from_list = core_schema.chain_schema(
             [as_list, core_schema.no_info_plain_validator_function(cls.from_sequences)]

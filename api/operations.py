@@ -1,7 +1,7 @@
 """The one table of operations: each kind's request model, result model and route.
 
 An operation is a call that touches the ranks: it is queued, run one at a time in arrival
-order, and idempotent under a key (``workers/control/operations.py``). The SDK builds its
+order, and idempotent under a key (``workers/control/op_queue.py``). The SDK builds its
 calls from this table, the gateway registers one route per entry, and the controller
 dispatches on the kind; nothing else spells an operation's name.
 """

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import statistics
 import time
 from typing import Any
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from bench.memory import MIB, PeakRSS
+from trainctl.service.cluster import free_port
 from trainctl.workers.ops import logprob as lp_ops
 from trainctl.workers.ops.logprob import vocab_parallel_logprob
 
@@ -114,12 +114,6 @@ def fused_head_case(variant: str, n: int, h: int, v: int, chunk: int) -> dict[st
 # -- CP-local loss vs gather-then-loss ------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _cp_rank(rank: int, world: int, port: int, variant: str, t: int, v: int, out: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -161,7 +155,7 @@ def cp_loss_case(variant: str, cp: int, t: int, v: int) -> dict[str, float]:
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_cp_rank, args=(r, cp, port, variant, t, v, out)) for r in range(cp)
     ]
@@ -240,7 +234,7 @@ def activation_case(recompute: str, tokens: int) -> dict[str, float]:
     from trainctl.workers.engine.shard import EngineShard
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     model = ModelConfig(
         num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=4,
@@ -266,12 +260,12 @@ def one_sequence_peak(eng: Any, tokens: int) -> dict[str, float]:
     )
     plan = plan_step([seq], eng.cfg)
     mbs = plan.microbatches[eng.coords.dp]
-    eng.forward_backward(mbs, plan.loss)  # warm-up
+    eng.train_pass(mbs, plan.loss)  # warm-up
     eng.zero_grad()
     dist.barrier()
     with PeakRSS() as m:
         t0 = time.perf_counter()
-        loss = eng.forward_backward(mbs, plan.loss)
+        loss = eng.train_pass(mbs, plan.loss).loss
         elapsed = time.perf_counter() - t0
     return {"peak_MiB": m.peak_above_start / MIB, "time_s": elapsed, "loss": loss}
 
@@ -285,7 +279,7 @@ def step_case(layout: dict[str, int], n_seqs: int, seq_len: int, steps: int) -> 
         world *= layout.get(axis, 1)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_step_rank, args=(r, world, port, layout, n_seqs, seq_len, steps, out))
         for r in range(world)
@@ -382,7 +376,7 @@ def state_bytes_case(dp: int, precision: str, zero: str) -> dict[str, float]:
              "max_seq_len": 128}  # fmt: skip
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_state_rank, args=(r, dp, port, precision, zero, model, out))
         for r in range(dp)

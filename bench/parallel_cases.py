@@ -9,7 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.cases import _free_port, one_sequence_peak
+from bench.cases import one_sequence_peak
+from trainctl.service.cluster import free_port
 
 SP_MODEL = {
     "num_layers": 4,
@@ -43,7 +44,7 @@ def sp_activation_case(sequence_parallel: str, tokens: int) -> dict[str, float]:
     ``tokens``-long sequence (after a warm-up step), the larger of the two, and the time."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_sp_rank, args=(r, port, sequence_parallel, tokens, out))
         for r in range(2)

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bench.cases import _free_port
 from bench.memory import MIB, PeakRSS
+from trainctl.service.cluster import free_port
 
 MODELS: dict[str, dict[str, Any]] = {
     # The embedded default (2 layers, hidden 128, vocab 512), long sequences allowed.
@@ -64,7 +64,7 @@ def tree_step_case(model: str, shape: str, packing: str, steps: int) -> dict[str
 
     torch.set_num_threads(2)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     cfg = EngineConfig.from_dict({**MODELS[model], "max_tokens_per_microbatch": BUDGET})
     eng = EngineShard(cfg)

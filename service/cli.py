@@ -134,7 +134,7 @@ def _serve(s: Settings) -> int:
     import ray
     from ray import serve
 
-    from trainctl.service import launch
+    from trainctl.service import deployment, launch
     from trainctl.service.deployment import APP_NAME
     from trainctl.workers.engine.config import ConfigError
 
@@ -191,7 +191,7 @@ def _serve(s: Settings) -> int:
             reservation.close()  # the gateway's own, from here
         serve.start(http_options={"host": s.host, "port": s.port})
         serve.run(
-            launch.gateway_app(s, instance),
+            deployment.gateway_app(s, instance),
             name=APP_NAME,
             route_prefix="/",
             logging_config={"enable_access_log": False, "log_level": s.log_level},

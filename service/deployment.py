@@ -6,8 +6,10 @@ from typing import Any
 
 from ray import serve
 
+from trainctl.service import launch
 from trainctl.service.app import create_app
 from trainctl.service.controller_client import RayController
+from trainctl.service.settings import Settings
 from trainctl.workers.control import logs
 
 DEPLOYMENT_NAME = "trainctl-gateway"
@@ -51,10 +53,29 @@ def app_builder(args: dict[str, Any]) -> Any:
     Creates the controller actor (detached, once: a redeploy reuses it) and starts building
     the ranks in the background; ``/v1/ready`` turns 200 when every rank is built.
     """
-    from trainctl.service import launch
-
     s = launch.settings_from_args(args)
     logs.configure(s.log_level, s.log_format)
     controller = launch.create_controller(s, launch.engine_config_dict(s), detached=True)
     controller.start_once.remote()
-    return launch.gateway_app(s)
+    return gateway_app(s)
+
+
+def gateway_app(s: Settings, instance_id: str = "") -> Any:
+    """The bound Serve application of the gateway, for the controller ``create_controller``
+    made; ``instance_id``: what its health checks report (``s.instance_id`` wins)."""
+    from trainctl.workers.control.controller import CONTROLLER_NAME, NAMESPACE
+
+    return gateway(
+        controller_name=CONTROLLER_NAME,
+        namespace=NAMESPACE,
+        max_ongoing_requests=s.max_ongoing_requests,
+        api_token=s.token(),
+        max_body_bytes=int(s.max_body_mb * 2**20),
+        body_timeout_s=s.body_timeout_s,
+        max_sequences=s.max_sequences,
+        max_tokens_per_request=s.max_tokens_per_request,
+        fault_injection=s.enable_fault_injection,
+        open_metrics=s.open_metrics,
+        open_docs=s.open_docs,
+        instance_id=s.instance_id or instance_id,
+    )

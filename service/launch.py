@@ -100,28 +100,6 @@ def create_controller(s: Settings, cfg: dict[str, Any], *, detached: bool) -> An
     )
 
 
-def gateway_app(s: Settings, instance_id: str = "") -> Any:
-    """The bound Serve application of the gateway, for the controller ``create_controller``
-    made; ``instance_id``: what its health checks report (``s.instance_id`` wins)."""
-    from trainctl.service.deployment import gateway
-    from trainctl.workers.control.controller import CONTROLLER_NAME, NAMESPACE
-
-    return gateway(
-        controller_name=CONTROLLER_NAME,
-        namespace=NAMESPACE,
-        max_ongoing_requests=s.max_ongoing_requests,
-        api_token=s.token(),
-        max_body_bytes=int(s.max_body_mb * 2**20),
-        body_timeout_s=s.body_timeout_s,
-        max_sequences=s.max_sequences,
-        max_tokens_per_request=s.max_tokens_per_request,
-        fault_injection=s.enable_fault_injection,
-        open_metrics=s.open_metrics,
-        open_docs=s.open_docs,
-        instance_id=s.instance_id or instance_id,
-    )
-
-
 def settings_from_args(args: dict[str, Any]) -> Settings:
     """The Serve application's ``args`` as settings: each key a setting, ranking as a flag."""
     unknown = sorted(set(args) - set(Settings.model_fields))

@@ -2,9 +2,9 @@
 
 from fastapi import FastAPI
 
-from trainctl.service.routes import checkpoints, operations, profiles, service, training
+from trainctl.service.routes import checkpoints, operation_routes, profiles, service, training
 
 
 def include(app: FastAPI) -> None:
-    for module in (training, operations, profiles, checkpoints, service):
+    for module in (training, operation_routes, profiles, checkpoints, service):
         app.include_router(module.router)

@@ -2,7 +2,7 @@
 
 from trainctl.api import CheckpointList
 from trainctl.service.routes.deps import ControllerDep, resource_router
-from trainctl.service.routes.operations import add_operation_routes
+from trainctl.service.routes.operation_routes import add_operation_routes
 
 router = resource_router("checkpoints")
 add_operation_routes(router, "checkpoints")

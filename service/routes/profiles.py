@@ -4,7 +4,7 @@ from fastapi import Response
 
 from trainctl.api import MemoryProfileList, MemoryProfileResult
 from trainctl.service.routes.deps import ControllerDep, resource_router
-from trainctl.service.routes.operations import add_operation_routes
+from trainctl.service.routes.operation_routes import add_operation_routes
 
 router = resource_router("profiling")
 add_operation_routes(router, "profiling")

@@ -1,6 +1,10 @@
 """What the SDK sends as JSON (only the fields read; the rest is ignored), and what
 ``create_model`` refuses rather than train something other than what was asked."""
 
+import hashlib
+import json
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainctl.api import ConflictError, Info, InvalidRequestError
@@ -102,3 +106,28 @@ def check_create_model(req: CreateModelRequest, info: Info) -> None:
             "service without resuming)",
             details={"step": info.step},
         )
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """``body`` as a JSON object, or a 422 saying what it is instead."""
+    try:
+        raw = json.loads(body or b"{}")
+    except ValueError as e:
+        raise InvalidRequestError(f"body: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequestError(f"body: a JSON object is expected, not {type(raw).__name__}")
+    return raw
+
+
+def validated(raw: dict[str, Any], model: type[Body]) -> tuple[Any, str]:
+    """``raw`` as ``model`` and its fingerprint (sha256 of the canonical JSON)."""
+    req = model.model_validate(raw)
+    return req, hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+
+
+def text_field(body: dict[str, Any], name: str) -> str:
+    """``body[name]`` as a string, or a 422 naming it."""
+    value = body.get(name)
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{name}: a string is required")
+    return value

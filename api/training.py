@@ -1,0 +1,220 @@
+"""The training calls' bodies: ``train_batch``, ``eval_batch``, ``logprobs`` and the split
+step (``forward_backward`` + ``optim_step``), and their results.
+
+A batch is a list of token sequences. For each sequence:
+    ``tokens``     token ids, each in ``[0, vocab_size)``;
+    ``loss_mask``  one 0/1 per token, 1 where the token is a training target (predicted from
+                   the tokens before it); defaults to all ones; position 0 is never a target;
+    ``weights``    optional per-token loss weights (finite floats), applied where the mask is 1.
+The reported loss is the global token mean ``sum(w * nll) / N`` over all ``N`` target tokens
+of the batch, whatever the parallel layout.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainctl.api.batch import SequenceBatch
+from trainctl.api.errors import ConflictError, field_error
+from trainctl.api.loss import LossConfig
+
+
+class ModelLimits(BaseModel):
+    """What the served model accepts; the gateway checks every batch against it."""
+
+    vocab_size: int
+    max_seq_len: int
+    max_sequences: int | None = Field(
+        None, description="Sequences one request may carry (the gateway's --max-sequences)."
+    )
+    max_tokens_per_request: int | None = Field(
+        None, description="Tokens one request may carry (--max-tokens-per-request)."
+    )
+
+
+class _SequencesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sequences: SequenceBatch = Field(description="The batch; at least one sequence.")
+    packing: Literal["flat", "tree"] | None = Field(
+        default=None,
+        description="'tree': sequences sharing a prefix (a GRPO group, multi-turn siblings) are "
+        "packed into prefix tries, so each shared token is computed once; each sequence keeps "
+        "its own mask and loss inputs, and the results equal 'flat' packing. Default: the "
+        "server's setting.",
+    )
+
+    def check_limits(self, limits: ModelLimits) -> None:
+        """Raise ``InvalidRequestError`` naming the first field that the model cannot take."""
+        n, tokens = len(self.sequences), self.sequences.num_tokens
+        if limits.max_sequences is not None and n > limits.max_sequences:
+            raise field_error(
+                "sequences",
+                f"{n} sequences exceed this service's limit of {limits.max_sequences} per "
+                "request: split the batch",
+            )
+        cap = limits.max_tokens_per_request
+        if cap is not None and tokens > cap:
+            raise field_error(
+                "sequences",
+                f"{tokens} tokens exceed this service's limit of {cap} per request: split "
+                "the batch",
+            )
+        self.sequences.check_limits(vocab_size=limits.vocab_size, max_seq_len=limits.max_seq_len)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.sequences.num_tokens
+
+
+class _BatchRequest(_SequencesRequest):
+    loss: LossConfig = Field(
+        default_factory=lambda: LossConfig(), description="Default: token-mean cross-entropy."
+    )
+
+    @model_validator(mode="after")
+    def _loss_inputs_present(self) -> _BatchRequest:
+        for k in self.loss.required_inputs():
+            if k not in self.sequences.present:
+                raise ValueError(
+                    f"sequences[0].{k} is required by the {self.loss.kind.value} loss"
+                    + (" with kl_coef > 0" if k == "ref_logprobs" else "")
+                )
+        return self
+
+    def check_limits(self, limits: ModelLimits) -> None:
+        super().check_limits(limits)
+        if not self.sequences.num_targets().any():
+            raise field_error(
+                "sequences",
+                "no sequence has a target token (loss_mask = 1 at a position after the first)",
+            )
+
+
+class _ExpectedStep(BaseModel):
+    """A call that steps the optimizer: ``expected_step`` guards it."""
+
+    expected_step: int | None = Field(
+        default=None,
+        ge=0,
+        description="Apply only if the model is at this step when the operation runs "
+        "(409 otherwise, the model untouched): guards against a stale or duplicated update.",
+    )
+
+    def check_expected_step(self, step: int) -> None:
+        """Raise a 409 ``ConflictError`` unless the model at ``step`` is the one asked for.
+
+        The controller calls this when the operation runs, before touching any rank."""
+        if self.expected_step is not None and self.expected_step != step:
+            raise ConflictError(
+                f"expected_step is {self.expected_step} but the model is at step {step}; "
+                "nothing was applied",
+                details={"expected_step": self.expected_step, "step": step},
+            )
+
+
+class TrainBatchRequest(_BatchRequest, _ExpectedStep):
+    """Forward/backward over the batch and one optimizer step."""
+
+
+class EvalBatchRequest(_BatchRequest):
+    """The same loss as ``train_batch``, without backward or update."""
+
+
+class ForwardBackwardRequest(_BatchRequest):
+    """One part of a split step: forward/backward over the batch, its gradients added to those
+    of the calls since the last ``optim_step``; nothing is applied. Several parts then one
+    ``optim_step`` equal one ``train_batch`` of all their sequences (the normalisation is
+    the union's: docs/algorithms.md §11)."""
+
+    forward_only: bool = Field(
+        default=False,
+        description="Compute the same loss, log-probs and per-token losses without backward: "
+        "no gradients accumulate and the waiting window is untouched (Tinker's forward).",
+    )
+
+
+class OptimStepRequest(_ExpectedStep):
+    """Apply the gradients accumulated by ``forward_backward`` with these AdamW settings;
+    a setting left out takes the server's. Per-step values let the client own the schedule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float | None = Field(default=None, ge=0, description="Learning rate.")
+    beta1: float | None = Field(default=None, ge=0, lt=1, description="Adam beta1.")
+    beta2: float | None = Field(default=None, ge=0, lt=1, description="Adam beta2.")
+    eps: float | None = Field(default=None, gt=0, description="Adam epsilon.")
+    weight_decay: float | None = Field(default=None, ge=0, description="Decoupled weight decay.")
+    clip_grad: float | None = Field(
+        default=None, ge=0, description="Clip the global gradient norm to this; 0 disables."
+    )
+
+    def overrides(self) -> dict[str, float]:
+        """The AdamW settings given, by the engine's optimizer-config names."""
+        return self.model_dump(exclude_none=True, exclude={"expected_step"})
+
+
+class ForwardBackwardResult(BaseModel):
+    """Result of ``forward_backward``."""
+
+    loss: float = Field(
+        description="This part's loss under its normalisation, over its own sequences."
+    )
+    step: int = Field(description="Optimizer steps applied so far (unchanged by this call).")
+    logprobs: list[list[float]] = Field(
+        description="Per sequence, in request order: log p(tokens[t] | tokens[:t]); 0 at t = 0."
+    )
+    elementwise_loss: list[list[float]] = Field(
+        default_factory=list,
+        description="Per sequence, in request order, per token: its loss term times its mask, "
+        "weight and (seq_mean_token_mean) 1 / its sequence's target count; the part's loss "
+        "is their sum divided by the part's normaliser. 0 where the token is no target.",
+    )
+    metrics: dict[str, float] = Field(
+        description="'tokens:sum', 'computed_tokens:sum', 'loss_tokens:sum', and "
+        "'accumulated_parts:value' (parts waiting for optim_step, this one included)."
+    )
+    timings: dict[str, float] = Field(description="Seconds per phase.")
+
+
+class LogProbsRequest(_SequencesRequest):
+    """Forward only: per-token log-probs of each sequence under the current weights.
+
+    Only ``tokens`` of each sequence is read.
+    """
+
+    entropy: bool = Field(False, description="Also return the per-token entropy.")
+
+
+class LogProbsResult(BaseModel):
+    """Per sequence, in request order, one value per token: ``logprobs[i][t]`` is
+    ``log p(tokens[t] | tokens[:t])``; position 0 has no prediction and holds 0.0."""
+
+    step: int = Field(description="The policy version the log-probs were computed with.")
+    logprobs: list[list[float]]
+    entropy: list[list[float]] | None = Field(
+        default=None, description="Entropy of the predictive distribution at each position."
+    )
+    metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="'tokens:sum' (the batch's tokens) and 'computed_tokens:sum' (the tokens "
+        "the model computed: fewer when packing 'tree' shares prefixes).",
+    )
+
+
+class StepResult(BaseModel):
+    """Result of ``train_batch`` / ``eval_batch``."""
+
+    loss: float = Field(description="Global token-mean loss over DP x CP (the same on any layout).")
+    step: int = Field(description="Optimizer steps applied so far (the policy version).")
+    metrics: dict[str, float] = Field(
+        description="Named with their reduction, e.g. 'loss:mean', 'tokens:sum', 'grad_norm:value'."
+    )
+    timings: dict[str, float] = Field(description="Seconds per phase.")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="What failed beside an applied step (e.g. its scheduled checkpoint): the "
+        "step itself stands, so the call succeeds and a retry returns this result.",
+    )
