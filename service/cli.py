@@ -79,16 +79,37 @@ def _reserve_port(host: str, port: int) -> socket.socket | None:
     return sock
 
 
-def _check_own_port(url: str, instance: str) -> None:
-    """The gateway's port must answer as this start of trainctl, not as anything else."""
-    from trainctl.clients import TrainctlClient
+def _check_own_port(url: str, instance: str, timeout_s: float = 30.0) -> None:
+    """The gateway's port must answer as this start of trainctl, not as anything else.
 
-    with TrainctlClient(url, timeout=10) as c:
-        if not c.is_ready(instance=instance):
-            raise StartupError(
-                f"{url} does not answer as this trainctl service (instance {instance}); "
-                "another server may hold the port: stop it or pass another --port"
-            )
+    Liveness (``/v1/health``, the gateway alone), not readiness: a trainctl that is not ready
+    (a rank lost at once) is still this service. Only an answer from someone else is fatal;
+    no answer is retried until ``timeout_s`` and then left to the readiness checks.
+    """
+    import httpx
+
+    from trainctl.api import Health
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = httpx.get(f"{url}/v1/health", timeout=10)
+        except httpx.HTTPError as e:
+            if time.monotonic() > deadline:
+                log.warning("%s did not answer its health check (%s); going on", url, e)
+                return
+            time.sleep(0.5)
+            continue
+        try:
+            health = Health.model_validate_json(r.content)
+        except ValueError:
+            health = None
+        if r.status_code == 200 and health is not None and health.instance == instance:
+            return
+        raise StartupError(
+            f"{url} does not answer as this trainctl service (instance {instance}); "
+            "another server may hold the port: stop it or pass another --port"
+        )
 
 
 def _check_reachable(address: str) -> None:

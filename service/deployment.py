@@ -29,8 +29,10 @@ def gateway(
     app = create_app(RayController(controller_name, namespace), **app_settings)
     deployment = serve.deployment(
         name=DEPLOYMENT_NAME,
-        # The gateway only validates and forwards: it needs no CPU reservation of its own.
-        ray_actor_options={"num_cpus": 0},
+        # The gateway only validates and forwards: it needs no CPU reservation of its own. It
+        # runs on the head node, beside the controller: it holds the Tinker sessions and
+        # futures, and must not share the fate of a worker node, which may leave.
+        ray_actor_options={"num_cpus": 0, "resources": {launch.HEAD_NODE_RESOURCE: 0.001}},
         max_ongoing_requests=max_ongoing_requests,
     )(serve.ingress(app)())
     return deployment.bind()

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,3 +124,20 @@ def test_every_loss_option_is_a_flag() -> None:
         normalization="sum",
     )  # fmt: skip
     assert cli._loss(cli.parser().parse_args(["eval-batch", "b.jsonl"])) == LossConfig()
+
+
+def test_the_gateway_port_must_answer_as_this_start(fake: FakeController) -> None:
+    """After start-up the port must answer as this instance: another instance (or anything
+    else) is a start-up error; this one answers even while it is not ready (a rank lost at
+    once must not read as a squatter); a port that does not answer yet is waited for."""
+    from trainctl.service import cli
+    from trainctl.service.ray_auth import StartupError
+
+    fake.ready = False
+    with served(create_app(fake, instance_id="ours")) as url:
+        cli._check_own_port(url, "ours")  # not ready, yet ours
+        with pytest.raises(StartupError, match="does not answer as this trainctl service"):
+            cli._check_own_port(url, "another-start")
+    t0 = time.monotonic()
+    cli._check_own_port(f"http://127.0.0.1:{free_port()}", "ours", timeout_s=1.0)
+    assert 1.0 <= time.monotonic() - t0 < 10  # waited, then left it to readiness
