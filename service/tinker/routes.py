@@ -184,7 +184,7 @@ async def telemetry() -> dict[str, Any]:
 async def create_model(request: Request) -> dict[str, Any]:
     req, fp = await _json(request, CreateModelRequest)
     state = _state(request)
-    state.session(req.session_id)
+    state.reserve_model(req.session_id, req.model_seq_id)  # 404 or 409 now, not in the future
     model_id = model_id_of(req.session_id, req.model_seq_id)
 
     async def create() -> dict[str, Any]:

@@ -124,6 +124,12 @@ class Session:
     finished: str | None = None
     """The finish reason, once finished."""
     last_seen: float = field(default_factory=time.monotonic)
+    model_seqs: set[int] = field(default_factory=set)
+    """The ``model_seq_id`` of every model handle made in this session."""
+
+
+MAX_MODELS_PER_SESSION = 256
+"""Model handles one session may make; a client that needs more starts another session."""
 
 
 class TinkerState:
@@ -189,10 +195,28 @@ class TinkerState:
         for key in [k for k in self.created if k[0] == s.session_id]:
             del self.created[key]
 
+    def reserve_model(self, session_id: str, model_seq_id: int) -> None:
+        """Count ``model_seq_id`` against its session's ``MAX_MODELS_PER_SESSION``; a 409
+        past it (handles are never evicted while their session lives: a client holds them)."""
+        s = self.session(session_id)
+        self._count_model(s, model_seq_id)
+
+    def _count_model(self, s: Session, model_seq_id: int) -> None:
+        session_id = s.session_id
+        if model_seq_id not in s.model_seqs and len(s.model_seqs) >= MAX_MODELS_PER_SESSION:
+            raise ConflictError(
+                f"session {session_id} already holds {MAX_MODELS_PER_SESSION} model handles, "
+                "the most one session may make: start another session",
+                details={"limit": MAX_MODELS_PER_SESSION},
+            )
+        s.model_seqs.add(model_seq_id)
+
     def add_model(self, session_id: str, model_seq_id: int, first_seq: int = 1) -> Model:
         """The handle ``{session_id}:train:{model_seq_id}``, made if new; its requests start at
         ``first_seq`` (1 after ``create_model``; 0 when its creation is a load, which is
         its own request 0)."""
+        if session_id in self.sessions:  # the routes check the session first
+            self._count_model(self.sessions[session_id], model_seq_id)
         model_id = model_id_of(session_id, model_seq_id)
         m = self.models.get(model_id)
         if m is None:

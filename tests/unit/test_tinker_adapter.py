@@ -18,7 +18,7 @@ from trainctl.api import (
     RateLimitedError,
 )
 from trainctl.service.tinker import convert, proto
-from trainctl.service.tinker.state import TinkerState
+from trainctl.service.tinker.state import MAX_MODELS_PER_SESSION, TinkerState
 
 
 def _request(tokens: list[int], targets: list[int], **inputs: Any) -> Any:
@@ -279,6 +279,30 @@ def test_waiting_requests_and_sessions_are_bounded() -> None:
         assert len(state.sessions) == 3
 
     asyncio.run(run())
+
+
+def test_a_session_makes_a_bounded_number_of_model_handles(http: Any) -> None:
+    """Handles are never evicted while their session lives (a client holds them), so a
+    session past ``MAX_MODELS_PER_SESSION`` is refused with a 409 that says what to do, and
+    nothing is added; an existing handle's ``model_seq_id`` is still fine."""
+    state = TinkerState()
+    session = state.create_session()
+    for i in range(MAX_MODELS_PER_SESSION):
+        state.add_model(session, i)
+    with pytest.raises(ConflictError, match="start another session"):
+        state.add_model(session, MAX_MODELS_PER_SESSION)
+    assert len(state.models) == MAX_MODELS_PER_SESSION
+    state.add_model(session, 0)
+    state.add_model(state.create_session(), MAX_MODELS_PER_SESSION)  # another session: room
+    # Through the route: refused at once (not in a future), and no creation is remembered.
+    app_state = http.app.state.tinker
+    sid = app_state.create_session()
+    app_state.sessions[sid].model_seqs.update(range(MAX_MODELS_PER_SESSION))
+    before = dict(app_state.created)
+    r = http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 999,
+                  "base_model": "trainctl-tiny"}, headers={"X-API-Key": "tml-x"})  # fmt: skip
+    assert r.status_code == 409 and "start another session" in r.text, r.text
+    assert app_state.created == before
 
 
 @pytest.mark.parametrize("encoding", ["identity", "zstd"])
