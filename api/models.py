@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainctl.api.loss import LossConfig, LossKind, Normalization
+from trainctl.api.sampling import SamplersInfo
 from trainctl.api.sequence import Sequence
 from trainctl.api.training import (
     EvalBatchRequest,
@@ -161,6 +162,9 @@ class Info(BaseModel):
     )
     steps_lost: int = Field(
         default=0, description="Steps undone by recoveries (0: nothing was ever lost)."
+    )
+    samplers: SamplersInfo | None = Field(
+        default=None, description="The sampler engines (null: started with --samplers 0)."
     )
 
 

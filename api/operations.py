@@ -32,6 +32,7 @@ from trainctl.api.models import (
     StepResult,
     TrainBatchRequest,
 )
+from trainctl.api.sampling import SyncResult, SyncWeightsRequest
 
 
 class OperationKind(str, Enum):
@@ -47,6 +48,7 @@ class OperationKind(str, Enum):
     SAVE_CHECKPOINT = "save_checkpoint"
     LOAD_CHECKPOINT = "load_checkpoint"
     EXPORT_HF = "export_hf"
+    SYNC_WEIGHTS = "sync_weights"
     RECOVER = "recover"
     """Internal: rebuild the workers after a failure (queued ahead of everything; no route)."""
 
@@ -191,6 +193,12 @@ OPERATIONS: dict[OperationKind, OperationSpec] = {
             OperationKind.EXPORT_HF, ExportRequest, ExportResult, "/export/hf", "checkpoints",
             "Write the full model as a Hugging Face checkpoint of its family (config.json and "
             "model.safetensors) under the server's export root.",
+        ),
+        OperationSpec(
+            OperationKind.SYNC_WEIGHTS, SyncWeightsRequest, SyncResult, "/weights/sync",
+            "sampling",
+            "Send the current weights to every sampler engine, without disk; each finishes the "
+            "requests it is serving first, so no response mixes two steps.",
         ),
         OperationSpec(
             OperationKind.RECOVER, NoArguments, Info, "", "service",

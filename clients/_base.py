@@ -22,6 +22,8 @@ from trainctl.api import (
     LossConfig,
     Operation,
     OperationKind,
+    SampleRequest,
+    SampleResult,
     SequenceBatch,
     TokenSequence,
     wire,
@@ -259,6 +261,15 @@ class Requests:
 
     def metrics(self) -> Call[str]:
         return Call("GET", "/metrics", parse_text)
+
+    def sample(self, prompts: Iterable[Iterable[int]], **params: Any) -> Call[SampleResult]:
+        """``POST /v1/sample`` (JSON): validated here first, as the server will."""
+        req = SampleRequest(prompts=[[int(t) for t in p] for p in prompts], **params)
+        content = req.model_dump_json(exclude_none=True).encode()
+        headers = {"Content-Type": wire.JSON_CONTENT_TYPE}
+        return Call(
+            "POST", path("sample"), parse_model(SampleResult), content=content, headers=headers
+        )
 
 
 def auth_headers(api_token: str | None) -> dict[str, str]:

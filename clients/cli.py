@@ -29,7 +29,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from trainctl.api import LossConfig, Operation, OperationKind
+from pydantic import ValidationError
+
+from trainctl.api import LossConfig, Operation, OperationKind, SamplingParams
 from trainctl.api.errors import TrainctlError
 from trainctl.clients.sync import TrainctlClient
 
@@ -142,6 +144,10 @@ def _client_commands(args: argparse.Namespace, c: TrainctlClient) -> int:
             _print(c.load_checkpoint(args.checkpoint_id))
     elif args.command == "export-hf":
         _print(c.export_hf(args.name))
+    elif args.command == "sample":
+        return _sample(args, c)
+    elif args.command == "sync-weights":
+        _print(c.sync_weights())
     return 0
 
 
@@ -197,6 +203,35 @@ def _add_loss_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, help=text.replace("%", "%%"), **kw)
 
 
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per ``SamplingParams`` field: ``--n``, ``--max-tokens``, ``--temperature``,
+    ``--stop-token-ids 2 7``, ``--prompt-logprobs``, ..."""
+    for name, f in SamplingParams.model_fields.items():
+        flag = f"--{name.replace('_', '-')}"
+        args = typing.get_args(f.annotation) or (f.annotation,)
+        text = (f.description or "").replace("%", "%%")
+        if bool in args:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=text)  # fmt: skip
+        elif f.default_factory is not None:  # a list of ints
+            p.add_argument(flag, type=int, nargs="*", default=[], metavar="ID", help=text)
+        else:
+            kind = float if float in args else int
+            p.add_argument(flag, type=kind, default=f.default, metavar="X", help=text)
+
+
+def _sample(args: argparse.Namespace, c: TrainctlClient) -> int:
+    """Prompts from a JSONL file (a list of token ids, or ``{"tokens": [...]}`` per line);
+    one JSON line per prompt out, with the policy step of the weights that sampled it."""
+    prompts = [p["tokens"] if isinstance(p, dict) else p for p in read_batch(args.file)]
+    params = {name: getattr(args, name) for name in SamplingParams.model_fields}
+    result = c.sample(prompts, expected_step=args.expected_step, **params)
+    for i, s in enumerate(result.samples):
+        row = {"prompt": i, "step": result.step, **s.model_dump(exclude_none=True)}
+        print(json.dumps(row))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainctl", description=__doc__.split("\n")[0])
     p.add_argument("--url", default=os.environ.get("TRAINCTL_URL", "http://127.0.0.1:8000"))
@@ -236,6 +271,12 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("checkpoint_id", nargs="?")
     q = sub.add_parser("export-hf", help="write the model as a Hugging Face checkpoint")
     q.add_argument("--name", default=None, help="directory name under the export root")
+    q = sub.add_parser("sample", help="completions of JSONL token-id prompts (--samplers)")
+    q.add_argument("file", help='JSONL, one prompt per line: [ids] or {"tokens": [ids]}')
+    _add_sampling_flags(q)
+    q.add_argument("--expected-step", type=int, default=None,
+                   help="refuse unless the samplers serve this step")  # fmt: skip
+    sub.add_parser("sync-weights", help="send the current weights to the samplers now")
     return p
 
 
@@ -265,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainctlError as e:
         print(f"trainctl: {e}", file=sys.stderr)
         return 1
+    except ValidationError as e:  # refused here, before anything was sent
+        for err in e.errors(include_url=False):
+            where = ".".join(str(p) for p in err["loc"]) or "request"
+            print(f"trainctl: {where}: {err['msg']}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # The reader left (`trainctl info | head`): stop quietly, as a Unix tool does, and
         # keep Python from complaining again when it flushes stdout at exit.

@@ -36,9 +36,11 @@ from trainctl.api import (
     Operation,
     OperationKind,
     OptimStepRequest,
+    SampleResult,
     SaveCheckpointRequest,
     SequenceBatch,
     StepResult,
+    SyncResult,
 )
 from trainctl.api.errors import TrainctlError
 from trainctl.clients._base import (
@@ -232,6 +234,39 @@ class TrainctlClient:
     def download_profile_file(self, profile_id: str, name: str) -> bytes:
         """One rank's profile file or picture (``ProfileFile.name`` / ``.picture``)."""
         return self._send(self._req.download(profile_id, name))
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    def sample(
+        self,
+        prompts: Iterable[Iterable[int]],
+        *,
+        n: int = 1,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop_token_ids: Iterable[int] = (),
+        logprobs: bool = True,
+        prompt_logprobs: bool = False,
+        expected_step: int | None = None,
+    ) -> SampleResult:
+        """``n`` completions of each token-id prompt from the service's sampler engines, with
+        the sampler's log-prob of each generated token (and, ``prompt_logprobs``, of each
+        prompt token). ``result.step`` is the optimizer step of the weights that produced
+        them; ``expected_step`` refuses (``ConflictError``) any other. Needs ``--samplers``."""
+        call = self._req.sample(
+            prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop_token_ids=list(stop_token_ids), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, expected_step=expected_step,
+        )  # fmt: skip
+        return self._send(call)
+
+    def sync_weights(self) -> SyncResult:
+        """Send the current weights to every sampler engine now (for ``sampler_sync:
+        manual``; with ``after_step`` every applied step is synced already)."""
+        return self._send(self._req.call(OperationKind.SYNC_WEIGHTS, SyncResult))
 
     # -- checkpoints ---------------------------------------------------------------------------
 

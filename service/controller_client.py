@@ -17,6 +17,8 @@ from trainctl.api import (
     NotReadyError,
     Operation,
     OperationKind,
+    SampleRequest,
+    SampleResult,
     TrainctlError,
 )
 
@@ -38,6 +40,7 @@ class ControllerAPI(Protocol):
     async def info(self) -> Info: ...
     async def is_ready(self) -> bool: ...
     async def model_limits(self) -> ModelLimits: ...
+    async def sample(self, req: SampleRequest) -> SampleResult: ...
 
 
 class RayController:

@@ -96,7 +96,30 @@ def create_controller(s: Settings, cfg: dict[str, Any], *, detached: bool) -> An
     if detached:
         options.update(lifetime="detached", get_if_exists=True)
     return ControllerActor.options(**options).remote(  # type: ignore[attr-defined,unused-ignore]
-        cfg, **controller_kwargs(s, rank_num_gpus=gpus)
+        cfg, **controller_kwargs(s, rank_num_gpus=gpus), samplers=sampler_settings(s)
+    )
+
+
+def sampler_settings(s: Settings) -> Any:
+    """The controller's ``SamplerSettings`` (on a connected Ray: GPUs are looked up)."""
+    import ray
+
+    from trainctl.workers.control.sampling import SamplerSettings
+
+    cluster_gpus = bool(ray.cluster_resources().get("GPU"))  # type: ignore[no-untyped-call,unused-ignore]
+    gpus = s.sampler_num_gpus
+    if gpus is None:
+        gpus = 1.0 if cluster_gpus else 0.0
+    dtype = s.sampler_dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if gpus else "float32"
+    return SamplerSettings(
+        num_samplers=s.samplers,
+        sync=s.sampler_sync,
+        dtype=dtype,
+        num_cpus=s.sampler_num_cpus,
+        num_gpus=gpus,
+        kv_cache_gib=s.sampler_kv_cache_gib,
     )
 
 

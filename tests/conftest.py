@@ -1,5 +1,6 @@
 """Test tiers by folder: unit (fast, no Ray), distributed (gloo ranks), service (real Ray,
-Serve and HTTP), gpu (skipped without CUDA). Each test gets its folder's marker."""
+Serve and HTTP), sampler (the service with vLLM sampler engines), gpu (skipped without CUDA).
+Each test gets its folder's marker."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-_TIERS = ("unit", "distributed", "service", "gpu")
+_TIERS = ("unit", "distributed", "service", "sampler", "gpu")
 _MARKS = {"deploy": "unit"}  # chart tests: fast, offline, no Ray
 
 

@@ -12,6 +12,7 @@ from bench.tables import (
     load,
     logprob,
     recompute,
+    sampling,
     sequence_parallel,
     state_bytes,
     step,
@@ -31,4 +32,5 @@ SECTIONS: dict[str, Callable[[bool], str]] = {
     "tree": tree.section,
     "state_bytes": state_bytes.section,
     "cp_loss": cp_loss.section,
+    "sampling": sampling.section,
 }

@@ -2,9 +2,16 @@
 
 from fastapi import FastAPI
 
-from trainctl.service.routes import checkpoints, operation_routes, profiles, service, training
+from trainctl.service.routes import (
+    checkpoints,
+    operation_routes,
+    profiles,
+    sampling,
+    service,
+    training,
+)
 
 
 def include(app: FastAPI) -> None:
-    for module in (training, operation_routes, profiles, checkpoints, service):
+    for module in (training, operation_routes, profiles, checkpoints, sampling, service):
         app.include_router(module.router)

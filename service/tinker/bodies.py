@@ -73,6 +73,9 @@ class LoadWeights(Body):
 
 class SaveForSampler(ModelCall):
     path: str | None = None
+    sampling_session_seq_id: int | None = Field(default=None, ge=0)
+    """Set (and ``path`` not) by ``save_weights_and_get_sampling_client``."""
+    kind: str = "snapshot"
 
 
 def check_create_model(req: CreateModelRequest, info: Info) -> None:

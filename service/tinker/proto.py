@@ -71,6 +71,16 @@ _MESSAGES: dict[str, list[tuple[str, int, str, bool]]] = {
         ("fields", 2, "map<string,BatchedTensor>", False),
         ("num_datums", 3, "int64", False),
     ],
+    "SampledSequence": [
+        ("stop_reason", 1, "int32", False),  # an enum: 0 stop, 1 length (a varint either way)
+        ("tokens", 2, "bytes", False),  # int32 little-endian
+        ("logprobs", 3, "bytes", False),  # float32 little-endian
+    ],
+    "SampleResponse": [
+        ("sequences", 1, "SampledSequence", True),
+        ("prompt_logprobs", 2, "bytes", False),  # float32, NaN where none (the first token)
+        ("prompt_cache_hit_tokens", 4, "int32", False),
+    ],
     "ForwardBackwardOutput": [
         ("loss_fn_output_type", 1, "string", False),
         ("loss_fn_outputs", 2, "ArrayRecord", True),
@@ -128,3 +138,4 @@ def _cls(name: str) -> Any:
 
 ForwardBackwardRequest = _cls("ForwardBackwardRequest")
 ForwardBackwardOutput = _cls("ForwardBackwardOutput")
+SampleResponse = _cls("SampleResponse")

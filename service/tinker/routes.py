@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from trainctl.api import (
     ExportRequest,
+    ExportResult,
     ForwardBackwardRequest,
     ForwardBackwardResult,
     Info,
@@ -43,7 +44,7 @@ from trainctl.service.auth import Access, access
 from trainctl.service.codec import read_body
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.routes.deps import get_limits
-from trainctl.service.tinker import convert, proto
+from trainctl.service.tinker import convert, proto, sampling
 from trainctl.service.tinker.bodies import (
     AdamParams,
     Body,
@@ -168,7 +169,7 @@ async def get_server_capabilities(request: Request) -> dict[str, Any]:
         "model_name": info.model_name,
         "max_context_length": info.limits.max_seq_len - 1,  # the input, then one target
         "trainable": True,
-        "sampleable": False,
+        "sampleable": info.samplers is not None,
     }
     return {"supported_models": [model]}
 
@@ -294,20 +295,21 @@ async def save_weights(request: Request) -> dict[str, Any]:
 @access(Access.TINKER)
 async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     req, fp, model = await _model_call(request, SaveForSampler)
-    path = convert.TinkerPath(model.model_id, "sampler_weights", req.path or "")
+    if req.path is None:  # save_weights_and_get_sampling_client: the samplers, at this step
+        return _in_order(
+            request, model, req.seq_id, fp, OperationKind.SYNC_WEIGHTS,
+            lambda: sampling.sync_request(req), lambda r: sampling.session_for(request, req, r),
+        )  # fmt: skip
+    path = convert.TinkerPath(model.model_id, "sampler_weights", req.path)
 
-    def native() -> ExportRequest:
-        if req.path is None:
-            raise InvalidRequestError(
-                "path: trainctl trains and does not sample; name the weights "
-                "(save_weights_for_sampler(name)) to get a Hugging Face export for vLLM "
-                "or transformers"
-            )
-        return ExportRequest(name=req.path, overwrite=True)  # Tinker names replace
+    def exported(result: Any) -> dict[str, Any]:
+        sampling.remember_path(request, str(path), ExportResult.model_validate(result).step)
+        return {"path": str(path), "type": "save_weights_for_sampler"}
 
     return _in_order(
-        request, model, req.seq_id, fp, OperationKind.EXPORT_HF, native,
-        lambda _: {"path": str(path), "type": "save_weights_for_sampler"},
+        request, model, req.seq_id, fp, OperationKind.EXPORT_HF,
+        lambda: ExportRequest(name=req.path, overwrite=True),  # Tinker names replace
+        exported,
     )  # fmt: skip
 
 
@@ -359,3 +361,4 @@ def install(app: FastAPI, order_timeout_s: float = 60.0) -> None:
     app.state.tinker = TinkerState(order_timeout_s=order_timeout_s)
     app.state.tinker_long_poll_s = LONG_POLL_S
     app.include_router(router)
+    sampling.install(app, app.state.tinker.evicted)

@@ -124,6 +124,17 @@ def test_sdk_raises_bad_request(service: Service) -> None:
         service.client().train_batch([[1, 99999]])
 
 
+def test_sampling_without_samplers_is_refused_saying_how_to_start_them(
+    service: Service,
+) -> None:
+    with service.client() as tc:
+        assert tc.info().samplers is None
+        with pytest.raises(ConflictError, match="--samplers N"):
+            tc.sample([[1, 2, 3]])
+        with pytest.raises(ConflictError, match="--samplers N"):
+            tc.sync_weights()
+
+
 def test_five_train_batches_lower_the_loss(service: Service) -> None:
     client = service.client()
     batch = ragged_batch(seed=2)

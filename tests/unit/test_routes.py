@@ -111,6 +111,8 @@ def test_operation_ids_are_the_rpc_names(http: TestClient) -> None:
     paths = http.get("/openapi.json").json()["paths"]
     ids = {(m.upper(), p): op["operationId"] for p, ops in paths.items() for m, op in ops.items()}
     assert ids == {
+        ("POST", "/v1/sample"): "sample",
+        ("POST", "/v1/weights/sync"): "sync_weights",
         ("POST", "/v1/train_batch"): "train_batch",
         ("POST", "/v1/eval_batch"): "eval_batch",
         ("POST", "/v1/logprobs"): "logprobs",

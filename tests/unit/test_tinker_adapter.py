@@ -205,7 +205,7 @@ def test_requests_refused_before_they_queue_do_not_block_the_next_seq_id(
         third = {"model_id": model_id, "seq_id": 3, "path": None}
         f3 = http.post("/api/v1/save_weights_for_sampler", json=third, headers=TML).json()
         t0 = time.monotonic()
-        for f, words in ((f2, "name"), (f3, "path: trainctl trains and does not sample")):
+        for f, words in ((f2, "name"), (f3, "path: name the weights")):
             r = http.post("/api/v1/retrieve_future", json={"request_id": f["request_id"]},
                           headers=TML)  # fmt: skip
             assert r.json().get("category") == "user" and words in r.json()["error"], r.text
@@ -333,7 +333,7 @@ def test_a_forward_backward_refused_as_too_large_passes_its_turn(fake: Any, enco
         t0 = time.monotonic()
         r = http.post("/api/v1/retrieve_future", json={"request_id": f2["request_id"]},
                       headers=TML)  # fmt: skip
-        assert "does not sample" in r.json().get("error", ""), r.text
+        assert "name the weights" in r.json().get("error", ""), r.text
         assert time.monotonic() - t0 < 4
 
 

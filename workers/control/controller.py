@@ -46,11 +46,13 @@ from trainctl.workers.control.profile_store import ProfileStore
 from trainctl.workers.control.profiles import ProfileRecorder
 from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.recovery import RecoveryPart
+from trainctl.workers.control.sampling import SamplerSettings, SamplingPart
 from trainctl.workers.control.saves import PARTIAL_EXPORT, SavesPart
 from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.control.telemetry import ControllerMetrics
 from trainctl.workers.control.trackers import TrackerLog, open_trackers
 from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.sampler.pool import SamplerPool
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ def _versions() -> dict[str, str]:
     return out
 
 
-class Controller(RecoveryPart, SavesPart, OperationHost):
+class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
     """Plain class; ``ControllerActor`` below is its Ray actor."""
 
     def __init__(
@@ -88,6 +90,7 @@ class Controller(RecoveryPart, SavesPart, OperationHost):
         keep_checkpoints: int = 3,
         resume: bool = True,
         metrics_log: str | None = None,
+        samplers: SamplerSettings | None = None,
     ) -> None:
         logs.configure()
         self.cfg = EngineConfig.from_dict(cfg).validate()
@@ -108,6 +111,8 @@ class Controller(RecoveryPart, SavesPart, OperationHost):
             vocab_size=self.cfg.model.vocab_size, max_seq_len=self.cfg.model.max_seq_len
         )
         self.steps = Steps(self.cfg, self.group, self.state, after_train=self._after_train)
+        self.sampler_settings = samplers or SamplerSettings()
+        self.samplers: SamplerPool | None = None
         self.recorder = ProfileRecorder(self.group, self.profiles, self.state)
         self.ready = False
         self.waiting: str | None = None
@@ -130,6 +135,7 @@ class Controller(RecoveryPart, SavesPart, OperationHost):
             OperationKind.SAVE_CHECKPOINT: self._save_op,
             OperationKind.LOAD_CHECKPOINT: self._load_op,
             OperationKind.EXPORT_HF: self._export,
+            OperationKind.SYNC_WEIGHTS: self._sync_op,
         }
 
     @property
@@ -152,6 +158,7 @@ class Controller(RecoveryPart, SavesPart, OperationHost):
         if self.resume and latest is not None:
             await self._load(latest.checkpoint_id)
             log.info("resumed from checkpoint %s (step %d)", latest.checkpoint_id, self.step)
+        await self._start_samplers()
         self.ready = True
         log.info("%d ranks ready in %.1fs", self.group.world_size, time.perf_counter() - t0)
         return await self.info()
@@ -169,6 +176,8 @@ class Controller(RecoveryPart, SavesPart, OperationHost):
         if n:
             log.info("failed %d queued operation(s): shutting down", n)
         await self.queue.idle()
+        if self.samplers is not None:
+            await self.samplers.drain()
 
     async def shutdown(self, checkpoint: bool = False) -> None:
         """Drain; with ``checkpoint``, save the training state if it changed since the last
@@ -181,6 +190,8 @@ class Controller(RecoveryPart, SavesPart, OperationHost):
             except Exception:
                 log.exception("could not save a checkpoint on shutdown")
         self.group.kill(release=True)
+        if self.samplers is not None:
+            self.samplers.kill()
         self.trackers.close()
         self.ready = False
 
@@ -216,10 +227,18 @@ class Controller(RecoveryPart, SavesPart, OperationHost):
         if h.exc is None:
             self.trackers.observe(h.op.kind, h.op.result)
 
-    async def _after_train(self, h: Handle) -> str | None:
-        """The scheduled checkpoint after an applied step. The step stands whatever happens
-        here, so a failure is a warning beside its result, never the call's error (which a
-        client would retry, applying the step again)."""
+    async def _after_train(self, h: Handle) -> list[str]:
+        """After an applied step: the scheduled checkpoint, then the samplers' sync. The step
+        stands whatever happens here, so a failure is a warning beside its result, never the
+        call's error (which a client would retry, applying the step again)."""
+        warnings = [w for w in (await self._scheduled_checkpoint(h),) if w]
+        if self.ready:  # not while the ranks are being restored
+            warning = await self._sync_after_change()
+            if warning:
+                warnings.append(warning)
+        return warnings
+
+    async def _scheduled_checkpoint(self, h: Handle) -> str | None:
         if not self.checkpoint_every_steps or self.step % self.checkpoint_every_steps:
             return None
         try:
@@ -300,6 +319,7 @@ class Controller(RecoveryPart, SavesPart, OperationHost):
             limits=self.limits,
             recovery=self.recovery,
             steps_lost=self.steps_lost,
+            samplers=None if self.samplers is None else self.samplers.info(),
         )
 
     async def _digests(self) -> list[str]:

@@ -45,9 +45,9 @@ from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.engine.config import EngineConfig
 
 
-async def _no_hook(_h: Handle) -> str | None:
-    """The service checkpoints on a schedule after a step; in-process, nothing happens."""
-    return None
+async def _no_hook(_h: Handle) -> list[str]:
+    """The service checkpoints and syncs samplers after a step; in-process, nothing happens."""
+    return []
 
 
 def init_single_process(backend: str = "auto", timeout_s: float = 120.0) -> None:

@@ -8,6 +8,7 @@ a timeout, so a dead peer becomes an error instead of a hang), then builds the e
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -271,12 +272,11 @@ class RankWorker:
             tp=self.engine.coords.tp, shards=self.engine.canonical_shards(owned=True)
         )
 
-    def write_hf(self, directory: str, parts: list[Any]) -> list[WrittenFile]:
-        """On one rank: merge every rank's ``canonical_shards`` and write a Hugging Face
-        checkpoint of the model's family."""
+    def _merged(self, parts: list[Any]) -> dict[str, Any]:
+        """Every rank's ``canonical_shards`` merged into whole canonical tensors."""
         import ray
 
-        from trainctl.workers.engine import hf, weights
+        from trainctl.workers.engine import weights
 
         got: list[OwnedShards] = ray.get(parts)
         names = {n for g in got for n in g.shards}
@@ -285,8 +285,46 @@ class RankWorker:
         for name in sorted(names):
             by_tp = {g.tp: g.shards[name] for g in got if name in g.shards}
             full[name] = weights.shard_rule(name).unshard([by_tp[r] for r in range(tp)])
-        files = hf.save(Path(directory), full, self.engine.cfg.model)
+        return full
+
+    def write_hf(self, directory: str, parts: list[Any]) -> list[WrittenFile]:
+        """On one rank: merge every rank's ``canonical_shards`` and write a Hugging Face
+        checkpoint of the model's family."""
+        from trainctl.workers.engine import hf
+
+        files = hf.save(Path(directory), self._merged(parts), self.engine.cfg.model)
         return [WrittenFile(name=f.name, size_bytes=f.stat().st_size) for f in files]
+
+    def hf_weights(self, parts: list[Any]) -> tuple[dict[str, Any], int]:
+        """On one rank: every rank's ``canonical_shards`` merged into the whole model under
+        its family's Hugging Face names (what ``write_hf`` writes, kept in memory), and their
+        size in bytes. Called with ``num_returns=2``: the tensors go to the sampler engines,
+        the size to the controller, which so never holds the weights itself."""
+        from trainctl.workers.engine import hf
+
+        tensors = hf.to_hf(self._merged(parts), self.engine.cfg.model)
+        return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def hf_config(self) -> dict[str, Any]:
+        """The model's Hugging Face ``config.json`` (an export's), or the reason there is none."""
+        from trainctl.workers.engine import hf
+        from trainctl.workers.engine.families import export_problem
+
+        m = self.engine.cfg.model
+        problem = export_problem(m.family, m.num_experts)
+        if problem:
+            raise ValueError(problem)
+        config = hf.hf_config(m)
+        # End-of-sequence as the model's own files say (a sampler stops there), and none for
+        # a model made here: transformers' class defaults (Llama's eos 2) are not its own.
+        config["eos_token_id"] = config["bos_token_id"] = None
+        if self.engine.cfg.init_hf:
+            for name in ("config.json", "generation_config.json"):
+                path = Path(self.engine.cfg.init_hf) / name
+                if path.is_file():
+                    own = json.loads(path.read_text())
+                    config |= {k: own[k] for k in ("eos_token_id", "bos_token_id") if k in own}
+        return config
 
     # -- fault injection (operators and tests, through Ray only: not on the HTTP API) ---------
 

@@ -46,6 +46,8 @@ class RecoveryPart:
 
         async def info(self) -> Info: ...
 
+        async def _sync_after_change(self) -> str | None: ...
+
     def _begin_recovery(self, cause: str) -> None:
         """Stop taking work and queue the rebuild ahead of everything else."""
         if not self.ready:
@@ -96,6 +98,9 @@ class RecoveryPart:
             step_after=self.step,
         )
         self.steps_lost += step_before - self.step
+        warning = await self._sync_after_change()
+        if warning:
+            log.warning("after recovery: %s", warning)
         self.ready = True
         log.warning(
             "recovered: at step %d (was %d; %d step(s) lost)",

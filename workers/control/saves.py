@@ -5,6 +5,7 @@ Hugging Face export (every rank's canonical shards merged and written on rank 0)
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -31,6 +32,8 @@ from trainctl.workers.control.steps import ModelState
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.engine.families import export_problem
 
+log = logging.getLogger(__name__)
+
 PARTIAL_EXPORT = ".partial-"
 """An export being written (or left by a crash, and swept at start)."""
 
@@ -51,6 +54,8 @@ class SavesPart:
         def step(self) -> int: ...
 
         async def _digests(self) -> list[str]: ...
+
+        async def _sync_after_change(self) -> str | None: ...
 
     def _layout(self) -> dict[str, int]:
         return dict(self.cfg.to_dict()["layout"])
@@ -85,7 +90,15 @@ class SavesPart:
 
     def _load_op(self, req: LoadCheckpointRequest) -> Runner:
         self.checkpoints.path(req.checkpoint_id)  # 404 now, not once queued
-        return lambda h: self._load(req.checkpoint_id, h, optimizer=req.optimizer)
+
+        async def run(h: Handle) -> CheckpointInfo:
+            info = await self._load(req.checkpoint_id, h, optimizer=req.optimizer)
+            warning = await self._sync_after_change()  # the samplers follow the load
+            if warning:
+                log.warning("after loading %s: %s", req.checkpoint_id, warning)
+            return info
+
+        return run
 
     async def _load(
         self, checkpoint_id: str, h: Handle | None = None, *, optimizer: bool = True

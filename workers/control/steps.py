@@ -105,12 +105,12 @@ class Steps:
         group: Group,
         state: ModelState,
         *,
-        after_train: Callable[[Handle], Awaitable[str | None]],
+        after_train: Callable[[Handle], Awaitable[list[str]]],
     ) -> None:
         self.cfg, self.group, self.state = cfg, group, state
         self.after_train = after_train
-        """Called after every applied step (scheduled checkpoints); it never raises, and what
-        it returns is a warning to report beside the step's result."""
+        """Called after every applied step (scheduled checkpoints, the samplers' sync); it
+        never raises, and what it returns are warnings to report beside the step's result."""
 
     # -- planning (at submit) ------------------------------------------------------------------
 
@@ -214,9 +214,7 @@ class Steps:
         self.state.step += 1
         h.applied = True  # from here on the call answers its result, never a retryable error
         result.step = self.state.step
-        warning = await self.after_train(h)
-        if warning is not None:
-            result.warnings.append(warning)
+        result.warnings.extend(await self.after_train(h))
         result.metrics["grad_norm:value"] = applied[0].grad_norm
         result.metrics["lr:value"] = (hyper or {}).get("lr", self.cfg.optimizer.lr)
         result.timings["optimizer_max_s"] = max(a.seconds for a in applied)

@@ -1,0 +1,347 @@
+"""Tinker's sampling clients on trainctl's samplers.
+
+A sampling session is pinned to the weights of one optimizer step, the step its weights
+were saved at (``save_weights_and_get_sampling_client``, a ``save_weights_for_sampler``
+path, a ``save_state`` path, or the base model: step 0). trainctl's samplers hold one step,
+the newest synced; a session whose step they no longer serve is **refused** with a message
+saying so (a 409, Tinker category ``user``), never answered with other weights. So a
+sampling client made at step k samples step-k weights, or fails clearly.
+
+``asample`` answers a future at once; its result is Tinker's ``SampleResponse`` protobuf.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from trainctl.api import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    SampleRequest,
+    SampleResult,
+    SyncResult,
+    SyncWeightsRequest,
+)
+from trainctl.service.auth import Access, access
+from trainctl.service.codec import read_body
+from trainctl.service.controller_client import ControllerAPI
+from trainctl.service.routes.deps import get_limits
+from trainctl.service.tinker import proto
+from trainctl.service.tinker.bodies import Body, SaveForSampler, json_object, validated
+from trainctl.service.tinker.convert import TinkerPath
+from trainctl.service.tinker.native import future_of
+from trainctl.service.tinker.state import TinkerState
+
+STOP_REASON = {"stop": 0, "length": 1}
+"""Tinker's ``StopReason`` enum; vLLM's 'abort' never reaches a finished result."""
+
+MAX_SAMPLING_SESSIONS = 4096
+"""Sampling sessions (and remembered sampler-weight paths) kept; the oldest go first."""
+
+
+@dataclass(frozen=True)
+class SamplingSession:
+    sampling_session_id: str
+    base_model: str
+    model_path: str | None
+    step: int
+    """The optimizer step of the weights this session samples."""
+    inflight: bool = False
+    """Tinker's ``inflight`` kind: this step or any newer one (the samplers follow training
+    with ``--sampler-sync after_step``); a snapshot samples exactly ``step``."""
+
+
+class SamplingSessions:
+    """Sampling sessions, and the step of every sampler-weights path this gateway issued."""
+
+    def __init__(self, evicted: dict[str, int], limit: int = MAX_SAMPLING_SESSIONS) -> None:
+        self.limit, self.evicted = limit, evicted
+        self.evicted.setdefault("tinker_sampling_sessions", 0)
+        self.sessions: OrderedDict[str, SamplingSession] = OrderedDict()
+        self.sampler_paths: OrderedDict[str, int] = OrderedDict()
+
+    def add(self, s: SamplingSession) -> SamplingSession:
+        self.sessions[s.sampling_session_id] = s
+        self.sessions.move_to_end(s.sampling_session_id)
+        while len(self.sessions) > self.limit:
+            self.sessions.popitem(last=False)
+            self.evicted["tinker_sampling_sessions"] += 1
+        return s
+
+    def get(self, sampling_session_id: str) -> SamplingSession:
+        s = self.sessions.get(sampling_session_id)
+        if s is None:
+            raise NotFoundError(
+                f"sampling session {sampling_session_id!r} is unknown or has expired: create "
+                "a sampling client again"
+            )
+        return s
+
+    def remember_path(self, path: str, step: int) -> None:
+        self.sampler_paths[path] = step
+        while len(self.sampler_paths) > self.limit:
+            self.sampler_paths.popitem(last=False)
+
+
+class CreateSamplingSession(Body):
+    session_id: str
+    sampling_session_seq_id: int = Field(ge=0)
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class TinkerSamplingParams(Body):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class AsampleRequest(Body):
+    num_samples: int = 1
+    prompt: dict[str, Any]
+    sampling_params: TinkerSamplingParams
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: Any = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool | None = None
+
+
+def sync_request(req: SaveForSampler) -> SyncWeightsRequest:
+    """``save_weights_and_get_sampling_client``: bring the samplers to the current step."""
+    if req.sampling_session_seq_id is None:
+        raise InvalidRequestError(
+            "path: name the weights, or give sampling_session_seq_id for a sampling client"
+        )
+    if req.kind not in ("snapshot", "inflight"):
+        raise InvalidRequestError(f"kind: 'snapshot' or 'inflight', not {req.kind!r}")
+    return SyncWeightsRequest()
+
+
+def session_for(request: Request, req: SaveForSampler, result: Any) -> dict[str, Any]:
+    """The sampling session of a finished sync: pinned at the step it synced."""
+    synced = SyncResult.model_validate(result)
+    model_id = req.model_id
+    s = _sessions(request).add(
+        SamplingSession(
+            sampling_session_id=f"{model_id}:sample:{req.sampling_session_seq_id}",
+            base_model="",  # the served model's name, read when asked (get_sampler)
+            model_path=None,
+            step=synced.step,
+            inflight=req.kind == "inflight",
+        )
+    )
+    return {"type": "save_weights_for_sampler", "sampling_session_id": s.sampling_session_id}
+
+
+def remember_path(request: Request, path: str, step: int) -> None:
+    _sessions(request).remember_path(path, step)
+
+
+def _sessions(request: Request) -> SamplingSessions:
+    return request.app.state.tinker_sampling  # type: ignore[no-any-return]
+
+
+def _controller(request: Request) -> ControllerAPI:
+    return request.app.state.controller  # type: ignore[no-any-return]
+
+
+async def _pinned_step(request: Request, model_path: str | None, base_model: str | None) -> int:
+    """The step of the weights a sampling client asks for; 404/422 if there are none."""
+    info = await _controller(request).info()
+    if info.samplers is None:
+        raise ConflictError(
+            "this service has no samplers: start it with --samplers N to sample through Tinker"
+        )
+    if model_path is None:
+        if base_model != info.model_name:
+            raise InvalidRequestError(
+                f"base_model: this service serves {info.model_name!r}, not {base_model!r}"
+            )
+        return 0
+    path = TinkerPath.parse(model_path, "model_path")
+    if path.kind == "sampler_weights":
+        step = _sessions(request).sampler_paths.get(str(path))
+        if step is None:
+            raise NotFoundError(
+                f"model_path: {model_path!r} was not saved through this gateway since it "
+                "started (save_weights_for_sampler)"
+            )
+        return step
+    if path.kind == "weights":
+        for c in (await _controller(request).list_checkpoints()).checkpoints:
+            if c.checkpoint_id == path.name:
+                return c.step
+        raise NotFoundError(f"model_path: no checkpoint {path.name!r}")
+    raise InvalidRequestError(f"model_path: {model_path!r} names no weights")
+
+
+def _check_served(step: int, info_step: int | None) -> None:
+    if info_step is not None and info_step != step:
+        raise ConflictError(_stale(step, info_step), details={"step": info_step})
+
+
+def _stale(step: int, served: int) -> str:
+    return (
+        f"this sampling client samples the weights of step {step}, and the samplers now "
+        f"serve step {served}: trainctl samples only the newest synced weights, so make a "
+        "new sampling client (save_weights_and_get_sampling_client)"
+    )
+
+
+def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:
+    chunks = prompt.get("chunks")
+    if not isinstance(chunks, list) or not chunks:
+        raise InvalidRequestError("prompt.chunks: a non-empty list of chunks is required")
+    tokens: list[int] = []
+    for i, c in enumerate(chunks):
+        if not isinstance(c, dict) or c.get("type", "encoded_text") != "encoded_text":
+            kind = c.get("type") if isinstance(c, dict) else type(c).__name__
+            raise InvalidRequestError(
+                f"prompt.chunks[{i}]: trainctl samples text tokens only, not {kind!r}"
+            )
+        got = c.get("tokens")
+        if not isinstance(got, list) or not all(type(t) is int for t in got):
+            raise InvalidRequestError(f"prompt.chunks[{i}].tokens: a list of token ids")
+        tokens += got
+    return tokens
+
+
+def native_request(req: AsampleRequest, step: int | None) -> SampleRequest:
+    """Tinker's sample request as trainctl's; what is not supported is refused by name."""
+    unsupported = {
+        "topk_prompt_logprobs": req.topk_prompt_logprobs,
+        "topk_sample_logprobs": req.topk_sample_logprobs,
+        "target_prompt_logprobs": req.target_prompt_logprobs,
+        "prompt_alt_tokens_k": req.prompt_alt_tokens_k,
+        "prompt_logprobs_last_n": req.prompt_logprobs_last_n,
+        "record_stability_info": req.record_stability_info,
+    }
+    for name, value in unsupported.items():
+        if value:
+            raise InvalidRequestError(f"{name}: not supported by trainctl's samplers")
+    p = req.sampling_params
+    stop = p.stop
+    if isinstance(stop, str) or (stop and not all(type(t) is int for t in stop)):
+        raise InvalidRequestError(
+            "sampling_params.stop: trainctl samples token ids without a tokenizer: give stop "
+            "as token ids"
+        )
+    extra = {} if p.max_tokens is None else {"max_tokens": p.max_tokens}
+    return SampleRequest(
+        prompts=[_prompt_tokens(req.prompt)],
+        n=req.num_samples,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        seed=p.seed,
+        stop_token_ids=[int(t) for t in stop or []],
+        logprobs=True,
+        prompt_logprobs=bool(req.prompt_logprobs),
+        expected_step=step,
+        **extra,
+    )
+
+
+def sample_response(result: SampleResult) -> bytes:
+    """trainctl's result for one prompt as Tinker's ``SampleResponse`` protobuf."""
+    (samples,) = result.samples
+    msg = proto.SampleResponse()
+    for c in samples.completions:
+        seq = msg.sequences.add()
+        seq.stop_reason = STOP_REASON["stop" if c.finish_reason == "stop" else "length"]
+        seq.tokens = np.asarray(c.tokens, np.int32).tobytes()
+        if c.logprobs is not None:
+            seq.logprobs = np.asarray(c.logprobs, np.float32).tobytes()
+    if samples.prompt_logprobs is not None:
+        lps = [np.nan if x is None else x for x in samples.prompt_logprobs]
+        msg.prompt_logprobs = np.asarray(lps, np.float32).tobytes()
+    out: bytes = msg.SerializeToString()
+    return out
+
+
+router = APIRouter(prefix="/api/v1", include_in_schema=False)
+
+
+@router.post("/create_sampling_session")
+@access(Access.TINKER)
+async def create_sampling_session(request: Request) -> dict[str, Any]:
+    raw = json_object(await read_body(request, 1 << 16))
+    req, _ = validated(raw, CreateSamplingSession)
+    state: TinkerState = request.app.state.tinker
+    state.session(req.session_id)
+    step = await _pinned_step(request, req.model_path, req.base_model)
+    info = await _controller(request).info()
+    _check_served(step, info.samplers.step if info.samplers else None)
+    s = _sessions(request).add(
+        SamplingSession(
+            sampling_session_id=f"{req.session_id}:sample:{req.sampling_session_seq_id}",
+            base_model=info.model_name,
+            model_path=req.model_path,
+            step=step,
+        )
+    )
+    return {"type": "create_sampling_session", "sampling_session_id": s.sampling_session_id}
+
+
+@router.get("/samplers/{sampler_id}")
+@access(Access.TINKER)
+async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
+    s = _sessions(request).get(sampler_id)
+    base_model = s.base_model or (await _controller(request).info()).model_name
+    return {"sampler_id": s.sampling_session_id, "base_model": base_model,
+            "model_path": s.model_path}  # fmt: skip
+
+
+@router.post("/asample")
+@access(Access.TINKER)
+async def asample(request: Request) -> dict[str, Any]:
+    raw = json_object(await read_body(request, request.app.state.max_body_bytes))
+    req, _ = validated(raw, AsampleRequest)
+    inflight = False
+    if req.sampling_session_id is not None:
+        session = _sessions(request).get(req.sampling_session_id)
+        step, inflight = session.step, session.inflight
+    else:
+        step = await _pinned_step(request, req.model_path, req.base_model)
+    native = native_request(req, None if inflight else step)
+    native.check_limits(await get_limits(request, _controller(request)))
+    controller = _controller(request)
+
+    async def work() -> bytes:
+        try:
+            result = await controller.sample(native)
+        except ConflictError as e:
+            served = (e.details or {}).get("step")
+            if isinstance(served, int) and served != step:
+                raise ConflictError(_stale(step, served), details=e.details) from None
+            raise
+        if result.step < step:  # inflight: this step or newer, never older
+            raise ConflictError(_stale(step, result.step), details={"step": result.step})
+        return sample_response(result)
+
+    state: TinkerState = request.app.state.tinker
+    f = state.run("sample", work)
+    ids = [f"{f.id}:{i}" for i in range(native.n)]
+    return {**future_of(f), "sample_sequence_ids": ids}
+
+
+def install(app: Any, evicted: dict[str, int]) -> None:
+    app.state.tinker_sampling = SamplingSessions(evicted)
+    app.include_router(router)

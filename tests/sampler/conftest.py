@@ -1,0 +1,48 @@
+"""The sampler tier: real services with vLLM sampler engines (``trainctl serve --samplers``).
+
+It needs the sampler extra (``pip install 'trainctl[sampler]'``), which ``scripts/test``
+installs; without vLLM every test here fails, saying so, rather than skipping.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from servicekit import Service, running_service
+
+from hf_models import tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_installed() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail(
+            "the sampler tier needs vLLM: pip install 'trainctl[sampler]' (scripts/test does)"
+        )
+
+
+@pytest.fixture(scope="session")
+def sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The embedded default at dp=2, with two sampler engines synced after every step. Its
+    untrained weights are saved as the checkpoint ``untrained``, which a test may load to
+    start again from the base model (Tinker's ``create_model`` wants one)."""
+    data = tmp_path_factory.mktemp("sampled")
+    with running_service(data, "--dp", "2", "--samplers", "2") as svc:
+        with svc.client() as tc:
+            tc.save_checkpoint("untrained")
+        yield svc
+
+
+@pytest.fixture(scope="session")
+def qwen3_manual(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """A tiny Qwen3 (transformers' own) at tp=2, one sampler engine, synced on demand: the
+    samplers get weights gathered from two TP shards and mapped to Qwen3's names."""
+    root = tmp_path_factory.mktemp("qwen3-sampled")
+    tiny_model("qwen3", Path(root / "hf"))
+    flags = ("--init-hf", str(root / "hf"), "--tp", "2", "--dp", "1", "--samplers", "1",
+             "--sampler-sync", "manual")  # fmt: skip
+    with running_service(root / "data", *flags) as svc:
+        yield svc

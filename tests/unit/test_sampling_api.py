@@ -1,0 +1,77 @@
+"""The sampling request's checks and the Tinker ``SampleResponse`` it becomes (fast tier)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from trainctl.api import (
+    Completion,
+    InvalidRequestError,
+    ModelLimits,
+    PromptSamples,
+    SampleRequest,
+    SampleResult,
+)
+
+LIMITS = ModelLimits(vocab_size=100, max_seq_len=32, max_sequences=4, max_tokens_per_request=200)
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ({"prompts": [[1, 2], [3, 100]]}, r"prompts\[1\]\[1\]: token id 100"),
+        ({"prompts": [[1], [2], [-3]]}, r"prompts\[2\]\[0\]: token id -3"),
+        ({"prompts": [[1], []]}, r"prompts\[1\]: is empty"),
+        ({"prompts": [[1] * 30], "max_tokens": 3}, r"prompts\[0\]: length 30 \+ max_tokens 3"),
+        ({"prompts": [[1]], "max_tokens": 32}, "max_tokens: 32 leaves no room"),
+        ({"prompts": [[1]] * 5}, "prompts: 5 prompts exceed the limit 4"),
+        ({"prompts": [[1]] * 4, "n": 8, "max_tokens": 8}, "prompts: 260 tokens"),
+        ({"prompts": [[1]], "stop_token_ids": [5, 100]}, r"stop_token_ids\[1\]"),
+    ],
+)
+def test_limits_name_the_field(fields: dict, where: str) -> None:
+    req = SampleRequest(**fields)
+    with pytest.raises(InvalidRequestError, match=where):
+        req.check_limits(LIMITS)
+
+
+def test_a_request_inside_every_limit_passes() -> None:
+    SampleRequest(prompts=[[0, 99], [5] * 20], n=2, max_tokens=12).check_limits(LIMITS)
+
+
+@pytest.mark.parametrize(
+    "fields", [{"max_tokens": 0}, {"n": 65}, {"n": 0}, {"top_k": 0}, {"top_p": 0}, {"prompts": []}]
+)
+def test_parameters_out_of_range_are_refused(fields: dict) -> None:
+    with pytest.raises(ValidationError):
+        SampleRequest(**{"prompts": [[1]], **fields})
+
+
+def test_the_tinker_sample_response_decodes_in_the_sdk() -> None:
+    """Our protobuf, read by the SDK's own decoder: tokens, log-probs, stop reasons, and the
+    prompt log-probs with the first one absent."""
+    response_conv = pytest.importorskip("tinker.proto.response_conv")
+    from trainctl.service.tinker.sampling import sample_response
+
+    result = SampleResult(
+        samples=[
+            PromptSamples(
+                completions=[
+                    Completion(tokens=[4, 5], logprobs=[-0.5, -1.25], finish_reason="stop"),
+                    Completion(tokens=[6, 7, 8], logprobs=[-2.0, -0.25, -3.5],
+                               finish_reason="length"),
+                ],
+                prompt_logprobs=[None, -1.5, -2.5],
+            )
+        ],
+        step=3, sampler=0, seconds=0.1,
+    )  # fmt: skip
+    got = response_conv.deserialize_sample_response(sample_response(result))
+    assert [s.tokens for s in got.sequences] == [[4, 5], [6, 7, 8]]
+    assert [s.logprobs for s in got.sequences] == [[-0.5, -1.25], [-2.0, -0.25, -3.5]]
+    assert [s.stop_reason for s in got.sequences] == ["stop", "length"]
+    assert got.prompt_logprobs[0] is None and got.prompt_logprobs[1:] == [-1.5, -2.5]
+    assert not any(isinstance(x, float) and math.isnan(x) for x in got.prompt_logprobs[1:])

@@ -1,0 +1,224 @@
+"""The sampler engines as the controller drives them: spawn, sync, dispatch, recreate.
+
+- **Spawn**: one Ray actor per engine (``SamplerActor``), each serving one call at a time.
+- **Sync**: the controller hands over one object-store reference to a step's HF-named
+  tensors; every engine loads it (shared memory on a node, Ray's transfer across nodes: no
+  file). The reference is kept, so an engine recreated later loads the same step.
+- **Dispatch**: a sample request goes to the ready engine with the fewest requests in
+  flight. Its result carries the step of the engine's weights.
+- **Recreate**: an engine that dies fails its in-flight requests with a retryable 503, and is
+  rebuilt in the background with the weights of the step the others serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from trainctl.api import (
+    NotReadyError,
+    SampleRequest,
+    SampleResult,
+    SamplerInfo,
+    SamplersInfo,
+    SyncResult,
+    TrainctlError,
+)
+from trainctl.workers.sampler.engine import Loaded, VllmSampler, engine_env
+from trainctl.workers.sampler.spec import SamplerSpec
+
+log = logging.getLogger(__name__)
+
+SamplerActor = ray.remote(VllmSampler)
+
+
+@dataclass
+class _Engine:
+    index: int
+    actor: Any = None
+    status: str = "starting"
+    step: int | None = None
+    restarts: int = 0
+    in_flight: int = 0
+    last_error: str | None = None
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    num_samplers: int
+    num_cpus: float = 0.25
+    num_gpus: float = 0.0
+    threads: int = 1
+    sync: str = "after_step"
+    """'after_step': every applied optimizer step is synced; 'manual': on POST /v1/weights/sync."""
+
+
+class SamplerPool:
+    def __init__(self, spec: SamplerSpec, options: PoolOptions) -> None:
+        self.spec, self.options = spec, options
+        self.engines = [_Engine(i) for i in range(options.num_samplers)]
+        self.weights: tuple[int, Any] | None = None
+        """The step the samplers serve and the object-store reference to its tensors."""
+        self.last_sync: SyncResult | None = None
+        self._restarts: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _spawn(self, e: _Engine) -> None:
+        env = engine_env(self.options.num_gpus > 0, self.options.threads)
+        e.actor = SamplerActor.options(  # type: ignore[attr-defined]
+            name=None,
+            num_cpus=self.options.num_cpus,
+            num_gpus=self.options.num_gpus,
+            max_concurrency=1,
+            max_restarts=0,
+            runtime_env={"env_vars": env},
+        ).remote(e.index, self.spec)
+        e.status, e.step, e.pid = "starting", None, None
+
+    async def start(self) -> None:
+        """Build every engine (placeholder weights); ``sync`` gives them real ones."""
+        t0 = time.perf_counter()
+        for e in self.engines:
+            self._spawn(e)
+        pids = await asyncio.gather(*(e.actor.pid.remote() for e in self.engines))
+        for e, pid in zip(self.engines, pids, strict=True):
+            e.status, e.pid = "ready", pid
+        log.info("%d sampler engine(s) built in %.1fs", len(self.engines), time.perf_counter() - t0)
+
+    def kill(self) -> None:
+        for t in self._restarts:
+            t.cancel()
+        for e in self.engines:
+            if e.actor is not None:
+                ray.kill(e.actor, no_restart=True)
+                e.actor = None
+            e.status = "failed"
+
+    async def drain(self, timeout_s: float = 60.0) -> None:
+        """Wait (at most ``timeout_s``) for the sample requests in flight to finish."""
+        deadline = time.monotonic() + timeout_s
+        while any(e.in_flight for e in self.engines) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    # -- sync --------------------------------------------------------------------------------
+
+    async def sync(self, step: int, weights: Any, nbytes: int, gather_s: float) -> SyncResult:
+        """Every live engine loads ``weights`` (an object-store reference to HF-named
+        tensors). An engine finishes the request it is serving first: one call at a time."""
+        self.weights = (step, weights)
+        for e in self.engines:
+            if e.status == "failed":  # its last recreation failed: try again, with this step
+                self._lost(e, RuntimeError(e.last_error or "failed"))
+        live = [e for e in self.engines if e.status == "ready"]
+        t0 = time.perf_counter()
+        got = await asyncio.gather(
+            *(self._load(e, step, weights) for e in live), return_exceptions=True
+        )
+        loaded = [g for g in got if isinstance(g, Loaded)]
+        self.last_sync = SyncResult(
+            step=step,
+            samplers=len(loaded),
+            bytes=nbytes,
+            gather_s=gather_s,
+            load_s=time.perf_counter() - t0,
+        )
+        return self.last_sync
+
+    async def _load(self, e: _Engine, step: int, weights: Any) -> Loaded:
+        try:
+            loaded: Loaded = await e.actor.load_weights.remote(step, weights)
+        except ray.exceptions.RayActorError as err:
+            self._lost(e, err)
+            raise
+        e.step = loaded.step
+        return loaded
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    def _pick(self) -> _Engine:
+        ready = [e for e in self.engines if e.status == "ready" and e.step is not None]
+        if not ready:
+            if self.weights is None:
+                raise NotReadyError(
+                    "the samplers have no weights yet: POST /v1/weights/sync (or take a step "
+                    "with sync after_step)"
+                )
+            raise NotReadyError("every sampler engine is being recreated; retry shortly")
+        return min(ready, key=lambda e: (e.in_flight, e.index))
+
+    async def sample(self, req: SampleRequest) -> SampleResult:
+        e = self._pick()
+        e.in_flight += 1
+        try:
+            result: SampleResult = await e.actor.sample.remote(req)
+            return result
+        except ray.exceptions.RayActorError as err:
+            self._lost(e, err)
+            raise NotReadyError(
+                f"sampler {e.index} died while serving this request; it is being recreated "
+                "with the current weights: retry"
+            ) from None
+        except ray.exceptions.RayTaskError as err:
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, TrainctlError):
+                raise cause from None  # the engine's own refusal (409, 503)
+            raise
+        finally:
+            e.in_flight -= 1
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _lost(self, e: _Engine, err: BaseException) -> None:
+        if e.status == "restarting":
+            return
+        log.warning("sampler %d died: %s; recreating it", e.index, str(err).splitlines()[0])
+        e.status, e.step = "restarting", None
+        e.last_error = str(err).splitlines()[0][:300]
+        task = asyncio.get_running_loop().create_task(self._recreate(e))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _recreate(self, e: _Engine) -> None:
+        try:
+            if e.actor is not None:
+                ray.kill(e.actor, no_restart=True)
+            self._spawn(e)
+            e.status = "restarting"
+            e.pid = await e.actor.pid.remote()
+            if self.weights is not None:
+                step, weights = self.weights
+                loaded: Loaded = await e.actor.load_weights.remote(step, weights)
+                e.step = loaded.step
+            e.restarts += 1
+            e.status = "ready"
+            log.info("sampler %d recreated (step %s)", e.index, e.step)
+        except Exception as err:  # reported in info; the next sync or death tries again
+            e.status = "failed"
+            e.last_error = f"recreating failed: {err}"[:300]
+            log.exception("could not recreate sampler %d", e.index)
+
+    def info(self) -> SamplersInfo:
+        return SamplersInfo(
+            sync="manual" if self.options.sync == "manual" else "after_step",
+            step=None if self.weights is None else self.weights[0],
+            engines=[
+                SamplerInfo(
+                    index=e.index,
+                    status=e.status,  # type: ignore[arg-type]
+                    step=e.step,
+                    restarts=e.restarts,
+                    in_flight=e.in_flight,
+                    last_error=e.last_error,
+                    pid=e.pid,
+                )
+                for e in self.engines
+            ],
+            last_sync=self.last_sync,
+        )

@@ -1,0 +1,24 @@
+"""What a sampler engine is built from: torch-free, so that the controller can make one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """How to build a sampler engine (the same for every replica)."""
+
+    hf_config: dict[str, Any]
+    """The model's Hugging Face ``config.json`` (the same mapping as ``export_hf``)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The engine's weights and activations: 'float32' (exact log-probs) or 'bfloat16'."""
+    max_model_len: int = 1024
+    kv_cache_gib: int = 1
+    """KV cache of a CPU engine, GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
+    gpu_memory_utilization: float = 0.5
+    """Share of a GPU's memory a GPU engine may take (it shares the node with ranks)."""
+    max_num_seqs: int = 64
+    """Sequences one engine step batches."""
+    seed: int = 0
