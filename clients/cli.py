@@ -148,6 +148,10 @@ def _client_commands(args: argparse.Namespace, c: TrainctlClient) -> int:
         return _sample(args, c)
     elif args.command == "sync-weights":
         _print(c.sync_weights())
+    elif args.command == "ready":
+        ok = c.is_ready(instance=args.instance)
+        print("ready" if ok else f"not ready: {args.url} does not answer as a ready trainctl")
+        return 0 if ok else 1
     return 0
 
 
@@ -277,6 +281,11 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--expected-step", type=int, default=None,
                    help="refuse unless the samplers serve this step")  # fmt: skip
     sub.add_parser("sync-weights", help="send the current weights to the samplers now")
+    q = sub.add_parser(
+        "ready",
+        help="exit 0 if trainctl (not just anything) answers ready at --url: a probe",
+    )
+    q.add_argument("--instance", default=None, help="and it is this start of it")
     return p
 
 

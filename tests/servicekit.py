@@ -13,6 +13,7 @@ import contextlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,3 +63,53 @@ def running_service(
     assert rc == 0, f"trainctl serve exited with {rc}:\n{svc.log()}"
     assert not svc.leftovers, f"processes left after shutdown: {svc.leftovers}"
     assert "drained in-flight work" in svc.log()
+
+
+def served_routes(app: Any) -> list[tuple[str, str, Any]]:
+    """(method, path template, access) of every route ``app`` serves, native and Tinker (an
+    included router's routes one by one): the list the route-driven tests walk, so that a new
+    route is covered without editing them."""
+    from fastapi.routing import APIRoute
+
+    from trainctl.service.auth import access_of
+
+    def flat(routes: list[Any]) -> Iterator[Any]:
+        for r in routes:
+            if hasattr(r, "effective_route_contexts"):
+                yield from r.effective_route_contexts()
+            else:
+                yield r
+
+    out = []
+    for r in flat(app.routes):
+        if isinstance(r, APIRoute) or hasattr(r, "original_route"):
+            out += [(method, r.path, access_of(r)) for method in sorted(r.methods)]
+    return out
+
+
+class Squatter:
+    """An HTTP server that answers 200 with Prometheus text on every path, as Ray's
+    autoscaler metrics exporter did on the port a test had picked for the gateway."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = b"# HELP autoscaler_worker_create_node_time\n"
+                self.send_response(200)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

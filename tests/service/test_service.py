@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from servicekit import Squatter
 
 from trainctl.clients import ConflictError, InvalidRequestError, TrainctlClient
 
@@ -365,38 +366,10 @@ def test_the_home_directory_is_left_empty(service: Service) -> None:
     assert (service.data_dir / "cache" / "matplotlib").is_dir()
 
 
-class _Squatter:
-    """An HTTP server that answers 200 with Prometheus text on every path, as Ray's
-    autoscaler metrics exporter did on the port a test had picked for the gateway."""
-
-    def __init__(self) -> None:
-        import http.server
-        import threading
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = b"# HELP autoscaler_worker_create_node_time\n"
-                self.send_response(200)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_: object) -> None:
-                pass
-
-        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_a_port_that_is_not_its_own_ends_in_a_clear_error(service: Service, tmp_path: Path) -> None:
     from trainctl.service.local import LocalService
 
-    squatter = _Squatter()
+    squatter = Squatter()
     try:
         with TrainctlClient(f"http://127.0.0.1:{squatter.port}") as c:
             assert not c.is_ready()  # a 200 that is not trainctl's is not ready

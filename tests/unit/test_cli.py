@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from servicekit import Squatter
 
 from trainctl.service.app import create_app
 from trainctl.service.cluster import free_port
@@ -107,6 +108,19 @@ def test_memory_profile_download_refuses_a_server_chosen_path(
     assert r.returncode != 0 and "refusing the server's file name" in r.stderr, r.stderr
     assert not (tmp_path / "escaped.json").exists() and not Path("/tmp/abs.json").exists()
     assert not out.exists() or not any(out.rglob("*.json"))
+
+
+def test_ready_is_a_probe_that_a_squatter_cannot_pass(url: str) -> None:
+    """``trainctl ready`` exits 0 on trainctl's readiness, 1 on a 200 from anything else (the
+    Helm chart's test pod runs it)."""
+    ok = trainctl("--url", url, "ready", capture_output=True)
+    assert ok.returncode == 0 and ok.stdout.strip() == "ready", ok.stderr
+    squatter = Squatter()
+    try:
+        got = trainctl("--url", f"http://127.0.0.1:{squatter.port}", "ready", capture_output=True)
+    finally:
+        squatter.close()
+    assert got.returncode == 1 and "not ready" in got.stdout, (got.stdout, got.stderr)
 
 
 def test_every_loss_option_is_a_flag() -> None:

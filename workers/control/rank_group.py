@@ -30,6 +30,7 @@ from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.engine.boundary import RankMeta
 from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,13 @@ class RankGroup:
 
     def nodes(self) -> list[placement.Node]:
         """The cluster's live nodes and their rank slots: GPUs over ``num_gpus`` on GPU
-        nodes, else CPUs over ``num_cpus``; in a fixed order (address, then node id)."""
+        nodes, else CPUs over ``num_cpus``; in a fixed order (address, then node id). Nodes
+        kept for samplers (``SAMPLER_NODE_RESOURCE``) hold no rank."""
         out = []
         for n in ray.nodes():
             res = n.get("Resources", {}) if n.get("Alive") else {}
+            if SAMPLER_NODE_RESOURCE in res:
+                continue  # kept for the sampler engines
             if self.num_gpus:
                 slots = int(res.get("GPU", 0.0) / self.num_gpus + 1e-9)
             else:

@@ -26,6 +26,7 @@ from trainctl.api import (
 )
 from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.rank_group import RankGroup
+from trainctl.workers.control.telemetry import ControllerMetrics
 from trainctl.workers.engine.config import ConfigError
 from trainctl.workers.sampler.pool import PoolOptions, SamplerPool
 from trainctl.workers.sampler.spec import SamplerSpec
@@ -57,6 +58,7 @@ class SamplingPart:
     group: RankGroup
     sampler_settings: SamplerSettings
     samplers: SamplerPool | None
+    metrics: ControllerMetrics
 
     if TYPE_CHECKING:
 
@@ -91,8 +93,12 @@ class SamplingPart:
             threads=s.threads,
             sync=s.sync,
         )
-        self.samplers = SamplerPool(spec, options)
-        await self.samplers.start()
+        pool = self.samplers = SamplerPool(spec, options)
+        self.metrics.watch_samplers(
+            lag=lambda: float(self.step - pool.weights[0]) if pool.weights else float("nan"),
+            restarts=lambda: float(sum(e.restarts for e in pool.engines)),
+        )
+        await pool.start()
         await self._sync()
 
     def _sync_op(self, req: SyncWeightsRequest) -> Runner:
@@ -115,6 +121,7 @@ class SamplingPart:
         if h is not None:
             h.set_phase("loading weights into the samplers")
         result = await self.samplers.sync(self.step, weights, nbytes, time.perf_counter() - t0)
+        self.metrics.sync_seconds.observe(result.gather_s + result.load_s)
         log.info(
             "synced step %d to %d sampler(s): gather %.3fs, load %.3fs",
             result.step, result.samplers, result.gather_s, result.load_s,
@@ -142,7 +149,13 @@ class SamplingPart:
         self._check_serving()
         if self.samplers is None:
             raise ConflictError(_NO_SAMPLERS)
-        return await self.samplers.sample(req)
+        t0 = time.perf_counter()
+        result = await self.samplers.sample(req)
+        self.metrics.sample_seconds.observe(time.perf_counter() - t0)
+        self.metrics.sampled_tokens.inc(
+            sum(len(c.tokens) for s in result.samples for c in s.completions)
+        )
+        return result
 
 
 _NO_SAMPLERS = "this service has no samplers: start it with --samplers N"

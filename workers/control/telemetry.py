@@ -79,6 +79,35 @@ class ControllerMetrics:
         evictions.labels("finished_operations").set_function(lambda: float(evicted()))
         depth = Gauge("trainctl_queue_depth", "Operations waiting to run.", registry=r)
         depth.set_function(lambda: float(queue_depth()))
+        self.sampler_lag = Gauge(
+            "trainctl_sampler_lag_steps",
+            "Optimizer steps the samplers are behind the trainer (0: they serve its weights).",
+            registry=r,
+        )
+        self.sampler_restarts = Gauge(
+            "trainctl_sampler_restarts",
+            "Sampler engines recreated after dying, since start.",
+            registry=r,
+        )
+        self.sync_seconds = Histogram(
+            "trainctl_sampler_sync_seconds",
+            "Weight syncs to the samplers, gather + load.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.sample_seconds = Histogram(
+            "trainctl_sample_seconds",
+            "Sample requests, from the controller to the engine's answer.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.sampled_tokens = Counter(
+            "trainctl_sampled_tokens", "Tokens the samplers generated.", registry=r
+        )
+
+    def watch_samplers(self, lag: Callable[[], float], restarts: Callable[[], float]) -> None:
+        self.sampler_lag.set_function(lag)
+        self.sampler_restarts.set_function(restarts)
 
     def observe(self, h: Handle) -> None:
         """Listener of the operation queue: called once per finished operation."""

@@ -30,7 +30,7 @@ from trainctl.api import (
     TrainctlError,
 )
 from trainctl.workers.sampler.engine import Loaded, VllmSampler, engine_env
-from trainctl.workers.sampler.spec import SamplerSpec
+from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE, SamplerSpec
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,12 @@ class SamplerPool:
 
     def _spawn(self, e: _Engine) -> None:
         env = engine_env(self.options.num_gpus > 0, self.options.threads)
+        kept = any(SAMPLER_NODE_RESOURCE in n.get("Resources", {}) for n in ray.nodes())
         e.actor = SamplerActor.options(  # type: ignore[attr-defined]
-            name=None,
             num_cpus=self.options.num_cpus,
             num_gpus=self.options.num_gpus,
+            # On a cluster with nodes kept for samplers (the chart's sampler group): one there.
+            resources={SAMPLER_NODE_RESOURCE: 1} if kept else {},
             max_concurrency=1,
             max_restarts=0,
             runtime_env={"env_vars": env},

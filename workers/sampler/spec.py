@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+SAMPLER_NODE_RESOURCE = "trainctl_sampler"
+"""A Ray resource that marks nodes kept for sampler engines (the Helm chart's sampler worker
+group advertises one per pod): ranks are never placed there, and where such nodes exist, each
+engine takes one."""
+
 
 @dataclass(frozen=True)
 class SamplerSpec:
