@@ -10,11 +10,11 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
+from servicekit import served_routes
 
 from trainctl.service.app import create_app
-from trainctl.service.auth import Access, access_of
+from trainctl.service.auth import Access
 
 from fakes import FakeController
 
@@ -24,23 +24,8 @@ OPEN_PATHS = {
 }  # fmt: skip
 
 
-def _flat(routes: list) -> Iterator:
-    """Every route the app serves (FastAPI keeps an included router as one entry)."""
-    for r in routes:
-        if hasattr(r, "effective_route_contexts"):
-            yield from r.effective_route_contexts()
-        else:
-            yield r
-
-
 def _routes(app: object) -> list[tuple[str, str, Access]]:
-    out = []
-    for r in _flat(app.routes):  # type: ignore[attr-defined]
-        if isinstance(r, APIRoute) or hasattr(r, "original_route"):
-            path = re.sub(r"\{[^}]+\}", "x", r.path)
-            for method in sorted(r.methods):
-                out.append((method, path, access_of(r)))
-    return out
+    return [(m, re.sub(r"\{[^}]+\}", "x", p), a) for m, p, a in served_routes(app)]
 
 
 @pytest.fixture(params=["", "/trainctl"], ids=["no-prefix", "route-prefix"])

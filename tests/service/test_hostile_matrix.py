@@ -1,0 +1,151 @@
+"""Hostile input, route by route, against a real service: every route the app serves (native
+and Tinker, read from the app itself, so a new route is covered by default) gets every probe
+that applies to it, and each ends in a 4xx, quickly, with nothing written outside the data
+directory and the model unchanged.
+
+The auth probes (no token, a wrong token, a ``tml-`` key on a native route) run on the same
+route list in ``tests/unit/test_auth.py``; the bombs' memory bounds, the slow body and the
+overflowing frame shapes in ``tests/unit/test_hostile.py``; the OpenAPI fuzz in
+``test_fuzz.py``. This module adds what only the real service shows: the answers of the whole
+stack, Serve's proxy included.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import zstandard
+from servicekit import Service, running_service, served_routes
+
+from trainctl.api import wire
+
+TOKEN = "matrix-token"
+AUTH = {"authorization": f"Bearer {TOKEN}", "x-api-key": f"tml-{TOKEN}"}
+LIMIT_MB = 1
+PROBE_S = 15.0
+"""The most one probe may take, end to end."""
+
+UNREAD_BODY = {
+    ("POST", "/api/v1/telemetry"): "the SDK's telemetry: accepted and dropped, never read",
+    ("POST", "/api/v1/client/config"): "answers the client's feature flags; reads no body",
+    ("POST", "/api/v1/client/dynamic_config"): "the same, with no credential",
+}
+"""POST routes that do not read their body, so body probes cannot reach them."""
+SKIPPED_PATHS = {"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+
+TRAVERSALS = {
+    "dotdot": "..%2F..%2F..%2Fetc%2Fpasswd",
+    "absolute": "%2Fetc%2Fpasswd",
+    "nul": "name%00.txt",
+    "long": "a" * 4096,
+    "dot": "..",
+}
+
+
+def _routes() -> list[tuple[str, str]]:
+    """The routes of the app the service runs (built here; listing needs no controller)."""
+    from trainctl.service.app import create_app
+
+    app = create_app(None, api_token=TOKEN)  # type: ignore[arg-type]
+    return sorted(
+        (m, p) for m, p, _ in served_routes(app)
+        if p not in SKIPPED_PATHS and m in ("GET", "POST", "DELETE")
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    root = tmp_path_factory.mktemp("hostile")
+    token = root / "token"
+    token.write_text(TOKEN)
+    flags = ("--dp", "1", "--max-body-mb", str(LIMIT_MB), "--api-token-file", str(token))
+    with running_service(root / "data", *flags) as svc:
+        yield svc
+
+
+def _files(root: Path, skip: Path) -> set[str]:
+    return {
+        str(p) for p in root.rglob("*")
+        if skip not in p.parents and p != skip and p.is_file()
+    }  # fmt: skip
+
+
+def _send(svc: Service, method: str, path: str, **kw: object) -> httpx.Response:
+    t0 = time.monotonic()
+    r = httpx.request(method, svc.url + path, headers={**AUTH, **kw.pop("headers", {})},  # type: ignore[arg-type]
+                      timeout=PROBE_S, **kw)  # type: ignore[arg-type]  # fmt: skip
+    assert time.monotonic() - t0 < PROBE_S
+    return r
+
+
+def _probes(method: str, path: str) -> Iterator[tuple[str, str, dict[str, object]]]:
+    """(name, concrete path, request arguments) of every probe that applies to the route."""
+    params = re.findall(r"\{([^}]+)\}", path)
+    for param in params:
+        for name, value in TRAVERSALS.items():
+            concrete = path
+            for p in params:
+                concrete = concrete.replace(f"{{{p}}}", value if p == param else "x")
+            yield f"{param}={name}", concrete, {}
+    if method != "POST" or (method, path) in UNREAD_BODY:
+        return
+    concrete = re.sub(r"\{[^}]+\}", "x", path)
+    json_ct = {"content-type": "application/json"}
+    yield "malformed-json", concrete, {"content": b'{"a": ', "headers": json_ct}
+    yield "json-array", concrete, {"content": b"[1, 2, 3]", "headers": json_ct}
+    yield "oversize", concrete, {"content": b" " * ((LIMIT_MB << 20) + 1), "headers": json_ct}
+    frame = wire.encode_sequences([{"tokens": np.arange(8)}], {})
+    lying = frame[:-8]  # the header promises 8 more bytes than come
+    yield (
+        "frame-shorter-than-its-header",
+        concrete,
+        {"content": lying, "headers": {"content-type": wire.CONTENT_TYPE}},
+    )
+    bomb = wire.encode_sequences([{"tokens": np.zeros(4 << 20, np.int64)}], {}, compress=True)
+    assert len(bomb) < (LIMIT_MB << 20) // 4  # small on the wire, 32 MiB inflated
+    yield (
+        "zlib-bomb-frame",
+        concrete,
+        {"content": bomb, "headers": {"content-type": wire.CONTENT_TYPE}},
+    )
+    zstd_bomb = zstandard.ZstdCompressor().compress(b"\0" * (32 << 20))
+    yield (
+        "zstd-bomb",
+        concrete,
+        {
+            "content": zstd_bomb,
+            "headers": {"content-type": "application/x-protobuf", "content-encoding": "zstd"},
+        },
+    )
+
+
+def test_every_route_refuses_every_hostile_probe_with_a_4xx(hostile: Service) -> None:
+    routes = _routes()
+    assert len(routes) >= 40, routes  # native and Tinker
+    root = hostile.data_dir.parent
+    before = _files(root, hostile.data_dir)
+    with hostile.client(api_token=TOKEN) as tc:
+        step, digest = tc.info().step, tc.info().weights_digest
+    answered: dict[tuple[str, str, str], int] = {}
+    for method, path in routes:
+        for name, concrete, kw in _probes(method, path):
+            r = _send(hostile, method, concrete, **kw)
+            answered[(method, path, name)] = r.status_code
+            assert 400 <= r.status_code < 500, (method, concrete[:120], name, r.text[:300])
+            assert TOKEN not in r.text
+    probes = len(answered)
+    print(f"{len(routes)} routes x their probes = {probes} hostile requests, all 4xx: "
+          f"{sorted(set(answered.values()))}")  # fmt: skip
+    assert probes >= 150
+    with hostile.client(api_token=TOKEN) as tc:
+        info = tc.info()
+        assert (info.step, info.weights_digest) == (step, digest)
+    assert _files(root, hostile.data_dir) == before, "a probe wrote outside the data directory"
+    assert os.path.getsize("/etc/passwd") > 0
