@@ -6,7 +6,7 @@ one optimizer step: every result says which (``step``), and no result mixes two 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -16,6 +16,9 @@ from trainctl.api.training import ModelLimits
 
 MAX_SAMPLES_PER_PROMPT = 64
 """The most completions one prompt may ask for (``n``)."""
+
+TokenId = Annotated[int, Field(ge=-(2**31), lt=2**31)]
+"""A token id as JSON carries it: an int32 (``check_limits`` holds it to the vocabulary)."""
 
 
 class SamplingParams(BaseModel):
@@ -33,7 +36,7 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(
         None, ge=0, description="Seed of this request's sampling: equal seeds, equal samples."
     )
-    stop_token_ids: list[int] = Field(
+    stop_token_ids: list[TokenId] = Field(
         default_factory=list, description="A completion ends after generating any of these."
     )
     logprobs: bool = Field(
@@ -56,7 +59,7 @@ class SamplingParams(BaseModel):
 class SampleRequest(SamplingParams):
     """``POST /v1/sample``: token-id prompts and how to sample them."""
 
-    prompts: list[list[int]] = Field(
+    prompts: list[list[TokenId]] = Field(
         min_length=1, description="Token ids of each prompt (at least one token each)."
     )
     expected_step: int | None = Field(

@@ -14,6 +14,12 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
+class CreateSession(Body):
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+
+
 class LoraConfig(Body):
     rank: int = 0
     train_unembed: bool = True

@@ -49,6 +49,7 @@ from trainctl.service.tinker.bodies import (
     AdamParams,
     Body,
     CreateModelRequest,
+    CreateSession,
     LoadWeights,
     ModelCall,
     OptimStep,
@@ -130,6 +131,7 @@ async def client_config() -> dict[str, Any]:
 @router.post("/create_session")
 @access(Access.TINKER)
 async def create_session(request: Request) -> dict[str, Any]:
+    validated(await _fields(request), CreateSession)  # tags and metadata: read, not kept
     session_id = _state(request).create_session()
     return {"type": "create_session", "session_id": session_id}
 

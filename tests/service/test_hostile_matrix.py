@@ -134,12 +134,14 @@ def test_every_route_refuses_every_hostile_probe_with_a_4xx(hostile: Service) ->
     with hostile.client(api_token=TOKEN) as tc:
         step, digest = tc.info().step, tc.info().weights_digest
     answered: dict[tuple[str, str, str], int] = {}
+    wrong = []
     for method, path in routes:
         for name, concrete, kw in _probes(method, path):
             r = _send(hostile, method, concrete, **kw)
             answered[(method, path, name)] = r.status_code
-            assert 400 <= r.status_code < 500, (method, concrete[:120], name, r.text[:300])
-            assert TOKEN not in r.text
+            if not 400 <= r.status_code < 500 or TOKEN in r.text:
+                wrong.append((method, concrete[:80], name, r.status_code, r.text[:200]))
+    assert not wrong, "\n".join(map(str, wrong))
     probes = len(answered)
     print(f"{len(routes)} routes x their probes = {probes} hostile requests, all 4xx: "
           f"{sorted(set(answered.values()))}")  # fmt: skip

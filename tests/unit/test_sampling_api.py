@@ -75,3 +75,11 @@ def test_the_tinker_sample_response_decodes_in_the_sdk() -> None:
     assert [s.stop_reason for s in got.sequences] == ["stop", "length"]
     assert got.prompt_logprobs[0] is None and got.prompt_logprobs[1:] == [-1.5, -2.5]
     assert not any(isinstance(x, float) and math.isnan(x) for x in got.prompt_logprobs[1:])
+
+
+def test_a_token_id_beyond_int32_is_a_422_not_an_overflow() -> None:
+    """Found by the schemathesis fuzz: a 25-digit id overflowed numpy into a 500."""
+    with pytest.raises(ValidationError, match=r"prompts\.0\.1"):
+        SampleRequest(prompts=[[1, 1266925515068477836099584000]])
+    with pytest.raises(ValidationError, match=r"stop_token_ids\.0"):
+        SampleRequest(prompts=[[1]], stop_token_ids=[-(2**40)])

@@ -8,9 +8,11 @@ a timeout, so a dead peer becomes an error instead of a hang), then builds the e
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -241,7 +243,20 @@ class RankWorker:
 
         path = Path(directory) / f"rank-{self.rank:05d}.pt"
         tmp = path.with_suffix(".pt.partial")
-        torch.save(self.engine.checkpoint_state(), tmp)
+        state = self.engine.checkpoint_state()
+        needed = _tensor_bytes(state)
+        if shutil.disk_usage(directory).free < needed:
+            raise _no_space(self.rank, needed, directory)
+        try:
+            torch.save(state, tmp)
+        except (OSError, RuntimeError) as e:
+            # torch's writer reports a full disk in its own words ("unexpected pos ..."):
+            # say what happened when the volume is what ran out.
+            full = shutil.disk_usage(directory).free < (1 << 20)
+            tmp.unlink(missing_ok=True)
+            if full or getattr(e, "errno", None) == errno.ENOSPC:
+                raise _no_space(self.rank, needed, directory) from None
+            raise
         os.replace(tmp, path)
         return WrittenFile(name=path.name, size_bytes=path.stat().st_size)
 
@@ -346,6 +361,27 @@ class RankWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested checkpoint state."""
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return int(obj.numel() * obj.element_size())
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _no_space(rank: int, needed: int, directory: str) -> OSError:
+    free = shutil.disk_usage(directory).free
+    return OSError(
+        errno.ENOSPC,
+        f"No space left on device: rank {rank}'s checkpoint shard needs about "
+        f"{needed / 2**20:.1f} MiB and the checkpoint volume has {free / 2**20:.1f} MiB free; "
+        "free space (fewer --keep-checkpoints, a larger volume) and save again",
+    )
 
 
 def _node_address() -> str:
