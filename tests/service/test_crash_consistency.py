@@ -39,14 +39,32 @@ def _service(data: Path, *flags: str) -> LocalService:
     return LocalService(data, "--dp", "1", *flags, start_timeout_s=300, env=fresh_home(data))
 
 
-def _controller_pid(svc: LocalService) -> int:
-    """The controller actor's process, in the service's process session."""
-    assert svc.proc is not None
-    out = subprocess.run(["pgrep", "-s", str(svc.proc.pid), "-f", "ray::Controller"],
-                         capture_output=True, text=True)  # fmt: skip
-    pids = [int(p) for p in out.stdout.split()]
-    assert len(pids) == 1, out
-    return pids[0]
+def _processes_of(data: Path, name: str) -> list[int]:
+    """Live processes whose command line has ``name`` and whose environment is this
+    service's (its data directory): the Ray head runs in a session of its own."""
+    mine = f"TRAINCTL_DATA_DIR={data}".encode()
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:1]:
+                continue
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if name.encode() in cmd and mine in Path(f"/proc/{pid}/environ").read_bytes():
+                out.append(int(pid))
+    return out
+
+
+def _controller_pid(data: Path) -> int:
+    (pid,) = _processes_of(data, "ray::Controller")
+    return pid
+
+
+def _no_orphans(data: Path) -> None:
+    """Nothing of the killed service runs on: its Ray head went with it."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _processes_of(data, "ray"):
+        time.sleep(0.5)
+    assert _processes_of(data, "ray") == [], "the killed service left Ray processes behind"
 
 
 def _busy_until_killed(svc: LocalService, work: str, stop: threading.Event) -> None:
@@ -62,10 +80,11 @@ def _busy_until_killed(svc: LocalService, work: str, stop: threading.Event) -> N
             i += 1
 
 
-def _check_restart(data: Path) -> int:
-    """Start again on ``data``: every listed checkpoint is complete and loads, the service
-    resumed from the newest, and no half-written export is left. Returns the checkpoints."""
-    with _service(data) as svc, svc.client() as tc:
+def _check_restart(svc: LocalService) -> int:
+    """The service started again on a killed one's data: every listed checkpoint is complete
+    and loads, it resumed from the newest, and no half-written export is left. Returns how
+    many checkpoints are listed."""
+    with svc.client() as tc:
         listed = tc.list_checkpoints().checkpoints
         step = tc.info().step
         if listed:
@@ -73,63 +92,74 @@ def _check_restart(data: Path) -> int:
             assert step == newest.step, (step, newest)
         for c in listed:
             assert tc.load_checkpoint(c.checkpoint_id).step == c.step
-        exports = data / "exports"
-        leftovers = [p.name for p in exports.glob(".partial-*")] if exports.is_dir() else []
-        assert leftovers == [], leftovers
-        for e in exports.iterdir() if exports.is_dir() else []:
-            assert {"config.json", "model.safetensors"} <= {f.name for f in e.iterdir()}, e
-        return len(listed)
+    exports = svc.data_dir / "exports"
+    leftovers = [p.name for p in exports.glob(".partial-*")] if exports.is_dir() else []
+    assert leftovers == [], leftovers
+    for e in exports.iterdir() if exports.is_dir() else []:
+        assert {"config.json", "model.safetensors"} <= {f.name for f in e.iterdir()}, e
+    return len(listed)
 
 
-@pytest.mark.parametrize(("work", "victim"), CASES)
-def test_a_kill_mid_write_leaves_only_complete_state(
-    tmp_path: Path, work: str, victim: str
-) -> None:
-    rng = random.Random(f"{work}-{victim}")
-    data = tmp_path / "data"
-    kept = 0
-    for point in range(KILL_POINTS):
-        svc = _service(data, "--keep-checkpoints", "2").start()
-        stop = threading.Event()
-        t = threading.Thread(target=_busy_until_killed, args=(svc, work, stop), daemon=True)
-        t.start()
-        time.sleep(rng.uniform(1.0, 4.0))  # a random moment of the save / export loop
-        if victim == "controller":
-            os.kill(_controller_pid(svc), signal.SIGKILL)
-            time.sleep(0.5)
-        svc.kill()  # the rest of the process group
-        stop.set()
-        t.join(30)
-        kept = _check_restart(data)
-        print(f"{work}, {victim} killed, point {point}: {kept} complete checkpoint(s)")
-    if work == "save":
-        assert kept >= 1, "no checkpoint ever completed: the kill points missed the saves"
+def _kill_mid_write(svc: LocalService, work: str, victim: str, rng: random.Random) -> None:
+    stop = threading.Event()
+    t = threading.Thread(target=_busy_until_killed, args=(svc, work, stop), daemon=True)
+    t.start()
+    time.sleep(rng.uniform(1.0, 4.0))  # a random moment of the save / export loop
+    if victim == "controller":
+        os.kill(_controller_pid(svc.data_dir), signal.SIGKILL)
+        time.sleep(0.5)
+    svc.kill()  # the service's process group; its Ray head must follow
+    stop.set()
+    t.join(30)
+    _no_orphans(svc.data_dir)
 
 
-def test_a_full_disk_during_a_save_is_a_clear_error(tmp_path: Path) -> None:
-    """The checkpoint root on a tmpfs that holds one checkpoint: the second save fails
-    with the disk's own words, nothing half-written is listed, and the first still loads."""
+def _full_disk(svc: LocalService, root: Path) -> None:
+    """Shrink the checkpoint volume to hold half a checkpoint more: the next save fails with
+    the disk's own words, lists nothing new, and the newest checkpoint still loads."""
+    with svc.client() as tc:
+        tc.train_batch(BATCH)
+        newest = tc.save_checkpoint()
+        before = tc.list_checkpoints().checkpoints
+        used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+        size_kib = (used + newest.size_bytes // 2) // 1024 + 64
+        subprocess.run(["mount", "-o", f"remount,size={size_kib}k", str(root)], check=True)
+        tc.train_batch(BATCH)
+        with pytest.raises(TrainctlError) as err:
+            tc.save_checkpoint()
+        assert "No space left on device" in str(err.value), err.value
+        assert tc.list_checkpoints().checkpoints == before
+        assert tc.load_checkpoint(newest.checkpoint_id).step == newest.step
+        assert tc.info().step == newest.step
+
+
+def test_kills_mid_write_and_a_full_disk_leave_only_complete_state(tmp_path: Path) -> None:
+    """One data directory, its checkpoints on a tmpfs: each case kills the running service
+    at a random moment and checks the one started after it, which is the next case's victim;
+    the last one then runs out of disk."""
     if os.geteuid() != 0:
-        pytest.fail("this test mounts a tmpfs: run it as root (CI does)")
+        pytest.fail("this test mounts a tmpfs for the checkpoints: run it as root (CI does)")
     data = tmp_path / "data"
     root = data / "checkpoints"
     root.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(root)], check=True)
+    rng = random.Random(0)
+    flags = ("--keep-checkpoints", "2")
+    svc = _service(data, *flags)
     try:
-        with _service(data) as svc, svc.client() as tc:
-            tc.train_batch(BATCH)
-            first = tc.save_checkpoint()
-            used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-            size_kib = (used + first.size_bytes // 2) // 1024 + 64
-            subprocess.run(["mount", "-o", f"remount,size={size_kib}k", str(root)], check=True)
-            tc.train_batch(BATCH)
-            with pytest.raises(TrainctlError) as err:
-                tc.save_checkpoint()
-            assert "No space left on device" in str(err.value), err.value
-            assert [c.checkpoint_id for c in tc.list_checkpoints().checkpoints] == [
-                first.checkpoint_id
-            ]
-            assert tc.load_checkpoint(first.checkpoint_id).step == first.step
-            assert tc.info().step == first.step
+        svc.start()
+        kept = []
+        for work, victim in CASES:
+            for point in range(KILL_POINTS):
+                _kill_mid_write(svc, work, victim, rng)
+                svc = _service(data, *flags).start()
+                kept.append(_check_restart(svc))
+                print(f"{work}, {victim} killed, point {point}: {kept[-1]} complete checkpoint(s)")
+        assert max(kept) >= 1, "no checkpoint ever completed: the kill points missed the saves"
+        _full_disk(svc, root)
+        assert svc.stop() == 0, svc.log()
     finally:
+        if svc.returncode is None:  # a failure on the way: leave nothing running
+            svc.kill()
+            _no_orphans(data)
         subprocess.run(["umount", "-l", str(root)], check=False)

@@ -220,7 +220,9 @@ def test_a_killed_rank_is_replaced_and_the_latest_checkpoint_restored(svc: Servi
     c.train_batch(ragged_batch(seed=24))  # a step after the checkpoint: it will be lost
     victim = c.info().ranks[1].pid
     assert victim is not None
-    op = c.submit("train_batch", ragged_batch(seed=25) * 100)
+    # Distinct sequences (copies of one would share their prefixes: tree packing would
+    # compute them once, and the step could finish before the kill lands).
+    op = c.submit("train_batch", [s for k in range(100) for s in ragged_batch(seed=1000 + k)])
     while c.operation(op.id).status.value == "queued":
         time.sleep(0.05)
     t_kill = time.monotonic()
