@@ -83,3 +83,19 @@ def test_a_token_id_beyond_int32_is_a_422_not_an_overflow() -> None:
         SampleRequest(prompts=[[1, 1266925515068477836099584000]])
     with pytest.raises(ValidationError, match=r"stop_token_ids\.0"):
         SampleRequest(prompts=[[1]], stop_token_ids=[-(2**40)])
+
+
+def test_sampling_sessions_are_bounded_and_their_evictions_counted() -> None:
+    from trainctl.api import NotFoundError
+    from trainctl.service.tinker.sampling import SamplingSession, SamplingSessions
+
+    evicted: dict[str, int] = {}
+    table = SamplingSessions(evicted, limit=8)
+    for i in range(20):
+        table.add(SamplingSession(f"s:sample:{i}", "m", None, step=i))
+        table.remember_path(f"tinker://m/sampler_weights/{i}", i)
+    assert len(table.sessions) == 8 and len(table.sampler_paths) == 8
+    assert evicted["tinker_sampling_sessions"] == 12
+    assert table.get("s:sample:19").step == 19
+    with pytest.raises(NotFoundError, match="unknown or has expired"):
+        table.get("s:sample:0")
