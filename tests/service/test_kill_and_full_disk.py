@@ -133,6 +133,7 @@ def _full_disk(svc: LocalService, root: Path) -> None:
         assert tc.info().step == newest.step
 
 
+@pytest.mark.timeout(300 + 120 * KILL_POINTS * len(CASES))  # each kill is a restart
 def test_kills_mid_write_and_a_full_disk_leave_only_complete_state(tmp_path: Path) -> None:
     """One data directory, its checkpoints on a tmpfs: each case kills the running service
     at a random moment and checks the one started after it, which is the next case's victim;

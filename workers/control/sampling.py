@@ -18,6 +18,7 @@ import ray
 
 from trainctl.api import (
     ConflictError,
+    ModelLimits,
     SampleRequest,
     SampleResult,
     SyncResult,
@@ -55,6 +56,7 @@ class SamplingPart:
     """Mixed into ``Controller``: what it needs of the controller is declared here."""
 
     cfg: EngineConfig
+    limits: ModelLimits
     group: RankGroup
     sampler_settings: SamplerSettings
     samplers: SamplerPool | None
@@ -149,6 +151,9 @@ class SamplingPart:
         self._check_serving()
         if self.samplers is None:
             raise ConflictError(_NO_SAMPLERS)
+        # The gateway checked these already; an engine must never see a token outside the
+        # vocabulary or a prompt past its context, whoever calls.
+        req.check_limits(self.limits)
         t0 = time.perf_counter()
         result = await self.samplers.sample(req)
         self.metrics.sample_seconds.observe(time.perf_counter() - t0)
