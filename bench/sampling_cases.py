@@ -27,7 +27,7 @@ WIDE = {
     "num_layers": 4, "hidden_size": 1024, "num_attention_heads": 8, "num_query_groups": 4,
     "ffn_hidden_size": 2816, "vocab_size": 32000, "max_seq_len": 1024,
 }  # fmt: skip
-"""A wider model: 4 layers of width 1024 and a 32K vocabulary (169M parameters)."""
+"""A wider model: 4 layers of width 1024 and a 32K vocabulary (113M parameters)."""
 
 FRESH_ENGINE = """
 import json, os, sys, time

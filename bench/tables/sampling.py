@@ -14,7 +14,7 @@ EMBEDDED: dict[str, int] = {}
 
 def section(quick: bool) -> str:
     syncs, rl = (3, 5) if quick else (5, 20)
-    shapes = [("embedded", EMBEDDED, rl)] + ([] if quick else [("wider (169M)", WIDE, 0)])
+    shapes = [("embedded", EMBEDDED, rl)] + ([] if quick else [("wider (113M)", WIDE, 0)])
     runs: list[tuple[str, Any]] = [
         (name, measure("sampling_case", "sampling_cases", model=model, syncs=syncs,
                        rl_iterations=iters))
