@@ -69,13 +69,10 @@ def controller_kwargs(s: Settings, *, rank_num_gpus: float) -> dict[str, Any]:
 def create_controller(s: Settings, cfg: dict[str, Any], *, detached: bool) -> Any:
     """The named controller actor (on a connected Ray). ``detached`` (Serve): it outlives the
     application's builder, and a redeploy finds and reuses it."""
-    import ray
 
     from trainctl.workers.control.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
 
-    gpus = s.rank_num_gpus
-    if gpus is None:
-        gpus = 1.0 if ray.cluster_resources().get("GPU") else 0.0  # type: ignore[no-untyped-call,unused-ignore]
+    gpus = _gpus_per_actor(s.rank_num_gpus)
     env = {
         "TRAINCTL_LOG_LEVEL": s.log_level,
         "TRAINCTL_LOG_FORMAT": s.log_format,
@@ -102,25 +99,27 @@ def create_controller(s: Settings, cfg: dict[str, Any], *, detached: bool) -> An
 
 def sampler_settings(s: Settings) -> Any:
     """The controller's ``SamplerSettings`` (on a connected Ray: GPUs are looked up)."""
-    import ray
-
     from trainctl.workers.control.sampling import SamplerSettings
+    from trainctl.workers.sampler.pool import PoolOptions
 
-    cluster_gpus = bool(ray.cluster_resources().get("GPU"))  # type: ignore[no-untyped-call,unused-ignore]
-    gpus = s.sampler_num_gpus
-    if gpus is None:
-        gpus = 1.0 if cluster_gpus else 0.0
+    gpus = _gpus_per_actor(s.sampler_num_gpus)
     dtype = s.sampler_dtype
     if dtype == "auto":
         dtype = "bfloat16" if gpus else "float32"
-    return SamplerSettings(
-        num_samplers=s.samplers,
-        sync=s.sampler_sync,
-        dtype=dtype,
-        num_cpus=s.sampler_num_cpus,
-        num_gpus=gpus,
-        kv_cache_gib=s.sampler_kv_cache_gib,
+    pool = PoolOptions(
+        num_samplers=s.samplers, num_cpus=s.sampler_num_cpus, num_gpus=gpus, sync=s.sampler_sync
     )
+    return SamplerSettings(pool=pool, dtype=dtype, kv_cache_gib=s.sampler_kv_cache_gib)
+
+
+def _gpus_per_actor(setting: float | None) -> float:
+    """A per-actor GPU setting, or its default on a connected Ray: 1 when the cluster has
+    GPUs, else 0."""
+    import ray
+
+    if setting is not None:
+        return setting
+    return 1.0 if ray.cluster_resources().get("GPU") else 0.0  # type: ignore[no-untyped-call,unused-ignore]
 
 
 def settings_from_args(args: dict[str, Any]) -> Settings:

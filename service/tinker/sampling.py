@@ -22,6 +22,7 @@ from pydantic import Field
 
 from trainctl.api import (
     ConflictError,
+    Info,
     InvalidRequestError,
     NotFoundError,
     SampleRequest,
@@ -162,9 +163,10 @@ def _controller(request: Request) -> ControllerAPI:
     return request.app.state.controller  # type: ignore[no-any-return]
 
 
-async def _pinned_step(request: Request, model_path: str | None, base_model: str | None) -> int:
+async def _pinned_step(
+    request: Request, info: Info, model_path: str | None, base_model: str | None
+) -> int:
     """The step of the weights a sampling client asks for; 404/422 if there are none."""
-    info = await _controller(request).info()
     if info.samplers is None:
         raise ConflictError(
             "this service has no samplers: start it with --samplers N to sample through Tinker"
@@ -286,8 +288,8 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
     req, _ = validated(raw, CreateSamplingSession)
     state: TinkerState = request.app.state.tinker
     state.session(req.session_id)
-    step = await _pinned_step(request, req.model_path, req.base_model)
     info = await _controller(request).info()
+    step = await _pinned_step(request, info, req.model_path, req.base_model)
     _check_served(step, info.samplers.step if info.samplers else None)
     s = _sessions(request).add(
         SamplingSession(
@@ -319,7 +321,8 @@ async def asample(request: Request) -> dict[str, Any]:
         session = _sessions(request).get(req.sampling_session_id)
         step, inflight = session.step, session.inflight
     else:
-        step = await _pinned_step(request, req.model_path, req.base_model)
+        info = await _controller(request).info()
+        step = await _pinned_step(request, info, req.model_path, req.base_model)
     native = native_request(req, None if inflight else step)
     native.check_limits(await get_limits(request, _controller(request)))
     controller = _controller(request)

@@ -318,7 +318,7 @@ class RankWorker:
         from trainctl.workers.engine import hf
 
         tensors = hf.to_hf(self._merged(parts), self.engine.cfg.model)
-        return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
+        return tensors, _tensor_bytes(tensors)
 
     def hf_config(self) -> dict[str, Any]:
         """The model's Hugging Face ``config.json`` (an export's), or the reason there is none."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import ray
@@ -40,16 +40,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SamplerSettings:
-    """``trainctl serve``'s sampler settings, as the controller takes them."""
+    """``trainctl serve``'s sampler settings, as the controller takes them: the pool's as
+    they are, and what the engines' ``SamplerSpec`` takes besides the model's config (which
+    only the ranks know)."""
 
-    num_samplers: int = 0
-    sync: Literal["after_step", "manual"] = "after_step"
+    pool: PoolOptions = field(default_factory=lambda: PoolOptions(num_samplers=0))
     dtype: Literal["float32", "bfloat16"] = "float32"
-    num_cpus: float = 0.25
-    num_gpus: float = 0.0
-    threads: int = 1
     kv_cache_gib: int = 1
-    gpu_memory_utilization: float = 0.5
 
 
 class SamplingPart:
@@ -72,7 +69,7 @@ class SamplingPart:
     async def _start_samplers(self) -> None:
         """Build the sampler engines and give them the current weights."""
         s = self.sampler_settings
-        if not s.num_samplers:
+        if not s.pool.num_samplers:
             return
         try:
             hf_config = await self.group.ranks[0].hf_config.remote()
@@ -85,17 +82,9 @@ class SamplingPart:
             dtype=s.dtype,
             max_model_len=self.cfg.model.max_seq_len,
             kv_cache_gib=s.kv_cache_gib,
-            gpu_memory_utilization=s.gpu_memory_utilization,
             seed=self.cfg.model.seed,
         )
-        options = PoolOptions(
-            num_samplers=s.num_samplers,
-            num_cpus=s.num_cpus,
-            num_gpus=s.num_gpus,
-            threads=s.threads,
-            sync=s.sync,
-        )
-        pool = self.samplers = SamplerPool(spec, options)
+        pool = self.samplers = SamplerPool(spec, s.pool)
         self.metrics.watch_samplers(
             lag=lambda: float(self.step - pool.weights[0]) if pool.weights else float("nan"),
             restarts=lambda: float(sum(e.restarts for e in pool.engines)),
@@ -133,7 +122,7 @@ class SamplingPart:
     async def _sync_after_change(self) -> str | None:
         """After an applied step, a load or a recovery (``sync: after_step``): sync, and
         report a failure as a warning (the step stands)."""
-        if self.samplers is None or self.sampler_settings.sync != "after_step":
+        if self.samplers is None or self.sampler_settings.pool.sync != "after_step":
             return None
         try:
             r = await self._sync()

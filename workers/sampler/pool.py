@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import ray
 
@@ -55,7 +55,7 @@ class PoolOptions:
     num_cpus: float = 0.25
     num_gpus: float = 0.0
     threads: int = 1
-    sync: str = "after_step"
+    sync: Literal["after_step", "manual"] = "after_step"
     """'after_step': every applied optimizer step is synced; 'manual': on POST /v1/weights/sync."""
 
 
@@ -208,7 +208,7 @@ class SamplerPool:
 
     def info(self) -> SamplersInfo:
         return SamplersInfo(
-            sync="manual" if self.options.sync == "manual" else "after_step",
+            sync=self.options.sync,
             step=None if self.weights is None else self.weights[0],
             engines=[
                 SamplerInfo(
