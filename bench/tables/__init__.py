@@ -11,6 +11,7 @@ from bench.tables import (
     gateway,
     load,
     logprob,
+    lora,
     recompute,
     sampling,
     sequence_parallel,
@@ -33,4 +34,5 @@ SECTIONS: dict[str, Callable[[bool], str]] = {
     "state_bytes": state_bytes.section,
     "cp_loss": cp_loss.section,
     "sampling": sampling.section,
+    "lora": lora.section,
 }

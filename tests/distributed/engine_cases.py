@@ -111,7 +111,7 @@ def _count_expert_grads(eng: Any) -> tuple[dict[str, int], list[Any]]:
     handles = []
     for c in eng.chunks:
         for n, p in c.module.named_parameters():
-            if ".local_experts." in n:
+            if ".local_experts." in n and p.requires_grad:  # frozen under LoRA
                 fired[n] = 0
 
                 def hook(p: Any, n: str = n) -> None:
@@ -140,10 +140,13 @@ def step_and_collect(
     losses: tuple[Any, ...] = LOSSES[:1],
     route_offsets: list[float] | None = None,
     packing: str = "flat",
+    adapter: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """For every loss: eval loss, train loss, gradients and grad norm; then one optimizer step
     with the last loss and the parameters after it - gradients and parameters as full-tensor
-    shards by canonical name (DP/CP replica 0 only)."""
+    shards by canonical name (DP/CP replica 0 only). ``adapter``: first create that LoRA
+    adapter and train it one step on another batch (so both its factors are nonzero); the
+    gradients are then the adapter's."""
     from trainctl.api.models import LossConfig, LossKind, Normalization
     from trainctl.workers.control.plan import plan_step
     from trainctl.workers.engine.config import EngineConfig
@@ -152,6 +155,8 @@ def step_and_collect(
     eng = EngineShard(EngineConfig.from_dict(cfg))
     if route_offsets is not None:
         force_routing(eng, route_offsets)
+    if adapter is not None:
+        _warm_adapter(eng, adapter, packing)
     out: dict[str, Any] = {
         "coords": {
             "tp": eng.coords.tp,
@@ -194,8 +199,7 @@ def step_and_collect(
             n
             for c in eng.chunks
             for n, p in c.module.named_parameters()
-            if ".local_experts." in n
-            and (not fired[n] or p.main_grad is None or p.main_grad.shape != p.shape)
+            if n in fired and (not fired[n] or p.main_grad is None or p.main_grad.shape != p.shape)
         ]
         r["expert_modules"] = sorted(
             {
@@ -210,7 +214,7 @@ def step_and_collect(
                 float(p.main_grad.double().pow(2).sum())
                 for c in eng.chunks
                 for n, p in c.module.named_parameters()
-                if ".local_experts." in n
+                if ".local_experts." in n and p.requires_grad
             )
         )
         if i + 1 < len(losses):
@@ -224,6 +228,18 @@ def step_and_collect(
             out["real_microbatches"] = sum(not mb.is_dummy for mb in mbs)
         out["per_loss"][kind] = r
     return out
+
+
+def _warm_adapter(eng: Any, adapter: dict[str, Any], packing: str) -> None:
+    from trainctl.api.models import LossConfig
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.boundary import AdapterSpec
+
+    spec = AdapterSpec(**{**adapter, "targets": tuple(adapter["targets"])})
+    eng.create_adapter(spec)
+    eng.activate_adapter(spec.name)
+    plan = plan_step(to_host(ragged_batch(1)), eng.cfg, loss=LossConfig(), packing=packing)
+    eng.train_batch(plan.microbatches[eng.coords.dp], LossConfig())
 
 
 def full_tensors(

@@ -27,3 +27,52 @@ def logprobs_from_hf(directory: str, layout: dict[str, int], batch: list[list[in
     plan = plan_step(list(req.sequences.without(*req.sequences.present)), eng.cfg)
     out = eng.logprobs(plan.microbatches[eng.coords.dp], entropy=False)
     return {i: lp.tolist() for i, (lp, _) in out.items()}, dataclasses.asdict(model)
+
+
+def lora_from_hf(
+    directory: str,
+    adapter: dict[str, Any],
+    warm: list[list[int]],
+    batch: list[list[int]],
+    export_to: str,
+) -> dict[str, Any]:
+    """On one rank: the Hugging Face checkpoint as a frozen base, adapter ``adapter`` created
+    and trained one step on ``warm`` (so both factors are nonzero) and exported in PEFT's
+    format to ``export_to``; then, on ``batch``, its per-token log-probs, one cross-entropy
+    pass's loss and its full canonical adapter gradients."""
+    from trainctl.api import LogProbsRequest
+    from trainctl.api.models import LossConfig
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine import hf, hf_adapter
+    from trainctl.workers.engine.boundary import AdapterSpec
+    from trainctl.workers.engine.config import EngineConfig, LoraConfig, ModelConfig
+    from trainctl.workers.engine.shard import EngineShard
+
+    model = hf.model_config_from_hf(hf.read_config(Path(directory)), ModelConfig())
+    cfg = EngineConfig(
+        model=model,
+        init_hf=directory,
+        max_tokens_per_microbatch=max(256, model.max_seq_len),
+        lora=LoraConfig(max_adapters=2, max_rank=8),
+    )
+    eng = EngineShard(cfg)
+    spec = AdapterSpec(**{**adapter, "targets": tuple(adapter["targets"])})
+    eng.create_adapter(spec)
+    eng.activate_adapter(spec.name)
+
+    def plan(seqs: list[list[int]]) -> Any:
+        req = LogProbsRequest(sequences=[{"tokens": t} for t in seqs])
+        return plan_step(list(req.sequences.without(*req.sequences.present)), eng.cfg)
+
+    eng.train_batch(plan(warm).microbatches[0], LossConfig())
+    shards = eng.canonical_shards()
+    hf_adapter.save_peft(Path(export_to), shards, model, spec)
+    mbs = plan(batch).microbatches[0]
+    lps = eng.logprobs(mbs)
+    loss = eng.train_pass(mbs, LossConfig()).loss
+    grads = {k: v.numpy() for k, v in eng.canonical_shards(grads=True).items()}
+    return {
+        "logprobs": {i: lp.tolist() for i, (lp, _) in lps.items()},
+        "loss": loss,
+        "grads": grads,
+    }

@@ -224,3 +224,43 @@ class OwnedShards:
     tp: int
     shards: dict[str, Any]
     """Canonical name -> tensor (a ``torch.Tensor``; typed loosely to keep this torch-free)."""
+
+
+LORA_TARGETS = ("attn", "mlp", "unembed")
+"""What an adapter may adapt (Tinker's ``train_attn``, ``train_mlp``, ``train_unembed``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdapterSpec:
+    """One LoRA adapter as created: PEFT's rank, alpha and dropout, what it adapts, its seed."""
+
+    name: str
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "targets": list(self.targets),
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AdapterSpec:
+        return cls(**{**d, "targets": tuple(d["targets"])})
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdapterInfo:
+    """An adapter as one rank holds it: its spec, optimizer steps, bytes and last use."""
+
+    spec: AdapterSpec
+    step: int
+    nbytes: int
+    last_used: float

@@ -25,6 +25,7 @@ class CheckpointPart:
     optimizer: Any
     zero: bool
     step: int
+    adapters: Any
 
     if TYPE_CHECKING:
 
@@ -45,6 +46,8 @@ class CheckpointPart:
             ],
             "optimizer": zero.state(self.optimizer) if self.zero else self.optimizer.state_dict(),
             "step": self.step,
+            # Every adapter's tensors, AdamW state and step (workers/engine/adapters.py).
+            "adapters": self.adapters.state() if self.adapters is not None else {},
             "rng": torch.get_rng_state(),
             "coords": dataclasses.asdict(self.coords),
         }
@@ -95,6 +98,8 @@ class CheckpointPart:
             zero.load_state(self.optimizer, state["optimizer"])
         else:
             self.optimizer.load_state_dict(state["optimizer"])
+        if self.adapters is not None:
+            self.adapters.load_state(state.get("adapters") or {})
         self.zero_grad()
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])

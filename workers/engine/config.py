@@ -205,12 +205,32 @@ class OptimizerConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class LoraConfig:
+    """LoRA adapters on a frozen base (``workers/engine/adapters.py``)."""
+
+    max_adapters: int = 0
+    """Adapters one service holds at most; 0: no adapters, the base trains (full
+    fine-tuning)."""
+    max_rank: int = 64
+    """The largest adapter rank: every adapted linear keeps factors this wide."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_adapters > 0
+
+    def validate(self) -> None:
+        if self.max_adapters < 0 or self.max_rank < 1:
+            raise ConfigError("lora.max_adapters must be >= 0 and lora.max_rank >= 1")
+
+
+@dataclass(kw_only=True, frozen=True)
 class EngineConfig:
     """Everything a rank needs to build its shard and run a step."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     max_tokens_per_microbatch: int = 4096
     """Token budget of one micro-batch (after padding); at least model.max_seq_len."""
     logprob_chunk_size: int = 1024
@@ -254,6 +274,7 @@ class EngineConfig:
         self.model.validate()
         self.layout.validate(self.model)
         self.optimizer.validate()
+        self.lora.validate()
         if self.max_tokens_per_microbatch < self.model.max_seq_len:
             raise ConfigError(
                 f"max_tokens_per_microbatch ({self.max_tokens_per_microbatch}) must be at least "
@@ -293,6 +314,7 @@ class EngineConfig:
             model=ModelConfig(**d.pop("model", {})),
             layout=ParallelLayout(**d.pop("layout", {})),
             optimizer=OptimizerConfig(**d.pop("optimizer", {})),
+            lora=LoraConfig(**d.pop("lora", {})),
             **d,
         )
 

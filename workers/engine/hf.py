@@ -176,7 +176,7 @@ def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
     )
 
 
-def _rows(m: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], Fuse]]:
+def rows(m: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], Fuse]]:
     """Every canonical tensor of ``m``: its name, its family's names, and how they fuse."""
     top = TOP if m.tie_embeddings else (*TOP, OUTPUT)
     for row in top:
@@ -192,7 +192,7 @@ def _rows(m: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], Fuse]]:
                 )
 
 
-def _split(t: Tensor, fuse: Fuse, m: ModelConfig) -> tuple[Tensor, ...]:
+def split(t: Tensor, fuse: Fuse, m: ModelConfig) -> tuple[Tensor, ...]:
     """Our fused tensor -> the family's parts (inverse of ``_fuse``)."""
     if fuse == "glu":
         return tuple(t.chunk(2, dim=0))
@@ -224,8 +224,8 @@ def to_hf(canonical: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
     """Full canonical tensors -> the family's tensor names."""
     out: dict[str, Tensor] = {}
     left = set(canonical)
-    for ours, theirs, fuse in _rows(m):
-        out |= dict(zip(theirs, _split(canonical[ours], fuse, m), strict=True))
+    for ours, theirs, fuse in rows(m):
+        out |= dict(zip(theirs, split(canonical[ours], fuse, m), strict=True))
         left.discard(ours)
     if left:
         raise ValueError(f"no {m.family} counterpart for {sorted(left)}")
@@ -238,7 +238,7 @@ def from_hf(hf: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
     left = {k for k in hf if not k.endswith(_IGNORED)}
     if m.tie_embeddings:
         left -= set(OUTPUT.theirs)  # some tied checkpoints still carry the copy
-    for ours, theirs, fuse in _rows(m):
+    for ours, theirs, fuse in rows(m):
         missing = [t for t in theirs if t not in hf]
         if missing:
             raise ConfigError(f"the checkpoint has no tensor {missing[0]!r} ({m.family} needs it)")

@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from torch import Tensor
 
-from trainctl.workers.engine import megatron_cpu
+from trainctl.workers.engine import lora, megatron_cpu
 from trainctl.workers.engine.attention import PackedCoreAttention
 from trainctl.workers.engine.config import EngineConfig, OptimizerConfig
 from trainctl.workers.engine.experts import GroupedExperts
@@ -218,11 +218,13 @@ def _hidden_states_out(
 
 def lm_head_weight(model: GPTModel) -> Tensor:
     """The output layer's weight ``[V / tp, H]``: the embedding's when tied (on the last stage
-    at pp > 1, megatron's copy of it)."""
-    if model.share_embeddings_and_output_weights:
-        return model.shared_embedding_or_output_weight()
-    weight: Tensor = model.output_layer.weight
-    return weight
+    at pp > 1, megatron's copy of it); with an adapter on the unembedding, ``W + s B A``."""
+    weight: Tensor = (
+        model.shared_embedding_or_output_weight()
+        if model.share_embeddings_and_output_weights
+        else model.output_layer.weight
+    )
+    return lora.head_weight(model, weight)
 
 
 def wrap_ddp(

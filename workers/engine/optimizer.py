@@ -31,10 +31,11 @@ class OptimizerPart:
     zero: bool
     device: torch.device
     step: int
+    adapters: Any
 
     if TYPE_CHECKING:
 
-        def _parameters(self) -> list[tuple[str, Any]]: ...
+        def _trainable(self) -> list[tuple[str, Any]]: ...
 
     def update_local(
         self, grad_norm: float | None = None, hyper: OptimizerConfig | None = None
@@ -61,6 +62,8 @@ class OptimizerPart:
                 self.optimizer.step_with_ready_grads()
         self.zero_grad()
         self.step += 1
+        if self.adapters is not None:
+            self.adapters.stepped()
         return grad_norm
 
     def publish(self) -> None:
@@ -83,7 +86,7 @@ class OptimizerPart:
         owned = zero.owned_grads(self.chunks) if self.zero else {}
         dense = torch.zeros((), dtype=torch.float64, device=self.device)
         experts = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self._parameters():
+        for name, p in self._trainable():
             g = owned.get(p, _EMPTY) if self.zero else p.main_grad
             if ".local_experts." in name:
                 experts += g.double().pow(2).sum()

@@ -26,9 +26,12 @@ from megatron.core.distributed import finalize_model_grads
 from torch import Tensor
 
 from trainctl.api.models import LossConfig
-from trainctl.workers.engine import hf, megatron_cpu, weights, zero
+from trainctl.workers.engine import hf, lora, megatron_cpu, weights, zero
 from trainctl.workers.engine.accumulation import Accumulation
+from trainctl.workers.engine.adapters import AdapterBank
 from trainctl.workers.engine.boundary import (
+    AdapterInfo,
+    AdapterSpec,
     Applied,
     PackedMicroBatch,
     PartResult,
@@ -41,6 +44,7 @@ from trainctl.workers.engine.inputs import StageInputs
 from trainctl.workers.engine.model import (
     build_gpt,
     build_optimizer,
+    lm_head_weight,
     transformer_config,
     wrap_ddp,
 )
@@ -87,6 +91,7 @@ class EngineShard(OptimizerPart, CheckpointPart):
             source = weights.from_dict(hf.load(Path(cfg.init_hf), cfg.model))
             log.info("rank %d: starting weights from %s", self.coords.rank, cfg.init_hf)
         self.chunks = []
+        sites: list[lora.Site] = []
         for vp_stage, (first, last) in enumerate(self.dims.stages):
             model = build_gpt(
                 cfg,
@@ -95,6 +100,8 @@ class EngineShard(OptimizerPart, CheckpointPart):
                 post_process=last,
                 vp_stage=vp_stage if lay.vp > 1 else None,
             )
+            if cfg.lora.enabled:
+                sites += self._attach_lora(model, last)
             self._assign(model, source)
             model.to(self.device)
             self.chunks.append(wrap_ddp(self.tc, model, distributed_optimizer=self.zero))
@@ -105,6 +112,19 @@ class EngineShard(OptimizerPart, CheckpointPart):
         if len(self.chunks) == 1:
             self.tc.no_sync_func = self.chunks[0].no_sync
         self.optimizer = build_optimizer(cfg, self.chunks, bf16=bf16)
+        self.adapters: AdapterBank | None = None
+        if cfg.lora.enabled:
+            self.adapters = AdapterBank(
+                sites=sites,
+                groups=lora.model_groups(moe=bool(cfg.model.num_experts)),
+                params={n: p for n, p in self._canonical_parameters() if lora.is_lora(n)},
+                optimizer=self.optimizer,
+                zero_optimizer=self.zero,
+                max_adapters=cfg.lora.max_adapters,
+                max_rank=cfg.lora.max_rank,
+                tp_rank=self.coords.tp,
+                tp=lay.tp,
+            )
         self.window = Accumulation(self.chunks)
         self.routing = RoutingStats(
             self.chunks, num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts
@@ -146,10 +166,29 @@ class EngineShard(OptimizerPart, CheckpointPart):
             finalize_model_grads(models, None, **kwargs)
         self._grad_sync_s += time.perf_counter() - t0
 
+    def _attach_lora(self, model: Any, last_stage: bool) -> list[lora.Site]:
+        """LoRA sites on ``model``, then the base frozen: only adapters get gradients, DDP
+        buffers and optimizer state (``workers/engine/lora.py``)."""
+        head = tuple(lm_head_weight(model).shape) if last_stage else None
+        sites = lora.attach(
+            model,
+            max_rank=self.cfg.lora.max_rank,
+            tp_group=self.dims.tp_group if self.cfg.layout.tp > 1 else None,
+            sequence_parallel=self.cfg.use_sequence_parallel,
+            head_weight_shape=head,
+        )
+        for name, p in model.named_parameters():
+            p.requires_grad_(lora.is_lora(name))
+        return sites
+
     def _assign(self, module: Any, source: weights.FullTensor) -> None:
+        def base_or_zero(name: str, shape: tuple[int, ...]) -> Tensor:
+            # LoRA sites start empty: an adapter's tensors come in when it is activated.
+            return torch.zeros(shape) if lora.is_lora(name) else source(name, shape)
+
         weights.assign(
             module,
-            source,
+            base_or_zero,
             tp_rank=self.coords.tp,
             tp=self.cfg.layout.tp,
             ep_rank=self.coords.ep,
@@ -168,6 +207,55 @@ class EngineShard(OptimizerPart, CheckpointPart):
             for n, p in c.module.named_parameters()
             if not weights.is_tied_copy(p)
         ]
+
+    def _trainable(self) -> list[tuple[str, Any]]:
+        """The parameters that get gradients: all of them, or the LoRA sites' on a frozen
+        base."""
+        return [(n, p) for n, p in self._parameters() if p.requires_grad]
+
+    def _canonical_parameters(self) -> list[tuple[str, Any]]:
+        """Every parameter by canonical name (tied copies included, under the embedding's)."""
+        out = []
+        for c in self.chunks:
+            names = weights.canonical_names(
+                c.module, ep_rank=self.coords.ep, local_experts=self.local_experts
+            )
+            out += [(names[n], p) for n, p in c.module.named_parameters()]
+        return out
+
+    def _check_trainable(self) -> None:
+        if self.adapters is not None and self.adapters.active is None:
+            raise ValueError(
+                "adapter: this service trains LoRA adapters on a frozen base; name an adapter "
+                "to train (the base model is for forward passes only)"
+            )
+
+    # -- adapters (workers/engine/adapters.py) ------------------------------------------------
+
+    def _bank(self) -> AdapterBank:
+        if self.adapters is None:
+            raise ValueError(
+                "adapter: this service holds no adapters (start it with --max-adapters N)"
+            )
+        return self.adapters
+
+    def create_adapter(self, spec: AdapterSpec) -> None:
+        self._bank().create(spec)
+
+    def delete_adapter(self, name: str) -> None:
+        self._bank().delete(name)
+
+    def activate_adapter(self, name: str | None) -> None:
+        """Compute with adapter ``name`` from now on (None: the base alone)."""
+        if name is None and self.adapters is None:
+            return
+        self._bank().activate(name)
+
+    def adapter_infos(self) -> list[AdapterInfo]:
+        return self._bank().infos() if self.adapters is not None else []
+
+    def adapter_digest(self, name: str) -> str:
+        return self._bank().digest(name)
 
     # -- the RPC surface -------------------------------------------------------------------
 
@@ -192,6 +280,7 @@ class EngineShard(OptimizerPart, CheckpointPart):
             with torch.no_grad():
                 result = self.schedule.run(mbs, loss, forward_only=True, outputs=outputs)
         else:
+            self._check_trainable()
             self.window.begin_part()
             try:
                 result = self.schedule.run(mbs, loss, forward_only=False, outputs=outputs)
@@ -238,6 +327,7 @@ class EngineShard(OptimizerPart, CheckpointPart):
         """
         t0 = time.perf_counter()
         self._grad_sync_s = 0.0
+        self._check_trainable()
         try:
             result = self.train_pass(mbs, loss)
             with megatron_cpu.cuda_to_cpu():
@@ -303,9 +393,12 @@ class EngineShard(OptimizerPart, CheckpointPart):
         return {i: (lp, ents.get(i)) for i, lp in lps.items()}
 
     def weights_digest(self) -> str:
-        """sha256 over this rank's parameters (name order): equal digests, equal weights."""
+        """sha256 over this rank's parameters (name order): equal digests, equal weights. With
+        adapters, the base's alone (``adapter_digest`` for an adapter's)."""
         h = hashlib.sha256()
         for name, p in self._parameters():
+            if lora.is_lora(name):
+                continue
             h.update(name.encode())
             h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
@@ -331,7 +424,7 @@ class EngineShard(OptimizerPart, CheckpointPart):
                 c.module, ep_rank=self.coords.ep, local_experts=self.local_experts
             )
             for name, p in c.module.named_parameters():
-                if weights.is_tied_copy(p):
+                if weights.is_tied_copy(p) or (grads and not p.requires_grad):
                     continue
                 if owned and not (experts0 if ".local_experts." in name else dense0):
                     continue

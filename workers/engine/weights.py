@@ -62,6 +62,8 @@ class ShardRule:
 
 def shard_rule(name: str) -> ShardRule:
     """How TP splits the parameter called ``name`` (canonical or local: the suffix decides)."""
+    if name.endswith((".lora_a", ".lora_b")):
+        return _lora_rule(name)
     if ".local_experts." in name or name.endswith(("layernorm.weight", "router.weight")):
         return ShardRule("replicated")
     if "final_layernorm" in name or name.endswith("norm.weight"):
@@ -71,6 +73,18 @@ def shard_rule(name: str) -> ShardRule:
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return ShardRule("dim", 1)
     return ShardRule("dim", 0)  # embedding, output layer, linear_qkv
+
+
+def _lora_rule(name: str) -> ShardRule:
+    """A LoRA factor (``workers/ops/lora.py``): on a row-parallel linear ``A`` is split on its
+    input columns and ``B`` replicated; on a column-parallel one ``A`` is replicated and ``B``
+    split on its output rows as the weight is (fc1's gate and up halves separately)."""
+    row = ".linear_proj." in name or ".linear_fc2." in name
+    if name.endswith(".lora_a"):
+        return ShardRule("dim", 1) if row else ShardRule("replicated")
+    if row:
+        return ShardRule("replicated")
+    return ShardRule("glu") if ".mlp.linear_fc1." in name else ShardRule("dim", 0)
 
 
 EMBEDDING = "embedding.word_embeddings.weight"

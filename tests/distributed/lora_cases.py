@@ -1,0 +1,47 @@
+"""Rank functions of the multi-adapter tests (run on every rank of a pool)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_cases import ragged_batch, to_host
+
+ADAPTERS = {
+    "a": {"name": "a", "rank": 4, "alpha": 8.0, "targets": ("attn", "mlp", "unembed"), "seed": 1},
+    "b": {"name": "b", "rank": 8, "alpha": 8.0, "targets": ("attn",), "seed": 2},
+}
+
+
+def train_adapters(cfg: dict[str, Any], order: str, delete_after: str = "") -> dict[str, Any]:
+    """Create the adapters named in ``order`` and step them in that order (``"abab"``: a, b,
+    a, b), each on its own sequence of batches. Returns each adapter's losses and grad norms,
+    its digest on this rank, the base's digest before and after, and the steps the adapters
+    report. ``delete_after``: delete that adapter at the end and train ``a`` once more."""
+    from trainctl.api.models import LossConfig
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.boundary import AdapterSpec
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.shard import EngineShard
+
+    eng = EngineShard(EngineConfig.from_dict(cfg))
+    base = eng.weights_digest()
+    for name in dict.fromkeys(order):
+        eng.create_adapter(AdapterSpec(**ADAPTERS[name]))
+    seen = {name: 0 for name in ADAPTERS}
+    out: dict[str, Any] = {"losses": {}, "digests": {}}
+    for name in order:
+        eng.activate_adapter(name)
+        seed = {"a": 0, "b": 10}[name] + seen[name]
+        seen[name] += 1
+        plan = plan_step(to_host(ragged_batch(seed)), eng.cfg, loss=LossConfig())
+        r = eng.train_batch(plan.microbatches[eng.coords.dp], LossConfig())
+        out["losses"].setdefault(name, []).append((r.loss, r.grad_norm))
+    for name in dict.fromkeys(order):
+        out["digests"][name] = eng.adapter_digest(name)
+    out["steps"] = {i.spec.name: i.step for i in eng.adapter_infos()}
+    out["base"] = (base, eng.weights_digest())
+    if delete_after:
+        eng.delete_adapter(delete_after)
+        out["after_delete"] = eng.adapter_digest("a")
+        out["left"] = sorted(i.spec.name for i in eng.adapter_infos())
+    return out

@@ -1,0 +1,84 @@
+"""LoRA layout invariance: an adapter on a frozen base gives, on every layout, the eval loss,
+train loss, adapter gradients, grad norm and parameters after a step of one rank (fp32, 1e-5
+relative), for every loss and through tree packing: the TP rules of ``workers/ops/lora.py``
+(column, row, fused q/k/v, gate/up, the merged LM head) and the TP sum of the replicated factor
+under sequence parallelism."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from engine_cases import LOSSES, full_tensors, ragged_batch, shared_batch, step_and_collect
+from rankpool import RankPool
+from test_engine_layouts import MODEL, MOE, _cfg, _ids, _world, assert_same_step
+
+ADAPTER = {"name": "a", "rank": 4, "alpha": 8.0, "targets": ["attn", "mlp", "unembed"], "seed": 7}
+"""Rank 4 inside sites 8 wide: the padding must stay exactly zero."""
+LORA = {"max_adapters": 2, "max_rank": 8}
+
+
+def _lora_cfg(model: dict = MODEL, **layout: int) -> dict:
+    return {**_cfg(**layout), "model": model, "lora": LORA}
+
+
+@pytest.fixture(scope="module")
+def reference(pools: Callable[[int], RankPool]) -> list[dict]:
+    return pools(1).run(
+        step_and_collect, _lora_cfg(), ragged_batch(), LOSSES, None, "flat", ADAPTER
+    )
+
+
+LAYOUTS = [
+    {"dp": 2},
+    {"tp": 2},  # with sequence parallelism (the default at tp > 1)
+    {"pp": 2},
+    {"cp": 2},
+    {"dp": 2, "cp": 2},
+    {"tp": 2, "pp": 2},
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
+def test_adapter_matches_single_rank(
+    pools: Callable[[int], RankPool], reference: list[dict], layout: dict
+) -> None:
+    results = pools(_world(layout)).run(
+        step_and_collect, _lora_cfg(**layout), ragged_batch(), LOSSES, None, "flat", ADAPTER
+    )
+    assert_same_step(results, reference)
+    grads = full_tensors(results, "shard_grads", LOSSES[0][0])
+    # Only the adapter has gradients: every site's two factors, the base none.
+    assert grads and all(n.endswith((".lora_a", ".lora_b")) for n in grads)
+    assert any(n.startswith("output_layer.") for n in grads)
+
+
+def test_tp_without_sequence_parallelism(
+    pools: Callable[[int], RankPool], reference: list[dict]
+) -> None:
+    cfg = {**_lora_cfg(tp=2), "sequence_parallel": "off"}
+    results = pools(2).run(step_and_collect, cfg, ragged_batch(), LOSSES, None, "flat", ADAPTER)
+    assert_same_step(results, reference)
+
+
+def test_tree_packing_matches_flat(pools: Callable[[int], RankPool]) -> None:
+    batch = shared_batch()
+    flat = pools(1).run(step_and_collect, _lora_cfg(), batch, LOSSES, None, "flat", ADAPTER)
+    tree = pools(4).run(
+        step_and_collect, _lora_cfg(dp=2, tp=2), batch, LOSSES, None, "tree", ADAPTER
+    )
+    assert any(r["tree_microbatches"] for r in tree)
+    assert_same_step(tree, flat)
+
+
+def test_moe_attention_adapter_at_ep2(pools: Callable[[int], RankPool]) -> None:
+    """MoE: experts take no adapter yet; attention and the LM head do, at ep2."""
+    adapter = {**ADAPTER, "targets": ["attn", "unembed"]}
+    ref = pools(1).run(
+        step_and_collect, _lora_cfg(MOE), ragged_batch(), LOSSES, None, "flat", adapter
+    )
+    got = pools(2).run(
+        step_and_collect, _lora_cfg(MOE, dp=2, ep=2), ragged_batch(), LOSSES, None, "flat", adapter
+    )
+    assert_same_step(got, ref)

@@ -1,0 +1,212 @@
+"""Many LoRA adapters on one frozen base: each adapter's weights, AdamW state and step kept
+in a host-memory slot, and swapped into the model's LoRA sites before a call that names it.
+
+One set of sites (``workers/engine/lora.py``) lives in the model, sized for the largest rank
+allowed. The *active* adapter's tensors are in those sites and its AdamW state in the
+optimizer; every other adapter waits in its slot. ``activate(name)`` stashes the active one
+(a copy of its site tensors and its optimizer state) and loads the named one, so a step of one
+adapter never touches another's weights, moments or step count, and the base never moves (it
+has no gradient). ``activate(None)`` switches every site off: the base model alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainctl.workers.engine import lora, weights, zero
+from trainctl.workers.engine.boundary import AdapterInfo, AdapterSpec
+
+
+@dataclass
+class Slot:
+    spec: AdapterSpec
+    tensors: dict[str, Tensor]
+    """Canonical parameter name -> this rank's site tensor (host memory)."""
+    optimizer: Any = None
+    """This rank's optimizer state for the adapter; None: fresh (no step yet)."""
+    step: int = 0
+    last_used: float = field(default_factory=time.time)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class AdapterBank:
+    """This rank's adapters. Every rank holds the same names and runs the same calls."""
+
+    def __init__(
+        self,
+        *,
+        sites: list[lora.Site],
+        groups: frozenset[str],
+        params: dict[str, Tensor],
+        optimizer: Any,
+        zero_optimizer: bool,
+        max_adapters: int,
+        max_rank: int,
+        tp_rank: int,
+        tp: int,
+    ) -> None:
+        self.sites = sites
+        self.model_groups = groups  # what the whole model (every stage) can adapt
+        self.params = params  # canonical name -> live site parameter
+        self.optimizer = optimizer
+        self.zero = zero_optimizer
+        self.max_adapters = max_adapters
+        self.max_rank = max_rank
+        self.tp_rank, self.tp = tp_rank, tp
+        self.slots: dict[str, Slot] = {}
+        self.active: str | None = None
+
+    # -- the adapters' table ------------------------------------------------------------------
+
+    def check_new(self, spec: AdapterSpec) -> None:
+        """Raise ValueError naming the field unless ``spec`` can be created here."""
+        if spec.name in self.slots:
+            raise ValueError(f"adapter {spec.name!r} exists already")
+        if len(self.slots) >= self.max_adapters:
+            raise ValueError(
+                f"{len(self.slots)} adapters exist, the limit (--max-adapters) is "
+                f"{self.max_adapters}: delete one first"
+            )
+        if not 1 <= spec.rank <= self.max_rank:
+            raise ValueError(
+                f"rank: {spec.rank} is outside [1, {self.max_rank}] (the service's --lora-max-rank)"
+            )
+        missing = set(spec.targets) - self.model_groups
+        if missing:
+            raise ValueError(
+                f"targets: this model has no LoRA sites for {sorted(missing)} (experts take no "
+                "adapter yet: train_mlp needs dense MLPs)"
+            )
+
+    def create(self, spec: AdapterSpec) -> None:
+        self.check_new(spec)
+        tensors = {}
+        for canon, p in self.params.items():
+            rule = weights.shard_rule(canon)
+            full_shape = rule.full_shape(p.shape, self.tp)
+            if canon.endswith(".lora_a"):
+                full = lora.init_a(
+                    f"{spec.name}/{canon}", full_shape, seed=spec.seed, rank=spec.rank
+                )
+            else:
+                full = torch.zeros(full_shape)
+            tensors[canon] = rule.shard(full, self.tp_rank, self.tp).to(p.dtype).clone()
+        self.slots[spec.name] = Slot(spec=spec, tensors=tensors)
+
+    def delete(self, name: str) -> None:
+        self._slot(name)
+        if self.active == name:
+            self._switch_off()
+        del self.slots[name]
+
+    def infos(self) -> list[AdapterInfo]:
+        return [
+            AdapterInfo(spec=s.spec, step=s.step, nbytes=s.nbytes, last_used=s.last_used)
+            for s in self.slots.values()
+        ]
+
+    def _slot(self, name: str) -> Slot:
+        if name not in self.slots:
+            raise KeyError(f"adapter {name!r} does not exist (known: {sorted(self.slots)})")
+        return self.slots[name]
+
+    # -- swapping -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def activate(self, name: str | None) -> None:
+        """Make ``name`` the adapter the model computes with (None: the base alone)."""
+        if name is not None:
+            slot = self._slot(name)
+            slot.last_used = time.time()
+        if name == self.active:
+            return
+        self._stash()
+        if name is None:
+            self._switch_off()
+            return
+        for n, p in self.params.items():
+            p.copy_(slot.tensors[n])
+        if slot.optimizer is None:
+            zero.restart(self.optimizer)
+        elif self.zero:
+            zero.load_state(self.optimizer, slot.optimizer)
+        else:
+            self.optimizer.load_state_dict(copy.deepcopy(slot.optimizer))
+        spec = slot.spec
+        lora.set_active(
+            self.sites,
+            lora.ActiveAdapter(
+                scaling=spec.alpha / spec.rank,
+                dropout=spec.dropout,
+                groups=frozenset(spec.targets),
+            ),
+        )
+        self.active = name
+
+    def _stash(self) -> None:
+        if self.active is None:
+            return
+        slot = self.slots[self.active]
+        slot.tensors = {n: p.detach().clone() for n, p in self.params.items()}
+        slot.optimizer = (
+            zero.state(self.optimizer) if self.zero else copy.deepcopy(self.optimizer.state_dict())
+        )
+
+    def _switch_off(self) -> None:
+        lora.set_active(self.sites, lora.ActiveAdapter())
+        self.active = None
+
+    def stepped(self) -> int:
+        """Count an optimizer step of the active adapter; its new step."""
+        if self.active is None:
+            raise RuntimeError("an optimizer step with no adapter active")
+        slot = self.slots[self.active]
+        slot.step += 1
+        return slot.step
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Every adapter (the active one stashed first), for a checkpoint shard."""
+        self._stash()
+        return {
+            name: {
+                "spec": s.spec.to_dict(),
+                "tensors": s.tensors,
+                "optimizer": s.optimizer,
+                "step": s.step,
+            }
+            for name, s in self.slots.items()
+        }
+
+    def load_state(self, saved: dict[str, Any]) -> None:
+        self._switch_off()
+        self.slots = {
+            name: Slot(
+                spec=AdapterSpec.from_dict(s["spec"]),
+                tensors=dict(s["tensors"]),
+                optimizer=s["optimizer"],
+                step=int(s["step"]),
+            )
+            for name, s in saved.items()
+        }
+
+    def digest(self, name: str) -> str:
+        """sha256 of one adapter's tensors on this rank (name order)."""
+        if name == self.active:
+            self._stash()
+        h = hashlib.sha256()
+        for n, t in sorted(self._slot(name).tensors.items()):
+            h.update(n.encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
