@@ -1,6 +1,12 @@
 """trainctl's wire contract: request/response models, the operation table, the per-token field
 list, the columnar batch and the error model (numpy and pydantic only: no torch, no Ray)."""
 
+from trainctl.api.adapters import (
+    AdapterInfo,
+    AdapterList,
+    CreateAdapterRequest,
+    DeleteAdapterRequest,
+)
 from trainctl.api.batch import SequenceBatch, TokenSequence
 from trainctl.api.errors import (
     ConflictError,
@@ -79,10 +85,14 @@ __all__ = [
     "MAX_SAMPLES_PER_PROMPT",
     "OPERATIONS",
     "PER_TOKEN_FIELDS",
+    "AdapterInfo",
+    "AdapterList",
     "CheckpointInfo",
     "CheckpointList",
     "Completion",
     "ConflictError",
+    "CreateAdapterRequest",
+    "DeleteAdapterRequest",
     "ErrorBody",
     "ErrorType",
     "EvalBatchRequest",

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainctl.api.adapters import ADAPTER_NAME
 from trainctl.api.loss import LossConfig, LossKind, Normalization
 from trainctl.api.sampling import SamplersInfo
 from trainctl.api.sequence import Sequence
@@ -109,6 +110,23 @@ class ExportRequest(BaseModel):
     overwrite: bool = Field(
         default=False, description="Replace an export of the same name (else 409)."
     )
+    adapter: str | None = Field(
+        default=None,
+        pattern=ADAPTER_NAME,
+        description="Export this LoRA adapter in PEFT's format (adapter_config.json, "
+        "adapter_model.safetensors) instead of the base model.",
+    )
+    merged: bool = Field(
+        default=False,
+        description="With adapter: the full model with the adapter folded in, as a Hugging "
+        "Face checkpoint of its family.",
+    )
+
+    @model_validator(mode="after")
+    def _merged_needs_adapter(self) -> ExportRequest:
+        if self.merged and self.adapter is None:
+            raise ValueError("merged: folds an adapter into the base; name the adapter")
+        return self
 
 
 class ExportResult(BaseModel):

@@ -14,6 +14,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from trainctl.api.adapters import (
+    AdapterInfo,
+    AdapterList,
+    CreateAdapterRequest,
+    DeleteAdapterRequest,
+)
 from trainctl.api.errors import ErrorBody
 from trainctl.api.models import (
     CheckpointInfo,
@@ -49,6 +55,9 @@ class OperationKind(str, Enum):
     LOAD_CHECKPOINT = "load_checkpoint"
     EXPORT_HF = "export_hf"
     SYNC_WEIGHTS = "sync_weights"
+    CREATE_ADAPTER = "create_adapter"
+    DELETE_ADAPTER = "delete_adapter"
+    """Routed by ``DELETE /v1/adapters/{name}`` (the table's routes are POSTs)."""
     RECOVER = "recover"
     """Internal: rebuild the workers after a failure (queued ahead of everything; no route)."""
 
@@ -199,6 +208,17 @@ OPERATIONS: dict[OperationKind, OperationSpec] = {
             "sampling",
             "Send the current weights to every sampler engine, without disk; each finishes the "
             "requests it is serving first, so no response mixes two steps.",
+        ),
+        OperationSpec(
+            OperationKind.CREATE_ADAPTER, CreateAdapterRequest, AdapterInfo, "/adapters",
+            "adapters",
+            "Create a LoRA adapter on the frozen base (a service started with --max-adapters): "
+            "its own weights, AdamW state and step; batch calls name it in 'adapter'.",
+        ),
+        OperationSpec(
+            OperationKind.DELETE_ADAPTER, DeleteAdapterRequest, AdapterList, "", "adapters",
+            "Delete an adapter: its weights, optimizer state and window (DELETE "
+            "/v1/adapters/{name}).",
         ),
         OperationSpec(
             OperationKind.RECOVER, NoArguments, Info, "", "service",

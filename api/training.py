@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainctl.api.adapters import ADAPTER_DOC, ADAPTER_NAME
 from trainctl.api.batch import SequenceBatch
 from trainctl.api.errors import ConflictError, field_error
 from trainctl.api.loss import LossConfig
@@ -45,6 +46,7 @@ class _SequencesRequest(BaseModel):
         "its own mask and loss inputs, and the results equal 'flat' packing. Default: the "
         "server's setting.",
     )
+    adapter: str | None = Field(default=None, pattern=ADAPTER_NAME, description=ADAPTER_DOC)
 
     def check_limits(self, limits: ModelLimits) -> None:
         """Raise ``InvalidRequestError`` naming the first field that the model cannot take."""
@@ -142,6 +144,7 @@ class OptimStepRequest(_ExpectedStep):
 
     model_config = ConfigDict(extra="forbid")
 
+    adapter: str | None = Field(default=None, pattern=ADAPTER_NAME, description=ADAPTER_DOC)
     lr: float | None = Field(default=None, ge=0, description="Learning rate.")
     beta1: float | None = Field(default=None, ge=0, lt=1, description="Adam beta1.")
     beta2: float | None = Field(default=None, ge=0, lt=1, description="Adam beta2.")
@@ -153,7 +156,7 @@ class OptimStepRequest(_ExpectedStep):
 
     def overrides(self) -> dict[str, float]:
         """The AdamW settings given, by the engine's optimizer-config names."""
-        return self.model_dump(exclude_none=True, exclude={"expected_step"})
+        return self.model_dump(exclude_none=True, exclude={"expected_step", "adapter"})
 
 
 class ForwardBackwardResult(BaseModel):

@@ -186,6 +186,7 @@ class Requests:
         entropy: bool = False,
         packing: str | None = None,
         forward_only: bool = False,
+        adapter: str | None = None,
         idempotency_key: str | None = None,
     ) -> tuple[BaseModel, dict[str, str], bytes]:
         """The validated request of a batch operation, its headers and its body."""
@@ -195,6 +196,8 @@ class Requests:
         fields: dict[str, Any] = {}
         if packing is not None:
             fields["packing"] = packing
+        if adapter is not None:
+            fields["adapter"] = adapter
         if spec.kind is OperationKind.LOGPROBS:
             fields["entropy"] = entropy
         else:
@@ -255,6 +258,11 @@ class Requests:
 
     def get(self, name: str, model: type[M]) -> Call[M]:
         return Call("GET", path(name), parse_model(model))
+
+    def delete(self, name: str, model: type[M]) -> Call[M]:
+        """``DELETE /v1/{name}``, with a fresh idempotency key reused by every retry."""
+        headers = {"Idempotency-Key": uuid.uuid4().hex}
+        return Call("DELETE", path(name), parse_model(model), headers=headers)
 
     def download(self, profile_id: str, name: str) -> Call[bytes]:
         return Call("GET", path(f"memory_profiles/{profile_id}/files/{name}"), parse_bytes)

@@ -20,8 +20,11 @@ import httpx
 from pydantic import BaseModel
 
 from trainctl.api import (
+    AdapterInfo,
+    AdapterList,
     CheckpointInfo,
     CheckpointList,
+    CreateAdapterRequest,
     ExportRequest,
     ExportResult,
     ForwardBackwardResult,
@@ -122,35 +125,50 @@ class TrainctlClient:
         *,
         expected_step: int | None = None,
         packing: Packing = None,
+        adapter: str | None = None,
         idempotency_key: str | None = None,
     ) -> StepResult:
         """Forward/backward over ``sequences`` and one optimizer step (default loss:
         token-mean cross-entropy; see ``LossConfig`` for importance sampling and PPO).
         ``expected_step``: apply only if the model is at that step (else ``ConflictError``).
         ``packing``: ``"tree"`` computes prefixes shared by several sequences once, ``"flat"``
-        packs each whole (the same results); default: the server's setting."""
+        packs each whole (the same results); default: the server's setting. ``adapter``: the
+        LoRA adapter to train (``create_adapter``); none: the full model."""
         call = self._req.run(
             OperationKind.TRAIN_BATCH, StepResult, sequences=sequences, loss=loss,
-            expected_step=expected_step, packing=packing, idempotency_key=idempotency_key,
+            expected_step=expected_step, packing=packing, adapter=adapter,
+            idempotency_key=idempotency_key,
         )  # fmt: skip
         return self._send(call)
 
     def eval_batch(
-        self, sequences: Sequences, loss: LossLike = None, *, packing: Packing = None
+        self,
+        sequences: Sequences,
+        loss: LossLike = None,
+        *,
+        packing: Packing = None,
+        adapter: str | None = None,
     ) -> StepResult:
-        """The loss of ``sequences`` without backward or update."""
+        """The loss of ``sequences`` without backward or update (under ``adapter``, if named)."""
         call = self._req.run(
-            OperationKind.EVAL_BATCH, StepResult, sequences=sequences, loss=loss, packing=packing
-        )
+            OperationKind.EVAL_BATCH, StepResult, sequences=sequences, loss=loss, packing=packing,
+            adapter=adapter,
+        )  # fmt: skip
         return self._send(call)
 
     def logprobs(
-        self, sequences: Sequences, *, entropy: bool = False, packing: Packing = None
+        self,
+        sequences: Sequences,
+        *,
+        entropy: bool = False,
+        packing: Packing = None,
+        adapter: str | None = None,
     ) -> LogProbsResult:
-        """Per-token log-probs (and entropy) of each sequence under the current weights."""
+        """Per-token log-probs (and entropy) of each sequence under the current weights (with
+        ``adapter``, if named)."""
         call = self._req.run(
             OperationKind.LOGPROBS, LogProbsResult, sequences=sequences, entropy=entropy,
-            packing=packing,
+            packing=packing, adapter=adapter,
         )  # fmt: skip
         return self._send(call)
 
@@ -161,6 +179,7 @@ class TrainctlClient:
         *,
         packing: Packing = None,
         forward_only: bool = False,
+        adapter: str | None = None,
         idempotency_key: str | None = None,
     ) -> ForwardBackwardResult:
         """Split step, part: gradients of ``sequences`` added to those waiting for
@@ -169,7 +188,7 @@ class TrainctlClient:
         ``forward_only``: the same outputs, no gradients."""
         call = self._req.run(
             OperationKind.FORWARD_BACKWARD, ForwardBackwardResult, sequences=sequences,
-            loss=loss, packing=packing, forward_only=forward_only,
+            loss=loss, packing=packing, forward_only=forward_only, adapter=adapter,
             idempotency_key=idempotency_key,
         )  # fmt: skip
         return self._send(call)
@@ -184,12 +203,14 @@ class TrainctlClient:
         weight_decay: float | None = None,
         clip_grad: float | None = None,
         expected_step: int | None = None,
+        adapter: str | None = None,
     ) -> StepResult:
         """Split step, end: apply the accumulated gradients with these AdamW settings (the
-        server's where left out); the result's ``step`` is the new policy version."""
+        server's where left out); the result's ``step`` is the new policy version (of
+        ``adapter``, if named: each adapter has its own window and step)."""
         req = OptimStepRequest(
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-            clip_grad=clip_grad, expected_step=expected_step,
+            clip_grad=clip_grad, expected_step=expected_step, adapter=adapter,
         )  # fmt: skip
         return self._send(self._req.call(OperationKind.OPTIM_STEP, StepResult, req))
 
@@ -285,10 +306,41 @@ class TrainctlClient:
         req = LoadCheckpointRequest(checkpoint_id=checkpoint_id, optimizer=optimizer)
         return self._send(self._req.call(OperationKind.LOAD_CHECKPOINT, CheckpointInfo, req))
 
-    def export_hf(self, name: str | None = None) -> ExportResult:
-        """Write the model as a Hugging Face checkpoint of its family on the server."""
-        req = ExportRequest(name=name)
+    def export_hf(
+        self, name: str | None = None, *, adapter: str | None = None, merged: bool = False
+    ) -> ExportResult:
+        """Write the model as a Hugging Face checkpoint of its family on the server; with
+        ``adapter``, that adapter in PEFT's format, or (``merged``) the model with it folded
+        in."""
+        req = ExportRequest(name=name, adapter=adapter, merged=merged)
         return self._send(self._req.call(OperationKind.EXPORT_HF, ExportResult, req))
+
+    # -- LoRA adapters (docs/lora.md) ---------------------------------------------------------
+
+    def create_adapter(
+        self,
+        name: str,
+        rank: int = 32,
+        alpha: float = 32.0,
+        *,
+        targets: Iterable[str] = ("attn", "mlp", "unembed"),
+        dropout: float = 0.0,
+        seed: int = 0,
+    ) -> AdapterInfo:
+        """A new LoRA adapter on the service's frozen base (``trainctl serve --max-adapters
+        N``); batch calls train and read it with ``adapter=name``."""
+        req = CreateAdapterRequest.model_validate(
+            {"name": name, "rank": rank, "alpha": alpha, "targets": list(targets),
+             "dropout": dropout, "seed": seed}
+        )  # fmt: skip
+        return self._send(self._req.call(OperationKind.CREATE_ADAPTER, AdapterInfo, req))
+
+    def list_adapters(self) -> AdapterList:
+        return self._send(self._req.get("adapters", AdapterList))
+
+    def delete_adapter(self, name: str) -> AdapterList:
+        """Delete an adapter: its weights, optimizer state and waiting gradients."""
+        return self._send(self._req.delete(f"adapters/{name}", AdapterList))
 
     # -- service -----------------------------------------------------------------------------
 

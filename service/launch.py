@@ -26,6 +26,8 @@ ENGINE_SETTINGS: dict[str, tuple[str | None, str]] = {
     "distributed_optimizer": (None, "distributed_optimizer"),
     "sequence_parallel": (None, "sequence_parallel"),
     "packing": (None, "packing"),
+    "max_adapters": ("lora", "max_adapters"),
+    "lora_max_rank": ("lora", "max_rank"),
 }
 """Setting -> (section of the engine config, or None for the top level; key in it)."""
 

@@ -87,6 +87,19 @@ class Settings(BaseSettings):
         "sharing a prefix into prefix tries (shared tokens computed once, the same results); "
         "'flat' packs every sequence whole.",
     )
+    max_adapters: int = Field(
+        _ENGINE.lora.max_adapters,
+        ge=0,
+        description="LoRA adapters the service holds at most, on a frozen base (POST "
+        "/v1/adapters, Tinker's create_lora_training_client); 0: no adapters, the full model "
+        "trains.",
+    )
+    lora_max_rank: int = Field(
+        _ENGINE.lora.max_rank,
+        ge=1,
+        description="The largest LoRA rank an adapter may have (every adapted linear keeps "
+        "factors this wide).",
+    )
     rank_num_cpus: float = Field(
         0.25,
         gt=0,

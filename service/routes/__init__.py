@@ -3,6 +3,7 @@
 from fastapi import FastAPI
 
 from trainctl.service.routes import (
+    adapters,
     checkpoints,
     operation_routes,
     profiles,
@@ -13,5 +14,7 @@ from trainctl.service.routes import (
 
 
 def include(app: FastAPI) -> None:
-    for module in (training, operation_routes, profiles, checkpoints, sampling, service):
+    for module in (
+        training, operation_routes, profiles, checkpoints, adapters, sampling, service
+    ):  # fmt: skip
         app.include_router(module.router)

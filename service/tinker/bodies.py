@@ -3,11 +3,12 @@
 
 import hashlib
 import json
+import zlib
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainctl.api import ConflictError, Info, InvalidRequestError
+from trainctl.api import ConflictError, CreateAdapterRequest, Info, InvalidRequestError
 
 
 class Body(BaseModel):
@@ -22,6 +23,7 @@ class CreateSession(Body):
 
 class LoraConfig(Body):
     rank: int = 0
+    seed: int | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -84,27 +86,53 @@ class SaveForSampler(ModelCall):
     kind: str = "snapshot"
 
 
-def check_create_model(req: CreateModelRequest, info: Info) -> None:
-    """Refuse what would train something other than what was asked."""
+def adapter_name(model_id: str) -> str:
+    """The native adapter a Tinker LoRA model trains (``:`` is not allowed in its names)."""
+    return model_id.replace(":", "-")
+
+
+def check_create_model(
+    req: CreateModelRequest, info: Info, *, model_id: str, max_adapters: int
+) -> CreateAdapterRequest | None:
+    """Refuse what would train something other than what was asked; for a LoRA model, the
+    adapter to create (alpha 32, Tinker's), else None (the full model trains)."""
     if req.base_model != info.model_name:
         raise InvalidRequestError(
             f"base_model: this service trains {info.model_name!r}, not {req.base_model!r}"
         )
     lora = req.lora_config or LoraConfig()
+    if req.optimizer_config.type != "adamw":
+        raise InvalidRequestError(
+            f"optimizer_config.type: trainctl runs AdamW, not {req.optimizer_config.type!r}"
+        )
+    if max_adapters and lora.rank > 0:
+        targets = [t for t, on in (("attn", lora.train_attn), ("mlp", lora.train_mlp),
+                                   ("unembed", lora.train_unembed)) if on]  # fmt: skip
+        if not targets:
+            raise InvalidRequestError(
+                "lora_config: train_attn, train_mlp and train_unembed are all false: the "
+                "adapter would train nothing"
+            )
+        return CreateAdapterRequest(
+            name=adapter_name(model_id), rank=lora.rank, alpha=32.0, targets=targets,
+            # Tinker's seed None is "random": one of the handle's own, so adapters differ.
+            seed=lora.seed if lora.seed is not None else zlib.crc32(model_id.encode()),
+        )  # fmt: skip
+    if max_adapters:
+        raise InvalidRequestError(
+            "lora_config.rank: this service trains LoRA adapters on a frozen base "
+            f"(--max-adapters {max_adapters}); ask for a rank >= 1 "
+            "(create_lora_training_client(base_model, rank=32))"
+        )
     if lora.rank > 0:
         raise InvalidRequestError(
-            f"lora_config.rank: LoRA is not supported yet, so rank {lora.rank} would not be "
-            "honoured; trainctl trains all parameters: ask for rank=0 "
-            "(create_lora_training_client(base_model, rank=0))"
+            f"lora_config.rank: this service trains the full model, so rank {lora.rank} would "
+            "not be honoured: start it with --max-adapters N for LoRA, or ask for rank=0"
         )
     if not (lora.train_mlp and lora.train_attn and lora.train_unembed):
         raise InvalidRequestError(
             "lora_config: train_mlp, train_attn and train_unembed must be true (trainctl "
             "trains every parameter; freezing parts is not supported)"
-        )
-    if req.optimizer_config.type != "adamw":
-        raise InvalidRequestError(
-            f"optimizer_config.type: trainctl runs AdamW, not {req.optimizer_config.type!r}"
         )
     if info.step > 0:
         raise ConflictError(
@@ -115,6 +143,7 @@ def check_create_model(req: CreateModelRequest, info: Info) -> None:
             "service without resuming)",
             details={"step": info.step},
         )
+    return None
 
 
 def json_object(body: bytes) -> dict[str, Any]:

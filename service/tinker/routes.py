@@ -55,6 +55,7 @@ from trainctl.service.tinker.bodies import (
     OptimStep,
     SaveForSampler,
     SaveWeights,
+    adapter_name,
     check_create_model,
     json_object,
     text_field,
@@ -192,13 +193,30 @@ async def create_model(request: Request) -> dict[str, Any]:
 
     async def create() -> dict[str, Any]:
         info = await _info(request)
-        check_create_model(req, info)
-        state.add_model(req.session_id, req.model_seq_id)
+        controller = _controller(request)
+        adapters = await controller.list_adapters()
+        adapter = check_create_model(
+            req, info, model_id=model_id, max_adapters=adapters.max_adapters
+        )
+        if adapter is not None:
+            known = {a.name for a in adapters.adapters}
+            if adapter.name not in known:  # a retried create made it already
+                key = f"tinker:create:{model_id}"
+                await controller.run(OperationKind.CREATE_ADAPTER, adapter, key, fp)
+        name = adapter.name if adapter is not None else None
+        state.add_model(req.session_id, req.model_seq_id, adapter=name)
         return {"model_id": model_id, "type": "create_model"}
 
     key = (req.session_id, req.model_seq_id)
     f = state.once(state.created, key, fp, lambda: state.run("create_model", create))
     return future_of(f, model_id)
+
+
+async def _lora_rank(request: Request, model: Model) -> int | None:
+    if model.adapter is None:
+        return None
+    listing = await _controller(request).list_adapters()
+    return next((a.rank for a in listing.adapters if a.name == model.adapter), None)
 
 
 @router.post("/get_info")
@@ -216,8 +234,8 @@ async def get_info(request: Request) -> dict[str, Any]:
             "model_name": info.model_name,
             "tokenizer_id": None,
         },
-        "is_lora": False,
-        "lora_rank": None,
+        "is_lora": model.adapter is not None,
+        "lora_rank": await _lora_rank(request, model),
         "optimizer_config": {"type": "adamw"},
     }
 
@@ -250,7 +268,7 @@ async def forward_backward(request: Request) -> dict[str, Any]:
     def native() -> ForwardBackwardRequest:
         req = convert.forward_backward_request(msg)
         req.check_limits(limits)
-        return req
+        return req.model_copy(update={"adapter": model.adapter})
 
     return _in_order(
         request, model, msg.seq_id, hashlib.sha256(body).hexdigest(),
@@ -271,7 +289,7 @@ async def optim_step(request: Request) -> dict[str, Any]:
             raise InvalidRequestError(f"optim_params: trainctl runs AdamW, not {p.type!r}")
         return OptimStepRequest(
             lr=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
-            weight_decay=p.weight_decay, clip_grad=p.grad_clip_norm,
+            weight_decay=p.weight_decay, clip_grad=p.grad_clip_norm, adapter=model.adapter,
         )  # fmt: skip
 
     return _in_order(
@@ -298,6 +316,12 @@ async def save_weights(request: Request) -> dict[str, Any]:
 async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     req, fp, model = await _model_call(request, SaveForSampler)
     if req.path is None:  # save_weights_and_get_sampling_client: the samplers, at this step
+        if model.adapter is not None:
+            raise InvalidRequestError(
+                "save_weights_and_get_sampling_client: sampling a LoRA model is not built yet "
+                "(the samplers serve the base); save_weights_for_sampler(name) exports the "
+                "adapter for PEFT or vLLM"
+            )
         return _in_order(
             request, model, req.seq_id, fp, OperationKind.SYNC_WEIGHTS,
             lambda: sampling.sync_request(req), lambda r: sampling.session_for(request, req, r),
@@ -310,7 +334,8 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
 
     return _in_order(
         request, model, req.seq_id, fp, OperationKind.EXPORT_HF,
-        lambda: ExportRequest(name=req.path, overwrite=True),  # Tinker names replace
+        # Tinker names replace; a LoRA model's sampler weights are its adapter (PEFT format).
+        lambda: ExportRequest(name=req.path, overwrite=True, adapter=model.adapter),
         exported,
     )  # fmt: skip
 
@@ -327,9 +352,13 @@ async def load_weights(request: Request) -> dict[str, Any]:
         )
     native = LoadCheckpointRequest(checkpoint_id=source.name, optimizer=req.optimizer)
     if req.session_id is not None and req.model_seq_id is not None:
-        # A new model from saved state: its creation is its seq_id 0.
+        # A new model from saved state: its creation is its seq_id 0. On an adapters service
+        # it trains the adapter of the model that saved the state (the checkpoint holds it).
         state.session(req.session_id)
-        model, seq_id = state.add_model(req.session_id, req.model_seq_id, first_seq=0), 0
+        lora = (await _controller(request).list_adapters()).max_adapters > 0
+        adapter = adapter_name(source.model_id) if lora else None
+        model = state.add_model(req.session_id, req.model_seq_id, first_seq=0, adapter=adapter)
+        seq_id = 0
     elif req.model_id is not None and req.seq_id is not None:
         model, seq_id = state.model(req.model_id), req.seq_id
     else:

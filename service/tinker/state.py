@@ -107,12 +107,14 @@ class Future:
 
 @dataclass(eq=False)
 class Model:
-    """A model handle: ``{session_id}:train:{model_seq_id}``. Every handle trains the one
-    served model; each keeps its own ``seq_id`` order."""
+    """A model handle: ``{session_id}:train:{model_seq_id}``. A full-weight handle trains the
+    one served model, a LoRA handle its own adapter; each keeps its own ``seq_id`` order."""
 
     model_id: str
     session_id: str
     next_seq: int = 1
+    adapter: str | None = None
+    """A LoRA model's native adapter; None: the full model."""
     turn: asyncio.Condition = field(default_factory=asyncio.Condition)
     seen: dict[int, tuple[str, str]] = field(default_factory=dict)
     """``seq_id`` -> (payload fingerprint, future id)."""
@@ -211,7 +213,9 @@ class TinkerState:
             )
         s.model_seqs.add(model_seq_id)
 
-    def add_model(self, session_id: str, model_seq_id: int, first_seq: int = 1) -> Model:
+    def add_model(
+        self, session_id: str, model_seq_id: int, first_seq: int = 1, adapter: str | None = None
+    ) -> Model:
         """The handle ``{session_id}:train:{model_seq_id}``, made if new; its requests start at
         ``first_seq`` (1 after ``create_model``; 0 when its creation is a load, which is
         its own request 0)."""
@@ -221,6 +225,7 @@ class TinkerState:
         m = self.models.get(model_id)
         if m is None:
             m = self.models[model_id] = Model(model_id, session_id, next_seq=first_seq)
+        m.adapter = adapter
         return m
 
     def model(self, model_id: str) -> Model:

@@ -67,6 +67,8 @@ def lora_from_hf(
     eng.train_batch(plan(warm).microbatches[0], LossConfig())
     shards = eng.canonical_shards()
     hf_adapter.save_peft(Path(export_to), shards, model, spec)
+    merged = hf_adapter.merged(shards, model, spec)
+    hf.save(Path(export_to) / "merged", merged, hf_adapter.untie_if_head_adapted(model, spec))
     mbs = plan(batch).microbatches[0]
     lps = eng.logprobs(mbs)
     loss = eng.train_pass(mbs, LossConfig()).loss

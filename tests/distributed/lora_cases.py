@@ -45,3 +45,36 @@ def train_adapters(cfg: dict[str, Any], order: str, delete_after: str = "") -> d
         out["after_delete"] = eng.adapter_digest("a")
         out["left"] = sorted(i.spec.name for i in eng.adapter_infos())
     return out
+
+
+def split_steps(cfg: dict[str, Any], order: str) -> dict[str, Any]:
+    """Tinker's split step for two adapters whose calls interleave: ``order`` is a string of
+    ``a``/``b`` (a ``forward_backward`` part of that adapter) and ``A``/``B`` (its
+    ``optim_step``). Returns each adapter's grad norms and final digest."""
+    from trainctl.api.models import LossConfig
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine.boundary import AdapterSpec
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.shard import EngineShard
+
+    eng = EngineShard(EngineConfig.from_dict(cfg))
+    for name in sorted({c.lower() for c in order}):
+        eng.create_adapter(AdapterSpec(**ADAPTERS[name]))
+    seen = {"a": 0, "b": 0}
+    norms: dict[str, list[float]] = {"a": [], "b": []}
+    for c in order:
+        name = c.lower()
+        eng.activate_adapter(name)
+        if c.islower():
+            plan = plan_step(
+                to_host(ragged_batch({"a": 0, "b": 10}[name] + seen[name])),
+                eng.cfg, loss=LossConfig(), deferred_normalizer=True,
+            )  # fmt: skip
+            seen[name] += 1
+            eng.forward_backward(plan.microbatches[eng.coords.dp], LossConfig())
+        else:
+            norms[name].append(eng.finish_window(100.0))
+            eng.apply()
+            eng.publish()
+    names = sorted({c.lower() for c in order})
+    return {"norms": norms, "digests": {n: eng.adapter_digest(n) for n in names}}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from lora_cases import train_adapters
+from lora_cases import split_steps, train_adapters
 
 from rankpool import RankPool
 
@@ -64,3 +64,19 @@ def test_limits_are_refused_by_name() -> None:
         bank.check_new(AdapterSpec(name="y", rank=2, alpha=1.0, targets=("attn",)))
     with pytest.raises(KeyError, match="'z' does not exist"):
         bank.activate("z")
+
+
+@pytest.mark.parametrize("layout", [{}, {"dp": 2}], ids=["1rank", "dp2-zero1"])
+def test_interleaved_split_steps_keep_each_adapters_window(
+    pools: Callable[[int], RankPool], layout: dict
+) -> None:
+    """Two clients' forward_backward parts and optim_steps interleave: each adapter's step
+    sums only its own parts (the window moves with the adapter), bit for bit."""
+    pool = pools(layout.get("dp", 1))
+    a_alone = pool.run(split_steps, _cfg(**layout), "aaA")
+    b_alone = pool.run(split_steps, _cfg(**layout), "bbB")
+    mixed = pool.run(split_steps, _cfg(**layout), "abbaBA")
+    for alone_a, alone_b, both in zip(a_alone, b_alone, mixed, strict=True):
+        assert both["norms"]["a"] == alone_a["norms"]["a"]
+        assert both["norms"]["b"] == alone_b["norms"]["b"]
+        assert both["digests"] == {"a": alone_a["digests"]["a"], "b": alone_b["digests"]["b"]}

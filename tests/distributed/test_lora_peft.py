@@ -24,11 +24,12 @@ ADAPTER = {"name": "a", "rank": 4, "alpha": 16.0, "targets": ["attn", "mlp", "un
 _FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "fc1", "up_proj": "fc1"}
 
 
-def _peft_reference(base: Path, adapter: Path, batch: list[list[int]]) -> dict:
+def _peft_reference(base: Path, adapter: Path | None, batch: list[list[int]]) -> dict:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
     model.eval()
     lps, total, count = [], torch.zeros((), dtype=torch.float64), 0
     for tokens in batch:
@@ -38,7 +39,8 @@ def _peft_reference(base: Path, adapter: Path, batch: list[list[int]]) -> dict:
         lps.append(lp.detach().numpy())
         total = total - lp.sum()
         count += len(tokens) - 1
-    (total / count).backward()
+    if adapter is not None:
+        (total / count).backward()
     grads = {n: p.grad.double().numpy() for n, p in model.named_parameters() if p.grad is not None}
     return {"logprobs": lps, "loss": float(total / count), "grads": grads}
 
@@ -70,6 +72,10 @@ def test_adapter_equals_peft(pools: Callable[[int], RankPool], tmp_path: Path, f
     for i, lp in enumerate(want["logprobs"]):
         np.testing.assert_allclose(got["logprobs"][i][1:], lp, rtol=1e-5, atol=1e-5)
     assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"])
+    # The merged export: a plain model of the family with the adapter folded in.
+    merged = _peft_reference(tmp_path / "adapter" / "merged", None, batch)
+    for i, lp in enumerate(merged["logprobs"]):
+        np.testing.assert_allclose(got["logprobs"][i][1:], lp, rtol=1e-5, atol=1e-5)
 
     # Our gradients in PEFT's names through the exporter itself, then folded as PEFT's are.
     from trainctl.workers.engine import hf, hf_adapter

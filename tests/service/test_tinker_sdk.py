@@ -264,7 +264,7 @@ def test_forward_backward_custom_equals_the_same_loss_from_native_parts(
 
 
 def test_lora_rank_above_zero_is_refused_clearly(service_client: Any) -> None:
-    with pytest.raises(Exception, match=r"LoRA is not supported yet.*rank=0"):
+    with pytest.raises(Exception, match=r"trains the full model.*--max-adapters N for LoRA"):
         service_client.create_lora_training_client(base_model=BASE, rank=8).result()
 
 

@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 from trainctl.api import (
+    AdapterList,
     ConflictError,
     EvalBatchRequest,
     Info,
@@ -163,3 +164,6 @@ class FakeController(OperationHost):
 
     async def model_limits(self) -> ModelLimits:
         return self.limits
+
+    async def list_adapters(self) -> AdapterList:
+        return AdapterList(adapters=[], max_adapters=0, max_rank=64)

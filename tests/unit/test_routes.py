@@ -113,6 +113,9 @@ def test_operation_ids_are_the_rpc_names(http: TestClient) -> None:
     assert ids == {
         ("POST", "/v1/sample"): "sample",
         ("POST", "/v1/weights/sync"): "sync_weights",
+        ("POST", "/v1/adapters"): "create_adapter",
+        ("GET", "/v1/adapters"): "list_adapters",
+        ("DELETE", "/v1/adapters/{name}"): "delete_adapter",
         ("POST", "/v1/train_batch"): "train_batch",
         ("POST", "/v1/eval_batch"): "eval_batch",
         ("POST", "/v1/logprobs"): "logprobs",

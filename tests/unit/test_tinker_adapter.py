@@ -152,7 +152,7 @@ def test_any_tml_key_passes_on_a_service_without_a_token(http: Any) -> None:
     ("change", "words"),
     [
         ({"base_model": "Qwen/Qwen3-8B"}, "this service trains 'trainctl-tiny'"),
-        ({"lora_config": {"rank": 16}}, "LoRA is not supported yet, so rank 16"),
+        ({"lora_config": {"rank": 16}}, "trains the full model, so rank 16.*--max-adapters"),
         ({"lora_config": {"rank": 0, "train_attn": False}}, "must be true"),
         ({"optimizer_config": {"type": "dimuon"}}, "AdamW, not 'dimuon'"),
     ],
@@ -164,12 +164,43 @@ def test_create_model_refuses_what_it_would_not_honour(change: dict, words: str)
     req = CreateModelRequest.model_validate(
         {"session_id": "s", "model_seq_id": 0, "base_model": "trainctl-tiny", **change}
     )
+
+    def check(r: Any, step: int = 0, max_adapters: int = 0) -> Any:
+        info = Info.model_construct(model_name="trainctl-tiny", step=step)
+        return check_create_model(r, info, model_id="s:train:0", max_adapters=max_adapters)
+
     with pytest.raises(InvalidRequestError, match=words):
-        check_create_model(req, Info.model_construct(model_name="trainctl-tiny", step=0))
+        check(req)
     fine = CreateModelRequest(session_id="s", model_seq_id=0, base_model="trainctl-tiny")
-    check_create_model(fine, Info.model_construct(model_name="trainctl-tiny", step=0))
+    assert check(fine) is None
     with pytest.raises(ConflictError, match="trained to step 2"):
-        check_create_model(fine, Info.model_construct(model_name="trainctl-tiny", step=2))
+        check(fine, step=2)
+
+
+def test_create_model_on_an_adapters_service() -> None:
+    """With --max-adapters, a LoRA model is an adapter named after its handle, with Tinker's
+    targets; rank 0 (full fine-tuning of a frozen base) is refused, and so is an adapter that
+    trains nothing. A trained base does not matter: it is frozen."""
+    from trainctl.api import Info
+    from trainctl.service.tinker.bodies import CreateModelRequest, check_create_model
+
+    def req(**lora: Any) -> Any:
+        return CreateModelRequest.model_validate(
+            {"session_id": "s", "model_seq_id": 3, "base_model": "trainctl-tiny",
+             "lora_config": lora}
+        )  # fmt: skip
+
+    info = Info.model_construct(model_name="trainctl-tiny", step=5)
+    got = check_create_model(
+        req(rank=16, seed=4, train_mlp=False), info, model_id="s:train:3", max_adapters=2
+    )
+    assert got is not None
+    assert (got.name, got.rank, got.targets, got.seed) == ("s-train-3", 16, ["attn", "unembed"], 4)
+    with pytest.raises(InvalidRequestError, match=r"--max-adapters 2.*rank >= 1"):
+        check_create_model(req(rank=0), info, model_id="s:train:3", max_adapters=2)
+    off = {"train_mlp": False, "train_attn": False, "train_unembed": False}
+    with pytest.raises(InvalidRequestError, match="would train nothing"):
+        check_create_model(req(rank=4, **off), info, model_id="s:train:3", max_adapters=2)
 
 
 TML = {"X-API-Key": "tml-x"}

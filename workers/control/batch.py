@@ -27,6 +27,8 @@ class StepPlan:
     num_tokens: int
     """Real (unpadded) tokens in the request."""
     loss: LossConfig = field(default_factory=LossConfig)
+    adapter: str | None = None
+    """The LoRA adapter the ranks compute with (None: the base)."""
 
     @property
     def num_microbatches(self) -> int:

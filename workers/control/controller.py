@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from trainctl.api import (
     OPERATIONS,
+    AdapterList,
     CheckpointList,
     Info,
     InvalidRequestError,
@@ -39,6 +40,7 @@ from trainctl.api import (
     TrainctlError,
 )
 from trainctl.workers.control import logs
+from trainctl.workers.control.adapters import Adapters
 from trainctl.workers.control.checkpoints import CheckpointStore
 from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.op_queue import Handle, OperationHost, OperationQueue, Runner
@@ -110,7 +112,11 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
         self.limits = ModelLimits(
             vocab_size=self.cfg.model.vocab_size, max_seq_len=self.cfg.model.max_seq_len
         )
-        self.steps = Steps(self.cfg, self.group, self.state, after_train=self._after_train)
+        self.adapters = Adapters(self.cfg, self.group)
+        self.steps = Steps(
+            self.cfg, self.group, self.state, after_train=self._after_train,
+            adapter_state=self.adapters.state if self.cfg.lora.enabled else None,
+        )  # fmt: skip
         self.sampler_settings = samplers or SamplerSettings()
         self.samplers: SamplerPool | None = None
         self.recorder = ProfileRecorder(self.group, self.profiles, self.state)
@@ -136,6 +142,8 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
             OperationKind.LOAD_CHECKPOINT: self._load_op,
             OperationKind.EXPORT_HF: self._export,
             OperationKind.SYNC_WEIGHTS: self._sync_op,
+            OperationKind.CREATE_ADAPTER: self.adapters.create,
+            OperationKind.DELETE_ADAPTER: self.adapters.delete,
         }
 
     @property
@@ -258,6 +266,9 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
 
     async def list_checkpoints(self) -> CheckpointList:
         return self.checkpoints.list()
+
+    async def list_adapters(self) -> AdapterList:
+        return self.adapters.list()
 
     async def inject_fault(self, rank: int, phase: str, times: int) -> None:
         ranks = self.group.ranks

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import shutil
@@ -24,9 +23,11 @@ from typing import Any
 from trainctl.workers.control import logs
 from trainctl.workers.control.batch import StepPlan
 from trainctl.workers.control.op_queue import current_operation
+from trainctl.workers.control.rank_export import ExportPart, tensor_bytes
 from trainctl.workers.engine.boundary import (
+    AdapterInfo,
+    AdapterSpec,
     Applied,
-    OwnedShards,
     PartResult,
     PerSequence,
     RankMeta,
@@ -77,7 +78,7 @@ def _operation(op_id: str) -> Iterator[None]:
         current_operation.reset(token)
 
 
-class RankWorker:
+class RankWorker(ExportPart):
     """Plain class; ``workers.controller`` wraps it with ``ray.remote``."""
 
     def __init__(self, rank: int, world_size: int, num_threads: int = 1) -> None:
@@ -151,6 +152,7 @@ class RankWorker:
     def _shard(self, plan: StepPlan) -> Any:
         self._check_fault("forward")
         self.engine.profiler.pause_if_expired()  # a CPU profile's recording is capped
+        self.engine.activate_adapter(plan.adapter)
         return plan.microbatches[self.engine.coords.dp]
 
     def accumulate(self, plan: StepPlan, op_id: str = "-") -> StepReport:
@@ -194,10 +196,12 @@ class RankWorker:
         """Undo this rank's last part (another rank failed it)."""
         self.engine.rollback_part()
 
-    def finish_window(self, divisor: float, op_id: str = "-") -> float:
-        """``optim_step`` phase 1: the window's one reduction, then the grad norm."""
+    def finish_window(self, divisor: float, op_id: str = "-", adapter: str | None = None) -> float:
+        """``optim_step`` phase 1: the window's one reduction, then the grad norm (of
+        ``adapter``'s window, with adapters)."""
         with _operation(op_id):
             self._check_fault("finish_window")
+            self.engine.activate_adapter(adapter)
             return float(self.engine.finish_window(divisor))
 
     def publish(self, op_id: str = "-") -> float:
@@ -244,7 +248,7 @@ class RankWorker:
         path = Path(directory) / f"rank-{self.rank:05d}.pt"
         tmp = path.with_suffix(".pt.partial")
         state = self.engine.checkpoint_state()
-        needed = _tensor_bytes(state)
+        needed = tensor_bytes(state)
         if shutil.disk_usage(directory).free < needed:
             raise _no_space(self.rank, needed, directory)
         try:
@@ -281,65 +285,16 @@ class RankWorker:
     def drop_staged(self) -> None:
         self._staged = None
 
-    def canonical_shards(self) -> OwnedShards:
-        """The parameters this rank adds to one full copy of the model (for export)."""
-        return OwnedShards(
-            tp=self.engine.coords.tp, shards=self.engine.canonical_shards(owned=True)
-        )
+    # -- adapters (workers/engine/adapters.py) -----------------------------------------------
 
-    def _merged(self, parts: list[Any]) -> dict[str, Any]:
-        """Every rank's ``canonical_shards`` merged into whole canonical tensors."""
-        import ray
+    def create_adapter(self, spec: AdapterSpec) -> None:
+        self.engine.create_adapter(spec)
 
-        from trainctl.workers.engine import weights
+    def delete_adapter(self, name: str) -> None:
+        self.engine.delete_adapter(name)
 
-        got: list[OwnedShards] = ray.get(parts)
-        names = {n for g in got for n in g.shards}
-        tp = self.engine.cfg.layout.tp
-        full = {}
-        for name in sorted(names):
-            by_tp = {g.tp: g.shards[name] for g in got if name in g.shards}
-            full[name] = weights.shard_rule(name).unshard([by_tp[r] for r in range(tp)])
-        return full
-
-    def write_hf(self, directory: str, parts: list[Any]) -> list[WrittenFile]:
-        """On one rank: merge every rank's ``canonical_shards`` and write a Hugging Face
-        checkpoint of the model's family."""
-        from trainctl.workers.engine import hf
-
-        files = hf.save(Path(directory), self._merged(parts), self.engine.cfg.model)
-        return [WrittenFile(name=f.name, size_bytes=f.stat().st_size) for f in files]
-
-    def hf_weights(self, parts: list[Any]) -> tuple[dict[str, Any], int]:
-        """On one rank: every rank's ``canonical_shards`` merged into the whole model under
-        its family's Hugging Face names (what ``write_hf`` writes, kept in memory), and their
-        size in bytes. Called with ``num_returns=2``: the tensors go to the sampler engines,
-        the size to the controller, which so never holds the weights itself."""
-        from trainctl.workers.engine import hf
-
-        tensors = hf.to_hf(self._merged(parts), self.engine.cfg.model)
-        return tensors, _tensor_bytes(tensors)
-
-    def hf_config(self) -> dict[str, Any]:
-        """The model's Hugging Face ``config.json`` (an export's), or the reason there is none."""
-        from trainctl.workers.engine import hf
-        from trainctl.workers.engine.families import export_problem
-
-        m = self.engine.cfg.model
-        problem = export_problem(m.family, m.num_experts)
-        if problem:
-            raise ValueError(problem)
-        config = hf.hf_config(m)
-        # End-of-sequence as the model's own files say (a sampler stops there), and none for
-        # a model made here: transformers' class defaults (Llama's eos 2) are not its own.
-        config["eos_token_id"] = config["bos_token_id"] = None
-        if self.engine.cfg.init_hf:
-            for name in ("config.json", "generation_config.json"):
-                path = Path(self.engine.cfg.init_hf) / name
-                if path.is_file():
-                    own = json.loads(path.read_text())
-                    config |= {k: own[k] for k in ("eos_token_id", "bos_token_id") if k in own}
-        return config
+    def adapter_infos(self) -> list[AdapterInfo]:
+        return self.engine.adapter_infos()  # type: ignore[no-any-return]
 
     # -- fault injection (operators and tests, through Ray only: not on the HTTP API) ---------
 
@@ -361,17 +316,6 @@ class RankWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor in a nested checkpoint state."""
-    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
-        return int(obj.numel() * obj.element_size())
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
 
 
 def _no_space(rank: int, needed: int, directory: str) -> OSError:

@@ -15,6 +15,9 @@ from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.steps import ModelState
 from trainctl.workers.engine.config import ConfigError
 
+if TYPE_CHECKING:
+    from trainctl.workers.control.adapters import Adapters
+
 log = logging.getLogger(__name__)
 
 RECOVERY_RETRY_S = 15.0
@@ -29,6 +32,7 @@ class RecoveryPart:
     recovery: RecoveryInfo | None
     steps_lost: int
     group: RankGroup
+    adapters: Adapters
     state: ModelState
     queue: OperationQueue
     _weights_epoch: int
@@ -90,6 +94,7 @@ class RecoveryPart:
             await self._load(latest.checkpoint_id)
         else:
             self.state.step = 0
+            await self.adapters.reread()  # fresh ranks: no adapters
         self.recovery = RecoveryInfo(
             at=time.time(),
             cause=cause,

@@ -32,6 +32,9 @@ from trainctl.workers.control.steps import ModelState
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.engine.families import export_problem
 
+if TYPE_CHECKING:
+    from trainctl.workers.control.adapters import Adapters
+
 log = logging.getLogger(__name__)
 
 PARTIAL_EXPORT = ".partial-"
@@ -46,6 +49,7 @@ class SavesPart:
     export_root: Path
     group: RankGroup
     state: ModelState
+    adapters: Adapters
     _weights_epoch: int
 
     if TYPE_CHECKING:
@@ -132,6 +136,7 @@ class SavesPart:
         self.state.window = None  # a load drops the gradients waiting for optim_step
         self.state.step = info.step
         self.state.last_checkpoint_step = info.step
+        await self.adapters.reread()  # the checkpoint's adapters, at their steps
         return info
 
     def _export(self, req: ExportRequest) -> Runner:
@@ -139,6 +144,8 @@ class SavesPart:
         problem = export_problem(m.family, m.num_experts)
         if problem:
             raise InvalidRequestError(f"export: {problem}")
+        if req.adapter is not None:
+            self.adapters.state(req.adapter)  # 404 now, not once queued
         if req.name is not None:
             self._check_export_name(req.name, req.overwrite)  # 409 now, not once queued
         return lambda h: self._write_export(req, h)
@@ -151,22 +158,29 @@ class SavesPart:
             )
 
     async def _write_export(self, req: ExportRequest, h: Handle) -> ExportResult:
-        name = req.name or f"step-{self.step:06d}"
+        step = self.step if req.adapter is None else self.adapters.state(req.adapter).step
+        prefix = (
+            "" if req.adapter is None else f"{req.adapter}-{'merged' if req.merged else 'peft'}-"
+        )
+        name = req.name or f"{prefix}step-{step:06d}"
         self._check_export_name(name, req.overwrite or req.name is None)
         target = self.export_root / name
         tmp = self.export_root / f"{PARTIAL_EXPORT}{name}-{os.getpid()}"
         h.set_phase("gathering weights")
-        parts = [r.canonical_shards.remote() for r in self.group.ranks]
+        part = "base" if req.adapter is None else "merged" if req.merged else "adapter"
+        parts = [r.canonical_shards.remote(part, req.adapter) for r in self.group.ranks]
         h.set_phase("writing safetensors")
         try:
-            files = await self.group.ranks[0].write_hf.remote(str(tmp), parts)
+            files = await self.group.ranks[0].write_hf.remote(
+                str(tmp), parts, req.adapter, req.merged
+            )
             await asyncio.to_thread(replace_dir, tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return ExportResult(
             name=name,
-            step=self.step,
+            step=step,
             path=str(target),
             files={f.name: f.size_bytes for f in files},
         )

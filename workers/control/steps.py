@@ -45,6 +45,7 @@ from trainctl.api import (
     WorkerError,
 )
 from trainctl.api.batch import SequenceBatch
+from trainctl.api.errors import field_error
 from trainctl.workers.control.batch import StepPlan
 from trainctl.workers.control.group import Group, GroupLostError
 from trainctl.workers.control.op_queue import Handle, Runner
@@ -106,11 +107,26 @@ class Steps:
         state: ModelState,
         *,
         after_train: Callable[[Handle], Awaitable[list[str]]],
+        adapter_state: Callable[[str], ModelState] | None = None,
     ) -> None:
         self.cfg, self.group, self.state = cfg, group, state
         self.after_train = after_train
-        """Called after every applied step (scheduled checkpoints, the samplers' sync); it
-        never raises, and what it returns are warnings to report beside the step's result."""
+        """Called after every applied step of the base (scheduled checkpoints, the samplers'
+        sync); it never raises, and what it returns are warnings to report beside the step's
+        result."""
+        self.adapter_state = adapter_state
+        """A LoRA adapter's own step and window (``workers/control/adapters.py``); a name it
+        does not know is a 404."""
+
+    def state_of(self, adapter: str | None) -> ModelState:
+        """The model a call reads and steps: the base, or the adapter it names."""
+        if adapter is None:
+            return self.state
+        if self.adapter_state is None:
+            raise InvalidRequestError(
+                "adapter: this service holds no adapters (start it with --max-adapters N)"
+            )
+        return self.adapter_state(adapter)
 
     # -- planning (at submit) ------------------------------------------------------------------
 
@@ -121,11 +137,13 @@ class Steps:
         packing: str | None,
         *,
         deferred_normalizer: bool = False,
+        adapter: str | None = None,
     ) -> tuple[StepPlan, float]:
         """The dispatch plan and the seconds it took; a batch the layout cannot take is a 422.
         ``packing``: the request's, else the server's default; ``deferred_normalizer``: a
         ``forward_backward`` part (``plan.sequence_scales``)."""
         t0 = time.perf_counter()
+        self.state_of(adapter)  # an unknown adapter is refused before the call queues
         try:
             plan = plan_step(
                 list(sequences), self.cfg, loss=loss, packing=packing,
@@ -133,18 +151,31 @@ class Steps:
             )  # fmt: skip
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
-        return plan, time.perf_counter() - t0
+        return dataclasses.replace(plan, adapter=adapter), time.perf_counter() - t0
+
+    def _check_trainable(self, adapter: str | None) -> None:
+        if adapter is None and self.cfg.lora.enabled:
+            raise field_error(
+                "adapter",
+                "this service trains LoRA adapters on a frozen base (--max-adapters): name the "
+                "adapter to train; the base alone is for forward passes",
+            )
 
     def train(self, req: TrainBatchRequest) -> Runner:
-        plan, t_plan = self.plan(req.sequences, req.loss, req.packing)
+        self._check_trainable(req.adapter)
+        plan, t_plan = self.plan(req.sequences, req.loss, req.packing, adapter=req.adapter)
         return lambda h: self._train(h, req, plan, t_plan)
 
     def eval(self, req: EvalBatchRequest) -> Runner:
-        plan, t_plan = self.plan(req.sequences, req.loss, req.packing)
+        plan, t_plan = self.plan(req.sequences, req.loss, req.packing, adapter=req.adapter)
         return lambda h: self._eval(h, plan, t_plan)
 
     def forward_backward(self, req: ForwardBackwardRequest) -> Runner:
-        plan, t_plan = self.plan(req.sequences, req.loss, req.packing, deferred_normalizer=True)
+        if not req.forward_only:
+            self._check_trainable(req.adapter)
+        plan, t_plan = self.plan(
+            req.sequences, req.loss, req.packing, deferred_normalizer=True, adapter=req.adapter
+        )
         return lambda h: self._forward_backward(h, req, plan, t_plan)
 
     def optim_step(self, req: OptimStepRequest) -> Runner:
@@ -155,12 +186,14 @@ class Steps:
             OptimizerConfig(**hyper).validate()
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
+        self._check_trainable(req.adapter)
+        self.state_of(req.adapter)
         return lambda h: self._optim_step(h, req, hyper)
 
     def logprobs(self, req: LogProbsRequest) -> Runner:
         """Log-probs read only the tokens: every position after the first is a target."""
         tokens_only = req.sequences.without(*req.sequences.present)
-        plan, _ = self.plan(tokens_only, LossConfig(), req.packing)
+        plan, _ = self.plan(tokens_only, LossConfig(), req.packing, adapter=req.adapter)
         return lambda h: self._logprobs(h, req, plan)
 
     # -- running (in turn) ---------------------------------------------------------------------
@@ -168,30 +201,33 @@ class Steps:
     async def _train(
         self, h: Handle, req: TrainBatchRequest, plan: StepPlan, t_plan: float
     ) -> StepResult:
-        req.check_expected_step(self.state.step)
-        self._no_window("train_batch")
+        state = self.state_of(plan.adapter)
+        req.check_expected_step(state.step)
+        self._no_window(state, "train_batch")
         t0 = time.perf_counter()
         ref = self.group.put(plan)
         h.set_phase("forward_backward")
         try:
             reports = await self.group.call(RankWorker.accumulate, ref, h.op.id)
         except TrainctlError:
-            await self._discard()
+            await self._discard(state)
             raise
-        await self._check_norms([r.grad_norm for r in reports])
-        result = step_result(plan, reports, step=self.state.step, t_plan=t_plan)
-        await self._apply(h, result, None)
+        await self._check_norms(state, [r.grad_norm for r in reports])
+        result = step_result(plan, reports, step=state.step, t_plan=t_plan)
+        await self._apply(h, state, result, None)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 
-    async def _check_norms(self, norms: list[float | None]) -> None:
+    async def _check_norms(self, state: ModelState, norms: list[float | None]) -> None:
         """Phase 1's grad norm must be finite on every rank, or nothing is applied."""
         error = nonfinite_norm_error(norms)
         if error is not None:
-            await self._discard()
+            await self._discard(state)
             raise error
 
-    async def _apply(self, h: Handle, result: StepResult, hyper: dict[str, float] | None) -> None:
+    async def _apply(
+        self, h: Handle, state: ModelState, result: StepResult, hyper: dict[str, float] | None
+    ) -> None:
         """Phases 2 and 3 of a step (every rank's phase 1 succeeded), into ``result``."""
         h.set_phase("optimizer_step")
         try:
@@ -211,18 +247,19 @@ class Steps:
                 details=e.details,
                 cause=cause,
             ) from None
-        self.state.step += 1
+        state.step += 1
         h.applied = True  # from here on the call answers its result, never a retryable error
-        result.step = self.state.step
-        result.warnings.extend(await self.after_train(h))
+        result.step = state.step
+        if state is self.state:  # an adapter's step changes nothing a sampler or save reads
+            result.warnings.extend(await self.after_train(h))
         result.metrics["grad_norm:value"] = applied[0].grad_norm
         result.metrics["lr:value"] = (hyper or {}).get("lr", self.cfg.optimizer.lr)
         result.timings["optimizer_max_s"] = max(a.seconds for a in applied)
         if self.cfg.use_distributed_optimizer:
             result.timings["parameter_gather_max_s"] = max(published)
 
-    def _no_window(self, what: str) -> None:
-        w = self.state.window
+    def _no_window(self, state: ModelState, what: str) -> None:
+        w = state.window
         if w is not None:
             raise ConflictError(
                 f"{w.parts} forward_backward part(s) are waiting for optim_step; {what} would "
@@ -234,7 +271,8 @@ class Steps:
         self, h: Handle, req: ForwardBackwardRequest, plan: StepPlan, t_plan: float
     ) -> ForwardBackwardResult:
         norm = req.loss.normalization
-        w = self.state.window
+        state = self.state_of(plan.adapter)
+        w = state.window
         if w is not None and w.normalization is not norm and not req.forward_only:
             raise ConflictError(
                 f"the gradients waiting for optim_step use loss.normalization "
@@ -257,9 +295,9 @@ class Steps:
         raw = next(r for r in reports if r.is_last_stage).loss
         own = normalizer(norm, int(plan.loss_normalizer), plan.num_loss_sequences)
         per_seq = in_request_order([p.per_sequence for p in parts], len(req.sequences))
-        step = step_result(plan, reports, step=self.state.step, t_plan=t_plan)
+        step = step_result(plan, reports, step=state.step, t_plan=t_plan)
         if backward:
-            w = self.state.window = w or Window(normalization=norm)
+            w = state.window = w or Window(normalization=norm)
             w.parts += 1
             w.loss_tokens += int(plan.loss_normalizer)
             w.loss_sequences += plan.num_loss_sequences
@@ -268,7 +306,7 @@ class Steps:
         step.timings["total_s"] = time.perf_counter() - t0
         return ForwardBackwardResult.model_construct(
             loss=raw / own,
-            step=self.state.step,
+            step=state.step,
             logprobs=[lp.tolist() for lp, _ in per_seq],
             elementwise_loss=[tl.tolist() for _, tl in per_seq],
             metrics={**step.metrics, "loss:mean": raw / own},
@@ -278,34 +316,38 @@ class Steps:
     async def _optim_step(
         self, h: Handle, req: OptimStepRequest, hyper: dict[str, float]
     ) -> StepResult:
-        req.check_expected_step(self.state.step)
-        w = self.state.window
+        state = self.state_of(req.adapter)
+        req.check_expected_step(state.step)
+        w = state.window
         if w is None:
             raise ConflictError("no gradients to apply: call forward_backward first")
         t0 = time.perf_counter()
         h.set_phase("gradient_reduce")
-        self.state.window = None  # applied, or dropped: either way the window closes
+        state.window = None  # applied, or dropped: either way the window closes
         try:
-            norms = await self.group.call(RankWorker.finish_window, w.divisor(), h.op.id)
+            norms = await self.group.call(
+                RankWorker.finish_window, w.divisor(), h.op.id, req.adapter
+            )
         except TrainctlError:
-            await self._discard()
+            await self._discard(state)
             raise
-        await self._check_norms(list(norms))
+        await self._check_norms(state, list(norms))
         loss = w.raw_loss / w.divisor()
         result = StepResult(
             loss=loss,
-            step=self.state.step,
+            step=state.step,
             metrics={"loss:mean": loss, "accumulated_parts:value": float(w.parts),
                      "loss_tokens:sum": float(w.loss_tokens)},
             timings={"gradient_reduce_s": time.perf_counter() - t0},
         )  # fmt: skip
-        await self._apply(h, result, hyper)
+        await self._apply(h, state, result, hyper)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 
-    async def _discard(self) -> None:
-        """After a failed phase 1: every surviving rank drops its gradients."""
-        self.state.window = None
+    async def _discard(self, state: ModelState) -> None:
+        """After a failed phase 1: every surviving rank drops its gradients (the active
+        model's: the base's, or the adapter's that failed)."""
+        state.window = None
         await self.group.call_quietly(RankWorker.discard)
         log.warning("step not applied: gradients dropped on every rank")
 
@@ -313,7 +355,7 @@ class Steps:
         t0 = time.perf_counter()
         h.set_phase("forward")
         reports = await self.group.call(RankWorker.eval_batch, self.group.put(plan), h.op.id)
-        result = step_result(plan, reports, step=self.state.step, t_plan=t_plan)
+        result = step_result(plan, reports, step=self.state_of(plan.adapter).step, t_plan=t_plan)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 
@@ -321,6 +363,5 @@ class Steps:
         h.set_phase("forward")
         ref = self.group.put(plan)
         parts = await self.group.call(RankWorker.logprobs, ref, req.entropy, h.op.id)
-        return logprobs_result(
-            parts, plan, n=len(req.sequences), entropy=req.entropy, step=self.state.step
-        )
+        step = self.state_of(plan.adapter).step
+        return logprobs_result(parts, plan, n=len(req.sequences), entropy=req.entropy, step=step)

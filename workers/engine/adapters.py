@@ -4,7 +4,8 @@ in a host-memory slot, and swapped into the model's LoRA sites before a call tha
 One set of sites (``workers/engine/lora.py``) lives in the model, sized for the largest rank
 allowed. The *active* adapter's tensors are in those sites and its AdamW state in the
 optimizer; every other adapter waits in its slot. ``activate(name)`` stashes the active one
-(a copy of its site tensors and its optimizer state) and loads the named one, so a step of one
+(a copy of its site tensors, its optimizer state and any open split-step window) and loads the
+named one, so a step of one
 adapter never touches another's weights, moments or step count, and the base never moves (it
 has no gradient). ``activate(None)`` switches every site off: the base model alone.
 """
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor
 
 from trainctl.workers.engine import lora, weights, zero
+from trainctl.workers.engine.accumulation import Accumulation, grad_buffers
 from trainctl.workers.engine.boundary import AdapterInfo, AdapterSpec
 
 
@@ -33,6 +35,10 @@ class Slot:
     """This rank's optimizer state for the adapter; None: fresh (no step yet)."""
     step: int = 0
     last_used: float = field(default_factory=time.time)
+    grads: list[Tensor] | None = None
+    """Its split-step window while another adapter is active: the gradient buffers summed
+    by its ``forward_backward`` parts, waiting for its ``optim_step``."""
+    parts: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -54,6 +60,7 @@ class AdapterBank:
         max_rank: int,
         tp_rank: int,
         tp: int,
+        window: Accumulation | None = None,
     ) -> None:
         self.sites = sites
         self.model_groups = groups  # what the whole model (every stage) can adapt
@@ -63,6 +70,7 @@ class AdapterBank:
         self.max_adapters = max_adapters
         self.max_rank = max_rank
         self.tp_rank, self.tp = tp_rank, tp
+        self.window = window
         self.slots: dict[str, Slot] = {}
         self.active: str | None = None
 
@@ -95,9 +103,7 @@ class AdapterBank:
             rule = weights.shard_rule(canon)
             full_shape = rule.full_shape(p.shape, self.tp)
             if canon.endswith(".lora_a"):
-                full = lora.init_a(
-                    f"{spec.name}/{canon}", full_shape, seed=spec.seed, rank=spec.rank
-                )
+                full = lora.init_a(canon, full_shape, seed=spec.seed, rank=spec.rank)
             else:
                 full = torch.zeros(full_shape)
             tensors[canon] = rule.shard(full, self.tp_rank, self.tp).to(p.dtype).clone()
@@ -106,6 +112,7 @@ class AdapterBank:
     def delete(self, name: str) -> None:
         self._slot(name)
         if self.active == name:
+            self._stash(switching=True)  # its open window goes with it
             self._switch_off()
         del self.slots[name]
 
@@ -130,12 +137,16 @@ class AdapterBank:
             slot.last_used = time.time()
         if name == self.active:
             return
-        self._stash()
+        self._stash(switching=True)
         if name is None:
             self._switch_off()
             return
         for n, p in self.params.items():
             p.copy_(slot.tensors[n])
+        if slot.grads is not None and self.window is not None:
+            for g, saved in zip(grad_buffers(self.window.chunks), slot.grads, strict=True):
+                g.copy_(saved)
+            self.window.parts, slot.grads, slot.parts = slot.parts, None, 0
         if slot.optimizer is None:
             zero.restart(self.optimizer)
         elif self.zero:
@@ -153,10 +164,18 @@ class AdapterBank:
         )
         self.active = name
 
-    def _stash(self) -> None:
+    def _stash(self, *, switching: bool = False) -> None:
+        """Copy the active adapter into its slot; ``switching``: also move its open window
+        there (the gradient buffers are then zero for the next adapter)."""
         if self.active is None:
             return
         slot = self.slots[self.active]
+        if switching and self.window is not None and self.window.parts:
+            buffers = grad_buffers(self.window.chunks)
+            slot.grads, slot.parts = [g.clone() for g in buffers], self.window.parts
+            for g in buffers:
+                g.zero_()
+            self.window.clear()
         slot.tensors = {n: p.detach().clone() for n, p in self.params.items()}
         slot.optimizer = (
             zero.state(self.optimizer) if self.zero else copy.deepcopy(self.optimizer.state_dict())
@@ -210,3 +229,41 @@ class AdapterBank:
             h.update(n.encode())
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
+
+
+class AdaptersPart:
+    """Mixed into ``EngineShard``: its adapter calls (None when it holds no adapters)."""
+
+    adapters: AdapterBank | None
+
+    def _check_trainable(self) -> None:
+        if self.adapters is not None and self.adapters.active is None:
+            raise ValueError(
+                "adapter: this service trains LoRA adapters on a frozen base; name an adapter "
+                "to train (the base model is for forward passes only)"
+            )
+
+    def _bank(self) -> AdapterBank:
+        if self.adapters is None:
+            raise ValueError(
+                "adapter: this service holds no adapters (start it with --max-adapters N)"
+            )
+        return self.adapters
+
+    def create_adapter(self, spec: AdapterSpec) -> None:
+        self._bank().create(spec)
+
+    def delete_adapter(self, name: str) -> None:
+        self._bank().delete(name)
+
+    def activate_adapter(self, name: str | None) -> None:
+        """Compute with adapter ``name`` from now on (None: the base alone)."""
+        if name is None and self.adapters is None:
+            return
+        self._bank().activate(name)
+
+    def adapter_infos(self) -> list[AdapterInfo]:
+        return self._bank().infos() if self.adapters is not None else []
+
+    def adapter_digest(self, name: str) -> str:
+        return self._bank().digest(name)

@@ -41,12 +41,13 @@ _SITE_GROUP = {
 
 def _sites(m: ModelConfig) -> list[tuple[str, tuple[str, ...], Fuse]]:
     """(our site prefix, the family's module names, how they fuse) for every adaptable linear."""
-    out = []
+    out = {}
+    # An untied model's rows hold the output layer already; a tied one's do not.
     for ours, theirs, fuse in (*hf.rows(m), (OUTPUT.ours, OUTPUT.theirs, OUTPUT.fuse)):
         site = ours.removesuffix(".weight")
         if site.rsplit(".", 1)[-1] in _SITE_GROUP and ".local_experts." not in site:
-            out.append((site, tuple(t.removesuffix(".weight") for t in theirs), fuse))
-    return out
+            out[site] = (site, tuple(t.removesuffix(".weight") for t in theirs), fuse)
+    return list(out.values())
 
 
 def _factors(canonical: dict[str, Tensor], site: str, rank: int) -> tuple[Tensor, Tensor]:

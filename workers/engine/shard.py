@@ -28,10 +28,8 @@ from torch import Tensor
 from trainctl.api.models import LossConfig
 from trainctl.workers.engine import hf, lora, megatron_cpu, weights, zero
 from trainctl.workers.engine.accumulation import Accumulation
-from trainctl.workers.engine.adapters import AdapterBank
+from trainctl.workers.engine.adapters import AdapterBank, AdaptersPart
 from trainctl.workers.engine.boundary import (
-    AdapterInfo,
-    AdapterSpec,
     Applied,
     PackedMicroBatch,
     PartResult,
@@ -59,7 +57,7 @@ log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
 
 
-class EngineShard(OptimizerPart, CheckpointPart):
+class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
     """This rank's share of the model and the training step."""
 
     def __init__(self, cfg: EngineConfig) -> None:
@@ -112,6 +110,7 @@ class EngineShard(OptimizerPart, CheckpointPart):
         if len(self.chunks) == 1:
             self.tc.no_sync_func = self.chunks[0].no_sync
         self.optimizer = build_optimizer(cfg, self.chunks, bf16=bf16)
+        self.window = Accumulation(self.chunks)
         self.adapters: AdapterBank | None = None
         if cfg.lora.enabled:
             self.adapters = AdapterBank(
@@ -124,8 +123,8 @@ class EngineShard(OptimizerPart, CheckpointPart):
                 max_rank=cfg.lora.max_rank,
                 tp_rank=self.coords.tp,
                 tp=lay.tp,
+                window=self.window,
             )
-        self.window = Accumulation(self.chunks)
         self.routing = RoutingStats(
             self.chunks, num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts
         )
@@ -222,40 +221,6 @@ class EngineShard(OptimizerPart, CheckpointPart):
             )
             out += [(names[n], p) for n, p in c.module.named_parameters()]
         return out
-
-    def _check_trainable(self) -> None:
-        if self.adapters is not None and self.adapters.active is None:
-            raise ValueError(
-                "adapter: this service trains LoRA adapters on a frozen base; name an adapter "
-                "to train (the base model is for forward passes only)"
-            )
-
-    # -- adapters (workers/engine/adapters.py) ------------------------------------------------
-
-    def _bank(self) -> AdapterBank:
-        if self.adapters is None:
-            raise ValueError(
-                "adapter: this service holds no adapters (start it with --max-adapters N)"
-            )
-        return self.adapters
-
-    def create_adapter(self, spec: AdapterSpec) -> None:
-        self._bank().create(spec)
-
-    def delete_adapter(self, name: str) -> None:
-        self._bank().delete(name)
-
-    def activate_adapter(self, name: str | None) -> None:
-        """Compute with adapter ``name`` from now on (None: the base alone)."""
-        if name is None and self.adapters is None:
-            return
-        self._bank().activate(name)
-
-    def adapter_infos(self) -> list[AdapterInfo]:
-        return self._bank().infos() if self.adapters is not None else []
-
-    def adapter_digest(self, name: str) -> str:
-        return self._bank().digest(name)
 
     # -- the RPC surface -------------------------------------------------------------------
 

@@ -1,0 +1,110 @@
+"""The rank actor's export part: the model (or an adapter) gathered from every rank's shards
+into whole tensors on one rank, written as a Hugging Face checkpoint or PEFT adapter, or kept
+in memory for the samplers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from trainctl.workers.engine.boundary import OwnedShards, WrittenFile
+
+Part = Literal["base", "adapter", "merged"]
+"""What an export gathers: the base's weights, an adapter's factors, or both (to merge)."""
+
+
+class ExportPart:
+    """Mixed into ``RankWorker``: it hosts ``engine``."""
+
+    engine: Any
+
+    def canonical_shards(self, part: Part = "base", adapter: str | None = None) -> OwnedShards:
+        """What this rank adds to one full copy of ``part`` (for export and the samplers):
+        the base's parameters, ``adapter``'s factors, or both."""
+        from trainctl.workers.engine.lora import is_lora
+
+        if adapter is not None:
+            self.engine.activate_adapter(adapter)
+        shards = self.engine.canonical_shards(owned=True)
+        keep = {"base": lambda n: not is_lora(n), "adapter": is_lora}.get(part, lambda n: True)
+        return OwnedShards(
+            tp=self.engine.coords.tp, shards={n: t for n, t in shards.items() if keep(n)}
+        )
+
+    def _merged(self, parts: list[Any]) -> dict[str, Any]:
+        """Every rank's ``canonical_shards`` merged into whole canonical tensors."""
+        import ray
+
+        from trainctl.workers.engine import weights
+
+        got: list[OwnedShards] = ray.get(parts)
+        names = {n for g in got for n in g.shards}
+        tp = self.engine.cfg.layout.tp
+        full = {}
+        for name in sorted(names):
+            by_tp = {g.tp: g.shards[name] for g in got if name in g.shards}
+            full[name] = weights.shard_rule(name).unshard([by_tp[r] for r in range(tp)])
+        return full
+
+    def write_hf(
+        self, directory: str, parts: list[Any], adapter: str | None = None, merged: bool = False
+    ) -> list[WrittenFile]:
+        """On one rank: merge every rank's ``canonical_shards`` and write a Hugging Face
+        checkpoint of the model's family; with ``adapter``, its PEFT adapter, or (``merged``)
+        the model with the adapter folded in."""
+        from trainctl.workers.engine import hf, hf_adapter
+
+        full, m = self._merged(parts), self.engine.cfg.model
+        if adapter is None:
+            files = hf.save(Path(directory), full, m)
+        else:
+            spec = self.engine.adapters.slots[adapter].spec
+            if merged:
+                m2 = hf_adapter.untie_if_head_adapted(m, spec)
+                files = hf.save(Path(directory), hf_adapter.merged(full, m, spec), m2)
+            else:
+                files = hf_adapter.save_peft(Path(directory), full, m, spec)
+        return [WrittenFile(name=f.name, size_bytes=f.stat().st_size) for f in files]
+
+    def hf_weights(self, parts: list[Any]) -> tuple[dict[str, Any], int]:
+        """On one rank: every rank's ``canonical_shards`` merged into the whole model under
+        its family's Hugging Face names (what ``write_hf`` writes, kept in memory), and their
+        size in bytes. Called with ``num_returns=2``: the tensors go to the sampler engines,
+        the size to the controller, which so never holds the weights itself."""
+        from trainctl.workers.engine import hf
+
+        tensors = hf.to_hf(self._merged(parts), self.engine.cfg.model)
+        return tensors, tensor_bytes(tensors)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The model's Hugging Face ``config.json`` (an export's), or the reason there is none."""
+        from trainctl.workers.engine import hf
+        from trainctl.workers.engine.families import export_problem
+
+        m = self.engine.cfg.model
+        problem = export_problem(m.family, m.num_experts)
+        if problem:
+            raise ValueError(problem)
+        config = hf.hf_config(m)
+        # End-of-sequence as the model's own files say (a sampler stops there), and none for
+        # a model made here: transformers' class defaults (Llama's eos 2) are not its own.
+        config["eos_token_id"] = config["bos_token_id"] = None
+        if self.engine.cfg.init_hf:
+            for name in ("config.json", "generation_config.json"):
+                path = Path(self.engine.cfg.init_hf) / name
+                if path.is_file():
+                    own = json.loads(path.read_text())
+                    config |= {k: own[k] for k in ("eos_token_id", "bos_token_id") if k in own}
+        return config
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested state (a checkpoint's, a set of weights)."""
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return int(obj.numel() * obj.element_size())
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
