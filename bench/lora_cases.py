@@ -12,7 +12,7 @@ MODEL = {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "num_que
 """The model of the ``state_bytes`` table (25M parameters)."""
 
 
-def _engine(precision: str, adapters: int, rank: int) -> Any:
+def _engine(precision: str, adapters: int, rank: int, offload: str = "") -> Any:
     import torch.distributed as dist
 
     from trainctl.workers.engine.config import EngineConfig, LoraConfig, ModelConfig
@@ -27,7 +27,12 @@ def _engine(precision: str, adapters: int, rank: int) -> Any:
             model=ModelConfig(**MODEL),  # type: ignore[arg-type]
             precision=precision,  # type: ignore[arg-type]
             max_tokens_per_microbatch=MODEL["max_seq_len"],
-            lora=LoraConfig(max_adapters=adapters, max_rank=max(rank, 1)),
+            lora=LoraConfig(
+                max_adapters=adapters,
+                max_rank=max(rank, 1),
+                max_in_memory=1 if offload else 0,
+                offload_dir=offload,
+            ),
         )
     )
 
@@ -106,28 +111,34 @@ def lora_state_case(precision: str, adapters: int, rank: int) -> dict[str, float
     }
 
 
-def lora_switch_case(precision: str, rank: int, repeats: int) -> dict[str, float]:
-    """Seconds to switch between two trained adapters (stash one, load the other), and to
-    call the active one again (no switch), median of ``repeats``."""
+def lora_switch_case(
+    precision: str, rank: int, repeats: int, disk: bool = False
+) -> dict[str, float]:
+    """Seconds to switch to another trained adapter (stash the active one, load the other),
+    and to call the active one again (no switch), median of ``repeats``. ``disk``: three
+    adapters with one idle in host memory, so every switch reads one from disk and writes
+    another there."""
     import statistics
+    import tempfile
 
     import torch
 
     from trainctl.workers.engine.boundary import AdapterSpec
 
     torch.set_num_threads(1)
-    eng = _engine(precision, 2, rank)
-    for name in ("a", "b"):
+    names = ("a", "b", "c") if disk else ("a", "b")
+    eng = _engine(precision, len(names), rank, tempfile.mkdtemp() if disk else "")
+    for name in names:
         eng.create_adapter(AdapterSpec(name=name, rank=rank, alpha=float(rank)))
         eng.activate_adapter(name)
         _step(eng)
     switch, same = [], []
     for i in range(repeats):
         t0 = time.perf_counter()
-        eng.activate_adapter("a" if i % 2 == 0 else "b")
+        eng.activate_adapter(names[i % len(names)])
         switch.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        eng.activate_adapter("a" if i % 2 == 0 else "b")
+        eng.activate_adapter(names[i % len(names)])
         same.append(time.perf_counter() - t0)
     bank = eng.adapters
     per_adapter = sum(s.nbytes for s in bank.slots.values()) / len(bank.slots)

@@ -28,6 +28,7 @@ ENGINE_SETTINGS: dict[str, tuple[str | None, str]] = {
     "packing": (None, "packing"),
     "max_adapters": ("lora", "max_adapters"),
     "lora_max_rank": ("lora", "max_rank"),
+    "adapters_in_memory": ("lora", "max_in_memory"),
 }
 """Setting -> (section of the engine config, or None for the top level; key in it)."""
 
@@ -46,6 +47,9 @@ def engine_config_dict(s: Settings) -> dict[str, Any]:
         target = base.setdefault(section, {}) if section else base
         if name in s.model_fields_set or key not in target:
             target[key] = getattr(s, name)
+    lora = base.setdefault("lora", {})
+    if not lora.get("offload_dir"):  # where idle adapters wait on disk
+        lora["offload_dir"] = str((s.data_dir / "adapters").resolve())
     if s.init_hf is not None:
         from trainctl.workers.engine import hf
 

@@ -100,6 +100,13 @@ class Settings(BaseSettings):
         description="The largest LoRA rank an adapter may have (every adapted linear keeps "
         "factors this wide).",
     )
+    adapters_in_memory: int = Field(
+        _ENGINE.lora.max_in_memory,
+        ge=0,
+        description="Idle LoRA adapters kept in host memory; the least recently used beyond "
+        "that many wait on disk under <data_dir>/adapters until a call names them. 0: all in "
+        "memory.",
+    )
     rank_num_cpus: float = Field(
         0.25,
         gt=0,

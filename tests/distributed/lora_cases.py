@@ -9,7 +9,10 @@ from engine_cases import ragged_batch, to_host
 ADAPTERS = {
     "a": {"name": "a", "rank": 4, "alpha": 8.0, "targets": ("attn", "mlp", "unembed"), "seed": 1},
     "b": {"name": "b", "rank": 8, "alpha": 8.0, "targets": ("attn",), "seed": 2},
+    "c": {"name": "c", "rank": 2, "alpha": 4.0, "targets": ("mlp", "unembed"), "seed": 3},
 }
+SEED_OFFSET = {"a": 0, "b": 10, "c": 20}
+"""Each adapter trains on its own sequence of batches."""
 
 
 def train_adapters(cfg: dict[str, Any], order: str, delete_after: str = "") -> dict[str, Any]:
@@ -27,11 +30,11 @@ def train_adapters(cfg: dict[str, Any], order: str, delete_after: str = "") -> d
     base = eng.weights_digest()
     for name in dict.fromkeys(order):
         eng.create_adapter(AdapterSpec(**ADAPTERS[name]))
-    seen = {name: 0 for name in ADAPTERS}
+    seen = dict.fromkeys(ADAPTERS, 0)
     out: dict[str, Any] = {"losses": {}, "digests": {}}
     for name in order:
         eng.activate_adapter(name)
-        seed = {"a": 0, "b": 10}[name] + seen[name]
+        seed = SEED_OFFSET[name] + seen[name]
         seen[name] += 1
         plan = plan_step(to_host(ragged_batch(seed)), eng.cfg, loss=LossConfig())
         r = eng.train_batch(plan.microbatches[eng.coords.dp], LossConfig())
@@ -40,6 +43,9 @@ def train_adapters(cfg: dict[str, Any], order: str, delete_after: str = "") -> d
         out["digests"][name] = eng.adapter_digest(name)
     out["steps"] = {i.spec.name: i.step for i in eng.adapter_infos()}
     out["base"] = (base, eng.weights_digest())
+    out["on_disk"] = sorted(
+        s.spec.name for s in eng.adapters.slots.values() if s.path is not None and s.path.is_file()
+    )
     if delete_after:
         eng.delete_adapter(delete_after)
         out["after_delete"] = eng.adapter_digest("a")
@@ -60,14 +66,14 @@ def split_steps(cfg: dict[str, Any], order: str) -> dict[str, Any]:
     eng = EngineShard(EngineConfig.from_dict(cfg))
     for name in sorted({c.lower() for c in order}):
         eng.create_adapter(AdapterSpec(**ADAPTERS[name]))
-    seen = {"a": 0, "b": 0}
-    norms: dict[str, list[float]] = {"a": [], "b": []}
+    seen = dict.fromkeys(ADAPTERS, 0)
+    norms: dict[str, list[float]] = {name: [] for name in ADAPTERS}
     for c in order:
         name = c.lower()
         eng.activate_adapter(name)
         if c.islower():
             plan = plan_step(
-                to_host(ragged_batch({"a": 0, "b": 10}[name] + seen[name])),
+                to_host(ragged_batch(SEED_OFFSET[name] + seen[name])),
                 eng.cfg, loss=LossConfig(), deferred_normalizer=True,
             )  # fmt: skip
             seen[name] += 1
@@ -77,4 +83,9 @@ def split_steps(cfg: dict[str, Any], order: str) -> dict[str, Any]:
             eng.apply()
             eng.publish()
     names = sorted({c.lower() for c in order})
-    return {"norms": norms, "digests": {n: eng.adapter_digest(n) for n in names}}
+    on_disk = sorted(s.spec.name for s in eng.adapters.slots.values() if s.path is not None)
+    return {
+        "norms": norms,
+        "digests": {n: eng.adapter_digest(n) for n in names},
+        "on_disk": on_disk,
+    }

@@ -6,6 +6,7 @@ intact."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from lora_cases import split_steps, train_adapters
@@ -15,13 +16,16 @@ from rankpool import RankPool
 MODEL = {"num_layers": 2, "max_seq_len": 64}
 
 
-def _cfg(**layout: int) -> dict:
+def _cfg(offload: str = "", **layout: int) -> dict:
+    lora = {"max_adapters": 3, "max_rank": 8}
+    if offload:  # one idle adapter in host memory at most: another waits on disk
+        lora |= {"max_in_memory": 1, "offload_dir": offload}
     return {
         "layout": layout,
         "max_tokens_per_microbatch": 96,
         "model": MODEL,
         "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
-        "lora": {"max_adapters": 2, "max_rank": 8},
+        "lora": lora,
     }
 
 
@@ -80,3 +84,26 @@ def test_interleaved_split_steps_keep_each_adapters_window(
         assert both["norms"]["a"] == alone_a["norms"]["a"]
         assert both["norms"]["b"] == alone_b["norms"]["b"]
         assert both["digests"] == {"a": alone_a["digests"]["a"], "b": alone_b["digests"]["b"]}
+
+
+@pytest.mark.parametrize("layout", [{}, {"dp": 2}], ids=["1rank", "dp2-zero1"])
+def test_adapters_waiting_on_disk_come_back_bit_exact(
+    pools: Callable[[int], RankPool], layout: dict, tmp_path: Path
+) -> None:
+    """With one idle adapter allowed in host memory, a third adapter's switch sends the least
+    recently used one to disk (its factors, AdamW state and waiting gradients); steps and
+    split steps then equal those of adapters that never left memory."""
+    pool = pools(layout.get("dp", 1))
+    # c is sent to disk after its step and comes back for another; a goes to disk with
+    # a forward_backward part waiting and comes back for its second part and its step.
+    order, split = "cabbaabc", "acCbbaBA"
+    in_memory = pool.run(train_adapters, _cfg(**layout), order)
+    on_disk = pool.run(train_adapters, _cfg(str(tmp_path / "t"), **layout), order)
+    for mem, disk in zip(in_memory, on_disk, strict=True):
+        assert disk["losses"] == mem["losses"] and disk["digests"] == mem["digests"]
+        assert mem["on_disk"] == [] and disk["on_disk"] == ["a"]
+    split_mem = pool.run(split_steps, _cfg(**layout), split)
+    split_disk = pool.run(split_steps, _cfg(str(tmp_path / "s"), **layout), split)
+    for mem, disk in zip(split_mem, split_disk, strict=True):
+        assert disk["norms"] == mem["norms"] and disk["digests"] == mem["digests"]
+        assert len(disk["on_disk"]) == 1

@@ -1,4 +1,5 @@
-"""LoRA adapters through a real service (`trainctl serve --dp=2 --max-adapters=4`, ZeRO-1):
+"""LoRA adapters through a real service (`trainctl serve --dp=2 --max-adapters=4
+--adapters-in-memory=1`: ZeRO-1, and idle adapters beyond one wait on disk):
 the native API and SDK, the exports read back by transformers and PEFT, and the real
 ``tinker`` SDK's default LoRA client. The tests run in file order on one service; each says
 what it leaves."""
@@ -26,7 +27,14 @@ PROBE = [{"tokens": [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 17, 33]}]
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     data = tmp_path_factory.mktemp("adapters-data")
-    flags = ("--dp=2", "--max-adapters=4", "--lora-max-rank=32", "--lr=0.01")
+    # One idle adapter in host memory: the others wait on disk between their calls.
+    flags = (
+        "--dp=2",
+        "--max-adapters=4",
+        "--lora-max-rank=32",
+        "--lr=0.01",
+        "--adapters-in-memory=1",
+    )
     with running_service(data, *flags) as s:
         yield s
 
@@ -179,4 +187,9 @@ def test_tinker_lora_clients_train_their_own_adapters(svc: Service) -> None:
     assert np.abs(_forward(one, data1) - at_save).max() > 1e-4
     back = sc.create_training_client_from_state_with_optimizer(saved).result()
     np.testing.assert_allclose(_forward(back, data1), at_save, rtol=1e-6)
+    # One adapter active, one idle in memory: the others wait on disk, on each rank.
+    n = len(svc.client().list_adapters().adapters)
+    assert n >= 3
+    for rank in ("rank-00000", "rank-00001"):
+        assert len(list((svc.data_dir / "adapters" / rank).glob("*.pt"))) == n - 2, rank
     sc.close("success").result()

@@ -12,10 +12,10 @@ has no gradient). ``activate(None)`` switches every site off: the base model alo
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from torch import Tensor
 
 from trainctl.workers.engine import lora, weights, zero
 from trainctl.workers.engine.accumulation import Accumulation, grad_buffers
+from trainctl.workers.engine.adapter_store import SpillStore, to_host
 from trainctl.workers.engine.boundary import AdapterInfo, AdapterSpec
 
 
@@ -39,10 +40,10 @@ class Slot:
     """Its split-step window while another adapter is active: the gradient buffers summed
     by its ``forward_backward`` parts, waiting for its ``optim_step``."""
     parts: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+    nbytes: int = 0
+    """Its factors' bytes on this rank."""
+    path: Path | None = None
+    """Set while it waits on disk (``adapter_store.py``): its tensors are not in memory."""
 
 
 class AdapterBank:
@@ -61,6 +62,7 @@ class AdapterBank:
         tp_rank: int,
         tp: int,
         window: Accumulation | None = None,
+        store: SpillStore | None = None,
     ) -> None:
         self.sites = sites
         self.model_groups = groups  # what the whole model (every stage) can adapt
@@ -71,6 +73,7 @@ class AdapterBank:
         self.max_rank = max_rank
         self.tp_rank, self.tp = tp_rank, tp
         self.window = window
+        self.store = store or SpillStore("", 0)
         self.slots: dict[str, Slot] = {}
         self.active: str | None = None
 
@@ -107,14 +110,16 @@ class AdapterBank:
             else:
                 full = torch.zeros(full_shape)
             tensors[canon] = rule.shard(full, self.tp_rank, self.tp).to(p.dtype).clone()
-        self.slots[spec.name] = Slot(spec=spec, tensors=tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.slots[spec.name] = Slot(spec=spec, tensors=tensors, nbytes=nbytes)
+        self.store.spill(self.slots, self.active)
 
     def delete(self, name: str) -> None:
         self._slot(name)
         if self.active == name:
             self._stash(switching=True)  # its open window goes with it
             self._switch_off()
-        del self.slots[name]
+        self.store.drop(self.slots.pop(name))
 
     def infos(self) -> list[AdapterInfo]:
         return [
@@ -140,7 +145,9 @@ class AdapterBank:
         self._stash(switching=True)
         if name is None:
             self._switch_off()
+            self.store.spill(self.slots, None)
             return
+        self.store.load(slot)
         for n, p in self.params.items():
             p.copy_(slot.tensors[n])
         if slot.grads is not None and self.window is not None:
@@ -152,7 +159,7 @@ class AdapterBank:
         elif self.zero:
             zero.load_state(self.optimizer, slot.optimizer)
         else:
-            self.optimizer.load_state_dict(copy.deepcopy(slot.optimizer))
+            self.optimizer.load_state_dict(slot.optimizer)
         spec = slot.spec
         lora.set_active(
             self.sites,
@@ -163,6 +170,7 @@ class AdapterBank:
             ),
         )
         self.active = name
+        self.store.spill(self.slots, name)
 
     def _stash(self, *, switching: bool = False) -> None:
         """Copy the active adapter into its slot; ``switching``: also move its open window
@@ -172,13 +180,14 @@ class AdapterBank:
         slot = self.slots[self.active]
         if switching and self.window is not None and self.window.parts:
             buffers = grad_buffers(self.window.chunks)
-            slot.grads, slot.parts = [g.clone() for g in buffers], self.window.parts
+            slot.grads, slot.parts = to_host(buffers), self.window.parts
             for g in buffers:
                 g.zero_()
             self.window.clear()
-        slot.tensors = {n: p.detach().clone() for n, p in self.params.items()}
-        slot.optimizer = (
-            zero.state(self.optimizer) if self.zero else copy.deepcopy(self.optimizer.state_dict())
+        # Off the device: an idle adapter waits in host memory (or on disk).
+        slot.tensors = to_host(dict(self.params))
+        slot.optimizer = to_host(
+            zero.state(self.optimizer) if self.zero else self.optimizer.state_dict()
         )
 
     def _switch_off(self) -> None:
@@ -198,34 +207,39 @@ class AdapterBank:
     def state(self) -> dict[str, Any]:
         """Every adapter (the active one stashed first), for a checkpoint shard."""
         self._stash()
-        return {
-            name: {
+        out = {}
+        for name, s in self.slots.items():
+            held = self.store.read(s)  # a spilled adapter is read from its file
+            out[name] = {
                 "spec": s.spec.to_dict(),
-                "tensors": s.tensors,
-                "optimizer": s.optimizer,
+                "tensors": held["tensors"],
+                "optimizer": held["optimizer"],
                 "step": s.step,
             }
-            for name, s in self.slots.items()
-        }
+        return out
 
     def load_state(self, saved: dict[str, Any]) -> None:
         self._switch_off()
-        self.slots = {
-            name: Slot(
+        for slot in self.slots.values():
+            self.store.drop(slot)
+        self.slots = {}
+        for name, s in saved.items():
+            tensors = dict(s["tensors"])
+            self.slots[name] = Slot(
                 spec=AdapterSpec.from_dict(s["spec"]),
-                tensors=dict(s["tensors"]),
+                tensors=tensors,
                 optimizer=s["optimizer"],
                 step=int(s["step"]),
+                nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
             )
-            for name, s in saved.items()
-        }
+        self.store.spill(self.slots, None)
 
     def digest(self, name: str) -> str:
         """sha256 of one adapter's tensors on this rank (name order)."""
         if name == self.active:
             self._stash()
         h = hashlib.sha256()
-        for n, t in sorted(self._slot(name).tensors.items()):
+        for n, t in sorted(self.store.read(self._slot(name))["tensors"].items()):
             h.update(n.encode())
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()

@@ -213,14 +213,24 @@ class LoraConfig:
     fine-tuning)."""
     max_rank: int = 64
     """The largest adapter rank: every adapted linear keeps factors this wide."""
+    max_in_memory: int = 0
+    """Idle adapters kept in host memory; the least recently used beyond that many wait on
+    disk under ``offload_dir``. 0: all in memory."""
+    offload_dir: str = ""
+    """Where idle adapters wait on disk (one folder per rank); the service sets it to
+    ``<data_dir>/adapters``."""
 
     @property
     def enabled(self) -> bool:
         return self.max_adapters > 0
 
     def validate(self) -> None:
-        if self.max_adapters < 0 or self.max_rank < 1:
-            raise ConfigError("lora.max_adapters must be >= 0 and lora.max_rank >= 1")
+        if self.max_adapters < 0 or self.max_rank < 1 or self.max_in_memory < 0:
+            raise ConfigError(
+                "lora.max_adapters and lora.max_in_memory must be >= 0, lora.max_rank >= 1"
+            )
+        if self.max_in_memory and not self.offload_dir:
+            raise ConfigError("lora.max_in_memory needs lora.offload_dir (where the rest wait)")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -28,6 +28,7 @@ from torch import Tensor
 from trainctl.api.models import LossConfig
 from trainctl.workers.engine import hf, lora, megatron_cpu, weights, zero
 from trainctl.workers.engine.accumulation import Accumulation
+from trainctl.workers.engine.adapter_store import SpillStore
 from trainctl.workers.engine.adapters import AdapterBank, AdaptersPart
 from trainctl.workers.engine.boundary import (
     Applied,
@@ -124,6 +125,7 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
                 tp_rank=self.coords.tp,
                 tp=lay.tp,
                 window=self.window,
+                store=SpillStore.for_rank(cfg.lora, self.coords.rank),
             )
         self.routing = RoutingStats(
             self.chunks, num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts
