@@ -69,7 +69,11 @@ def test_tree_packing_matches_flat(pools: Callable[[int], RankPool]) -> None:
         step_and_collect, _lora_cfg(dp=2, tp=2), batch, LOSSES, None, "tree", ADAPTER
     )
     assert any(r["tree_microbatches"] for r in tree)
-    assert_same_step(tree, flat)
+    # A LoRA A-gradient sums x * dz over every token, with much cancellation: the tries'
+    # other summation order (and the thread count's matmul blocking) moved one element of
+    # 1024 by 8.6e-9 in a CI run, 1.6e-5 of the tensor's largest. Elements are held to 1e-4
+    # of it here; the losses, norms and parameters keep 1e-5.
+    assert_same_step(tree, flat, grad_floor=1e-4)
 
 
 def test_moe_attention_adapter_at_ep2(pools: Callable[[int], RankPool]) -> None:
