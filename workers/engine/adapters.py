@@ -12,7 +12,6 @@ has no gradient). ``activate(None)`` switches every site off: the base model alo
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +43,10 @@ class Slot:
     """Its factors' bytes on this rank."""
     path: Path | None = None
     """Set while it waits on disk (``adapter_store.py``): its tensors are not in memory."""
+
+
+def _nbytes(tensors: dict[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class AdapterBank:
@@ -110,8 +113,7 @@ class AdapterBank:
             else:
                 full = torch.zeros(full_shape)
             tensors[canon] = rule.shard(full, self.tp_rank, self.tp).to(p.dtype).clone()
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self.slots[spec.name] = Slot(spec=spec, tensors=tensors, nbytes=nbytes)
+        self.slots[spec.name] = Slot(spec=spec, tensors=tensors, nbytes=_nbytes(tensors))
         self.store.spill(self.slots, self.active)
 
     def delete(self, name: str) -> None:
@@ -230,19 +232,16 @@ class AdapterBank:
                 tensors=tensors,
                 optimizer=s["optimizer"],
                 step=int(s["step"]),
-                nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                nbytes=_nbytes(tensors),
             )
         self.store.spill(self.slots, None)
 
     def digest(self, name: str) -> str:
-        """sha256 of one adapter's tensors on this rank (name order)."""
-        if name == self.active:
-            self._stash()
-        h = hashlib.sha256()
-        for n, t in sorted(self.store.read(self._slot(name))["tensors"].items()):
-            h.update(n.encode())
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+        """sha256 of one adapter's tensors on this rank (name order); the active one's are
+        the live sites (no copy)."""
+        slot = self._slot(name)
+        tensors = self.params if name == self.active else self.store.read(slot)["tensors"]
+        return weights.digest(sorted(tensors.items()))
 
 
 class AdaptersPart:

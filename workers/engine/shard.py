@@ -14,7 +14,6 @@ so the gradient is that of the global token mean, whatever the layout.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -362,13 +361,7 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
     def weights_digest(self) -> str:
         """sha256 over this rank's parameters (name order): equal digests, equal weights. With
         adapters, the base's alone (``adapter_digest`` for an adapter's)."""
-        h = hashlib.sha256()
-        for name, p in self._parameters():
-            if lora.is_lora(name):
-                continue
-            h.update(name.encode())
-            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+        return weights.digest((n, p) for n, p in self._parameters() if not lora.is_lora(n))
 
     def canonical_shards(self, *, grads: bool = False, owned: bool = False) -> dict[str, Tensor]:
         """This rank's parameter (or gradient) shards by canonical name (``workers/weights``).

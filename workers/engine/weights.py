@@ -16,10 +16,11 @@ mapping turns shards back into full tensors for checkpoints export and layout-in
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +162,15 @@ def assign(
                 f"{canon}: the source has shape {tuple(full.shape)}, the model {shape}"
             )
         p.copy_(rule.shard(full, tp_rank, tp))
+
+
+def digest(named: Iterable[tuple[str, Tensor]]) -> str:
+    """sha256 over ``(name, tensor)`` pairs in the order given: equal digests, equal bytes."""
+    h = hashlib.sha256()
+    for name, t in named:
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def seeded(seed: int, num_layers: int) -> FullTensor:
