@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from trainctl.api.adapters import ADAPTER_NAME
 from trainctl.api.errors import field_error
 from trainctl.api.training import ModelLimits
 
@@ -65,8 +66,14 @@ class SampleRequest(SamplingParams):
     expected_step: int | None = Field(
         None,
         ge=0,
-        description="Sample only with the weights of this optimizer step: 409 if the "
-        "samplers hold another (a sampling client pinned to a snapshot).",
+        description="Sample only with the weights of this optimizer step (the adapter's step "
+        "with `adapter`): 409 if the samplers hold another (a client pinned to a snapshot).",
+    )
+    adapter: str | None = Field(
+        None,
+        pattern=ADAPTER_NAME,
+        description="Sample with this LoRA adapter on the base (its newest synced step); "
+        "none: the base model.",
     )
 
     def check_limits(self, limits: ModelLimits) -> None:
@@ -143,19 +150,29 @@ class PromptSamples(BaseModel):
 
 class SampleResult(BaseModel):
     samples: list[PromptSamples] = Field(description="One entry per prompt, in request order.")
-    step: int = Field(description="The optimizer step of the weights that produced them all.")
+    step: int = Field(
+        description="The optimizer step of the weights that produced them all (with an "
+        "adapter: the adapter's step)."
+    )
+    adapter: str | None = Field(None, description="The adapter they were sampled with.")
     sampler: int = Field(description="Which sampler engine answered.")
     seconds: float = Field(description="Generation time in the sampler.")
 
 
 class SyncWeightsRequest(BaseModel):
-    """``POST /v1/weights/sync``: no arguments; the samplers get the current weights."""
+    """``POST /v1/weights/sync``: the samplers get the current weights (the base's, or with
+    ``adapter`` that adapter's factors alone: the base they apply to is loaded already)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    adapter: str | None = Field(
+        None, pattern=ADAPTER_NAME, description="Sync this LoRA adapter; none: the base model."
+    )
 
 
 class SyncResult(BaseModel):
     step: int = Field(description="The optimizer step the samplers now serve.")
+    adapter: str | None = Field(None, description="The adapter synced; null: the base.")
     samplers: int = Field(description="Sampler engines that loaded it.")
     bytes: int = Field(description="Bytes of weights sent to each sampler.")
     gather_s: float = Field(description="Seconds to assemble the HF-named tensors.")
@@ -177,5 +194,8 @@ class SamplersInfo(BaseModel):
 
     sync: Literal["after_step", "manual"]
     step: int | None = Field(description="The step the samplers serve (null before a sync).")
+    adapters: dict[str, int] = Field(
+        default_factory=dict, description="Each adapter the samplers serve, and its step."
+    )
     engines: list[SamplerInfo]
     last_sync: SyncResult | None = None

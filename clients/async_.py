@@ -46,6 +46,7 @@ from trainctl.api import (
     SequenceBatch,
     StepResult,
     SyncResult,
+    SyncWeightsRequest,
 )
 from trainctl.api.errors import TrainctlError
 from trainctl.clients._base import (
@@ -278,22 +279,26 @@ class AsyncTrainctlClient:
         logprobs: bool = True,
         prompt_logprobs: bool = False,
         expected_step: int | None = None,
+        adapter: str | None = None,
     ) -> SampleResult:
         """``n`` completions of each token-id prompt from the service's sampler engines, with
         the sampler's log-prob of each generated token (and, ``prompt_logprobs``, of each
         prompt token). ``result.step`` is the optimizer step of the weights that produced
-        them; ``expected_step`` refuses (``ConflictError``) any other. Needs ``--samplers``."""
+        them (``adapter``'s step with an adapter); ``expected_step`` refuses
+        (``ConflictError``) any other. Needs ``--samplers``."""
         call = self._req.sample(
             prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, stop_token_ids=list(stop_token_ids), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, expected_step=expected_step,
+            prompt_logprobs=prompt_logprobs, expected_step=expected_step, adapter=adapter,
         )  # fmt: skip
         return await self._send(call)
 
-    async def sync_weights(self) -> SyncResult:
-        """Send the current weights to every sampler engine now (for ``sampler_sync:
-        manual``; with ``after_step`` every applied step is synced already)."""
-        return await self._send(self._req.call(OperationKind.SYNC_WEIGHTS, SyncResult))
+    async def sync_weights(self, adapter: str | None = None) -> SyncResult:
+        """Send the current weights (or ``adapter``'s factors) to every sampler engine now
+        (for ``sampler_sync: manual``; with ``after_step`` every applied step is synced
+        already, and an adapter is synced when created)."""
+        req = SyncWeightsRequest(adapter=adapter)
+        return await self._send(self._req.call(OperationKind.SYNC_WEIGHTS, SyncResult, req))
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -316,20 +316,16 @@ async def save_weights(request: Request) -> dict[str, Any]:
 async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     req, fp, model = await _model_call(request, SaveForSampler)
     if req.path is None:  # save_weights_and_get_sampling_client: the samplers, at this step
-        if model.adapter is not None:
-            raise InvalidRequestError(
-                "save_weights_and_get_sampling_client: sampling a LoRA model is not built yet "
-                "(the samplers serve the base); save_weights_for_sampler(name) exports the "
-                "adapter for PEFT or vLLM"
-            )
         return _in_order(
             request, model, req.seq_id, fp, OperationKind.SYNC_WEIGHTS,
-            lambda: sampling.sync_request(req), lambda r: sampling.session_for(request, req, r),
+            lambda: sampling.sync_request(req, model.adapter),
+            lambda r: sampling.session_for(request, req, r),
         )  # fmt: skip
     path = convert.TinkerPath(model.model_id, "sampler_weights", req.path)
 
     def exported(result: Any) -> dict[str, Any]:
-        sampling.remember_path(request, str(path), ExportResult.model_validate(result).step)
+        step = ExportResult.model_validate(result).step
+        sampling.remember_path(request, str(path), model.adapter, step)
         return {"path": str(path), "type": "save_weights_for_sampler"}
 
     return _in_order(

@@ -7,6 +7,9 @@ the newest synced; a session whose step they no longer serve is **refused** with
 saying so (a 409, Tinker category ``user``), never answered with other weights. So a
 sampling client made at step k samples step-k weights, or fails clearly.
 
+A LoRA model's session samples with its adapter (on a service with ``--max-adapters``): the
+step is the adapter's, and the samplers serve each adapter's newest synced step.
+
 ``asample`` answers a future at once; its result is Tinker's ``SampleResponse`` protobuf.
 """
 
@@ -53,7 +56,9 @@ class SamplingSession:
     base_model: str
     model_path: str | None
     step: int
-    """The optimizer step of the weights this session samples."""
+    """The optimizer step of the weights this session samples (its adapter's, with one)."""
+    adapter: str | None = None
+    """The LoRA adapter it samples with; None: the base model."""
     inflight: bool = False
     """Tinker's ``inflight`` kind: this step or any newer one (the samplers follow training
     with ``--sampler-sync after_step``); a snapshot samples exactly ``step``."""
@@ -66,7 +71,9 @@ class SamplingSessions:
         self.limit, self.evicted = limit, evicted
         self.evicted.setdefault("tinker_sampling_sessions", 0)
         self.sessions: OrderedDict[str, SamplingSession] = OrderedDict()
-        self.sampler_paths: OrderedDict[str, int] = OrderedDict()
+        self.sampler_paths: OrderedDict[str, tuple[str | None, int]] = OrderedDict()
+        """Each ``save_weights_for_sampler`` path: the adapter it holds (None: a full model)
+        and its step."""
 
     def add(self, s: SamplingSession) -> SamplingSession:
         self.sessions[s.sampling_session_id] = s
@@ -85,8 +92,8 @@ class SamplingSessions:
             )
         return s
 
-    def remember_path(self, path: str, step: int) -> None:
-        self.sampler_paths[path] = step
+    def remember_path(self, path: str, adapter: str | None, step: int) -> None:
+        self.sampler_paths[path] = (adapter, step)
         while len(self.sampler_paths) > self.limit:
             self.sampler_paths.popitem(last=False)
 
@@ -124,15 +131,16 @@ class AsampleRequest(Body):
     record_stability_info: bool | None = None
 
 
-def sync_request(req: SaveForSampler) -> SyncWeightsRequest:
-    """``save_weights_and_get_sampling_client``: bring the samplers to the current step."""
+def sync_request(req: SaveForSampler, adapter: str | None) -> SyncWeightsRequest:
+    """``save_weights_and_get_sampling_client``: bring the samplers to the current step (of
+    the model's adapter, for a LoRA model)."""
     if req.sampling_session_seq_id is None:
         raise InvalidRequestError(
             "path: name the weights, or give sampling_session_seq_id for a sampling client"
         )
     if req.kind not in ("snapshot", "inflight"):
         raise InvalidRequestError(f"kind: 'snapshot' or 'inflight', not {req.kind!r}")
-    return SyncWeightsRequest()
+    return SyncWeightsRequest(adapter=adapter)
 
 
 def session_for(request: Request, req: SaveForSampler, result: Any) -> dict[str, Any]:
@@ -145,14 +153,15 @@ def session_for(request: Request, req: SaveForSampler, result: Any) -> dict[str,
             base_model="",  # the served model's name, read when asked (get_sampler)
             model_path=None,
             step=synced.step,
+            adapter=synced.adapter,
             inflight=req.kind == "inflight",
         )
     )
     return {"type": "save_weights_for_sampler", "sampling_session_id": s.sampling_session_id}
 
 
-def remember_path(request: Request, path: str, step: int) -> None:
-    _sessions(request).remember_path(path, step)
+def remember_path(request: Request, path: str, adapter: str | None, step: int) -> None:
+    _sessions(request).remember_path(path, adapter, step)
 
 
 def _sessions(request: Request) -> SamplingSessions:
@@ -163,10 +172,11 @@ def _controller(request: Request) -> ControllerAPI:
     return request.app.state.controller  # type: ignore[no-any-return]
 
 
-async def _pinned_step(
+async def _pinned(
     request: Request, info: Info, model_path: str | None, base_model: str | None
-) -> int:
-    """The step of the weights a sampling client asks for; 404/422 if there are none."""
+) -> tuple[str | None, int]:
+    """The adapter (None: the base) and step of the weights a sampling client asks for;
+    404/422 if there are none."""
     if info.samplers is None:
         raise ConflictError(
             "this service has no samplers: start it with --samplers N to sample through Tinker"
@@ -176,27 +186,42 @@ async def _pinned_step(
             raise InvalidRequestError(
                 f"base_model: this service serves {info.model_name!r}, not {base_model!r}"
             )
-        return 0
+        return None, 0
     path = TinkerPath.parse(model_path, "model_path")
     if path.kind == "sampler_weights":
-        step = _sessions(request).sampler_paths.get(str(path))
-        if step is None:
+        pinned = _sessions(request).sampler_paths.get(str(path))
+        if pinned is None:
             raise NotFoundError(
                 f"model_path: {model_path!r} was not saved through this gateway since it "
                 "started (save_weights_for_sampler)"
             )
-        return step
+        return pinned
     if path.kind == "weights":
+        if (await _controller(request).list_adapters()).max_adapters:
+            raise InvalidRequestError(
+                f"model_path: {model_path!r} is a training state; on a LoRA service sample "
+                "a LoRA model from save_weights_for_sampler's path, or with "
+                "save_weights_and_get_sampling_client"
+            )
         for c in (await _controller(request).list_checkpoints()).checkpoints:
             if c.checkpoint_id == path.name:
-                return c.step
+                return None, c.step
         raise NotFoundError(f"model_path: no checkpoint {path.name!r}")
     raise InvalidRequestError(f"model_path: {model_path!r} names no weights")
 
 
-def _check_served(step: int, info_step: int | None) -> None:
-    if info_step is not None and info_step != step:
-        raise ConflictError(_stale(step, info_step), details={"step": info_step})
+def _check_served(step: int, adapter: str | None, info: Info) -> None:
+    samplers = info.samplers
+    served = None if samplers is None else samplers.step
+    if adapter is not None and samplers is not None:
+        served = samplers.adapters.get(adapter)
+        if served is None:
+            raise NotFoundError(
+                f"model_path: the samplers serve no adapter {adapter!r} (deleted, or never "
+                "synced); save_weights_and_get_sampling_client syncs it"
+            )
+    if served is not None and served != step:
+        raise ConflictError(_stale(step, served), details={"step": served})
 
 
 def _stale(step: int, served: int) -> str:
@@ -225,7 +250,9 @@ def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:
     return tokens
 
 
-def native_request(req: AsampleRequest, step: int | None) -> SampleRequest:
+def native_request(
+    req: AsampleRequest, step: int | None, adapter: str | None = None
+) -> SampleRequest:
     """Tinker's sample request as trainctl's; what is not supported is refused by name."""
     unsupported = {
         "topk_prompt_logprobs": req.topk_prompt_logprobs,
@@ -257,6 +284,7 @@ def native_request(req: AsampleRequest, step: int | None) -> SampleRequest:
         logprobs=True,
         prompt_logprobs=bool(req.prompt_logprobs),
         expected_step=step,
+        adapter=adapter,
         **extra,
     )
 
@@ -289,14 +317,15 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
     state: TinkerState = request.app.state.tinker
     state.session(req.session_id)
     info = await _controller(request).info()
-    step = await _pinned_step(request, info, req.model_path, req.base_model)
-    _check_served(step, info.samplers.step if info.samplers else None)
+    adapter, step = await _pinned(request, info, req.model_path, req.base_model)
+    _check_served(step, adapter, info)
     s = _sessions(request).add(
         SamplingSession(
             sampling_session_id=f"{req.session_id}:sample:{req.sampling_session_seq_id}",
             base_model=info.model_name,
             model_path=req.model_path,
             step=step,
+            adapter=adapter,
         )
     )
     return {"type": "create_sampling_session", "sampling_session_id": s.sampling_session_id}
@@ -319,11 +348,11 @@ async def asample(request: Request) -> dict[str, Any]:
     inflight = False
     if req.sampling_session_id is not None:
         session = _sessions(request).get(req.sampling_session_id)
-        step, inflight = session.step, session.inflight
+        adapter, step, inflight = session.adapter, session.step, session.inflight
     else:
         info = await _controller(request).info()
-        step = await _pinned_step(request, info, req.model_path, req.base_model)
-    native = native_request(req, None if inflight else step)
+        adapter, step = await _pinned(request, info, req.model_path, req.base_model)
+    native = native_request(req, None if inflight else step, adapter)
     native.check_limits(await get_limits(request, _controller(request)))
     controller = _controller(request)
 

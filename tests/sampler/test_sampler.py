@@ -16,55 +16,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from parity import PARITY, PROMPTS, gap, prompt_scores
 from servicekit import Service
 
 from trainctl.api import (
     ConflictError,
     InvalidRequestError,
     NotReadyError,
-    SampleResult,
 )
-from trainctl.clients import TrainctlClient
 from trainctl.clients._base import RetryPolicy
-
-PARITY = 1e-4
-"""Sampler vs trainer log-probs in fp32 (measured: below 1e-6)."""
-PROMPTS = [[1, 2, 3, 4], [7, 8, 9], [40, 41, 42, 43, 44, 45], [5]]
-
-
-def scored(result: SampleResult, prompts: list[list[int]]) -> tuple[list[Any], list[float]]:
-    """The sampled sequences as a logprobs batch, and the sampler's log-probs of what it
-    generated, in the same order (flattened)."""
-    seqs, lps = [], []
-    for prompt, s in zip(prompts, result.samples, strict=True):
-        for c in s.completions:
-            assert c.logprobs is not None and len(c.logprobs) == len(c.tokens) > 0
-            seqs.append(prompt + c.tokens)
-            lps.append(c.logprobs)
-    return seqs, lps
-
-
-def gap(tc: TrainctlClient, result: SampleResult, prompts: list[list[int]]) -> float:
-    """Largest |sampler - trainer| over every sampled token and every scored prompt token."""
-    seqs, lps = scored(result, prompts)
-    trainer = tc.logprobs(seqs).logprobs
-    diffs = [
-        np.abs(np.asarray(t[len(t) - len(s) :]) - np.asarray(s)).max()
-        for t, s in zip(trainer, lps, strict=True)
-    ]
-    by_prompt = tc.logprobs(prompts).logprobs
-    for t, s in zip(by_prompt, result.samples, strict=True):
-        if s.prompt_logprobs is not None:
-            assert s.prompt_logprobs[0] is None and len(s.prompt_logprobs) == len(t)
-        if s.prompt_logprobs is not None and len(t) > 1:
-            diffs.append(np.abs(np.asarray(t[1:]) - np.asarray(s.prompt_logprobs[1:])).max())
-    return float(max(diffs))
-
-
-def prompt_scores(tc: TrainctlClient, seqs: list[list[int]]) -> np.ndarray:
-    """The sampler's log-probs of given sequences (prompt_logprobs: scoring, no sampling)."""
-    r = tc.sample(seqs, max_tokens=1, prompt_logprobs=True)
-    return np.concatenate([np.asarray(s.prompt_logprobs[1:], float) for s in r.samples])
 
 
 def test_sampler_logprobs_equal_the_trainers(sampled: Service) -> None:

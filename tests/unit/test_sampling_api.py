@@ -93,7 +93,7 @@ def test_sampling_sessions_are_bounded_and_their_evictions_counted() -> None:
     table = SamplingSessions(evicted, limit=8)
     for i in range(20):
         table.add(SamplingSession(f"s:sample:{i}", "m", None, step=i))
-        table.remember_path(f"tinker://m/sampler_weights/{i}", i)
+        table.remember_path(f"tinker://m/sampler_weights/{i}", None, i)
     assert len(table.sessions) == 8 and len(table.sampler_paths) == 8
     assert evicted["tinker_sampling_sessions"] == 12
     assert table.get("s:sample:19").step == 19

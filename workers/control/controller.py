@@ -142,8 +142,8 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
             OperationKind.LOAD_CHECKPOINT: self._load_op,
             OperationKind.EXPORT_HF: self._export,
             OperationKind.SYNC_WEIGHTS: self._sync_op,
-            OperationKind.CREATE_ADAPTER: self.adapters.create,
-            OperationKind.DELETE_ADAPTER: self.adapters.delete,
+            OperationKind.CREATE_ADAPTER: self._create_adapter_op,
+            OperationKind.DELETE_ADAPTER: self._delete_adapter_op,
         }
 
     @property
@@ -235,13 +235,16 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
         if h.exc is None:
             self.trackers.observe(h.op.kind, h.op.result)
 
-    async def _after_train(self, h: Handle) -> list[str]:
-        """After an applied step: the scheduled checkpoint, then the samplers' sync. The step
-        stands whatever happens here, so a failure is a warning beside its result, never the
-        call's error (which a client would retry, applying the step again)."""
-        warnings = [w for w in (await self._scheduled_checkpoint(h),) if w]
+    async def _after_train(self, h: Handle, adapter: str | None) -> list[str]:
+        """After an applied step: the scheduled checkpoint (the base's steps count), then the
+        samplers' sync of what stepped. The step stands whatever happens here, so a failure is
+        a warning beside its result, never the call's error (which a client would retry,
+        applying the step again)."""
+        warnings = []
+        if adapter is None:
+            warnings = [w for w in (await self._scheduled_checkpoint(h),) if w]
         if self.ready:  # not while the ranks are being restored
-            warning = await self._sync_after_change()
+            warning = await self._sync_after_change(adapter)
             if warning:
                 warnings.append(warning)
         return warnings

@@ -45,7 +45,7 @@ from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.engine.config import EngineConfig
 
 
-async def _no_hook(_h: Handle) -> list[str]:
+async def _no_hook(_h: Handle, _adapter: str | None) -> list[str]:
     """The service checkpoints and syncs samplers after a step; in-process, nothing happens."""
     return []
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainctl.workers.engine.boundary import OwnedShards, WrittenFile
+from trainctl.workers.sampler.spec import PeftAdapter
 
 Part = Literal["base", "adapter", "merged"]
 """What an export gathers: the base's weights, an adapter's factors, or both (to merge)."""
@@ -76,6 +77,15 @@ class ExportPart:
 
         tensors = hf.to_hf(self._merged(parts), self.engine.cfg.model)
         return tensors, tensor_bytes(tensors)
+
+    def peft_weights(self, parts: list[Any], adapter: str) -> tuple[PeftAdapter, int]:
+        """``hf_weights`` for one adapter: its factors from every rank, in PEFT's format (what
+        ``write_hf`` writes for it), and their size in bytes."""
+        from trainctl.workers.engine import hf_adapter
+
+        spec = self.engine.adapters.slots[adapter].spec
+        config, tensors = hf_adapter.to_peft(self._merged(parts), self.engine.cfg.model, spec)
+        return PeftAdapter(config=config, tensors=tensors), tensor_bytes(tensors)
 
     def hf_config(self) -> dict[str, Any]:
         """The model's Hugging Face ``config.json`` (an export's), or the reason there is none."""

@@ -50,7 +50,7 @@ class RecoveryPart:
 
         async def info(self) -> Info: ...
 
-        async def _sync_after_change(self) -> str | None: ...
+        async def _sync_after_load(self) -> str | None: ...
 
     def _begin_recovery(self, cause: str) -> None:
         """Stop taking work and queue the rebuild ahead of everything else."""
@@ -103,7 +103,7 @@ class RecoveryPart:
             step_after=self.step,
         )
         self.steps_lost += step_before - self.step
-        warning = await self._sync_after_change()
+        warning = await self._sync_after_load()
         if warning:
             log.warning("after recovery: %s", warning)
         self.ready = True

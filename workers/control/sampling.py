@@ -3,8 +3,11 @@
 A sync is an operation (queued with the training calls, so it reads one step's weights):
 every rank sends its canonical shards to rank 0, which merges them into the model under its
 Hugging Face names (``export_hf``'s mapping) and puts them in the object store once; every
-sampler engine loads that object. ``sample`` is not an operation: it never touches the
-ranks, and runs beside training.
+sampler engine loads that object. An adapter's sync is the same with its factors alone, in
+PEFT's format (``export_hf(adapter=...)``'s): it is synced when created, after each of its
+steps (``after_step``), dropped from the samplers when deleted, and every adapter is synced
+again after a checkpoint load or a recovery. ``sample`` is not an operation: it never
+touches the ranks, and runs beside training.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import TYPE_CHECKING, Literal
 import ray
 
 from trainctl.api import (
+    AdapterInfo,
+    AdapterList,
     ConflictError,
     ModelLimits,
     SampleRequest,
@@ -25,6 +30,8 @@ from trainctl.api import (
     SyncWeightsRequest,
     WorkerError,
 )
+from trainctl.api.adapters import CreateAdapterRequest, DeleteAdapterRequest
+from trainctl.workers.control.adapters import Adapters
 from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.telemetry import ControllerMetrics
@@ -58,6 +65,7 @@ class SamplingPart:
     sampler_settings: SamplerSettings
     samplers: SamplerPool | None
     metrics: ControllerMetrics
+    adapters: Adapters
 
     if TYPE_CHECKING:
 
@@ -83,6 +91,8 @@ class SamplingPart:
             max_model_len=self.cfg.model.max_seq_len,
             kv_cache_gib=s.kv_cache_gib,
             seed=self.cfg.model.seed,
+            max_adapters=self.cfg.lora.max_adapters,
+            max_lora_rank=self.cfg.lora.max_rank,
         )
         pool = self.samplers = SamplerPool(spec, s.pool)
         self.metrics.watch_samplers(
@@ -91,50 +101,98 @@ class SamplingPart:
         )
         await pool.start()
         await self._sync()
+        for name in self.adapters.entries:  # resumed from a checkpoint that holds adapters
+            await self._sync(adapter=name)
 
     def _sync_op(self, req: SyncWeightsRequest) -> Runner:
         if self.samplers is None:
             raise ConflictError(_NO_SAMPLERS)
-        return lambda h: self._sync(h)
+        if req.adapter is not None:
+            self.adapters.state(req.adapter)  # 404 now, not once queued
+        return lambda h: self._sync(h, req.adapter)
 
-    async def _sync(self, h: Handle | None = None) -> SyncResult:
-        """Every sampler engine loads the ranks' current weights."""
+    async def _sync(self, h: Handle | None = None, adapter: str | None = None) -> SyncResult:
+        """Every sampler engine loads the ranks' current weights, or ``adapter``'s."""
         assert self.samplers is not None
         if h is not None:
             h.set_phase("gathering weights")
         t0 = time.perf_counter()
-        parts = [r.canonical_shards.remote() for r in self.group.ranks]
-        weights, size = self.group.ranks[0].hf_weights.options(num_returns=2).remote(parts)
+        ranks = self.group.ranks
+        if adapter is None:
+            parts = [r.canonical_shards.remote() for r in ranks]
+            weights, size = ranks[0].hf_weights.options(num_returns=2).remote(parts)
+            step = self.step
+        else:
+            parts = [r.canonical_shards.remote("adapter", adapter) for r in ranks]
+            weights, size = ranks[0].peft_weights.options(num_returns=2).remote(parts, adapter)
+            step = self.adapters.entries[adapter].state.step
         try:
             nbytes = int(await size)
         except ray.exceptions.RayError as e:
             raise WorkerError(f"gathering the weights for the samplers failed: {e}") from None
         if h is not None:
             h.set_phase("loading weights into the samplers")
-        result = await self.samplers.sync(self.step, weights, nbytes, time.perf_counter() - t0)
+        gather_s = time.perf_counter() - t0
+        result = await self.samplers.sync(step, weights, nbytes, gather_s, adapter)
         self.metrics.sync_seconds.observe(result.gather_s + result.load_s)
         log.info(
-            "synced step %d to %d sampler(s): gather %.3fs, load %.3fs",
-            result.step, result.samplers, result.gather_s, result.load_s,
+            "synced %s step %d to %d sampler(s): gather %.3fs, load %.3fs",
+            "the base" if adapter is None else f"adapter {adapter!r}", result.step,
+            result.samplers, result.gather_s, result.load_s,
         )  # fmt: skip
         return result
 
-    async def _sync_after_change(self) -> str | None:
-        """After an applied step, a load or a recovery (``sync: after_step``): sync, and
-        report a failure as a warning (the step stands)."""
+    async def _sync_after_change(self, adapter: str | None = None) -> str | None:
+        """After an applied step (of the base or of ``adapter``) or an adapter's creation
+        (``sync: after_step``): sync it, and report a failure as a warning (the step stands)."""
         if self.samplers is None or self.sampler_settings.pool.sync != "after_step":
             return None
+        what = "" if adapter is None else f"adapter {adapter!r}'s "
         try:
-            r = await self._sync()
+            r = await self._sync(adapter=adapter)
         except Exception as e:
-            log.exception("sync of step %d failed", self.step)
-            return f"step {self.step} stands, but the samplers could not load it: {e}"
+            log.exception("sync of %sstep failed", what)
+            return f"{what}step stands, but the samplers could not load it: {e}"
         if r.samplers < len(self.samplers.engines):
             return (
-                f"step {self.step} was loaded by {r.samplers} of {len(self.samplers.engines)} "
-                "samplers; the others are being recreated with it"
+                f"{what}step {r.step} was loaded by {r.samplers} of "
+                f"{len(self.samplers.engines)} samplers; the others are being recreated with it"
             )
         return None
+
+    async def _sync_after_load(self) -> str | None:
+        """After a checkpoint load or a recovery: the base and every adapter the ranks now
+        hold are synced; an adapter they no longer hold leaves the samplers."""
+        if self.samplers is None:
+            return None
+        for name in set(self.samplers.adapters) - set(self.adapters.entries):
+            await self.samplers.remove_adapter(name)
+        warnings = [await self._sync_after_change()]
+        warnings += [await self._sync_after_change(name) for name in self.adapters.entries]
+        return "; ".join(w for w in warnings if w) or None
+
+    def _create_adapter_op(self, req: CreateAdapterRequest) -> Runner:
+        run = self.adapters.create(req)
+
+        async def created(h: Handle) -> AdapterInfo:
+            info: AdapterInfo = await run(h)
+            warning = await self._sync_after_change(req.name)  # sample it from step 0 on
+            if warning:
+                log.warning("after creating adapter %r: %s", req.name, warning)
+            return info
+
+        return created
+
+    def _delete_adapter_op(self, req: DeleteAdapterRequest) -> Runner:
+        run = self.adapters.delete(req)
+
+        async def deleted(h: Handle) -> AdapterList:
+            out: AdapterList = await run(h)
+            if self.samplers is not None:
+                await self.samplers.remove_adapter(req.name)
+            return out
+
+        return deleted
 
     async def sample(self, req: SampleRequest) -> SampleResult:
         self._check_serving()
@@ -144,6 +202,8 @@ class SamplingPart:
         # vocabulary or a prompt past its context, whoever calls.
         req.check_limits(self.limits)
         t0 = time.perf_counter()
+        if req.adapter is not None:
+            self.adapters.state(req.adapter)  # a 404 naming it, or the 422 of a base service
         result = await self.samplers.sample(req)
         self.metrics.sample_seconds.observe(time.perf_counter() - t0)
         self.metrics.sampled_tokens.inc(

@@ -59,7 +59,7 @@ class SavesPart:
 
         async def _digests(self) -> list[str]: ...
 
-        async def _sync_after_change(self) -> str | None: ...
+        async def _sync_after_load(self) -> str | None: ...
 
     def _layout(self) -> dict[str, int]:
         return dict(self.cfg.to_dict()["layout"])
@@ -97,7 +97,7 @@ class SavesPart:
 
         async def run(h: Handle) -> CheckpointInfo:
             info = await self._load(req.checkpoint_id, h, optimizer=req.optimizer)
-            warning = await self._sync_after_change()  # the samplers follow the load
+            warning = await self._sync_after_load()  # the samplers follow the load
             if warning:
                 log.warning("after loading %s: %s", req.checkpoint_id, warning)
             return info

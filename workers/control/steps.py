@@ -106,14 +106,14 @@ class Steps:
         group: Group,
         state: ModelState,
         *,
-        after_train: Callable[[Handle], Awaitable[list[str]]],
+        after_train: Callable[[Handle, str | None], Awaitable[list[str]]],
         adapter_state: Callable[[str], ModelState] | None = None,
     ) -> None:
         self.cfg, self.group, self.state = cfg, group, state
         self.after_train = after_train
-        """Called after every applied step of the base (scheduled checkpoints, the samplers'
-        sync); it never raises, and what it returns are warnings to report beside the step's
-        result."""
+        """Called after every applied step, of the base or of the adapter named (scheduled
+        checkpoints, the samplers' sync); it never raises, and what it returns are warnings to
+        report beside the step's result."""
         self.adapter_state = adapter_state
         """A LoRA adapter's own step and window (``workers/control/adapters.py``); a name it
         does not know is a 404."""
@@ -214,7 +214,7 @@ class Steps:
             raise
         await self._check_norms(state, [r.grad_norm for r in reports])
         result = step_result(plan, reports, step=state.step, t_plan=t_plan)
-        await self._apply(h, state, result, None)
+        await self._apply(h, state, result, None, plan.adapter)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 
@@ -226,7 +226,12 @@ class Steps:
             raise error
 
     async def _apply(
-        self, h: Handle, state: ModelState, result: StepResult, hyper: dict[str, float] | None
+        self,
+        h: Handle,
+        state: ModelState,
+        result: StepResult,
+        hyper: dict[str, float] | None,
+        adapter: str | None,
     ) -> None:
         """Phases 2 and 3 of a step (every rank's phase 1 succeeded), into ``result``."""
         h.set_phase("optimizer_step")
@@ -250,8 +255,7 @@ class Steps:
         state.step += 1
         h.applied = True  # from here on the call answers its result, never a retryable error
         result.step = state.step
-        if state is self.state:  # an adapter's step changes nothing a sampler or save reads
-            result.warnings.extend(await self.after_train(h))
+        result.warnings.extend(await self.after_train(h, adapter))
         result.metrics["grad_norm:value"] = applied[0].grad_norm
         result.metrics["lr:value"] = (hyper or {}).get("lr", self.cfg.optimizer.lr)
         result.timings["optimizer_max_s"] = max(a.seconds for a in applied)
@@ -340,7 +344,7 @@ class Steps:
                      "loss_tokens:sum": float(w.loss_tokens)},
             timings={"gradient_reduce_s": time.perf_counter() - t0},
         )  # fmt: skip
-        await self._apply(h, state, result, hyper)
+        await self._apply(h, state, result, hyper, req.adapter)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 

@@ -6,14 +6,23 @@ through vLLM's own loading path (its worker's ``reload_weights``, reached with
 ``collective_rpc``): each tensor goes through the model's ``load_weights`` and whatever
 processing the platform applies after loading. No file of weights is written or read.
 
+LoRA adapters (a service with ``--max-adapters``) are served with vLLM's LoRA support: the
+engine is built with ``enable_lora``, and ``load_adapter`` hands vLLM an adapter in PEFT's
+format, replacing the one of that name in place. vLLM reads an adapter from a directory, so
+its two files are written to a memory-backed one (``/dev/shm`` where it exists): a few MB per
+adapter, never the base.
+
 One call runs at a time (the Ray actor has ``max_concurrency=1``), so a weight load always
 falls between two sample calls: a result is produced by one step's weights, and says which.
+The same holds for adapters, and one call samples with one adapter (or the base): base and
+adapter requests never share an engine batch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -23,12 +32,13 @@ from typing import Any
 from trainctl.api import (
     Completion,
     ConflictError,
+    NotFoundError,
     NotReadyError,
     PromptSamples,
     SampleRequest,
     SampleResult,
 )
-from trainctl.workers.sampler.spec import SamplerSpec
+from trainctl.workers.sampler.spec import PeftAdapter, SamplerSpec
 
 
 def engine_env(cuda: bool, threads: int) -> dict[str, str]:
@@ -53,10 +63,34 @@ def engine_env(cuda: bool, threads: int) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Loaded:
-    """A sampler's answer to ``load_weights``."""
+    """A sampler's answer to ``load_weights`` and ``load_adapter``."""
 
     step: int
     seconds: float
+
+
+@dataclass
+class _Served:
+    lora_id: int
+    step: int
+    path: Path
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes as ``max_lora_rank``."""
+
+
+def vllm_max_lora_rank(max_rank: int) -> int:
+    """The smallest rank vLLM accepts as its limit that holds every adapter of ``max_rank``."""
+    for r in VLLM_LORA_RANKS:
+        if r >= max_rank:
+            return r
+    raise ValueError(f"lora max rank {max_rank} exceeds vLLM's largest, {VLLM_LORA_RANKS[-1]}")
+
+
+def _memory_dir() -> str | None:
+    """A memory-backed directory for adapter files (None: the default temporary one)."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
 def _reload(worker: Any, named: list[tuple[str, Any]]) -> int:
@@ -103,6 +137,19 @@ class VllmSampler:
         kwargs: dict[str, Any] = {}
         if cuda:
             kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+        if spec.max_adapters:
+            kwargs |= {
+                "enable_lora": True,
+                "max_loras": 1,  # one call samples with one adapter
+                "max_cpu_loras": spec.max_adapters,
+                "max_lora_rank": vllm_max_lora_rank(spec.max_lora_rank),
+            }
+        self._adapters_dir = tempfile.TemporaryDirectory(
+            prefix="trainctl-adapters-", dir=_memory_dir()
+        )
+        self.adapters: dict[str, _Served] = {}
+        self.adapters_enabled = bool(spec.max_adapters)
+        self._next_lora_id = 1
         self.llm = LLM(
             model=self._dir.name,
             load_format="dummy",  # the weights come from the trainer, never from disk
@@ -140,15 +187,79 @@ class VllmSampler:
         self.step = step
         return Loaded(step=step, seconds=time.perf_counter() - t0)
 
-    def sample(self, req: SampleRequest) -> SampleResult:
-        """Generate from every prompt with the loaded step's weights."""
+    def load_adapter(self, name: str, step: int, adapter: PeftAdapter) -> Loaded:
+        """Load (or replace in place) the adapter ``name`` at its step ``step``."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        served = self.adapters.get(name)
+        if served is None:
+            served = _Served(self._next_lora_id, step, Path(self._adapters_dir.name, name))
+            self._next_lora_id += 1
+        # A new directory per load: vLLM may re-read an evicted adapter from its path later.
+        path = Path(self._adapters_dir.name, f"{name}.{step}.{time.monotonic_ns()}")
+        path.mkdir()
+        (path / "adapter_config.json").write_text(json.dumps(adapter.config))
+        save_file(adapter.tensors, str(path / "adapter_model.safetensors"))
+        request = LoRARequest(name, served.lora_id, str(path), load_inplace=True)
+        if not self.llm.llm_engine.add_lora(request):
+            shutil.rmtree(path, ignore_errors=True)
+            raise RuntimeError(f"vLLM did not load adapter {name!r}")
+        shutil.rmtree(served.path, ignore_errors=True)
+        served.step, served.path = step, path
+        self.adapters[name] = served
+        return Loaded(step=step, seconds=time.perf_counter() - t0)
+
+    def remove_adapter(self, name: str) -> None:
+        served = self.adapters.pop(name, None)
+        if served is not None:
+            self.llm.llm_engine.remove_lora(served.lora_id)
+            shutil.rmtree(served.path, ignore_errors=True)
+
+    def _generate_then_score(self, prompts: list[Any], params: Any, lora: Any) -> list[Any]:
+        """Prompt log-probs on an engine with LoRA enabled, one prompt per engine step.
+
+        vLLM 0.32 with ``enable_lora`` fails computing prompt log-probs for several requests
+        in one step (its LoRA LM head indexes adapters per request, not per prompt token:
+        "einsum(): subscript b has size 2 ... size 7"); with one request it is exact. So the
+        completions are generated as usual and each prompt is then scored alone."""
+        from vllm import SamplingParams
+
+        outs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        score = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            scored = self.llm.generate([prompt], score, lora_request=lora, use_tqdm=False)
+            out.prompt_logprobs = scored[0].prompt_logprobs
+        return outs
+
+    def _served_step(self, req: SampleRequest) -> tuple[int, Any]:
+        """The step ``req`` would sample (the base's or its adapter's), and vLLM's LoRA
+        request for it (None: the base)."""
         if self.step is None:
             raise NotReadyError("the sampler has no weights yet: they arrive with the first sync")
-        if req.expected_step is not None and req.expected_step != self.step:
+        if req.adapter is None:
+            return self.step, None
+        served = self.adapters.get(req.adapter)
+        if served is None:
+            raise NotFoundError(
+                f"adapter: the samplers serve no adapter {req.adapter!r} (it is synced when "
+                'created, after its steps, or with POST /v1/weights/sync {"adapter": ...})',
+                details={"field": "adapter"},
+            )
+        from vllm.lora.request import LoRARequest
+
+        return served.step, LoRARequest(req.adapter, served.lora_id, str(served.path))
+
+    def sample(self, req: SampleRequest) -> SampleResult:
+        """Generate from every prompt with the loaded step's weights (and adapter)."""
+        step, lora = self._served_step(req)
+        if req.expected_step is not None and req.expected_step != step:
+            whose = "" if req.adapter is None else f" of adapter {req.adapter!r}"
             raise ConflictError(
-                f"expected_step: the samplers serve the weights of step {self.step}, not "
+                f"expected_step: the samplers serve the weights{whose} of step {step}, not "
                 f"{req.expected_step}",
-                details={"field": "expected_step", "step": self.step},
+                details={"field": "expected_step", "step": step},
             )
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -162,16 +273,22 @@ class VllmSampler:
             seed=req.seed,
             stop_token_ids=list(req.stop_token_ids),
             logprobs=0 if req.logprobs else None,
-            prompt_logprobs=0 if req.prompt_logprobs else None,
             detokenize=False,
         )
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in req.prompts]
         t0 = time.perf_counter()
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        if not req.prompt_logprobs:
+            outs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        elif not self.adapters_enabled or (len(prompts) == 1 and req.n == 1):
+            params.prompt_logprobs = 0
+            outs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        else:
+            outs = self._generate_then_score(prompts, params, lora)
         seconds = time.perf_counter() - t0
         return SampleResult(
             samples=[_prompt_samples(o, req) for o in outs],
-            step=self.step,
+            step=step,
+            adapter=req.adapter,
             sampler=self.index,
             seconds=seconds,
         )

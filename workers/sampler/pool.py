@@ -3,7 +3,8 @@
 - **Spawn**: one Ray actor per engine (``SamplerActor``), each serving one call at a time.
 - **Sync**: the controller hands over one object-store reference to a step's HF-named
   tensors; every engine loads it (shared memory on a node, Ray's transfer across nodes: no
-  file). The reference is kept, so an engine recreated later loads the same step.
+  file). The reference is kept, so an engine recreated later loads the same step. An
+  adapter's sync is the same with its PEFT tensors, kept per adapter.
 - **Dispatch**: a sample request goes to the ready engine with the fewest requests in
   flight. Its result carries the step of the engine's weights.
 - **Recreate**: an engine that dies fails its in-flight requests with a retryable 503, and is
@@ -65,6 +66,8 @@ class SamplerPool:
         self.engines = [_Engine(i) for i in range(options.num_samplers)]
         self.weights: tuple[int, Any] | None = None
         """The step the samplers serve and the object-store reference to its tensors."""
+        self.adapters: dict[str, tuple[int, Any]] = {}
+        """Each adapter served: its step and the reference to its ``PeftAdapter``."""
         self.last_sync: SyncResult | None = None
         self._restarts: set[asyncio.Task[None]] = set()
 
@@ -111,21 +114,28 @@ class SamplerPool:
 
     # -- sync --------------------------------------------------------------------------------
 
-    async def sync(self, step: int, weights: Any, nbytes: int, gather_s: float) -> SyncResult:
-        """Every live engine loads ``weights`` (an object-store reference to HF-named
-        tensors). An engine finishes the request it is serving first: one call at a time."""
-        self.weights = (step, weights)
+    async def sync(
+        self, step: int, weights: Any, nbytes: int, gather_s: float, adapter: str | None = None
+    ) -> SyncResult:
+        """Every live engine loads ``weights``: an object-store reference to HF-named tensors,
+        or with ``adapter`` to that adapter's ``PeftAdapter``. An engine finishes the request
+        it is serving first: one call at a time."""
+        if adapter is None:
+            self.weights = (step, weights)
+        else:
+            self.adapters[adapter] = (step, weights)
         for e in self.engines:
             if e.status == "failed":  # its last recreation failed: try again, with this step
                 self._lost(e, RuntimeError(e.last_error or "failed"))
         live = [e for e in self.engines if e.status == "ready"]
         t0 = time.perf_counter()
         got = await asyncio.gather(
-            *(self._load(e, step, weights) for e in live), return_exceptions=True
+            *(self._load(e, step, weights, adapter) for e in live), return_exceptions=True
         )
         loaded = [g for g in got if isinstance(g, Loaded)]
         self.last_sync = SyncResult(
             step=step,
+            adapter=adapter,
             samplers=len(loaded),
             bytes=nbytes,
             gather_s=gather_s,
@@ -133,14 +143,27 @@ class SamplerPool:
         )
         return self.last_sync
 
-    async def _load(self, e: _Engine, step: int, weights: Any) -> Loaded:
+    async def _load(self, e: _Engine, step: int, weights: Any, adapter: str | None) -> Loaded:
         try:
-            loaded: Loaded = await e.actor.load_weights.remote(step, weights)
+            loaded: Loaded = await (
+                e.actor.load_weights.remote(step, weights)
+                if adapter is None
+                else e.actor.load_adapter.remote(adapter, step, weights)
+            )
         except ray.exceptions.RayActorError as err:
             self._lost(e, err)
             raise
-        e.step = loaded.step
+        if adapter is None:
+            e.step = loaded.step
         return loaded
+
+    async def remove_adapter(self, name: str) -> None:
+        """Every engine forgets ``name`` (a deleted adapter is never sampled again)."""
+        self.adapters.pop(name, None)
+        live = [e for e in self.engines if e.status == "ready"]
+        await asyncio.gather(
+            *(e.actor.remove_adapter.remote(name) for e in live), return_exceptions=True
+        )
 
     # -- sampling ----------------------------------------------------------------------------
 
@@ -198,6 +221,8 @@ class SamplerPool:
                 step, weights = self.weights
                 loaded: Loaded = await e.actor.load_weights.remote(step, weights)
                 e.step = loaded.step
+            for name, (step, ref) in list(self.adapters.items()):
+                await e.actor.load_adapter.remote(name, step, ref)
             e.restarts += 1
             e.status = "ready"
             log.info("sampler %d recreated (step %s)", e.index, e.step)
@@ -210,6 +235,7 @@ class SamplerPool:
         return SamplersInfo(
             sync=self.options.sync,
             step=None if self.weights is None else self.weights[0],
+            adapters={name: step for name, (step, _) in self.adapters.items()},
             engines=[
                 SamplerInfo(
                     index=e.index,

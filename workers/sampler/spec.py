@@ -27,3 +27,16 @@ class SamplerSpec:
     max_num_seqs: int = 64
     """Sequences one engine step batches."""
     seed: int = 0
+    max_adapters: int = 0
+    """LoRA adapters an engine keeps loaded (the service's ``--max-adapters``); 0: no LoRA."""
+    max_lora_rank: int = 0
+    """The largest adapter rank (``--lora-max-rank``)."""
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """An adapter as vLLM's LoRA loader reads it: PEFT's ``adapter_config.json`` and the
+    tensors of ``adapter_model.safetensors`` (what ``export_hf(adapter=...)`` writes)."""
+
+    config: dict[str, Any]
+    tensors: dict[str, Any]

@@ -1,0 +1,163 @@
+"""LoRA adapters served by the sampler engines (vLLM's LoRA support), through the real service.
+
+The check is parity: what vLLM reports for an adapter (sampled tokens and prompt tokens)
+equals the trainer's ``/v1/logprobs`` with that adapter, in fp32, after the adapter has
+trained far enough from the base that serving the base (or another adapter) would show.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import tinker
+from parity import PARITY, PROMPTS, gap, prompt_scores
+from servicekit import Service, running_service
+from tinker import types
+
+from trainctl.api import ConflictError, NotFoundError
+
+PROBE = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
+APART = 1e-2
+"""How far a trained adapter's log-probs are from the base's (measured: above 0.1)."""
+
+
+@pytest.fixture(scope="module")
+def lora_sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The embedded default with room for three adapters and one sampler engine, synced after
+    every step."""
+    data = tmp_path_factory.mktemp("lora-sampled")
+    flags = ("--max-adapters", "3", "--lora-max-rank", "8", "--samplers", "1")
+    with running_service(data, *flags) as svc:
+        yield svc
+
+
+def _train(tc: Any, adapter: str, batch: list[list[int]], steps: int) -> int:
+    rows = [{"tokens": p, "loss_mask": [1] * len(p)} for p in batch]
+    for _ in range(steps):
+        tc.forward_backward(rows, adapter=adapter)
+        step = tc.optim_step(lr=5e-2, adapter=adapter)
+        assert step.warnings == [], step.warnings
+    return int(step.step)
+
+
+def test_adapters_are_sampled_with_their_own_weights(lora_sampled: Service) -> None:
+    with lora_sampled.client() as tc:
+        tc.create_adapter("one", rank=8, alpha=16.0)
+        tc.create_adapter("two", rank=4, alpha=8.0, targets=["attn", "mlp"])
+        samplers = tc.info().samplers
+        assert samplers is not None and samplers.adapters == {"one": 0, "two": 0}
+        # Created: B = 0, so each adapter samples as the base does.
+        base = prompt_scores(tc, PROBE)
+        assert np.abs(prompt_scores(tc, PROBE, "one") - base).max() <= PARITY
+
+        assert _train(tc, "one", PROBE, 3) == 3
+        assert _train(tc, "two", PROBE[::-1], 2) == 2
+        samplers = tc.info().samplers
+        assert samplers is not None and samplers.adapters == {"one": 3, "two": 2}
+        one, two = prompt_scores(tc, PROBE, "one"), prompt_scores(tc, PROBE, "two")
+        assert np.abs(one - base).max() > APART and np.abs(two - base).max() > APART
+        assert np.abs(one - two).max() > APART
+        assert np.abs(prompt_scores(tc, PROBE) - base).max() == 0.0, "the base moved"
+
+        for adapter in ("one", "two", None):
+            r = tc.sample(PROMPTS, n=2, max_tokens=8, seed=5, prompt_logprobs=True,
+                          adapter=adapter)  # fmt: skip
+            assert r.step == {"one": 3, "two": 2, None: 0}[adapter]
+            measured = gap(tc, r, PROMPTS, adapter)
+            print(f"adapter {adapter}, fp32: max |sampler - trainer| log-prob = {measured:.2e}")
+            assert measured <= PARITY
+
+        with pytest.raises(ConflictError, match="adapter 'one' of step 3"):
+            tc.sample(PROMPTS, max_tokens=2, adapter="one", expected_step=2)
+        with pytest.raises(NotFoundError, match="'three'"):
+            tc.sample(PROMPTS, max_tokens=2, adapter="three")
+
+        tc.delete_adapter("two")
+        samplers = tc.info().samplers
+        assert samplers is not None and samplers.adapters == {"one": 3}
+        with pytest.raises(NotFoundError, match="'two'"):
+            tc.sample(PROMPTS, max_tokens=2, adapter="two")
+        assert np.abs(prompt_scores(tc, PROBE, "one") - one).max() == 0.0
+
+
+def test_base_and_adapter_requests_in_flight_together_keep_their_weights(
+    lora_sampled: Service,
+) -> None:
+    """vLLM has been seen applying an adapter to base requests batched with it: an engine here
+    serves one request (one adapter, or the base) at a time, so requests sent together still
+    each get their own weights."""
+    with lora_sampled.client() as tc:
+        if "mix" not in {a.name for a in tc.list_adapters().adapters}:
+            tc.create_adapter("mix", rank=8)
+            _train(tc, "mix", PROBE, 2)
+        want = {None: prompt_scores(tc, PROBE), "mix": prompt_scores(tc, PROBE, "mix")}
+        assert np.abs(want[None] - want["mix"]).max() > APART
+        got: list[tuple[str | None, np.ndarray]] = []
+
+        def score(adapter: str | None) -> None:
+            with lora_sampled.client() as own:
+                got.append((adapter, prompt_scores(own, PROBE, adapter)))
+
+        threads = [threading.Thread(target=score, args=(a,)) for a in [None, "mix"] * 4]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(got) == 8
+        for adapter, scores in got:
+            assert np.abs(scores - want[adapter]).max() <= PARITY, adapter
+        tc.delete_adapter("mix")
+
+
+def test_a_tinker_lora_client_samples_with_its_adapter(lora_sampled: Service) -> None:
+    """The real SDK: a LoRA model's sampling client samples its adapter at the step it was
+    made at, is refused once the adapter moves on, and a saved sampler path samples it."""
+    from trainctl.service.tinker.bodies import adapter_name
+
+    sc = tinker.ServiceClient(base_url=lora_sampled.url, api_key="tml-local")
+    try:
+        base_model = sc.get_server_capabilities().supported_models[0].model_name
+        tc = sc.create_lora_training_client(base_model=base_model, rank=8).result()
+        adapter = adapter_name(tc.model_id)
+        scored = [5, 17, 3, 9, 22, 41, 7, 7]
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(scored[:-1]),
+            loss_fn_inputs={"target_tokens": np.asarray(scored[1:], np.int64)},
+        )
+        for _ in range(3):
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        lps = sampler.compute_logprobs(types.ModelInput.from_ints(scored)).result()
+        with lora_sampled.client() as native:
+            trainer = native.logprobs([scored], adapter=adapter).logprobs[0]
+            base = native.logprobs([scored]).logprobs[0]
+        assert np.abs(np.asarray(lps[1:]) - np.asarray(trainer[1:])).max() <= PARITY
+        assert np.abs(np.asarray(lps[1:]) - np.asarray(base[1:])).max() > APART
+
+        r = sampler.sample(
+            types.ModelInput.from_ints(scored[:4]), 2,
+            types.SamplingParams(max_tokens=6, temperature=1.0, seed=3),
+        ).result()  # fmt: skip
+        with lora_sampled.client() as native:
+            for s in r.sequences:
+                own = native.logprobs([scored[:4] + s.tokens], adapter=adapter).logprobs[0]
+                assert np.abs(np.asarray(own[4:]) - np.asarray(s.logprobs)).max() <= PARITY
+
+        path = tc.save_weights_for_sampler("lora-sampled").result().path
+        by_path = sc.create_sampling_client(model_path=path).result()
+        again = by_path.compute_logprobs(types.ModelInput.from_ints(scored)).result()
+        assert np.abs(np.asarray(again[1:]) - np.asarray(lps[1:])).max() <= PARITY
+
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        with pytest.raises(Exception, match="samples the weights of step 3"):
+            sampler.sample(
+                types.ModelInput.from_ints(scored[:4]), 1, types.SamplingParams(max_tokens=2)
+            ).result()
+    finally:
+        sc.close("success").result()
