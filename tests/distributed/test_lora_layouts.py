@@ -12,7 +12,15 @@ import pytest
 
 from engine_cases import LOSSES, full_tensors, ragged_batch, shared_batch, step_and_collect
 from rankpool import RankPool
-from test_engine_layouts import MODEL, MOE, _cfg, _ids, _world, assert_same_step
+from test_engine_layouts import (
+    MODEL,
+    MOE,
+    STARVE_EP1,
+    _cfg,
+    _ids,
+    _world,
+    assert_same_step,
+)
 
 ADAPTER = {"name": "a", "rank": 4, "alpha": 8.0, "targets": ["attn", "mlp", "unembed"], "seed": 7}
 """Rank 4 inside sites 8 wide: the padding must stay exactly zero."""
@@ -76,13 +84,35 @@ def test_tree_packing_matches_flat(pools: Callable[[int], RankPool]) -> None:
     assert_same_step(tree, flat, grad_floor=1e-4)
 
 
-def test_moe_attention_adapter_at_ep2(pools: Callable[[int], RankPool]) -> None:
-    """MoE: experts take no adapter yet; attention and the LM head do, at ep2."""
-    adapter = {**ADAPTER, "targets": ["attn", "unembed"]}
+MOE_LAYOUTS = [
+    ({"dp": 2, "ep": 2}, None),
+    # Experts 2 and 3 (EP rank 1's) get no tokens: their factors' gradients are full-shape
+    # zeros, so DDP's buckets still fill on that rank.
+    ({"dp": 2, "ep": 2}, STARVE_EP1),
+    # SP: each TP rank routes its own tokens through whole experts; the experts' factors are
+    # summed over the expert-data-parallel group (TP included), as the experts' weights are.
+    ({"tp": 2, "ep": 2}, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("layout", "offsets"), MOE_LAYOUTS, ids=["dp2ep2", "dp2ep2-starved", "tp2ep2"]
+)
+def test_moe_adapter_on_experts(
+    pools: Callable[[int], RankPool], layout: dict, offsets: list[float] | None
+) -> None:
+    """MoE: every expert's fc1 and fc2 take the adapter, with attention and the LM head."""
     ref = pools(1).run(
-        step_and_collect, _lora_cfg(MOE), ragged_batch(), LOSSES, None, "flat", adapter
+        step_and_collect, _lora_cfg(MOE), ragged_batch(), LOSSES[:1], offsets, "flat", ADAPTER
     )
-    got = pools(2).run(
-        step_and_collect, _lora_cfg(MOE, dp=2, ep=2), ragged_batch(), LOSSES, None, "flat", adapter
-    )
-    assert_same_step(got, ref)
+    got = pools(_world(layout)).run(
+        step_and_collect, _lora_cfg(MOE, **layout), ragged_batch(), LOSSES[:1], offsets,
+        "flat", ADAPTER,
+    )  # fmt: skip
+    assert_same_step(got, ref, losses=(LOSSES[0][0],))
+    grads = full_tensors(got, "shard_grads", LOSSES[0][0])
+    experts = {n for n in grads if ".local_experts." in n}
+    # Every expert (by its global index) and both linears: fc1 and fc2, A and B.
+    assert len(experts) == MOE["num_experts"] * 2 * 2 * MOE["num_layers"]
+    # The experts' factors are in the graph: B (nonzero after the warm-up step) has gradients.
+    assert any(float(abs(grads[n]).max()) > 0 for n in experts if n.endswith(".lora_b"))

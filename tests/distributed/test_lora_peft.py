@@ -101,3 +101,34 @@ def test_adapter_equals_peft(pools: Callable[[int], RankPool], tmp_path: Path, f
     # The padding beyond the adapter's rank never got a gradient.
     pad = [k for k, v in got["grads"].items() if k.endswith(".lora_a") and np.any(v[4:])]
     assert pad == []
+
+
+def test_moe_adapter_on_experts_merges_into_a_transformers_model(
+    pools: Callable[[int], RankPool], tmp_path: Path
+) -> None:
+    """A tiny Qwen3-MoE: an adapter on attention, every expert and the LM head, trained one
+    step. Its merged export, loaded by transformers, gives trainctl's log-probs (1e-5): the
+    experts' factors fold into the right experts. (PEFT itself cannot load per-expert
+    adapters onto transformers' fused expert tensors; the PEFT export names each expert as
+    the checkpoint does, vLLM's per-expert LoRA layout.)"""
+    tiny_model("qwen3_moe", tmp_path / "base")
+    rng = np.random.default_rng(3)
+    warm = [rng.integers(0, 256, n).tolist() for n in (30, 11)]
+    batch = [rng.integers(0, 256, n).tolist() for n in (17, 5, 40)]
+    (got,) = pools(1).run(
+        lora_from_hf, str(tmp_path / "base"), ADAPTER, warm, batch, str(tmp_path / "adapter")
+    )
+    base = _peft_reference(tmp_path / "base", None, batch)
+    merged = _peft_reference(tmp_path / "adapter" / "merged", None, batch)
+    for i, lp in enumerate(merged["logprobs"]):
+        np.testing.assert_allclose(got["logprobs"][i][1:], lp, rtol=1e-5, atol=1e-5)
+    pairs = zip(merged["logprobs"], base["logprobs"], strict=True)
+    moved = max(np.abs(m - b).max() for m, b in pairs)
+    assert moved > 1e-3, "the adapter changed nothing"
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    for e in range(4):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            assert f"base_model.model.model.layers.1.mlp.experts.{e}.{proj}.lora_B.weight" in names

@@ -98,12 +98,6 @@ class Adapters:
             raise field_error(
                 "rank", f"{spec.rank} exceeds this service's --lora-max-rank ({lora.max_rank})"
             )
-        if self.cfg.model.num_experts and "mlp" in spec.targets:
-            raise field_error(
-                "targets",
-                "'mlp': this is an MoE model and its experts take no adapter yet; adapt "
-                "'attn' and 'unembed' (Tinker: train_mlp=False)",
-            )
 
     def delete(self, req: DeleteRequest) -> Runner:
         self._entry(req.name)

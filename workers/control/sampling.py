@@ -79,6 +79,12 @@ class SamplingPart:
         s = self.sampler_settings
         if not s.pool.num_samplers:
             return
+        if self.cfg.lora.enabled and self.cfg.model.num_experts and not s.pool.num_gpus:
+            raise ConfigError(
+                "samplers: vLLM's CPU build has no LoRA for mixture-of-experts models (its "
+                "fused-MoE LoRA kernels need Triton on a GPU): give the samplers GPUs "
+                "(--sampler-num-gpus), or start without --samplers or --max-adapters"
+            )
         try:
             hf_config = await self.group.ranks[0].hf_config.remote()
         except ray.exceptions.RayTaskError as e:

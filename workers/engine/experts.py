@@ -13,6 +13,9 @@ one for fc2 over every local expert, whose weight gradients are
 * accumulated straight into megatron's fp32 ``main_grad`` (``grad_added_to_main_grad``), as
   TransformerEngine's grouped linear does for megatron.
 
+A LoRA adapter on the experts (``workers/engine/lora.py``) adds its per-expert update to each
+grouped linear's output through ``adapter``, set when the sites are attached.
+
 Experts are not tensor-parallel (expert TP = 1), so each weight is whole on every rank. At
 tp > 1 sequence parallelism gives each TP rank its own slice of the tokens, which it routes
 through its whole copy of the experts: the TP ranks are expert-data-parallel replicas, and
@@ -21,6 +24,7 @@ megatron's DDP sums expert gradients over the expert-data-parallel group (DP x C
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -67,6 +71,9 @@ class GroupedExperts(MegatronModule):
         self.local_experts = nn.ModuleList(
             _Expert(config.hidden_size, ffn) for _ in range(num_local_experts)
         )
+        self.adapter: Callable[[str, Tensor, list[int]], Tensor | None] | None = None
+        """The active LoRA adapter's update of ``linear_fc1`` or ``linear_fc2`` for these
+        rows (None: no adapter on the experts)."""
 
     def forward(
         self, hidden: Tensor, tokens_per_expert: Tensor, probs: Tensor
@@ -77,6 +84,15 @@ class GroupedExperts(MegatronModule):
         fc2 = [e.linear_fc2.weight for e in experts]
         # Under megatron's DDP every weight has a main_grad: write the wgrad there directly.
         opts = WgradOptions(fuse_wgrad_accumulation=hasattr(fc1[0], "main_grad"))
-        gate, up = grouped_linear(hidden, splits, fc1, opts=opts).chunk(2, dim=-1)
+        gate_up = self._adapted("linear_fc1", grouped_linear(hidden, splits, fc1, opts=opts),
+                                hidden, splits)  # fmt: skip
+        gate, up = gate_up.chunk(2, dim=-1)
+        # The router's weight scales the rows before fc2: p (W2 h + s B2 A2 h) = fc2 of p h.
         inner = F.silu(gate) * up * probs.unsqueeze(-1).to(hidden.dtype)
-        return grouped_linear(inner, splits, fc2, opts=opts), None
+        out = self._adapted("linear_fc2", grouped_linear(inner, splits, fc2, opts=opts),
+                            inner, splits)  # fmt: skip
+        return out, None
+
+    def _adapted(self, linear: str, out: Tensor, x: Tensor, splits: list[int]) -> Tensor:
+        delta = None if self.adapter is None else self.adapter(linear, x, splits)
+        return out if delta is None else out + delta.to(out.dtype)

@@ -7,7 +7,10 @@ so the export splits them the way ``hf.py`` splits the weights:
   ``q_proj``, ``k_proj`` and ``v_proj``; the three share ``A`` (the fused input is the same);
 * ``linear_fc1``: ``B``'s gate and up halves go to ``gate_proj`` and ``up_proj``, sharing ``A``;
 * ``linear_proj``, ``linear_fc2``, ``output_layer``: one pair each (``o_proj``, ``down_proj``,
-  ``lm_head``).
+  ``lm_head``);
+* an MoE expert's ``linear_fc1`` and ``linear_fc2``: per expert, as the checkpoint names it
+  (``mlp.experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``: vLLM's per-expert LoRA
+  layout).
 
 The factors are cut from the service's maximal rank down to the adapter's own ``r``. PEFT's
 ``delta = (alpha / r) B A`` is then exactly ours.
@@ -45,7 +48,7 @@ def _sites(m: ModelConfig) -> list[tuple[str, tuple[str, ...], Fuse]]:
     # An untied model's rows hold the output layer already; a tied one's do not.
     for ours, theirs, fuse in (*hf.rows(m), (OUTPUT.ours, OUTPUT.theirs, OUTPUT.fuse)):
         site = ours.removesuffix(".weight")
-        if site.rsplit(".", 1)[-1] in _SITE_GROUP and ".local_experts." not in site:
+        if site.rsplit(".", 1)[-1] in _SITE_GROUP:
             out[site] = (site, tuple(t.removesuffix(".weight") for t in theirs), fuse)
     return list(out.values())
 

@@ -10,7 +10,9 @@ not target are switched off and add nothing.
 The sites (Tinker's ``train_attn``, ``train_mlp``, ``train_unembed``):
     attn     ``self_attention.linear_qkv`` (column) and ``self_attention.linear_proj`` (row)
     mlp      ``mlp.linear_fc1`` (column, gate and up rows share ``A``) and ``mlp.linear_fc2``
-             (row); dense MLPs only: experts take no adapter yet
+             (row); on an MoE model each expert's ``linear_fc1`` and ``linear_fc2``, whole
+             on the expert's rank (``grouped_delta``): both factors are reduced over the
+             expert-data-parallel group, as the experts' weights are
     unembed  ``output_layer`` (column over the vocabulary): our LM head runs inside the
              log-prob kernel, so it takes the merged weight ``W + s B A`` (``lm_head_weight``)
 
@@ -31,7 +33,12 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from trainctl.workers.ops.lora import column_parallel_delta, merged_weight, row_parallel_delta
+from trainctl.workers.ops.lora import (
+    column_parallel_delta,
+    grouped_delta,
+    merged_weight,
+    row_parallel_delta,
+)
 
 TARGET_GROUPS = ("attn", "mlp", "unembed")
 _SITES = {
@@ -42,11 +49,6 @@ _SITES = {
 }
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 """Row-parallel sites: ``A`` is split on its input columns, ``B`` replicated."""
-
-
-def model_groups(*, moe: bool) -> frozenset[str]:
-    """What a model can adapt: experts take no adapter, so an MoE model has no ``mlp`` sites."""
-    return frozenset(g for g in TARGET_GROUPS if not (moe and g == "mlp"))
 
 
 def is_lora(name: str) -> bool:
@@ -73,7 +75,7 @@ class Site:
     a: nn.Parameter
     b: nn.Parameter
     kind: str
-    """``column`` or ``row``."""
+    """``column``, ``row`` or ``expert``."""
     tp_group: ProcessGroup | None
     sequence_parallel: bool
     active: ActiveAdapter = field(default_factory=ActiveAdapter)
@@ -112,6 +114,9 @@ def attach(
         site = Site(name, group, a, b, kind, tp_group, sequence_parallel)
         module.forward = functools.partial(_forward, site, module.forward)
         sites.append(site)
+    for name, module in model.named_modules():
+        if name.endswith(".mlp.experts") and hasattr(module, "adapter"):
+            sites += _attach_experts(name, module, max_rank)
     if head_weight_shape is not None:
         head: nn.Module = model.output_layer  # type: ignore[assignment]
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -119,6 +124,40 @@ def attach(
         _HEADS[model] = Site("output_layer", "unembed", a, b, "column", tp_group, False)
         sites.append(_HEADS[model])
     return sites
+
+
+def _attach_experts(name: str, experts: Any, max_rank: int) -> list[Site]:
+    """Sites on every local expert's ``linear_fc1`` and ``linear_fc2`` (``GroupedExperts``),
+    applied to the expert's own rows through ``experts.adapter``."""
+    by_linear: dict[str, list[Site]] = {"linear_fc1": [], "linear_fc2": []}
+    for i, expert in enumerate(experts.local_experts):
+        for linear, sites in by_linear.items():
+            holder = getattr(expert, linear)
+            weight: Tensor = holder.weight
+            a, b = _add(holder, weight.shape, max_rank, weight.dtype)
+            a.allreduce = b.allreduce = False  # type: ignore[attr-defined]
+            site_name = f"{name}.local_experts.{i}.{linear}"
+            sites.append(Site(site_name, "mlp", a, b, "expert", None, False))
+    experts.adapter = functools.partial(_experts_delta, by_linear)
+    return [s for sites in by_linear.values() for s in sites]
+
+
+def _experts_delta(
+    by_linear: dict[str, list[Site]], linear: str, x: Tensor, splits: list[int]
+) -> Tensor | None:
+    sites = by_linear[linear]
+    if not sites[0].on:
+        return None
+    active = sites[0].active
+    return grouped_delta(
+        x,
+        splits,
+        [s.a for s in sites],
+        [s.b for s in sites],
+        active.scaling,
+        dropout=active.dropout,
+        training=torch.is_grad_enabled(),
+    )
 
 
 def _add(

@@ -115,7 +115,6 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
         if cfg.lora.enabled:
             self.adapters = AdapterBank(
                 sites=sites,
-                groups=lora.model_groups(moe=bool(cfg.model.num_experts)),
                 params={n: p for n, p in self._canonical_parameters() if lora.is_lora(n)},
                 optimizer=self.optimizer,
                 zero_optimizer=self.zero,

@@ -79,7 +79,10 @@ def shard_rule(name: str) -> ShardRule:
 def _lora_rule(name: str) -> ShardRule:
     """A LoRA factor (``workers/ops/lora.py``): on a row-parallel linear ``A`` is split on its
     input columns and ``B`` replicated; on a column-parallel one ``A`` is replicated and ``B``
-    split on its output rows as the weight is (fc1's gate and up halves separately)."""
+    split on its output rows as the weight is (fc1's gate and up halves separately). An
+    expert's factors are whole on every rank, as the expert is."""
+    if ".local_experts." in name:
+        return ShardRule("replicated")
     row = ".linear_proj." in name or ".linear_fc2." in name
     if name.endswith(".lora_a"):
         return ShardRule("dim", 1) if row else ShardRule("replicated")

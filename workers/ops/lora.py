@@ -15,13 +15,17 @@ row-parallel (``W`` split on its input columns: attention out, fc2)
     itself. Under sequence parallelism ``z`` is then cut to this rank's tokens, and ``B``'s
     gradient is a partial sum over them (the caller marks ``B`` for a TP sum).
 
+MoE experts are whole on their rank (no expert tensor parallelism): ``grouped_delta`` gives
+each expert's rows its own ``B_e A_e``, two grouped linears (``grouped_linear.py``), so an
+expert that got no tokens still gets full-shape zero gradients.
+
 Each function takes its process group and nothing from trainctl; a group of one (or None)
 means no communication.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+from trainctl.workers.ops.grouped_linear import WgradOptions, grouped_linear
 
 
 def _size(group: ProcessGroup | None) -> int:
@@ -152,6 +158,27 @@ def row_parallel_delta(
         if sequence_parallel:
             z = _scatter_sequence(z, tp_group)
     return F.linear(z, b.to(z.dtype)) * scaling
+
+
+def grouped_delta(
+    x: Tensor,
+    m_splits: list[int],
+    a: Sequence[Tensor],
+    b: Sequence[Tensor],
+    scaling: float,
+    *,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> Tensor:
+    """The update to add to a grouped (per-expert) linear's output ``[M, out]``: expert ``e``'s
+    ``m_splits[e]`` rows of ``x`` (``[M, in]``) get ``scaling * B_e A_e x``. A factor holding a
+    ``main_grad`` (megatron's DDP) gets its gradient accumulated there, as the experts' weights
+    do."""
+    if dropout > 0.0 and training:
+        x = F.dropout(x, p=dropout, training=True)
+    opts = WgradOptions(fuse_wgrad_accumulation=hasattr(a[0], "main_grad"))
+    z = grouped_linear(x, m_splits, a, opts=opts)
+    return grouped_linear(z, m_splits, b, opts=opts) * scaling
 
 
 def merged_weight(
