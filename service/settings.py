@@ -176,9 +176,12 @@ class Settings(BaseSettings):
 
     metrics_log: str | None = Field(
         None,
-        pattern=r"^tensorboard:[^,]+(,tensorboard:[^,]+)*$",
-        description="Write every step's metrics to a tracker: 'tensorboard:DIR' (event files "
-        "under <data_dir>/DIR, read by `tensorboard --logdir`).",
+        pattern=r"^(tensorboard:[^,]+|mlflow:[^,]+|wandb(:[^,]+)?)"
+        r"(,(tensorboard:[^,]+|mlflow:[^,]+|wandb(:[^,]+)?))*$",
+        description="Write every step's metrics to trackers (comma-separated): "
+        "'tensorboard:DIR' (event files under <data_dir>/DIR), 'mlflow:URI' (a tracking "
+        "server, or a directory under <data_dir>), 'wandb' or 'wandb:PROJECT' (WANDB_MODE "
+        "and the other WANDB_* settings apply).",
     )
     checkpoint_every_steps: int = Field(
         0, ge=0, description="Save a checkpoint every N optimizer steps (0: only when asked)."

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from trainctl.api import (
     ConflictError,
@@ -213,25 +212,3 @@ def test_an_export_never_replaces_one_silently_and_crash_leftovers_are_swept(
         assert c.queue.depth == 0 and (tmp_path / "exports" / "mine").is_dir()
 
     asyncio.run(main())
-
-
-def test_step_metrics_reach_tensorboard(tmp_path: Path) -> None:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    c, _ = controller(tmp_path, metrics_log="tensorboard:tb")
-
-    async def main() -> list[StepResult]:
-        await c.start()
-        return [await _step(c), await _step(c)]
-
-    results = asyncio.run(main())
-    c.trackers.close()
-    events = EventAccumulator(str(tmp_path / "tb"))
-    events.Reload()
-    losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
-    assert (
-        losses
-        == [(r.step, pytest.approx(r.loss)) for r in results]
-        == [(1, pytest.approx(0.5)), (2, pytest.approx(0.5))]
-    )
-    assert "train/grad_norm:value" in events.Tags()["scalars"]

@@ -5,14 +5,26 @@ After every finished step operation the controller hands its result here: ``trai
 own name (``train/loss:mean``, ``train/grad_norm:value``, ``train/time/total_s``, ...) at the
 model's step. Writing uses the tracker library's own writer, never hand-made files.
 
-``--metrics-log tensorboard:DIR`` writes TensorBoard event files into ``DIR`` (relative to
-the data directory), read by ``tensorboard --logdir DIR``. A tracker that fails to write
-logs a warning: metrics never fail a step.
+``--metrics-log`` names one or more (comma-separated):
+
+* ``tensorboard:DIR``: TensorBoard event files in ``DIR`` (relative to the data directory),
+  read by ``tensorboard --logdir DIR``;
+* ``mlflow:URI``: a run in MLflow's experiment ``trainctl``, on the tracking server at
+  ``URI`` (``http(s)://...``) or, for a directory (relative to the data directory), in
+  MLflow's file store there (which MLflow 3 keeps for local use behind
+  ``MLFLOW_ALLOW_FILE_STORE``; trainctl sets it for that case only);
+* ``wandb`` or ``wandb:PROJECT``: a Weights & Biases run (project ``trainctl`` by default),
+  online or offline as ``WANDB_MODE`` and the usual ``WANDB_*`` settings say, its files under
+  the data directory.
+
+A tracker that fails to write logs a warning: metrics never fail a step.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,14 +51,9 @@ class TensorBoardTracker:
     """Scalars through TensorBoard's own event-file writer (no TensorFlow, no torch)."""
 
     def __init__(self, logdir: Path) -> None:
-        try:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-        except ImportError:
-            raise ValueError(
-                "metrics_log: tensorboard is not installed; pip install 'trainctl[tracking]'"
-            ) from None
+        writer = _library("tensorboard", "tensorboard.summary.writer.event_file_writer")
         logdir.mkdir(parents=True, exist_ok=True)
-        self.writer = EventFileWriter(str(logdir), flush_secs=10)
+        self.writer = writer.EventFileWriter(str(logdir), flush_secs=10)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -62,19 +69,86 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+class MlflowTracker:
+    """Metrics through MLflow's own client: one run per service start."""
+
+    def __init__(self, where: str, data_dir: Path) -> None:
+        tracking = _library("mlflow", "mlflow.tracking")
+        if "://" in where:
+            uri = where
+        else:
+            directory = (data_dir / where).resolve()
+            directory.mkdir(parents=True, exist_ok=True)
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+            uri = directory.as_uri()
+        self.client = tracking.MlflowClient(tracking_uri=uri)
+        found = self.client.get_experiment_by_name(EXPERIMENT)
+        experiment = found.experiment_id if found else self.client.create_experiment(EXPERIMENT)
+        self.run_id: str = self.client.create_run(experiment, run_name=_run_name()).info.run_id
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, v, now, step) for k, v in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=batch)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class WandbTracker:
+    """Metrics through the ``wandb`` library's own run (online or offline: ``WANDB_MODE``)."""
+
+    def __init__(self, project: str, data_dir: Path) -> None:
+        wandb = _library("wandb", "wandb")
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project or EXPERIMENT, dir=str(data_dir),
+                              name=_run_name(), reinit="create_new")  # fmt: skip
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+EXPERIMENT = "trainctl"
+"""MLflow's experiment and W&B's default project."""
+
+
+def _library(package: str, module: str) -> Any:
+    """``module`` of a tracker's library, or the ValueError saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(
+            f"metrics_log: {package} is not installed; pip install 'trainctl[tracking]'"
+        ) from None
+
+
+def _run_name() -> str:
+    return time.strftime("trainctl-%Y%m%d-%H%M%S")
+
+
 def open_trackers(spec: str | None, data_dir: Path) -> list[Tracker]:
     """The trackers ``spec`` names (comma-separated ``kind:where``); a ValueError naming
     ``metrics_log`` for anything else."""
     out: list[Tracker] = []
     for item in filter(None, (s.strip() for s in (spec or "").split(","))):
         kind, _, where = item.partition(":")
+        if kind in ("tensorboard", "mlflow") and not where:
+            raise ValueError(f"metrics_log: {kind} needs a place ({kind}:DIR)")
         if kind == "tensorboard":
-            if not where:
-                raise ValueError("metrics_log: tensorboard needs a directory (tensorboard:DIR)")
             out.append(TensorBoardTracker(data_dir / where))
+        elif kind == "mlflow":
+            out.append(MlflowTracker(where, data_dir))
+        elif kind == "wandb":
+            out.append(WandbTracker(where, data_dir))
         else:
             raise ValueError(
-                f"metrics_log: {kind!r} is not a tracker trainctl writes to; use tensorboard:DIR"
+                f"metrics_log: {kind!r} is not a tracker trainctl writes to; use "
+                "tensorboard:DIR, mlflow:URI or wandb[:PROJECT]"
             )
     return out
 
