@@ -193,22 +193,23 @@ class VllmSampler:
         from vllm.lora.request import LoRARequest
 
         t0 = time.perf_counter()
-        served = self.adapters.get(name)
-        if served is None:
-            served = _Served(self._next_lora_id, step, Path(self._adapters_dir.name, name))
-            self._next_lora_id += 1
+        old = self.adapters.get(name)
+        lora_id = old.lora_id if old is not None else self._next_lora_id
         # A new directory per load: vLLM may re-read an evicted adapter from its path later.
         path = Path(self._adapters_dir.name, f"{name}.{step}.{time.monotonic_ns()}")
         path.mkdir()
         (path / "adapter_config.json").write_text(json.dumps(adapter.config))
         save_file(adapter.tensors, str(path / "adapter_model.safetensors"))
-        request = LoRARequest(name, served.lora_id, str(path), load_inplace=True)
-        if not self.llm.llm_engine.add_lora(request):
+        if not self.llm.llm_engine.add_lora(
+            LoRARequest(name, lora_id, str(path), load_inplace=True)
+        ):
             shutil.rmtree(path, ignore_errors=True)
             raise RuntimeError(f"vLLM did not load adapter {name!r}")
-        shutil.rmtree(served.path, ignore_errors=True)
-        served.step, served.path = step, path
-        self.adapters[name] = served
+        if old is None:
+            self._next_lora_id += 1
+        else:
+            shutil.rmtree(old.path, ignore_errors=True)  # the version it replaced
+        self.adapters[name] = _Served(lora_id, step, path)
         return Loaded(step=step, seconds=time.perf_counter() - t0)
 
     def remove_adapter(self, name: str) -> None:
