@@ -19,11 +19,17 @@ import numpy as np
 from pydantic import GetCoreSchemaHandler
 from pydantic_core import core_schema
 
+from trainctl.api import expert_routes
 from trainctl.api.errors import InvalidRequestError, field_error
 from trainctl.api.fields import BY_NAME, FIELD_NAMES, OPTIONAL_FIELDS, FieldKind
 from trainctl.api.sequence import Sequence
 
-_HOST_DTYPE = {FieldKind.TOKEN: np.int64, FieldKind.MASK: np.uint8, FieldKind.FLOAT: np.float32}
+_HOST_DTYPE = {
+    FieldKind.TOKEN: np.int64,
+    FieldKind.MASK: np.uint8,
+    FieldKind.FLOAT: np.float32,
+    FieldKind.ROUTES: np.int64,
+}
 """What a JSON list becomes (float32: the precision the ranks compute the loss inputs in)."""
 
 
@@ -96,9 +102,12 @@ class SequenceBatch:
 
     def _check_column(self, name: str, col: np.ndarray) -> None:
         total = int(self.offsets[-1])
+        kind = BY_NAME[name].kind
+        if kind is FieldKind.ROUTES:
+            expert_routes.check_column(name, col, total, self.locate)
+            return
         if col.ndim != 1 or col.shape[0] != total:
             raise field_error(name, f"has {col.size} entries but the lengths add up to {total}")
-        kind = BY_NAME[name].kind
         if kind is FieldKind.FLOAT:
             if col.dtype.kind != "f":
                 raise field_error(name, f"must be floats, got {col.dtype}")
@@ -120,6 +129,13 @@ class SequenceBatch:
                 f"must be 0 or 1 (greater than or equal to 0 and less than or equal to 1), "
                 f"got {col[k]}",
             )
+
+    def check_routes(self, *, layers: int, top_k: int, num_experts: int) -> None:
+        """Raise naming the field if ``routed_experts`` does not fit a model of ``layers`` MoE
+        layers routing each token to ``top_k`` of ``num_experts`` experts."""
+        col = self.columns.get("routed_experts")
+        if col is not None:
+            expert_routes.check_fit(col, self.locate, layers, top_k, num_experts)
 
     # -- building ------------------------------------------------------------------------------
 
@@ -297,7 +313,9 @@ def _concat(rows: list[Mapping[str, Any]], name: str, lengths: np.ndarray) -> np
             continue
         if len(v) != n:
             raise field_error(f"sequences[{i}].{name}", f"has {len(v)} entries but tokens has {n}")
-        if field.kind is FieldKind.MASK:
+        if field.kind is FieldKind.ROUTES:
+            parts.append(expert_routes.of_sequence(v, f"sequences[{i}].{name}"))
+        elif field.kind is FieldKind.MASK:
             parts.append(np.asarray(v))
         elif field.kind is FieldKind.FLOAT:
             is_float = getattr(v, "dtype", None) is not None and v.dtype.kind == "f"
@@ -310,6 +328,8 @@ def _concat(rows: list[Mapping[str, Any]], name: str, lengths: np.ndarray) -> np
                 raise field_error(
                     f"sequences[{i}].{name}[{j}]", f"token id {v[j]} is outside the vocabulary"
                 ) from None
+    if field.kind is FieldKind.ROUTES:
+        expert_routes.check_same_shape(name, parts)
     return np.concatenate(parts)
 
 

@@ -20,6 +20,8 @@ class FieldKind(str, Enum):
     """0/1 per token; travels as uint8."""
     FLOAT = "float"
     """Finite floats; travel in the caller's float dtype (fp16, bf16, fp32, fp64)."""
+    ROUTES = "routes"
+    """Per token, ``[layers, top_k]`` expert ids (MoE routing replay); travel as int32."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,14 @@ PER_TOKEN_FIELDS: tuple[TokenField, ...] = (
         "importance sampling (loss.tis_cap) corrects the policy gradient by "
         "min(exp(old - sampler), tis_cap).",
         loss_input=True,
+    ),
+    TokenField(
+        "routed_experts",
+        FieldKind.ROUTES,
+        "MoE routing replay: per token, [layers, top_k] expert ids the sampler routed it "
+        "through (one row per decoder layer, top_k distinct ids). The trainer routes each "
+        "token through these experts instead of choosing its own, in forward and backward; "
+        "the router still learns from the replayed experts' scores.",
     ),
 )
 

@@ -14,6 +14,8 @@ def _annotation(f: TokenField) -> Any:
         return list[StrictInt]
     if f.kind is FieldKind.MASK:
         return list[Annotated[int, Field(ge=0, le=1, strict=True)]] | None
+    if f.kind is FieldKind.ROUTES:
+        return list[list[list[StrictInt]]] | None
     return list[float] | None
 
 

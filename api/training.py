@@ -33,6 +33,9 @@ class ModelLimits(BaseModel):
     max_tokens_per_request: int | None = Field(
         None, description="Tokens one request may carry (--max-tokens-per-request)."
     )
+    num_layers: int = Field(0, description="Decoder layers (each MoE layer routes tokens).")
+    num_experts: int = Field(0, description="Experts per MoE layer; 0: a dense model.")
+    moe_topk: int = Field(0, description="Experts each token is routed to.")
 
 
 class _SequencesRequest(BaseModel):
@@ -65,6 +68,9 @@ class _SequencesRequest(BaseModel):
                 "the batch",
             )
         self.sequences.check_limits(vocab_size=limits.vocab_size, max_seq_len=limits.max_seq_len)
+        self.sequences.check_routes(
+            layers=limits.num_layers, top_k=limits.moe_topk, num_experts=limits.num_experts
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -189,6 +195,17 @@ class LogProbsRequest(_SequencesRequest):
     """
 
     entropy: bool = Field(False, description="Also return the per-token entropy.")
+    return_routes: bool = Field(
+        False,
+        description="MoE: also return the experts the trainer routed each token through "
+        "(``routed_experts``, as the field of a sequence): the given ones where the sequences "
+        "carry ``routed_experts`` (replay), else the router's own top-k.",
+    )
+
+    def check_limits(self, limits: ModelLimits) -> None:
+        super().check_limits(limits)
+        if self.return_routes and not limits.num_experts:
+            raise field_error("return_routes", "needs a mixture-of-experts model; this is dense")
 
 
 class LogProbsResult(BaseModel):
@@ -199,6 +216,11 @@ class LogProbsResult(BaseModel):
     logprobs: list[list[float]]
     entropy: list[list[float]] | None = Field(
         default=None, description="Entropy of the predictive distribution at each position."
+    )
+    routed_experts: list[list[list[list[int]]]] | None = Field(
+        default=None,
+        description="With return_routes: per sequence, per token, [layers, top_k] expert ids, "
+        "highest router score first.",
     )
     metrics: dict[str, float] = Field(
         default_factory=dict,

@@ -194,6 +194,8 @@ def encode_sequences(
             continue
         if f.kind is FieldKind.MASK:
             arrays[f.name] = col.astype(np.uint8, copy=False)
+        elif f.kind is FieldKind.ROUTES:  # expert ids: int32 is plenty
+            arrays[f.name] = col.astype(np.int32, copy=False)
         elif float_dtype == "bfloat16":
             arrays[f.name] = to_bfloat16(col)
         else:
@@ -240,12 +242,14 @@ def _as_wire_errors() -> Iterator[None]:
 def encode_per_sequence(
     fields: Mapping[str, Any], columns: Mapping[str, list[np.ndarray] | None]
 ) -> bytes:
-    """A response body with per-sequence float32 columns (e.g. log-probs and entropy)."""
+    """A response body with per-sequence columns: floats as float32 (e.g. log-probs and
+    entropy), integers as int32 (e.g. routes ``[tokens, layers, top_k]``)."""
     present = {k: v for k, v in columns.items() if v is not None}
     first = next(iter(present.values()), [])
     arrays: dict[str, np.ndarray] = {"lengths": np.array([len(x) for x in first], np.int64)}
     for name, seqs in present.items():
-        arrays[name] = np.concatenate(seqs).astype(np.float32) if seqs else np.zeros(0, np.float32)
+        dtype = np.int32 if seqs and seqs[0].dtype.kind in "iu" else np.float32
+        arrays[name] = np.concatenate(seqs).astype(dtype) if seqs else np.zeros(0, dtype)
     return encode(fields, arrays)
 
 

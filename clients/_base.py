@@ -144,6 +144,9 @@ def read_model(response: httpx.Response, model: type[M]) -> M:
                 "entropy": [c.tolist() for c in columns["entropy"]]
                 if "entropy" in columns
                 else None,
+                "routed_experts": [c.tolist() for c in columns["routed_experts"]]
+                if "routed_experts" in columns
+                else None,
             }
         )
     fields, _ = wire.decode(response.content)
@@ -187,6 +190,7 @@ class Requests:
         packing: str | None = None,
         forward_only: bool = False,
         adapter: str | None = None,
+        return_routes: bool = False,
         idempotency_key: str | None = None,
     ) -> tuple[BaseModel, dict[str, str], bytes]:
         """The validated request of a batch operation, its headers and its body."""
@@ -200,6 +204,8 @@ class Requests:
             fields["adapter"] = adapter
         if spec.kind is OperationKind.LOGPROBS:
             fields["entropy"] = entropy
+            if return_routes:
+                fields["return_routes"] = True
         else:
             if loss is not None:
                 cfg = loss if isinstance(loss, LossConfig) else LossConfig(**loss)

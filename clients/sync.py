@@ -164,12 +164,14 @@ class TrainctlClient:
         entropy: bool = False,
         packing: Packing = None,
         adapter: str | None = None,
+        return_routes: bool = False,
     ) -> LogProbsResult:
         """Per-token log-probs (and entropy) of each sequence under the current weights (with
-        ``adapter``, if named)."""
+        ``adapter``, if named). MoE: ``return_routes`` also returns the experts each token was
+        routed through (``routed_experts`` of the sequences, if they carry it: replay)."""
         call = self._req.run(
             OperationKind.LOGPROBS, LogProbsResult, sequences=sequences, entropy=entropy,
-            packing=packing, adapter=adapter,
+            packing=packing, adapter=adapter, return_routes=return_routes,
         )  # fmt: skip
         return self._send(call)
 

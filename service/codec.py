@@ -124,7 +124,11 @@ def encode_response(
     if isinstance(result, LogProbsResult):
         body = wire.encode_per_sequence(
             {"step": result.step, "metrics": result.metrics},
-            {"logprobs": _floats(result.logprobs), "entropy": _floats(result.entropy)},
+            {
+                "logprobs": _floats(result.logprobs),
+                "entropy": _floats(result.entropy),
+                "routed_experts": _ints(result.routed_experts),
+            },
         )
     else:
         body = wire.encode(result.model_dump(mode="json"), {})
@@ -135,3 +139,9 @@ def _floats(rows: list[list[float]] | None) -> list[Any] | None:
     import numpy as np
 
     return None if rows is None else [np.asarray(r, np.float32) for r in rows]
+
+
+def _ints(rows: list[Any] | None) -> list[Any] | None:
+    import numpy as np
+
+    return None if rows is None else [np.asarray(r, np.int32) for r in rows]

@@ -354,7 +354,7 @@ def logprobs_and_grads(
     eng = EngineShard(EngineConfig.from_dict(cfg))
     plan = plan_step(to_host(batch), eng.cfg, loss=LossConfig(), packing=packing)
     mbs = plan.microbatches[eng.coords.dp]
-    out = eng.logprobs(mbs, entropy=True)
+    out = eng.logprobs(mbs, entropy=True).per_sequence
     eng.train_pass(mbs, LossConfig())
     return {
         "coords": {"tp": eng.coords.tp},

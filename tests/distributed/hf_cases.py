@@ -25,7 +25,7 @@ def logprobs_from_hf(directory: str, layout: dict[str, int], batch: list[list[in
     eng = EngineShard(cfg)
     req = LogProbsRequest(sequences=[{"tokens": t} for t in batch])
     plan = plan_step(list(req.sequences.without(*req.sequences.present)), eng.cfg)
-    out = eng.logprobs(plan.microbatches[eng.coords.dp], entropy=False)
+    out = eng.logprobs(plan.microbatches[eng.coords.dp], entropy=False).per_sequence
     return {i: lp.tolist() for i, (lp, _) in out.items()}, dataclasses.asdict(model)
 
 
@@ -70,7 +70,7 @@ def lora_from_hf(
     merged = hf_adapter.merged(shards, model, spec)
     hf.save(Path(export_to) / "merged", merged, hf_adapter.untie_if_head_adapted(model, spec))
     mbs = plan(batch).microbatches[0]
-    lps = eng.logprobs(mbs)
+    lps = eng.logprobs(mbs).per_sequence
     loss = eng.train_pass(mbs, LossConfig()).loss
     grads = {k: v.numpy() for k, v in eng.canonical_shards(grads=True).items()}
     return {

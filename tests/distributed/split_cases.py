@@ -84,7 +84,9 @@ def policy_metrics_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dic
     plan = plan_step(to_host(batch), eng.cfg, loss=spec, packing="flat")
     mbs = plan.microbatches[eng.coords.dp]
     metrics = eng.eval_batch(mbs, spec).metrics
-    lps = eng.logprobs(plan_step(to_host(batch), eng.cfg).microbatches[eng.coords.dp], entropy=True)
+    lps = eng.logprobs(
+        plan_step(to_host(batch), eng.cfg).microbatches[eng.coords.dp], entropy=True
+    ).per_sequence
     return {
         "is_last_stage": eng.is_last_stage,
         "metrics": metrics,

@@ -1,14 +1,20 @@
 """Each model family end to end through the service: started from a checkpoint transformers
 wrote (on a layout that splits what the family adds), trained a step, exported. The export has
 the input's tensor names and dtypes (a tied model: no ``lm_head.weight``), and a second service
-started from it gives the same eval loss."""
+started from it gives the same eval loss. The MoE family also replays given routes over HTTP,
+and a dense one refuses them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import httpx
+import numpy as np
 import pytest
+
+from trainctl.api import InvalidRequestError
 
 from conftest import running_service
 from hf_models import TIED, tiny_model
@@ -38,6 +44,7 @@ def test_export_restarts_with_the_same_eval_loss(tmp_path: Path, family: str) ->
         c = a.client()
         assert c.info().model_name == "source"  # the HF directory's name: Tinker's base_model
         before = c.eval_batch(batch).loss
+        _routes_over_http(a.url, c, batch, json.loads((source / "config.json").read_text()))
         c.train_batch(batch)
         want = c.eval_batch(batch).loss
         exported = c.export_hf()
@@ -52,3 +59,39 @@ def test_export_restarts_with_the_same_eval_loss(tmp_path: Path, family: str) ->
     with running_service(tmp_path / "b", "--dp=1", f"--init-hf={exported.path}") as b:
         got = b.client().eval_batch(batch).loss
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def _routes_over_http(url: str, c: Any, batch: list[dict], config: dict) -> None:
+    """MoE: ``logprobs`` reports the router's own routes, and the given ones when the batch
+    carries ``routed_experts``, through the SDK's binary frames and through plain JSON; a
+    dense model refuses the field, naming it."""
+    probe = batch[:3]
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if not experts:
+        with pytest.raises(InvalidRequestError, match=r"routed_experts.*mixture-of-experts"):
+            shape = (len(probe[0]["tokens"]), config["num_hidden_layers"], 2)
+            routes = np.broadcast_to(np.arange(2), shape)
+            c.logprobs([{**probe[0], "routed_experts": routes.tolist()}])
+        return
+    layers, k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    own = c.logprobs(probe, return_routes=True)
+    shapes = [(len(s["tokens"]), layers, k) for s in probe]
+    assert [np.shape(r) for r in own.routed_experts] == shapes
+    rng = np.random.default_rng(5)
+    given = [np.argsort(rng.random((len(s["tokens"]), layers, experts)), axis=2)[..., :k]
+             for s in probe]  # fmt: skip
+    replay = [
+        {"tokens": s["tokens"], "routed_experts": r.tolist()}
+        for s, r in zip(probe, given, strict=True)
+    ]
+    # Random routes differ on any shared prefix, which tree packing computes once: flat.
+    binary = c.logprobs(replay, return_routes=True, packing="flat")
+    body = {"sequences": replay, "return_routes": True, "packing": "flat"}
+    r = httpx.post(f"{url}/v1/logprobs", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    plain = r.json()
+    for got in (binary.routed_experts, plain["routed_experts"]):
+        for g, want in zip(got, given, strict=True):
+            np.testing.assert_array_equal(np.sort(g, axis=2), np.sort(want, axis=2))
+    np.testing.assert_allclose(plain["logprobs"][0], binary.logprobs[0], rtol=1e-6)
+    assert binary.logprobs != own.logprobs  # other experts, other log-probs

@@ -100,6 +100,13 @@ BAD_BODIES = [
     ({"sequences": [{"tokens": ["x", 1]}]}, "sequences[0].tokens[0]"),
     ({"sequences": [{"tokens": list(range(2, 2000))}]}, "sequences[0].tokens"),
     ({"sequences": [{"tokens": [1, 2], "weights": [1.0, "nan"]}]}, "sequences[0].weights"),
+    # a token routed twice through expert 3 at one layer
+    (
+        {"sequences": [{"tokens": [1, 2], "routed_experts": [[[0, 1]], [[3, 3]]]}]},
+        "sequences[0].routed_experts[1]",
+    ),
+    # well formed, but this model is dense
+    ({"sequences": [{"tokens": [1, 2], "routed_experts": [[[0, 1]], [[2, 3]]]}]}, "routed_experts"),
 ]
 
 

@@ -109,8 +109,13 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
         self._weights_epoch = 0
         """Bumped by every load and rebuild: with the step, the version of the weights."""
         self._digest_cache: tuple[tuple[int, int], list[str]] | None = None
+        m = self.cfg.model
         self.limits = ModelLimits(
-            vocab_size=self.cfg.model.vocab_size, max_seq_len=self.cfg.model.max_seq_len
+            vocab_size=m.vocab_size,
+            max_seq_len=m.max_seq_len,
+            num_layers=m.num_layers,
+            num_experts=m.num_experts,
+            moe_topk=m.moe_topk if m.num_experts else 0,
         )
         self.adapters = Adapters(self.cfg, self.group)
         self.steps = Steps(

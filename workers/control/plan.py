@@ -30,7 +30,7 @@ from trainctl.api.fields import LOSS_INPUTS
 from trainctl.api.models import LossConfig, Normalization
 from trainctl.workers.control.batch import StepPlan
 from trainctl.workers.control.trie import Trie, build_tries, tree_layout
-from trainctl.workers.engine.boundary import PACKED_FIELDS, PackedMicroBatch
+from trainctl.workers.engine.boundary import PACKED_FIELDS, PackedMicroBatch, TreeLayout
 from trainctl.workers.engine.config import EngineConfig
 
 CROSS_ENTROPY = LossConfig()
@@ -81,11 +81,16 @@ def pack(
     """
     scales = [1.0] * len(seqs) if scales is None else scales
     present = _loss_inputs(seqs[0]) if seqs else []
+    route_shape = _route_shape(seqs)
+    routes: list[np.ndarray] = []
     cols: dict[str, list[np.ndarray]] = {k: [] for k in (*PACKED_FIELDS, *present)}
     cu: list[int] = [0]
     seq_lens: list[int] = []
 
     def add(n: int, padded: int, values: dict[str, np.ndarray]) -> None:
+        if route_shape is not None:  # not rolled: the routes of the token the row computes
+            given = values.pop("routed_experts", None)
+            routes.append(_pad_routes(given, padded, route_shape))
         for k, v in values.items():
             cols[k].append(np.pad(v, (0, padded - n)))
         cols["position_ids"].append(np.arange(padded, dtype=np.int64))
@@ -106,6 +111,8 @@ def pack(
         }
         for k in present:
             values[k] = _rolled(seq.get(k), n).astype(np.float32)
+        if route_shape is not None:
+            values["routed_experts"] = seq.routed_experts
         add(n, _round_up(n, pad_multiple), values)
     index = list(indices)
     if total_len is not None and total_len > cu[-1]:
@@ -123,6 +130,8 @@ def pack(
         add(0, fill, values)
         index.append(-1)
     per_token: dict[str, np.ndarray] = {k: np.concatenate(v) for k, v in cols.items()}
+    if routes:
+        per_token["routed_experts"] = np.concatenate(routes)
     return PackedMicroBatch(
         per_token=per_token,
         cu_seqlens=np.asarray(cu, dtype=np.int32),
@@ -143,7 +152,27 @@ def _loss_inputs(seq: TokenSequence) -> list[str]:
     return [k for k in LOSS_INPUTS if seq.get(k) is not None]
 
 
-def dummy_microbatch(*, length: int, loss_inputs: Sequence[str] = ()) -> PackedMicroBatch:
+def _route_shape(seqs: Sequence[TokenSequence]) -> tuple[int, int] | None:
+    """``(layers, top_k)`` of the batch's ``routed_experts``; None when it carries none."""
+    given = seqs[0].get("routed_experts") if seqs else None
+    return None if given is None else (int(given.shape[1]), int(given.shape[2]))
+
+
+def _pad_routes(given: np.ndarray | None, length: int, shape: tuple[int, int]) -> np.ndarray:
+    """``[length, layers, top_k]`` int64: ``given``'s rows, then pad rows routed to experts
+    ``0..top_k-1`` (distinct, as every row must be; a pad's output reaches no loss)."""
+    out = np.broadcast_to(np.arange(shape[1], dtype=np.int64), (length, *shape)).copy()
+    if given is not None:
+        out[: len(given)] = given
+    return out
+
+
+def dummy_microbatch(
+    *,
+    length: int,
+    loss_inputs: Sequence[str] = (),
+    route_shape: tuple[int, int] | None = None,
+) -> PackedMicroBatch:
     """A pad-only micro-batch of ``length`` tokens that contributes zero loss."""
     z = np.zeros(length, np.float32)
     per_token: dict[str, np.ndarray] = {
@@ -155,6 +184,8 @@ def dummy_microbatch(*, length: int, loss_inputs: Sequence[str] = ()) -> PackedM
         "seq_id": np.zeros(length, np.int64),
         **{k: z for k in loss_inputs},
     }
+    if route_shape is not None:
+        per_token["routed_experts"] = _pad_routes(None, length, route_shape)
     return PackedMicroBatch(
         per_token=per_token,
         cu_seqlens=np.asarray([0, length], np.int32),
@@ -263,10 +294,12 @@ def make_plan(
                 tree = tree_layout(
                     [tries[u] for u in mb], pad_multiple=pad_multiple, total_len=total_len
                 )
+                if "routed_experts" in packed.per_token:
+                    tree = dataclasses.replace(tree, routes=trie_routes(packed, tree))
                 packed = dataclasses.replace(packed, tree=tree)
             mbs.append(packed)
         mbs += [
-            dummy_microbatch(length=dummy_len, loss_inputs=present)
+            dummy_microbatch(length=dummy_len, loss_inputs=present, route_shape=_route_shape(seqs))
             for _ in range(num_mb - len(mbs))
         ]
         shards.append(tuple(mbs))
@@ -281,6 +314,32 @@ def make_plan(
         num_sequences=len(seqs),
         num_tokens=sum(len(s) for s in seqs),
     )
+
+
+def trie_routes(packed: PackedMicroBatch, tree: TreeLayout) -> np.ndarray:
+    """``[trie rows, layers, top_k]``: the routes of each trie row, from the member sequences'
+    (a shared row is computed once, so it takes one route). Sequences through a shared row
+    that give it different routes cannot be packed together: a ValueError names them."""
+    flat = packed.per_token["routed_experts"]
+    shape = (int(flat.shape[1]), int(flat.shape[2]))
+    seq = packed.seq_id
+    real = packed.position_ids < packed.seq_lens[seq]  # a sequence's tokens, not its pads
+    rows = tree.rows[real]
+    out = _pad_routes(None, tree.num_tokens, shape)
+    out[rows] = flat[real]  # a shared row: one of its sequences' routes
+    clash = (out[rows] != flat[real]).any(axis=(1, 2))
+    if clash.any():
+        j = int(np.flatnonzero(clash)[0])
+        position = int(packed.position_ids[real][j])
+        mine = int(seq[real][j])
+        theirs = int(seq[real][(rows == rows[j]) & ~clash][0])
+        a, b = sorted(int(packed.seq_index[k]) for k in (mine, theirs))
+        raise ValueError(
+            f"sequences[{a}] and sequences[{b}] share a prefix but carry different "
+            f"routed_experts at token {position}: a shared token is computed once, on one "
+            "route; send them with packing 'flat', or with the same routes on the prefix"
+        )
+    return out
 
 
 def plan_step(

@@ -28,8 +28,8 @@ from trainctl.workers.engine.boundary import (
     AdapterInfo,
     AdapterSpec,
     Applied,
+    LogProbsPart,
     PartResult,
-    PerSequence,
     RankMeta,
     RankProfile,
     StepReport,
@@ -221,9 +221,11 @@ class RankWorker(ExportPart):
         with _operation(op_id):
             return self.engine.eval_batch(self._shard(plan), plan.loss)  # type: ignore[no-any-return]
 
-    def logprobs(self, plan: StepPlan, entropy: bool, op_id: str = "-") -> PerSequence:
+    def logprobs(
+        self, plan: StepPlan, entropy: bool, routes: bool = False, op_id: str = "-"
+    ) -> LogProbsPart:
         with _operation(op_id):
-            return self.engine.logprobs(self._shard(plan), entropy=entropy)  # type: ignore[no-any-return]
+            return self.engine.logprobs(self._shard(plan), entropy=entropy, routes=routes)  # type: ignore[no-any-return]
 
     def weights_digest(self) -> str:
         return str(self.engine.weights_digest())

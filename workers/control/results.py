@@ -6,8 +6,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from trainctl.api import LogProbsResult, StepResult, WorkerError
 from trainctl.workers.control.batch import StepPlan
+from trainctl.workers.engine.boundary import LogProbsPart
 
 
 def step_result(plan: StepPlan, reports: list[Any], *, step: int, t_plan: float) -> StepResult:
@@ -42,16 +45,40 @@ def nonfinite_norm_error(norms: list[float | None]) -> WorkerError | None:
 
 
 def logprobs_result(
-    parts: list[dict[int, Any]], plan: StepPlan, *, n: int, entropy: bool, step: int
+    parts: list[LogProbsPart],
+    plan: StepPlan,
+    *,
+    n: int,
+    entropy: bool,
+    step: int,
+    routes: int | None = None,
 ) -> LogProbsResult:
-    """The reporting ranks' per-sequence ``(log-probs, entropy)`` as the API's result."""
-    ordered = in_request_order(parts, n)
+    """The reporting ranks' per-sequence ``(log-probs, entropy)`` as the API's result; with
+    ``routes`` (the model's layer count), every rank's route pieces put together."""
+    ordered = in_request_order([p.per_sequence for p in parts], n)
     return LogProbsResult.model_construct(
         step=step,
         logprobs=[lp.tolist() for lp, _ in ordered],
         entropy=[ent.tolist() for _, ent in ordered] if entropy else None,
+        routed_experts=None
+        if routes is None
+        else [r.tolist() for r in merge_routes(parts, [len(lp) for lp, _ in ordered], routes)],
         metrics=token_counts(plan),
     )
+
+
+def merge_routes(parts: list[LogProbsPart], lengths: list[int], layers: int) -> list[np.ndarray]:
+    """Each sequence's ``[tokens, layers, top_k]`` experts from the ranks' pieces (each token
+    and layer comes from the rank that routed it); a hole is a worker error."""
+    shards = [(i, s) for p in parts for i, s in p.routes.items()]
+    top_k = shards[0][1].experts.shape[2] if shards else 0
+    out = [np.full((n, layers, top_k), -1, np.int64) for n in lengths]
+    for i, s in shards:
+        out[i][s.positions[:, None], s.layers[None, :]] = s.experts
+    holes = [i for i, r in enumerate(out) if r.size == 0 or (r < 0).any()]
+    if holes:
+        raise WorkerError(f"no rank reported the routes of sequences {holes[:10]}")
+    return out
 
 
 def in_request_order(parts: list[dict[int, Any]], n: int) -> list[Any]:

@@ -191,8 +191,11 @@ class Steps:
         return lambda h: self._optim_step(h, req, hyper)
 
     def logprobs(self, req: LogProbsRequest) -> Runner:
-        """Log-probs read only the tokens: every position after the first is a target."""
-        tokens_only = req.sequences.without(*req.sequences.present)
+        """Log-probs read only the tokens (every position after the first is a target) and
+        the routes to replay, if given."""
+        tokens_only = req.sequences.without(
+            *(k for k in req.sequences.present if k != "routed_experts")
+        )
         plan, _ = self.plan(tokens_only, LossConfig(), req.packing, adapter=req.adapter)
         return lambda h: self._logprobs(h, req, plan)
 
@@ -366,6 +369,11 @@ class Steps:
     async def _logprobs(self, h: Handle, req: LogProbsRequest, plan: StepPlan) -> LogProbsResult:
         h.set_phase("forward")
         ref = self.group.put(plan)
-        parts = await self.group.call(RankWorker.logprobs, ref, req.entropy, h.op.id)
+        parts = await self.group.call(
+            RankWorker.logprobs, ref, req.entropy, req.return_routes, h.op.id
+        )
         step = self.state_of(plan.adapter).step
-        return logprobs_result(parts, plan, n=len(req.sequences), entropy=req.entropy, step=step)
+        routes = self.cfg.model.num_layers if req.return_routes else None
+        return logprobs_result(
+            parts, plan, n=len(req.sequences), entropy=req.entropy, step=step, routes=routes
+        )

@@ -46,6 +46,8 @@ class TreeLayout:
     rows: np.ndarray  # [M] int64, the trie row of each flat position (pads: row 0)
     computed_tokens: int
     """Real trie tokens (no pads): the tokens after sharing."""
+    routes: np.ndarray | None = None
+    """``[N, layers, top_k]`` int64: each trie row's replayed experts (``routed_experts``)."""
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +170,25 @@ PerSequence = dict[int, tuple[np.ndarray, np.ndarray | None]]
 """Per-token arrays of each real sequence, by its index in the request: ``(log-probs, loss
 shares)`` from a ``forward_backward`` part, ``(log-probs, entropy or None)`` from
 ``logprobs``. Reported by TP rank 0, CP rank 0 of the last stage; empty on every other rank."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouteShard:
+    """The experts one rank's routers chose for some tokens of one sequence, at some layers:
+    ``experts[p, l]`` are token ``positions[p]``'s top-k ids at layer ``layers[l]``."""
+
+    positions: np.ndarray  # [p] int64
+    layers: np.ndarray  # [l] int64, global layer indices
+    experts: np.ndarray  # [p, l, top_k] int16
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogProbsPart:
+    """One rank's answer to ``logprobs``."""
+
+    per_sequence: PerSequence
+    routes: dict[int, RouteShard] = field(default_factory=dict)
+    """Asked for routes: this rank's pieces, by request index (every rank may have some)."""
 
 
 @dataclass(frozen=True, kw_only=True)

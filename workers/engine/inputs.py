@@ -45,6 +45,8 @@ class RankMicroBatch:
     """Prefix tries under CP: the indices, into the micro-batch's ``[num_targets]`` loss
     positions, of those this CP rank computes (the ones whose hidden row it holds)."""
     num_targets: int = 0
+    index: int = 0
+    """Its place in the pass's micro-batches (each model chunk of a rank sees every one)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -122,6 +122,9 @@ def _moe_options(cfg: EngineConfig) -> dict[str, object]:
         # No auxiliary loss: it is computed per rank's tokens, so it would depend on the layout.
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
+        # Each router can take given top-k indices (workers/engine/replay.py); with none given
+        # it routes by its own top-k, as without the option.
+        "moe_enable_routing_replay": True,
     }
 
 

@@ -39,6 +39,7 @@ from trainctl.workers.engine.boundary import PackedMicroBatch
 from trainctl.workers.engine.inputs import RankMicroBatch, StageInputs
 from trainctl.workers.engine.model import lm_head_weight
 from trainctl.workers.engine.parallel import ParallelDims
+from trainctl.workers.engine.replay import RouteReplay, given_routes, router_rows
 from trainctl.workers.engine.routing import RoutingStats
 from trainctl.workers.ops.aggregate import aggregate_loss
 from trainctl.workers.ops.cp import gather_from_cp, gather_targets_from_cp
@@ -62,6 +63,10 @@ class PassResult:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """Last stage only: the RL metrics of a pass whose batch carries ``old_logprobs``
     (``workers/ops/rl_metrics.py``), reduced over DP x CP."""
+    routes: dict[int, dict[int, Tensor]] = dataclasses.field(default_factory=dict)
+    """Asked for routes (MoE): per micro-batch, the experts this rank's routers chose
+    (``[tokens, top_k]`` by global layer index), for the rows ``router_rows`` names."""
+    router_rows: list[Tensor] = dataclasses.field(default_factory=list)
 
 
 @dataclass
@@ -73,6 +78,10 @@ class _Pass:
     outputs: tuple[str, ...]
     stats: StatsTracker = dataclasses.field(default_factory=StatsTracker)
     policy_keys: list[tuple[str, Reduction]] = dataclasses.field(default_factory=list)
+    given_routes: list[Tensor | None] = dataclasses.field(default_factory=list)
+    """Per micro-batch: the routes its routers replay (``[rows here, layers, top_k]``)."""
+    chosen: dict[int, dict[int, Tensor]] | None = None
+    """Recording routes: per micro-batch, each local router's choice."""
 
 
 class Schedule:
@@ -89,8 +98,10 @@ class Schedule:
         logprob_chunk_size: int,
         fused_lm_head: bool = True,
         sequence_parallel: bool = False,
+        replay: RouteReplay | None = None,
     ) -> None:
         self.chunks, self.dims, self.inputs, self.routing = chunks, dims, inputs, routing
+        self.replay = replay if replay is not None and replay.enabled else None
         self.sequence_parallel = sequence_parallel
         self.vocab_start = dims.vocab_start(vocab_size)
         self.vocab_size = vocab_size
@@ -104,16 +115,59 @@ class Schedule:
         *,
         forward_only: bool,
         outputs: tuple[str, ...] = (),
+        routes: bool = False,
     ) -> PassResult:
         """Forward (and backward unless ``forward_only``) over ``mbs``; gradients accumulate
-        in the DDP buffers and are synchronised over DP x CP by megatron's finalize step."""
+        in the DDP buffers and are synchronised over DP x CP by megatron's finalize step.
+        ``routes``: also return what this rank's routers chose (MoE)."""
         unknown = set(outputs) - set(PER_TOKEN_OUTPUTS)
         if unknown:
             raise ValueError(f"unknown per-token outputs {sorted(unknown)}")
-        tensors = [self.inputs.prepare(mb) for mb in mbs]
+        tensors = [
+            dataclasses.replace(self.inputs.prepare(mb), index=i) for i, mb in enumerate(mbs)
+        ]
+        run = _Pass(loss=loss, outputs=outputs)
+        rows = self._router_rows(mbs, run, record=routes)
+        try:
+            return self._run(mbs, tensors, run, forward_only=forward_only, router_rows=rows)
+        finally:
+            if self.replay is not None:
+                self.replay.end_pass()
+
+    def _router_rows(
+        self, mbs: Sequence[PackedMicroBatch], run: _Pass, *, record: bool
+    ) -> list[Tensor]:
+        """Each micro-batch's rows as this rank's routers see them; the routes they replay
+        (``run.given_routes``) and, if ``record``, where their choices go."""
+        if self.replay is None:
+            return []
+        c, t = self.dims.coords, self.dims.layout
+        rows = [
+            router_rows(
+                mb, cp=(c.cp, t.cp), tp=(c.tp, t.tp), sequence_parallel=self.sequence_parallel
+            )
+            for mb in mbs
+        ]
+        for mb, r in zip(mbs, rows, strict=True):
+            given = given_routes(mb)
+            run.given_routes.append(None if given is None else torch.from_numpy(given[r.numpy()]))
+        if record:
+            run.chosen = {}
+            self.replay.start_recording()
+        return rows
+
+    def _run(
+        self,
+        mbs: Sequence[PackedMicroBatch],
+        tensors: list[RankMicroBatch],
+        run: _Pass,
+        *,
+        forward_only: bool,
+        router_rows: list[Tensor],
+    ) -> PassResult:
+        outputs = run.outputs
         # RL metrics when the batch carries the behaviour policy's log-probs (the same
         # decision on every rank: the plan is global).
-        run = _Pass(loss=loss, outputs=outputs)
         if "old_logprobs" in mbs[0].loss_inputs:
             with_ref = "ref_logprobs" in mbs[0].loss_inputs
             run.policy_keys = policy_metric_keys(with_ref=with_ref, with_entropy=True)
@@ -133,8 +187,9 @@ class Schedule:
             )
         self.routing.counting = False
         items = list(out or [])
+        chosen = run.chosen or {}
         if not self.dims.is_last_stage:
-            return PassResult(loss=0.0, outputs=[])
+            return PassResult(loss=0.0, outputs=[], routes=chosen, router_rows=router_rows)
         total = aggregate_loss((item["loss"] for item in items), self.dims.dp_cp_group)
         kept = [{k: item[k] for k in outputs} for item in items]
         metrics = {}
@@ -142,7 +197,13 @@ class Schedule:
             # Every DP x CP rank joins every metric's reduction, one with only dummies too.
             run.stats.ensure(run.policy_keys)
             metrics = run.stats.export(group=self.dims.dp_cp_group)
-        return PassResult(loss=float(total), outputs=kept, metrics=metrics)
+        return PassResult(
+            loss=float(total),
+            outputs=kept,
+            metrics=metrics,
+            routes=chosen,
+            router_rows=router_rows,
+        )
 
     def _forward_step(
         self, run: _Pass, data: Iterator[RankMicroBatch], model: Any
@@ -153,7 +214,14 @@ class Schedule:
         positions = mb.batch.position_ids
         assert positions is not None, "every stage gets the position ids"
         packed = dataclasses.replace(mb.packed, rope=rope_freqs(gpt.rotary_pos_emb, positions[0]))
+        replay = self.replay
+        if replay is not None:
+            replay.before_forward(model, run.given_routes[mb.index])
         hidden = model(mb.batch.tokens, positions, attention_mask=None, packed_seq_params=packed)
+        if replay is not None:
+            if run.chosen is not None:
+                run.chosen.setdefault(mb.index, {}).update(replay.take())
+            hidden = replay.after_forward(model, hidden, run.given_routes[mb.index] is not None)
         # Only the last stage has an output layer (megatron calls the loss function there alone).
         weight = lm_head_weight(gpt) if gpt.post_process else None
         return hidden, partial(self._loss_func, run, mb, weight)

@@ -31,6 +31,7 @@ from trainctl.workers.engine.adapter_store import SpillStore
 from trainctl.workers.engine.adapters import AdapterBank, AdaptersPart
 from trainctl.workers.engine.boundary import (
     Applied,
+    LogProbsPart,
     PackedMicroBatch,
     PartResult,
     PerSequence,
@@ -49,6 +50,7 @@ from trainctl.workers.engine.model import (
 from trainctl.workers.engine.optimizer import OptimizerPart
 from trainctl.workers.engine.parallel import ParallelDims
 from trainctl.workers.engine.profiling import MemoryProfiler
+from trainctl.workers.engine.replay import RouteReplay, route_shards
 from trainctl.workers.engine.routing import RoutingStats
 from trainctl.workers.engine.schedule import PassResult, Schedule, per_sequence
 
@@ -137,6 +139,7 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
             logprob_chunk_size=cfg.logprob_chunk_size,
             fused_lm_head=cfg.fused_lm_head,
             sequence_parallel=cfg.use_sequence_parallel,
+            replay=RouteReplay(self.chunks) if cfg.model.num_experts else None,
         )
         self.profiler = MemoryProfiler(self.coords)
         self.step = 0
@@ -341,21 +344,26 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
         )
 
     @torch.no_grad()
-    def logprobs(self, mbs: Sequence[PackedMicroBatch], *, entropy: bool = False) -> PerSequence:
-        """Per-token log-probs (and entropy) of every real sequence in ``mbs``, by request index.
-
-        A forward pass that returns them: each value is aligned with the sequence's tokens,
-        ``[t]`` is ``log p(tokens[t] | tokens[:t])`` and ``[0]`` is 0. Computed CP-locally like
-        the loss; only the per-token results (not logits) are gathered over CP. Reported by TP
-        rank 0, CP rank 0 of the last stage; every other rank returns ``{}``.
-        """
+    def logprobs(
+        self, mbs: Sequence[PackedMicroBatch], *, entropy: bool = False, routes: bool = False
+    ) -> LogProbsPart:
+        """Per-token log-probs (and entropy) of every real sequence in ``mbs``, by request index:
+        ``[t]`` is ``log p(tokens[t] | tokens[:t])``, ``[0]`` is 0. CP-local like the loss, only
+        the per-token values gathered; from TP rank 0, CP rank 0 of the last stage. ``routes``
+        (MoE): also the experts this rank's routers chose (``replay.route_shards``), from TP
+        rank 0, or every TP rank under sequence parallelism (each routes its own tokens)."""
         outputs = ("logprobs", "entropy") if entropy else ("logprobs",)
-        result = self.schedule.run(mbs, LossConfig(), forward_only=True, outputs=outputs)
+        result = self.schedule.run(
+            mbs, LossConfig(), forward_only=True, outputs=outputs, routes=routes
+        )
+        mine = routes and (self.coords.tp == 0 or self.cfg.use_sequence_parallel)
+        shards = route_shards(list(mbs), result.router_rows, result.routes) if mine else {}
         if not self.dims.reports_logprobs():
-            return {}
+            return LogProbsPart(per_sequence={}, routes=shards)
         lps = per_sequence(mbs, [o["logprobs"] for o in result.outputs])
         ents = per_sequence(mbs, [o["entropy"] for o in result.outputs]) if entropy else {}
-        return {i: (lp, ents.get(i)) for i, lp in lps.items()}
+        per_seq = {i: (lp, ents.get(i)) for i, lp in lps.items()}
+        return LogProbsPart(per_sequence=per_seq, routes=shards)
 
     def weights_digest(self) -> str:
         """sha256 over this rank's parameters (name order): equal digests, equal weights. With
