@@ -1,16 +1,19 @@
-"""Crash consistency of the real service: killed mid-save or mid-export, and out of disk.
+"""Crash consistency of the real service: killed mid-save, mid-export or mid-offload, and out
+of disk.
 
-After a SIGKILL at a random moment of a checkpoint save or an export (of the controller
-alone, or of the whole process group), the restarted service lists only complete
-checkpoints, each of which loads, resumes from the newest of them, and has swept every
-half-written export. ``TRAINCTL_KILL_POINTS`` sets how many random kill points each case
-gets (CI: one, on two of the four cases; the note's figure: 20 on all four). A full disk
-during a save is a clear error, and the previous checkpoint stays loadable.
+After a SIGKILL at a random moment of a checkpoint save, an export or an adapter offload (of
+the controller alone, or of the whole process group), the restarted service lists only
+complete checkpoints, each of which loads, resumes from the newest of them with its adapters
+as that checkpoint holds them, and has swept every half-written export and spill file.
+``TRAINCTL_KILL_POINTS`` sets how many random kill points the test takes in all, cycling
+through the six (work, victim) cases (CI: two; the note's figure: 20). A full disk during a
+save is a clear error, and the previous checkpoint stays loadable.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import signal
@@ -19,20 +22,34 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from servicekit import fresh_home
 
 from trainctl.api import TrainctlError
+from trainctl.clients import TrainctlClient
 from trainctl.service.local import LocalService
 
-KILL_POINTS = int(os.environ.get("TRAINCTL_KILL_POINTS", "1"))
-CASES = (
-    [(w, v) for w in ("save", "export") for v in ("controller", "process-group")]
-    if "TRAINCTL_KILL_POINTS" in os.environ
-    else [("save", "controller"), ("export", "process-group")]
-)
-"""CI: one kill point of two cases; ``TRAINCTL_KILL_POINTS=20``: every case, 20 points."""
+KILL_POINTS = int(os.environ.get("TRAINCTL_KILL_POINTS", "2"))
+CASES = [
+    ("offload", "controller"),
+    ("export", "process-group"),
+    ("save", "controller"),
+    ("offload", "process-group"),
+    ("export", "controller"),
+    ("save", "process-group"),
+]
+"""Taken in this order, again and again, until ``KILL_POINTS`` kills are done."""
 BATCH = [{"tokens": [3, 1, 4, 1, 5, 9, 2, 6], "loss_mask": [0, 1, 1, 1, 1, 1, 1, 1]}]
+PROBE = [{"tokens": [9, 8, 7, 6, 5, 4, 3, 2, 1]}]
+ADAPTERS = ("a", "b", "c")
+FLAGS = (
+    "--keep-checkpoints=2",
+    # Three adapters, one idle one in host memory: each switch writes another to disk.
+    "--max-adapters=3",
+    "--adapters-in-memory=1",
+    "--lora-max-rank=4",
+)
 
 
 def _service(data: Path, *flags: str) -> LocalService:
@@ -68,16 +85,33 @@ def _no_orphans(data: Path) -> None:
 
 
 def _busy_until_killed(svc: LocalService, work: str, stop: threading.Event) -> None:
-    """Save checkpoints (or exports) back to back, with a step between, until killed."""
+    """Save checkpoints (or exports) back to back, with a step between, until killed; or
+    train the adapters in turn, each switch offloading one to disk, with a save after each."""
     with contextlib.suppress(Exception), svc.client() as tc:
-        i = 0
-        while not stop.is_set():
-            tc.train_batch(BATCH)
-            if work == "save":
+        if work == "offload":
+            held = {a.name for a in tc.list_adapters().adapters}
+            for seed, name in enumerate(ADAPTERS):
+                if name not in held:
+                    tc.create_adapter(name, rank=4, seed=seed)
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            if work == "offload":
+                tc.train_batch(BATCH, adapter=ADAPTERS[i % len(ADAPTERS)])
+            else:
+                tc.train_batch(BATCH)
+            if work != "export":
                 tc.save_checkpoint()
             else:
-                tc.export_hf(f"e{i}")
-            i += 1
+                tc.export_hf(f"e{time.time_ns()}")  # a new name after every restart too
+
+
+def _adapter_state(tc: TrainctlClient) -> dict[str, tuple[int, np.ndarray]]:
+    """Each adapter's optimizer steps and its log-probs of ``PROBE``."""
+    return {
+        a.name: (a.step, np.asarray(tc.logprobs(PROBE, adapter=a.name).logprobs[0]))
+        for a in tc.list_adapters().adapters
+    }
 
 
 def _check_restart(svc: LocalService) -> int:
@@ -90,6 +124,15 @@ def _check_restart(svc: LocalService) -> int:
         if listed:
             newest = max(listed, key=lambda c: c.sequence)
             assert step == newest.step, (step, newest)
+            # The adapters came back as the newest checkpoint holds them, not from the spill
+            # files of the killed run.
+            resumed = _adapter_state(tc)
+            tc.load_checkpoint(newest.checkpoint_id)
+            reloaded = _adapter_state(tc)
+            assert resumed.keys() == reloaded.keys(), (resumed.keys(), reloaded.keys())
+            for name, (steps, lp) in reloaded.items():
+                assert resumed[name][0] == steps, (name, resumed[name][0], steps)
+                np.testing.assert_array_equal(resumed[name][1], lp, err_msg=name)
         for c in listed:
             assert tc.load_checkpoint(c.checkpoint_id).step == c.step
     exports = svc.data_dir / "exports"
@@ -97,6 +140,8 @@ def _check_restart(svc: LocalService) -> int:
     assert leftovers == [], leftovers
     for e in exports.iterdir() if exports.is_dir() else []:
         assert {"config.json", "model.safetensors"} <= {f.name for f in e.iterdir()}, e
+    torn = list((svc.data_dir / "adapters").rglob("*.partial"))
+    assert torn == [], f"half-written spill files survived the restart: {torn}"
     return len(listed)
 
 
@@ -133,7 +178,7 @@ def _full_disk(svc: LocalService, root: Path) -> None:
         assert tc.info().step == newest.step
 
 
-@pytest.mark.timeout(300 + 120 * KILL_POINTS * len(CASES))  # each kill is a restart
+@pytest.mark.timeout(300 + 120 * KILL_POINTS)  # each kill is a restart
 def test_kills_mid_write_and_a_full_disk_leave_only_complete_state(tmp_path: Path) -> None:
     """One data directory, its checkpoints on a tmpfs: each case kills the running service
     at a random moment and checks the one started after it, which is the next case's victim;
@@ -145,17 +190,15 @@ def test_kills_mid_write_and_a_full_disk_leave_only_complete_state(tmp_path: Pat
     root.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(root)], check=True)
     rng = random.Random(0)
-    flags = ("--keep-checkpoints", "2")
-    svc = _service(data, *flags)
+    svc = _service(data, *FLAGS)
     try:
         svc.start()
         kept = []
-        for work, victim in CASES:
-            for point in range(KILL_POINTS):
-                _kill_mid_write(svc, work, victim, rng)
-                svc = _service(data, *flags).start()
-                kept.append(_check_restart(svc))
-                print(f"{work}, {victim} killed, point {point}: {kept[-1]} complete checkpoint(s)")
+        for point, (work, victim) in zip(range(KILL_POINTS), itertools.cycle(CASES)):
+            _kill_mid_write(svc, work, victim, rng)
+            svc = _service(data, *FLAGS).start()
+            kept.append(_check_restart(svc))
+            print(f"point {point}: {work}, {victim} killed: {kept[-1]} complete checkpoint(s)")
         assert max(kept) >= 1, "no checkpoint ever completed: the kill points missed the saves"
         _full_disk(svc, root)
         assert svc.stop() == 0, svc.log()
