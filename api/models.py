@@ -163,7 +163,7 @@ class Info(BaseModel):
         description="The served model's name: the Hugging Face directory's name when started "
         "from one (init_hf), 'trainctl-tiny' for the embedded default.",
     )
-    model: dict[str, float | int | str]
+    model: dict[str, float | int | str | list[str]]
     layout: dict[str, int]
     engine: dict[str, float | int | str]
     world_size: int

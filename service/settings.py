@@ -81,11 +81,12 @@ class Settings(BaseSettings):
         description="Sequence parallelism: between the tensor-parallel layers each TP rank "
         "keeps 1/tp of the tokens; auto: on when tp > 1 (MoE at tp > 1 needs it).",
     )
-    packing: Literal["flat", "tree"] = Field(
+    packing: Literal["auto", "flat", "tree"] = Field(
         _ENGINE.packing,
         description="Default packing of a request that names none: 'tree' packs sequences "
         "sharing a prefix into prefix tries (shared tokens computed once, the same results); "
-        "'flat' packs every sequence whole.",
+        "'flat' packs every sequence whole; 'auto': 'tree', or 'flat' for a model with "
+        "linear-attention layers (Qwen3.5), whose recurrent state cannot follow a trie.",
     )
     max_adapters: int = Field(
         _ENGINE.lora.max_adapters,

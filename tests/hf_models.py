@@ -45,6 +45,14 @@ FAMILIES: dict[str, Callable[[], Any]] = {
         **SHAPE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         norm_topk_prob=True,
     ),
+    # Qwen3.5: three Gated DeltaNet layers, then gated full attention (its default pattern),
+    # RoPE on a quarter of each head, two value heads per key head.
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(
+        **SHAPE | {"num_hidden_layers": 4}, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 40000.0,
+                         "partial_rotary_factor": 0.25},
+    ),
 }  # fmt: skip
 TIED = ("qwen2", "qwen3")
 

@@ -209,26 +209,43 @@ def test_moe_matches_single_rank(
 FAMILY_SHAPES = {
     "qwen2": {**MODEL, "family": "qwen2", "tie_embeddings": True},
     "qwen3": {**MODEL, "family": "qwen3", "head_dim": 48},
-}
+    # Qwen3.5: three Gated DeltaNet layers and one gated full attention, RoPE on a quarter of
+    # each head, zero-centred norms.
+    "qwen3_5": {
+        **MODEL, "family": "qwen3_5", "head_dim": 16, "rotary_percent": 0.25,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8,
+    },
+}  # fmt: skip
 FAMILY_LAYOUTS = [{"dp": 2}, {"cp": 2}, {"tp": 2}, {"pp": 2}, {"dp": 2, "cp": 2}]
+EXTRA = {
+    "qwen2": ("linear_qkv.bias", MODEL["num_layers"]),
+    "qwen3": ("q_layernorm.weight", MODEL["num_layers"]),
+    "qwen3_5": ("self_attention.A_log", 3),
+}
+"""A tensor each family adds, and how many of it the model has."""
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_SHAPES))
 def test_family_shapes_match_single_rank(pools: Callable[[int], RankPool], family: str) -> None:
-    """The same matrix for a Qwen2-shaped (q/k/v biases, tied embeddings) and a Qwen3-shaped
-    (q/k norms, heads wider than hidden / heads) model: the biases' and norms' gradients are
-    summed right over TP, CP and DP, and at pp2 the tied embedding's gradient is the sum of the
-    first and the last stage's, counted once in the grad norm."""
+    """The same matrix for a Qwen2-shaped (q/k/v biases, tied embeddings), a Qwen3-shaped
+    (q/k norms, heads wider than hidden / heads) and a Qwen3.5-shaped model (Gated DeltaNet,
+    gated attention; no CP, which its linear layers refuse): the biases', norms' and linear
+    layers' gradients are summed right over TP, CP and DP, and at pp2 the tied embedding's
+    gradient is the sum of the first and the last stage's, counted once in the grad norm."""
 
     def cfg(**layout: int) -> dict:
         return {**_cfg(**layout), "model": FAMILY_SHAPES[family]}
 
     reference = pools(1).run(step_and_collect, cfg(), ragged_batch(), LOSSES)
     names = full_tensors(reference, "shard_params")
-    extra = "linear_qkv.bias" if family == "qwen2" else "q_layernorm.weight"
-    assert sum(n.endswith(extra) for n in names) == MODEL["num_layers"]
+    extra, count = EXTRA[family]
+    assert sum(n.endswith(extra) for n in names) == count
     assert ("output_layer.weight" in names) == (family != "qwen2")
     for layout in FAMILY_LAYOUTS:
+        if family == "qwen3_5" and layout.get("cp", 1) > 1:
+            continue
         results = pools(_world(layout)).run(step_and_collect, cfg(**layout), ragged_batch(), LOSSES)
         assert_same_step(results, reference)
 

@@ -2,7 +2,7 @@
 wrote (on a layout that splits what the family adds), trained a step, exported. The export has
 the input's tensor names and dtypes (a tied model: no ``lm_head.weight``), and a second service
 started from it gives the same eval loss. The MoE family also replays given routes over HTTP,
-and a dense one refuses them."""
+and a dense one refuses them; Qwen3.5 first takes five steps from the ``tinker`` SDK."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ LAYOUTS = {
     "qwen2": {"pp": 2, "dp": 1},
     "qwen3": {"tp": 2, "dp": 1},
     "qwen3_moe": {"dp": 2, "ep": 2},
+    "qwen3_5": {"tp": 2, "dp": 1},  # Gated DeltaNet heads and gated attention over two ranks
 }
 
 
@@ -43,6 +44,8 @@ def test_export_restarts_with_the_same_eval_loss(tmp_path: Path, family: str) ->
     with running_service(tmp_path / "a", f"--init-hf={source}", f"--engine-config={engine}") as a:
         c = a.client()
         assert c.info().model_name == "source"  # the HF directory's name: Tinker's base_model
+        if family == "qwen3_5":
+            _tinker_steps_lower_the_loss(a.url, batch)
         before = c.eval_batch(batch).loss
         _routes_over_http(a.url, c, batch, json.loads((source / "config.json").read_text()))
         c.train_batch(batch)
@@ -95,3 +98,26 @@ def _routes_over_http(url: str, c: Any, batch: list[dict], config: dict) -> None
             np.testing.assert_array_equal(np.sort(g, axis=2), np.sort(want, axis=2))
     np.testing.assert_allclose(plain["logprobs"][0], binary.logprobs[0], rtol=1e-6)
     assert binary.logprobs != own.logprobs  # other experts, other log-probs
+
+
+def _tinker_steps_lower_the_loss(url: str, batch: list[dict]) -> None:
+    """Five ``cross_entropy`` steps of the real ``tinker`` SDK (full fine-tuning: rank 0)."""
+    tinker = pytest.importorskip("tinker", reason="the dev extra installs tinker")
+    from tinker import types
+
+    def datum(tokens: list[int]) -> Any:
+        x, y = tokens[:-1], tokens[1:]
+        inputs = {"target_tokens": y, "weights": [1.0] * len(y)}
+        return types.Datum(model_input=types.ModelInput.from_ints(x), loss_fn_inputs=inputs)
+
+    sc = tinker.ServiceClient(base_url=url, api_key="tml-families")
+    training = sc.create_lora_training_client(base_model="source", rank=0).result()
+    data = [datum(s["tokens"]) for s in batch[:4]]
+    losses = []
+    for _ in range(5):
+        fb = training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        losses.append(fb.metrics["loss:sum"])
+    print(f"qwen3_5 tinker cross_entropy losses: {[round(x, 3) for x in losses]}")
+    assert losses[-1] < losses[0], losses
+    sc.close("success").result()

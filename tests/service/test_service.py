@@ -93,6 +93,7 @@ def test_eval_equals_single_process_reference(service: Service) -> None:
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
+ROUTED_TWICE = "sequences[0].routed_experts[1]"
 BAD_BODIES = [
     ({"sequences": []}, "sequences"),
     ({"sequences": [{"tokens": [1, 2, 512]}]}, "sequences[0].tokens[2]"),
@@ -100,12 +101,8 @@ BAD_BODIES = [
     ({"sequences": [{"tokens": ["x", 1]}]}, "sequences[0].tokens[0]"),
     ({"sequences": [{"tokens": list(range(2, 2000))}]}, "sequences[0].tokens"),
     ({"sequences": [{"tokens": [1, 2], "weights": [1.0, "nan"]}]}, "sequences[0].weights"),
-    # a token routed twice through expert 3 at one layer
-    (
-        {"sequences": [{"tokens": [1, 2], "routed_experts": [[[0, 1]], [[3, 3]]]}]},
-        "sequences[0].routed_experts[1]",
-    ),
-    # well formed, but this model is dense
+    # token 1 routed twice through expert 3; then well-formed routes, but the model is dense
+    ({"sequences": [{"tokens": [1, 2], "routed_experts": [[[0, 1]], [[3, 3]]]}]}, ROUTED_TWICE),
     ({"sequences": [{"tokens": [1, 2], "routed_experts": [[[0, 1]], [[2, 3]]]}]}, "routed_experts"),
 ]
 

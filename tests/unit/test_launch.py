@@ -88,7 +88,7 @@ def test_recompute_flag_reaches_the_engine() -> None:
         ("--precision", "precision", "bf16", "auto"),
         ("--distributed-optimizer", "distributed_optimizer", "off", "auto"),
         ("--sequence-parallel", "sequence_parallel", "off", "auto"),
-        ("--packing", "packing", "flat", "tree"),
+        ("--packing", "packing", "flat", "auto"),
     ],
 )
 def test_memory_flags_reach_the_engine(flag: str, key: str, value: str, default: str) -> None:

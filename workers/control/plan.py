@@ -31,7 +31,7 @@ from trainctl.api.models import LossConfig, Normalization
 from trainctl.workers.control.batch import StepPlan
 from trainctl.workers.control.trie import Trie, build_tries, tree_layout
 from trainctl.workers.engine.boundary import PACKED_FIELDS, PackedMicroBatch, TreeLayout
-from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.config import LINEAR_TREE, EngineConfig
 
 CROSS_ENTROPY = LossConfig()
 
@@ -342,6 +342,12 @@ def trie_routes(packed: PackedMicroBatch, tree: TreeLayout) -> np.ndarray:
     return out
 
 
+def _packing(cfg: EngineConfig, packing: str | None) -> str:
+    if packing == "tree" and cfg.model.linear_layers:
+        raise ValueError(f"packing: {LINEAR_TREE}")
+    return packing or cfg.default_packing
+
+
 def plan_step(
     seqs: Sequence[TokenSequence],
     cfg: EngineConfig,
@@ -363,6 +369,6 @@ def plan_step(
         uniform_length=lay.pp > 1 or lay.ep > 1,
         loss=loss,
         microbatch_multiple=lay.pp if lay.vp > 1 else 1,
-        packing=packing or cfg.packing,
+        packing=_packing(cfg, packing),
         deferred_normalizer=deferred_normalizer,
     )

@@ -9,119 +9,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from trainctl.workers.engine.families import FAMILIES
+from trainctl.workers.engine.model_config import LINEAR_TREE, ConfigError, ModelConfig
 
-
-class ConfigError(ValueError):
-    """An impossible configuration; the message says what to change."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class ModelConfig:
-    """Shape of the GPT model every rank builds a shard of."""
-
-    num_layers: int = 2
-    """Transformer layers (divisible by pp * virtual stages)."""
-    hidden_size: int = 128
-    """Model width."""
-    num_attention_heads: int = 4
-    """Query heads (divisible by tp)."""
-    num_query_groups: int = 2
-    """Key/value heads for grouped-query attention (divisible by tp, divides heads)."""
-    ffn_hidden_size: int = 512
-    """MLP inner width."""
-    vocab_size: int = 512
-    """Vocabulary size (divisible by tp). Token ids must lie in [0, vocab_size)."""
-    max_seq_len: int = 1024
-    """Longest sequence accepted, in tokens."""
-    rotary_base: int = 10000
-    """RoPE base frequency."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    seed: int = 1234
-    """Weights are initialised from this seed: equal seeds give equal models on any layout."""
-    num_experts: int = 0
-    """Mixture-of-experts MLPs with this many experts per layer; 0 = dense MLPs."""
-    moe_topk: int = 2
-    """Experts each token is routed to (MoE only)."""
-    moe_ffn_hidden_size: int = 256
-    """Inner width of each expert (MoE only)."""
-    moe_norm_topk: bool = True
-    """Renormalise each token's top-k router probabilities to sum to 1 (Hugging Face
-    ``norm_topk_prob``); False keeps the softmax over all experts (MoE only)."""
-    family: str = "llama"
-    """The Hugging Face family (``workers/engine/families.py``): ``llama``, ``qwen2``,
-    ``qwen3`` or ``qwen3_moe``. It decides the attention options (``qkv_bias``, ``qk_norm``)
-    and the format of imports and exports."""
-    head_dim: int = 0
-    """Channels per attention head; 0 = hidden_size / num_attention_heads (Qwen3 sets its
-    own)."""
-    tie_embeddings: bool = False
-    """The output layer is the input embedding (one matrix, Hugging Face
-    ``tie_word_embeddings``)."""
-    rope_scaling_factor: float = 0.0
-    """Llama 3 RoPE scaling (``rope_type: llama3``): the factor; 0 = no scaling."""
-    rope_low_freq_factor: float = 1.0
-    """Llama 3 RoPE scaling: wavelengths above ``original / low`` are divided by the factor."""
-    rope_high_freq_factor: float = 4.0
-    """Llama 3 RoPE scaling: wavelengths below ``original / high`` are kept."""
-    rope_original_max_position: int = 8192
-    """Llama 3 RoPE scaling: the context length the model was pre-trained with."""
-
-    @property
-    def qkv_bias(self) -> bool:
-        """Biases on the query, key and value projections (Qwen2)."""
-        return FAMILIES[self.family].qkv_bias
-
-    @property
-    def qk_norm(self) -> bool:
-        """RMSNorm over each head of the queries and keys, before RoPE (Qwen3)."""
-        return FAMILIES[self.family].qk_norm
-
-    @property
-    def kv_channels(self) -> int:
-        """Channels per attention head."""
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    def validate(self) -> None:
-        if self.family not in FAMILIES:
-            raise ConfigError(f"model.family must be one of {list(FAMILIES)}, got {self.family!r}")
-        if FAMILIES[self.family].moe and not self.num_experts:
-            raise ConfigError(f"model.family {self.family!r} needs model.num_experts > 0")
-        if self.head_dim < 0:
-            raise ConfigError(f"model.head_dim must be >= 0, got {self.head_dim}")
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "num_query_groups",
-            "ffn_hidden_size",
-            "vocab_size",
-            "max_seq_len",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
-        if not self.head_dim and self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"model.hidden_size ({self.hidden_size}) must be divisible by "
-                f"model.num_attention_heads ({self.num_attention_heads}), or set model.head_dim"
-            )
-        if self.num_experts and not 1 <= self.moe_topk <= self.num_experts:
-            raise ConfigError(
-                f"model.moe_topk ({self.moe_topk}) must lie in [1, num_experts = "
-                f"{self.num_experts}]"
-            )
-        if self.num_attention_heads % self.num_query_groups:
-            raise ConfigError(
-                f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"model.num_query_groups ({self.num_query_groups})"
-            )
-        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
-        if self.rope_scaling_factor and not (self.rope_scaling_factor > 0 and high > low > 0):
-            raise ConfigError(
-                "model.rope_scaling_factor needs a positive factor and "
-                "rope_high_freq_factor > rope_low_freq_factor > 0"
-            )
+__all__ = [
+    "LINEAR_TREE",
+    "ConfigError",
+    "EngineConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelLayout",
+]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -150,8 +48,17 @@ class ParallelLayout:
         for axis in ("dp", "cp", "tp", "pp", "ep", "vp"):
             if getattr(self, axis) < 1:
                 raise ConfigError(f"layout.{axis} must be >= 1, got {getattr(self, axis)}")
+        if model.linear_layers and self.cp > 1:
+            raise ConfigError(
+                "layout.cp > 1: Gated DeltaNet (linear attention) layers have no context "
+                "parallelism in megatron-core 0.16.1 (a sequence's recurrent state would have to "
+                "pass from one CP rank to the next); use cp = 1"
+            )
         if self.tp > 1:
-            for name in ("num_attention_heads", "num_query_groups", "vocab_size"):
+            names: tuple[str, ...] = ("num_attention_heads", "num_query_groups", "vocab_size")
+            if model.linear_layers:
+                names += ("linear_num_key_heads", "linear_num_value_heads")
+            for name in names:
                 if getattr(model, name) % self.tp:
                     raise ConfigError(
                         f"model.{name} ({getattr(model, name)}) must be divisible by "
@@ -260,10 +167,11 @@ class EngineConfig:
     the column-parallel linears all-gather their input over TP and the row-parallel ones
     reduce-scatter their output, so activation memory there drops by tp for the same traffic.
     ``auto`` is on when tp > 1. MoE at tp > 1 needs it (each TP rank routes its own tokens)."""
-    packing: Literal["flat", "tree"] = "tree"
+    packing: Literal["auto", "flat", "tree"] = "auto"
     """How a batch is packed unless its request says: ``tree`` packs sequences that share a
     prefix into prefix tries (each shared token computed once, the same results; a batch
-    sharing nothing is packed exactly as ``flat``); ``flat`` packs every sequence whole."""
+    sharing nothing is packed exactly as ``flat``); ``flat`` packs every sequence whole;
+    ``auto``: ``tree``, or ``flat`` for a model with linear-attention layers."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: ``selective`` keeps each layer's inputs and recomputes its
     core attention in backward; ``full`` keeps only each layer's input and recomputes the
@@ -295,12 +203,20 @@ class EngineConfig:
             ("precision", ("auto", "bf16", "fp32")),
             ("distributed_optimizer", ("auto", "on", "off")),
             ("sequence_parallel", ("auto", "on", "off")),
-            ("packing", ("flat", "tree")),
+            ("packing", ("auto", "flat", "tree")),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(
                     f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
                 )
+        if self.packing == "tree" and self.model.linear_layers:
+            raise ConfigError(LINEAR_TREE)
+        if self.lora.enabled and self.model.linear_layers:
+            raise ConfigError(
+                "lora.max_adapters: LoRA on a model with Gated DeltaNet layers (Qwen3.5) is not "
+                "built yet (its gated attention and linear layers have no adapter sites); train "
+                "the full model, --max-adapters 0"
+            )
         if self.sequence_parallel == "on" and self.layout.tp == 1:
             raise ConfigError("sequence_parallel 'on' needs layout.tp > 1 (it splits over TP)")
         if self.model.num_experts and self.layout.tp > 1 and not self.use_sequence_parallel:
@@ -316,6 +232,12 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def default_packing(self) -> Literal["flat", "tree"]:
+        if self.packing == "auto":
+            return "flat" if self.model.linear_layers else "tree"
+        return self.packing
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineConfig:

@@ -12,6 +12,13 @@ family's (after ``model.layers.<i>.``); ``{e}`` stands for the expert index. Two
           v_g]``; Hugging Face keeps ``q_proj``, ``k_proj`` and ``v_proj`` (weights and biases)
     glu   megatron's ``linear_fc1`` is ``[gate; up]``; Hugging Face keeps ``gate_proj`` and
           ``up_proj``
+    qgkv  gated attention (Qwen3.5): megatron's ``linear_qkv`` rows per group g are ``[q heads
+          of g; their output gates; k_g; v_g]``; Hugging Face's ``q_proj`` interleaves each
+          head's query and gate rows
+    gdn   Gated DeltaNet's input projection and its convolution, grouped by key head g:
+          ``[q_g; k_g; v_g; z_g; b_g; a_g]`` (``[q_g; k_g; v_g]`` for the convolution), so a
+          contiguous TP split keeps whole groups; Hugging Face keeps ``in_proj_qkv``,
+          ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``, each head-major
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Fuse = Literal["", "qkv", "glu"]
+Fuse = Literal["", "qkv", "glu", "qgkv", "gdn"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,14 @@ class Family:
     """Every layer's MLP is a mixture of experts (and ``model.num_experts`` > 0)."""
     rope_scaling: bool = False
     """Accepts RoPE scaling of type ``llama3``."""
+    linear_layer: tuple[Row, ...] = ()
+    """The tensors of a Gated DeltaNet layer (hybrid families); none: no linear attention."""
+    attention_gate: bool = False
+    """Full attention gates its output per channel by ``sigmoid`` of a second query
+    projection (Qwen3.5)."""
+    zero_centered_norm: bool = False
+    """Every RMSNorm of the residual stream and of q/k scales by ``1 + weight`` (Qwen3.5);
+    Gated DeltaNet's own output norm does not."""
 
 
 def _qkv(kind: str) -> Row:
@@ -74,6 +89,30 @@ QK_NORM = (
     Row("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",)),
 )
 DENSE_MLP = _mlp("mlp.", "mlp.")
+GATED_ATTENTION = (
+    Row("input_layernorm.weight", ("input_layernorm.weight",)),
+    Row(
+        "self_attention.linear_qkv.weight",
+        tuple(f"self_attn.{x}_proj.weight" for x in "qkv"),
+        "qgkv",
+    ),
+    Row("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",)),
+    Row("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",)),
+)
+GATED_DELTA_NET = (
+    Row("input_layernorm.weight", ("input_layernorm.weight",)),
+    Row(
+        "self_attention.in_proj.weight",
+        tuple(f"linear_attn.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")),
+        "gdn",
+    ),
+    Row("self_attention.conv1d.weight", ("linear_attn.conv1d.weight",), "gdn"),
+    Row("self_attention.dt_bias", ("linear_attn.dt_bias",)),
+    Row("self_attention.A_log", ("linear_attn.A_log",)),
+    Row("self_attention.out_norm.weight", ("linear_attn.norm.weight",)),
+    Row("self_attention.out_proj.weight", ("linear_attn.out_proj.weight",)),
+    Row("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",)),
+)
 MOE_MLP = (
     Row("mlp.router.weight", ("mlp.gate.weight",)),
     *_mlp("mlp.experts.local_experts.{e}.", "mlp.experts.{e}."),
@@ -103,6 +142,12 @@ FAMILIES: dict[str, Family] = {
         Family(
             "qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM",
             ATTENTION + QK_NORM + MOE_MLP, qk_norm=True, moe=True,
+        ),
+        Family(
+            "qwen3_5", ("qwen3_5_text",), "Qwen3_5ForCausalLM",
+            GATED_ATTENTION + QK_NORM + DENSE_MLP, qk_norm=True,
+            linear_layer=GATED_DELTA_NET + DENSE_MLP, attention_gate=True,
+            zero_centered_norm=True,
         ),
     )
 }  # fmt: skip

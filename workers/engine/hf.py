@@ -39,8 +39,20 @@ _IGNORED = ("rotary_emb.inv_freq",)
 """Buffers some older checkpoints carry; recomputed, never loaded."""
 
 
+NOT_YET = {
+    "qwen3_5_moe": "Qwen3.5 MoE needs shared experts beside the routed ones "
+    "(shared_expert_intermediate_size), which our grouped experts do not have yet; the dense "
+    "Qwen3.5 (qwen3_5_text) is supported",
+    "qwen3_5": "this is the vision-language Qwen3.5: serve its text model, a checkpoint whose "
+    "config.json says model_type 'qwen3_5_text'",
+}
+"""model_types we know of and refuse, with why."""
+
+
 def family_of(cfg: dict[str, Any]) -> Family:
     kind = cfg.get("model_type", "?")
+    if kind in NOT_YET:
+        raise ConfigError(f"{CONFIG}: model_type {kind!r} is not supported: {NOT_YET[kind]}")
     fam = find_family(kind)
     if fam is None:
         known = sorted(t for f in FAMILIES.values() for t in f.model_types)
@@ -52,6 +64,8 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
     """``config.json`` of the family's ``*ForCausalLM`` equal to ``m``."""
     fam = FAMILIES[m.family]
     rope: dict[str, Any] = {"rope_theta": float(m.rotary_base), "rope_type": "default"}
+    if m.rotary_percent != 1.0:
+        rope["partial_rotary_factor"] = m.rotary_percent
     if m.rope_scaling_factor:
         rope |= {
             "rope_type": "llama3",
@@ -82,6 +96,16 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
         "torch_dtype": "float32",
         "dtype": "float32",
     }
+    if fam.linear_layer:
+        out |= {
+            "layer_types": list(m.layer_types) or ["full_attention"] * m.num_layers,
+            "linear_num_key_heads": m.linear_num_key_heads,
+            "linear_num_value_heads": m.linear_num_value_heads,
+            "linear_key_head_dim": m.linear_key_head_dim,
+            "linear_value_head_dim": m.linear_value_head_dim,
+            "linear_conv_kernel_dim": m.linear_conv_kernel_dim,
+            "partial_rotary_factor": m.rotary_percent,
+        }
     if fam.moe:
         out |= {
             "num_experts": m.num_experts,
@@ -151,6 +175,7 @@ def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
     if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
         problems.append("use_sliding_window (sliding-window attention)")
     experts = _experts(cfg, fam, problems)
+    linear = _linear_attention(cfg, fam, problems)
     scaling = _rope_scaling(cfg, fam, problems)
     theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     heads = int(cfg["num_attention_heads"])
@@ -173,7 +198,34 @@ def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         **experts,
         **scaling,
+        **linear,
     )
+
+
+_LINEAR_DIMS = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+
+
+def _linear_attention(cfg: dict[str, Any], fam: Family, problems: list[str]) -> dict[str, Any]:
+    """The ModelConfig fields of a hybrid (Gated DeltaNet) checkpoint ({} for another)."""
+    rope = cfg.get("rope_parameters") or {}
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if not fam.linear_layer:
+        if partial != 1.0:
+            problems.append(f"partial_rotary_factor {partial} (qwen3_5 only)")
+        return {}
+    if cfg.get("mtp_num_hidden_layers"):
+        problems.append("mtp_num_hidden_layers (multi-token prediction layers)")
+    return {
+        "rotary_percent": partial,
+        "layer_types": tuple(cfg.get("layer_types") or ()),
+        **{k: int(cfg[k]) for k in _LINEAR_DIMS},
+    }
 
 
 def rows(m: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], Fuse]]:
@@ -181,9 +233,10 @@ def rows(m: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], Fuse]]:
     top = TOP if m.tie_embeddings else (*TOP, OUTPUT)
     for row in top:
         yield row.ours, row.theirs, row.fuse
+    fam = FAMILIES[m.family]
     for layer in range(m.num_layers):
         ours, theirs = f"decoder.layers.{layer}.", f"model.layers.{layer}."
-        for row in FAMILIES[m.family].layer:
+        for row in fam.linear_layer if layer in m.linear_layers else fam.layer:
             for e in range(m.num_experts) if "{e}" in row.ours else (0,):
                 yield (
                     ours + row.ours.format(e=e),
@@ -196,6 +249,19 @@ def split(t: Tensor, fuse: Fuse, m: ModelConfig) -> tuple[Tensor, ...]:
     """Our fused tensor -> the family's parts (inverse of ``_fuse``)."""
     if fuse == "glu":
         return tuple(t.chunk(2, dim=0))
+    if fuse == "qgkv":
+        q_rows, d, groups = _qkv_split(m)
+        g = t.reshape(groups, 2 * q_rows + 2 * d, *t.shape[1:])
+        q, gate = (x.reshape(-1, d, *t.shape[1:]) for x in g[:, : 2 * q_rows].chunk(2, dim=1))
+        q_proj = torch.stack([q, gate], dim=1).reshape(-1, *t.shape[1:])
+        k, v = g[:, 2 * q_rows : 2 * q_rows + d], g[:, 2 * q_rows + d :]
+        return q_proj, k.reshape(-1, *t.shape[1:]), v.reshape(-1, *t.shape[1:])
+    if fuse == "gdn":
+        sizes, heads = _gdn_split(m, t.dim() == 3)
+        grouped = t.reshape(m.linear_num_key_heads, -1, *t.shape[1:]).split(sizes, dim=1)
+        pieces = [p.reshape(-1, *t.shape[1:]) for p in grouped]
+        qkv = torch.cat(pieces[:3])
+        return (qkv,) if heads is None else (qkv, *pieces[3:])
     if fuse == "qkv":
         q_rows, d, groups = _qkv_split(m)
         g = t.reshape(groups, q_rows + 2 * d, *t.shape[1:])
@@ -207,11 +273,37 @@ def split(t: Tensor, fuse: Fuse, m: ModelConfig) -> tuple[Tensor, ...]:
 def _fuse(parts: list[Tensor], fuse: Fuse, m: ModelConfig) -> Tensor:
     if fuse == "glu":
         return torch.cat(parts)
+    if fuse == "qgkv":
+        q_rows, d, groups = _qkv_split(m)
+        rest = parts[0].shape[1:]
+        q_gate = parts[0].reshape(-1, 2, d, *rest)  # Hugging Face: [q_h; gate_h] per head
+        q, gate = (x.reshape(groups, q_rows, *rest) for x in q_gate.unbind(1))
+        k, v = (p.reshape(groups, d, *rest) for p in parts[1:])
+        return torch.cat([q, gate, k, v], 1).reshape(-1, *rest)
+    if fuse == "gdn":
+        sizes, _ = _gdn_split(m, parts[0].dim() == 3)
+        nk, rest = m.linear_num_key_heads, parts[0].shape[1:]
+        qk = m.linear_num_key_heads * m.linear_key_head_dim
+        q, k, v = parts[0].split([qk, qk, parts[0].shape[0] - 2 * qk])
+        pieces = [q, k, v, *parts[1:]]
+        grouped = [p.reshape(nk, -1, *rest) for p in pieces]
+        assert [g.shape[1] for g in grouped] == sizes, (sizes, [g.shape for g in grouped])
+        return torch.cat(grouped, 1).reshape(-1, *rest)
     if fuse == "qkv":
         _, _, groups = _qkv_split(m)
         q, k, v = (p.reshape(groups, -1, *p.shape[1:]) for p in parts)
         return torch.cat([q, k, v], 1).reshape(-1, *parts[0].shape[1:])
     return parts[0]
+
+
+def _gdn_split(m: ModelConfig, conv: bool) -> tuple[list[int], int | None]:
+    """Rows per key-head group of Gated DeltaNet's input projection ``[q k v z b a]`` (or of
+    its convolution, ``conv``: ``[q k v]``), and the value heads per group (None: conv)."""
+    r = m.linear_num_value_heads // m.linear_num_key_heads
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    if conv:
+        return [dk, dk, r * dv], None
+    return [dk, dk, r * dv, r * dv, r, r], r
 
 
 def _qkv_split(m: ModelConfig) -> tuple[int, int, int]:

@@ -9,6 +9,7 @@ says, q/k/v biases (Qwen2), q/k norms (Qwen3), experts (Qwen3-MoE), and tied emb
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -19,6 +20,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -26,12 +29,15 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from torch import Tensor
 
 from trainctl.workers.engine import lora, megatron_cpu
 from trainctl.workers.engine.attention import PackedCoreAttention
 from trainctl.workers.engine.config import EngineConfig, OptimizerConfig
 from trainctl.workers.engine.experts import GroupedExperts
+from trainctl.workers.engine.families import FAMILIES
+from trainctl.workers.engine.linear_attention import PackedGatedDeltaNet
 from trainctl.workers.engine.norm import RMSNorm
 
 
@@ -79,12 +85,30 @@ def transformer_config(cfg: EngineConfig, *, bf16: bool) -> TransformerConfig:
         bias_dropout_fusion=False,
         cross_entropy_fusion_impl="native",
         batch_p2p_comm=False,
+        attention_output_gate=FAMILIES[m.family].attention_gate,
+        layernorm_zero_centered_gamma=FAMILIES[m.family].zero_centered_norm,
         # Our loss is already divided by the global token count: the schedule must not divide
         # again, and DDP must sum gradients over DP x CP instead of averaging them.
         calculate_per_token_loss=True,
         **_recompute_options(cfg),
         **_moe_options(cfg),
+        **_linear_attention_options(cfg),
     )
+
+
+def _linear_attention_options(cfg: EngineConfig) -> dict[str, object]:
+    m = cfg.model
+    if not m.linear_layers:
+        return {}
+    return {
+        "experimental_attention_variant": "gated_delta_net",
+        "linear_attention_freq": [int(t == "linear_attention") for t in m.layer_types],
+        "linear_conv_kernel_dim": m.linear_conv_kernel_dim,
+        "linear_key_head_dim": m.linear_key_head_dim,
+        "linear_value_head_dim": m.linear_value_head_dim,
+        "linear_num_key_heads": m.linear_num_key_heads,
+        "linear_num_value_heads": m.linear_num_value_heads,
+    }
 
 
 def _recompute_options(cfg: EngineConfig) -> dict[str, object]:
@@ -153,7 +177,7 @@ def build_gpt(
         layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     # The block spec names the final norm (a layer spec alone would get megatron's).
     block = TransformerBlockSubmodules(
-        layer_specs=[spec] * get_num_layers_to_build(tc, vp_stage=vp_stage), layer_norm=RMSNorm
+        layer_specs=_stage_layers(cfg, tc, spec, vp_stage), layer_norm=RMSNorm
     )
     with megatron_cpu.cuda_to_cpu():
         model = GPTModel(
@@ -168,6 +192,7 @@ def build_gpt(
             share_embeddings_and_output_weights=cfg.model.tie_embeddings,
             position_embedding_type="rope",
             rotary_base=cfg.model.rotary_base,
+            rotary_percent=cfg.model.rotary_percent,
             vp_stage=vp_stage,
         )
     if tc.bf16:
@@ -199,6 +224,28 @@ def build_gpt(
             original_max_position_embeddings=m.rope_original_max_position,
         )
     return model
+
+
+def _stage_layers(
+    cfg: EngineConfig, tc: TransformerConfig, spec: ModuleSpec, vp_stage: int | None
+) -> list[ModuleSpec]:
+    """The layer specs of this pipeline stage: ``spec`` for every layer, or, for a hybrid model
+    (Qwen3.5), a Gated DeltaNet in place of attention where ``layer_types`` says so."""
+    count = get_num_layers_to_build(tc, vp_stage=vp_stage)
+    linear = cfg.model.linear_layers
+    if not linear:
+        return [spec] * count
+    gdn = copy.deepcopy(spec)
+    gdn.submodules.self_attention = ModuleSpec(
+        module=PackedGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear,
+            out_norm=ModuleSpec(module=RMSNorm, params={"zero_centered": False}),
+            out_proj=RowParallelLinear,
+        ),
+    )
+    offset = get_transformer_layer_offset(tc, vp_stage=vp_stage)
+    return [gdn if offset + i in linear else spec for i in range(count)]
 
 
 def _rotary_unless_packed(

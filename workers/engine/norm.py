@@ -5,7 +5,8 @@ config with ``sequence_parallel`` (its constructor asserts it off), and the alte
 apex's fused norm, needs CUDA. This module is the same computation as ``torch.nn.RMSNorm``
 (``F.rms_norm``, so the numbers are bit for bit those of the norms it replaces) and takes
 megatron's norm arguments, so it slots into every norm of the spec: each layer's input and
-pre-MLP norms, the final norm, and Qwen3's q/k norms.
+pre-MLP norms, the final norm, and Qwen3's q/k norms. Zero-centred (Qwen3.5,
+``layernorm_zero_centered_gamma``), it scales by ``1 + weight`` and its weight starts at 0.
 
 Under sequence parallelism each TP rank normalises only its slice of the tokens, so its weight
 gradient is a partial sum. The weight is marked ``sequence_parallel`` and megatron's
@@ -27,15 +28,26 @@ class RMSNorm(nn.Module):
     """``x / rms(x) * weight`` over the last dimension, ``hidden_size`` wide."""
 
     def __init__(
-        self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        zero_centered: bool | None = None,
+        **_: Any,
     ) -> None:
         super().__init__()
-        if config.layernorm_zero_centered_gamma:
-            raise ValueError("RMSNorm: layernorm_zero_centered_gamma is not supported")
         self.normalized_shape = (hidden_size,)
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.zero_centered = (
+            config.layernorm_zero_centered_gamma if zero_centered is None else zero_centered
+        )
+        self.weight = nn.Parameter(
+            torch.zeros(hidden_size) if self.zero_centered else torch.ones(hidden_size)
+        )
         self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.zero_centered:  # in fp32, as Hugging Face's Qwen3.5 norm
+            y = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)
+            return (y * (1.0 + self.weight.float())).type_as(x)
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)

@@ -86,7 +86,7 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
         self.tc = transformer_config(cfg, bf16=bf16)
         self._grad_sync_s = 0.0
         self._pending_norm: float | None = None
-        source = weights.seeded(cfg.model.seed, cfg.model.num_layers)
+        source = weights.seeded(cfg.model)
         if cfg.init_hf:
             source = weights.from_dict(hf.load(Path(cfg.init_hf), cfg.model))
             log.info("rank %d: starting weights from %s", self.coords.rank, cfg.init_hf)

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from trainctl.workers.engine.config import ModelConfig
+from trainctl.workers.engine.families import FAMILIES
+
 INIT_STD = 0.02
 """Normal init std of every matrix (GPT-2 / Llama convention)."""
 
@@ -71,9 +74,11 @@ def shard_rule(name: str) -> ShardRule:
         return ShardRule("replicated")
     if name.endswith("mlp.linear_fc1.weight"):
         return ShardRule("glu")
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")):
         return ShardRule("dim", 1)
-    return ShardRule("dim", 0)  # embedding, output layer, linear_qkv
+    # embedding, output layer, linear_qkv; Gated DeltaNet's in_proj and conv1d (grouped by
+    # key head), dt_bias and A_log (by value head)
+    return ShardRule("dim", 0)
 
 
 def _lora_rule(name: str) -> ShardRule:
@@ -126,9 +131,14 @@ def canonical_names(chunk: nn.Module, *, ep_rank: int, local_experts: int) -> di
     return out
 
 
-def init_full(name: str, shape: tuple[int, ...], *, seed: int, num_layers: int) -> Tensor:
-    """The full tensor of parameter ``name``, drawn from a generator seeded by the name."""
+def init_full(
+    name: str, shape: tuple[int, ...], *, seed: int, num_layers: int, zero_centered: bool = False
+) -> Tensor:
+    """The full tensor of parameter ``name``, drawn from a generator seeded by the name.
+    ``zero_centered``: the residual stream's and q/k norms scale by ``1 + weight``."""
     if name.endswith("norm.weight"):
+        if zero_centered and name.endswith("layernorm.weight"):
+            return torch.zeros(shape)
         return torch.ones(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)
@@ -176,9 +186,12 @@ def digest(named: Iterable[tuple[str, Tensor]]) -> str:
     return h.hexdigest()
 
 
-def seeded(seed: int, num_layers: int) -> FullTensor:
-    """The canonical initialisation as a ``FullTensor`` source."""
-    return lambda name, shape: init_full(name, shape, seed=seed, num_layers=num_layers)
+def seeded(model: ModelConfig) -> FullTensor:
+    """The canonical initialisation of ``model`` (its seed) as a ``FullTensor`` source."""
+    zero_centered = FAMILIES[model.family].zero_centered_norm
+    return lambda name, shape: init_full(
+        name, shape, seed=model.seed, num_layers=model.num_layers, zero_centered=zero_centered
+    )
 
 
 def from_dict(tensors: dict[str, Tensor]) -> FullTensor:
