@@ -1,8 +1,9 @@
 """Bounded tables on a running service: 100,000 real HTTP calls into each table, and the RSS
 of the gateway replica and of the controller actor after 10,000 and after 100,000.
 
-    python bench/service_bounds.py            # 100,000 calls per table
-    python bench/service_bounds.py --quick    # 20,000
+    python bench/service_bounds.py                   # 100,000 calls per table
+    python bench/service_bounds.py --quick           # 20,000
+    python bench/service_bounds.py --tables handles  # one table, printed only
 
 Starts `trainctl serve` (dp=1) and calls it as clients do, each call leaving an entry behind:
 - controller, finished operations and their idempotency keys: `POST /v1/optim_step` with a
@@ -71,11 +72,19 @@ def run(n: int, call: Callable[[int], None], pid: int) -> tuple[float, float, fl
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
-    n = 20_000 if p.parse_args().quick else 100_000
+    p.add_argument(
+        "--tables", default=",".join(TABLES), help=f"comma-separated, of {', '.join(TABLES)}"
+    )
+    args = p.parse_args()
+    n = 20_000 if args.quick else 100_000
+    tables = args.tables.split(",")
+    unknown = sorted(set(tables) - set(TABLES))
+    if unknown:
+        p.error(f"--tables: unknown {unknown}")
     with tempfile.TemporaryDirectory(prefix="trainctl-bounds-") as tmp:
         svc = LocalService(Path(tmp) / "data", "--dp", "1", start_timeout_s=300).start()
         try:
-            rows = measure(svc.url, n)
+            rows = measure(svc.url, n, tables)
         finally:
             svc.stop()
     header = (
@@ -89,16 +98,34 @@ def main() -> None:
         for name, (a, b, c), held in rows
     )
     print("\n" + table)
-    if n == 100_000:
+    if n == 100_000 and len(tables) == len(TABLES):
         out = ROOT / "bench" / "results" / "service_bounds.md"
         out.write_text(table + "\n")
         print(f"wrote {out}")
 
 
-def measure(url: str, n: int) -> list[tuple[str, tuple[float, float, float], str]]:
+TABLES = ("controller", "sessions", "handles")
+
+
+def measure(
+    url: str, n: int, tables: list[str]
+) -> list[tuple[str, tuple[float, float, float], str]]:
     http = httpx.Client(base_url=url, timeout=60)
     controller, gateway = find_pid("ray::Controller"), find_pid("ServeReplica")
     rows = []
+    if "controller" in tables:
+        rows.append(_operations(http, n, controller))
+    if "sessions" in tables:
+        rows.append(_sessions(http, n, gateway))
+    if "handles" in tables:
+        rows.append(_handles(http, n, gateway))
+    return rows
+
+
+Row = tuple[str, tuple[float, float, float], str]
+
+
+def _operations(http: httpx.Client, n: int, controller: int) -> Row:
 
     def optim_step(i: int) -> None:
         r = http.post("/v1/optim_step", json={}, headers={"Idempotency-Key": f"bounds-{i}"})
@@ -106,15 +133,19 @@ def measure(url: str, n: int) -> list[tuple[str, tuple[float, float, float], str
 
     print(f"controller (pid {controller}): {n:,} keyed optim_step operations")
     rss = run(n, optim_step, controller)
-    rows.append(("finished operations and keys (controller)", rss, "1,024 (its bound)"))
+    return ("finished operations and keys (controller)", rss, "1,024 (its bound)")
 
+
+def _sessions(http: httpx.Client, n: int, gateway: int) -> Row:
     def session(i: int) -> None:
         r = http.post("/api/v1/create_session", json={}, headers=TINKER_KEY)
         assert r.status_code == 200, r.text
 
     print(f"gateway (pid {gateway}): {n:,} Tinker sessions")
-    rows.append(("Tinker sessions (gateway)", run(n, session, gateway), "1,024 (its bound)"))
+    return ("Tinker sessions (gateway)", run(n, session, gateway), "1,024 (its bound)")
 
+
+def _handles(http: httpx.Client, n: int, gateway: int) -> Row:
     info = http.get("/v1/info").json()
     sid = http.post("/api/v1/create_session", json={}, headers=TINKER_KEY).json()["session_id"]
     body = {"session_id": sid, "base_model": info["model_name"], "lora_config": {"rank": 0}}
@@ -125,8 +156,7 @@ def measure(url: str, n: int) -> list[tuple[str, tuple[float, float, float], str
 
     print(f"gateway (pid {gateway}): {n:,} Tinker create_model calls in one session")
     handles = run(n, model, gateway)
-    rows.append(("Tinker model handles, one session (gateway)", handles, "256 (its bound)"))
-    return rows
+    return ("Tinker model handles, one session (gateway)", handles, "256 (its bound)")
 
 
 if __name__ == "__main__":
