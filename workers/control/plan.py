@@ -277,6 +277,7 @@ def make_plan(
     if uniform_length:
         total_len = max(sum(unit_len[u] for u in mb) for g in groups for mb in g)
     dummy_len = total_len or pad_multiple
+    route_shape = _route_shape(seqs)
     shards = []
     for g in groups:
         mbs = []
@@ -299,7 +300,7 @@ def make_plan(
                 packed = dataclasses.replace(packed, tree=tree)
             mbs.append(packed)
         mbs += [
-            dummy_microbatch(length=dummy_len, loss_inputs=present, route_shape=_route_shape(seqs))
+            dummy_microbatch(length=dummy_len, loss_inputs=present, route_shape=route_shape)
             for _ in range(num_mb - len(mbs))
         ]
         shards.append(tuple(mbs))
