@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from trainctl.workers.engine.boundary import PackedMicroBatch, RouteShard
+from trainctl.workers.engine.routing import moe_routers
 from trainctl.workers.ops.cp import zigzag_positions
 
 
@@ -48,12 +49,9 @@ class _SwitchToBackward(torch.autograd.Function):
 
 class RouteReplay:
     def __init__(self, chunks: list[Any]) -> None:
-        from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
-        self.routers: dict[int, list[Any]] = {
-            id(c): [m for m in c.modules() if isinstance(m, TopKRouter)] for c in chunks
-        }
+        self.routers: dict[int, list[Any]] = {id(c): moe_routers(c) for c in chunks}
         # megatron also lists every instance in a class-level list, for its static helpers;
         # this class never uses them, and the list would keep every engine built in a process.
         RouterReplay.global_router_replay_instances.clear()

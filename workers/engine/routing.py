@@ -16,6 +16,13 @@ import torch.distributed as dist
 from torch import nn
 
 
+def moe_routers(chunk: nn.Module) -> list[Any]:
+    """megatron's ``TopKRouter`` of every MoE layer of ``chunk``, in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in chunk.modules() if isinstance(m, TopKRouter)]
+
+
 class RoutingStats:
     def __init__(self, chunks: list[Any], *, num_layers: int, num_experts: int) -> None:
         self.counting = False
@@ -23,12 +30,9 @@ class RoutingStats:
         self.enabled = num_experts > 0
         if not self.enabled:
             return
-        from megatron.core.transformer.moe.router import TopKRouter
-
         for chunk in chunks:
-            for module in chunk.modules():
-                if isinstance(module, TopKRouter):
-                    module.register_forward_hook(self._hook)
+            for module in moe_routers(chunk):
+                module.register_forward_hook(self._hook)
 
     def _hook(self, module: nn.Module, _inputs: Any, outputs: Any) -> None:
         if self.counting:
