@@ -110,7 +110,12 @@ class WandbTracker:
         self.run.log(metrics, step=step)
 
     def close(self) -> None:
+        """Finish the run, then stop W&B's service process: ``finish()`` returns before that
+        process has written the run's last records to its ``.wandb`` file (it closes the file
+        on its own time, or at interpreter exit, which a Ray actor's end may skip).
+        ``teardown()`` waits for it."""
         self.run.finish()
+        _library("wandb", "wandb").teardown()
 
 
 EXPERIMENT = "trainctl"
@@ -186,4 +191,7 @@ class TrackerLog:
 
     def close(self) -> None:
         for t in self.trackers:
-            t.close()
+            try:
+                t.close()
+            except Exception:
+                log.warning("metrics_log: %s failed to close", type(t).__name__, exc_info=True)
