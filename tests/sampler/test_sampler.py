@@ -9,6 +9,7 @@ shows up there.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from parity import PARITY, PROMPTS, gap, prompt_scores
-from servicekit import Service
+from servicekit import START_TIMEOUT_S, Service, fresh_home
 
 from trainctl.api import (
     ConflictError,
@@ -174,4 +175,24 @@ def test_sampling_refuses_what_the_sampler_cannot_do_and_changes_nothing(
         step = tc.info().step
         with pytest.raises(InvalidRequestError, match="max_seq_len"):
             tc.sample([list(range(100))], max_tokens=64)
+        with pytest.raises(InvalidRequestError, match=r"return_routes: .* --sampler-routes"):
+            tc.sample([[1, 2, 3]], max_tokens=2, return_routes=True)
         assert tc.info().step == step
+
+
+def test_routes_from_cpu_samplers_are_refused_at_start_saying_why(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """vLLM captures routed experts only in its Model Runner V2, which needs Triton; its CPU
+    build has none. A MoE service asked for them on CPU samplers stops, saying so (measured
+    without the check: vLLM's own start-up fails with "Model Runner V2 requires Triton")."""
+    data = tmp_path_factory.mktemp("routes-on-cpu")
+    engine = data / "engine.json"
+    engine.write_text(json.dumps({"model": {"family": "qwen3_moe", "num_experts": 4}}))
+    svc = Service(data, f"--engine-config={engine}", "--samplers=1", "--sampler-routes=true",
+                  start_timeout_s=START_TIMEOUT_S, env=fresh_home(data))  # fmt: skip
+    with pytest.raises(RuntimeError):
+        svc.start()
+    assert "sampler_routes: vLLM captures routes only in its Model Runner V2" in svc.log(), (
+        svc.log()[-2000:]
+    )

@@ -31,6 +31,7 @@ from trainctl.api import (
     WorkerError,
 )
 from trainctl.api.adapters import CreateAdapterRequest, DeleteAdapterRequest
+from trainctl.api.errors import field_error
 from trainctl.workers.control.adapters import Adapters
 from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.rank_group import RankGroup
@@ -54,6 +55,8 @@ class SamplerSettings:
     pool: PoolOptions = field(default_factory=lambda: PoolOptions(num_samplers=0))
     dtype: Literal["float32", "bfloat16"] = "float32"
     kv_cache_gib: int = 1
+    routes: bool = False
+    """``--sampler-routes``: the engines capture the experts each token was routed to."""
 
 
 class SamplingPart:
@@ -79,12 +82,7 @@ class SamplingPart:
         s = self.sampler_settings
         if not s.pool.num_samplers:
             return
-        if self.cfg.lora.enabled and self.cfg.model.num_experts and not s.pool.num_gpus:
-            raise ConfigError(
-                "samplers: vLLM's CPU build has no LoRA for mixture-of-experts models (its "
-                "fused-MoE LoRA kernels need Triton on a GPU): give the samplers GPUs "
-                "(--sampler-num-gpus), or start without --samplers or --max-adapters"
-            )
+        _check_engines(self.cfg, s)
         try:
             hf_config = await self.group.ranks[0].hf_config.remote()
         except ray.exceptions.RayTaskError as e:
@@ -99,6 +97,7 @@ class SamplingPart:
             seed=self.cfg.model.seed,
             max_adapters=self.cfg.lora.max_adapters,
             max_lora_rank=self.cfg.lora.max_rank,
+            return_routes=s.routes,
         )
         pool = self.samplers = SamplerPool(spec, s.pool)
         self.metrics.watch_samplers(
@@ -207,6 +206,12 @@ class SamplingPart:
         # The gateway checked these already; an engine must never see a token outside the
         # vocabulary or a prompt past its context, whoever calls.
         req.check_limits(self.limits)
+        if req.return_routes and not self.sampler_settings.routes:
+            raise field_error(
+                "return_routes",
+                "the samplers capture no routes: start the service with --sampler-routes "
+                "(a mixture-of-experts model on GPU sampler engines)",
+            )
         t0 = time.perf_counter()
         if req.adapter is not None:
             self.adapters.state(req.adapter)  # a 404 naming it, or the 422 of a base service
@@ -219,3 +224,31 @@ class SamplingPart:
 
 
 _NO_SAMPLERS = "this service has no samplers: start it with --samplers N"
+
+
+def _check_engines(cfg: EngineConfig, s: SamplerSettings) -> None:
+    """A ConfigError naming what vLLM 0.32 cannot do for this model on these engines: each
+    case was measured (docs/sampling.md), and would otherwise fail inside vLLM's start-up."""
+    cpu, moe = not s.pool.num_gpus, bool(cfg.model.num_experts)
+    gpus = "give the samplers GPUs (--sampler-num-gpus)"
+    if cfg.lora.enabled and moe and cpu:
+        raise ConfigError(
+            "samplers: vLLM's CPU build has no LoRA for mixture-of-experts models (its "
+            f"fused-MoE LoRA kernels need Triton on a GPU): {gpus}, or start without "
+            "--samplers or --max-adapters"
+        )
+    if cpu and cfg.model.linear_layers:
+        raise ConfigError(
+            "samplers: vLLM's CPU build cannot load Qwen3.5 (its Qwen3_5ForCausalLM module "
+            f"imports the Qwen3-VL vision code, which needs torchvision): {gpus}, or start "
+            "without --samplers"
+        )
+    if s.routes and not moe:
+        raise ConfigError(
+            "sampler_routes: routes are captured for mixture-of-experts models; this is dense"
+        )
+    if s.routes and cpu:
+        raise ConfigError(
+            "sampler_routes: vLLM captures routes only in its Model Runner V2, which needs "
+            f"Triton, and its CPU build has none: {gpus}, or start without --sampler-routes"
+        )

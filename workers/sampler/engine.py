@@ -41,8 +41,9 @@ from trainctl.api import (
 from trainctl.workers.sampler.spec import PeftAdapter, SamplerSpec
 
 
-def engine_env(cuda: bool, threads: int) -> dict[str, str]:
-    """The environment a sampler's process needs before vLLM is imported."""
+def engine_env(cuda: bool, threads: int, routes: bool = False) -> dict[str, str]:
+    """The environment a sampler's process needs before vLLM is imported (``routes``: the
+    engine captures routed experts, which vLLM does only in its Model Runner V2)."""
     env = {
         # The engine core runs in this process: no spawned engine process to guard or reap.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -51,6 +52,8 @@ def engine_env(cuda: bool, threads: int) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_DO_NOT_TRACK": "1",
     }
+    if routes:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if not cuda:
         env |= {
             "VLLM_TARGET_DEVICE": "cpu",
@@ -144,6 +147,8 @@ class VllmSampler:
                 "max_cpu_loras": spec.max_adapters,
                 "max_lora_rank": vllm_max_lora_rank(spec.max_lora_rank),
             }
+        if spec.return_routes:  # vLLM keeps the routes with its prefix cache's blocks
+            kwargs |= {"enable_return_routed_experts": True, "enable_prefix_caching": True}
         self._adapters_dir = tempfile.TemporaryDirectory(
             prefix="trainctl-adapters-", dir=_memory_dir()
         )
@@ -302,6 +307,24 @@ def _chosen(entries: Any, tokens: Any) -> list[float | None]:
     ]
 
 
+def _routes(c: Any, prompt_len: int) -> list[list[list[int]]]:
+    """A completion's routed experts as vLLM captured them (``[tokens, layers, top_k]``, one
+    row per token fed through the model), checked to cover exactly those tokens."""
+    import numpy as np
+
+    if c.routed_experts is None:
+        raise RuntimeError("return_routes: the sampler engine captured no routes")
+    routes = np.asarray(c.routed_experts)
+    fed = prompt_len + len(c.token_ids) - 1
+    if routes.ndim != 3 or routes.shape[0] != fed:
+        raise RuntimeError(
+            f"return_routes: the sampler captured routes of shape {routes.shape}, not "
+            f"[{fed}, layers, top_k]"
+        )
+    out: list[list[list[int]]] = routes.astype(np.int64).tolist()
+    return out
+
+
 def _prompt_samples(out: Any, req: SampleRequest) -> PromptSamples:
     completions = []
     for c in out.outputs:
@@ -312,6 +335,7 @@ def _prompt_samples(out: Any, req: SampleRequest) -> PromptSamples:
                 tokens=tokens,
                 logprobs=None if lps is None else [float(x) for x in lps if x is not None],
                 finish_reason="stop" if c.finish_reason == "stop" else c.finish_reason or "length",
+                routed_experts=_routes(c, len(out.prompt_token_ids)) if req.return_routes else None,
             )
         )
     prompt_lps = None

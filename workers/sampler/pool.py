@@ -74,7 +74,7 @@ class SamplerPool:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _spawn(self, e: _Engine) -> None:
-        env = engine_env(self.options.num_gpus > 0, self.options.threads)
+        env = engine_env(self.options.num_gpus > 0, self.options.threads, self.spec.return_routes)
         kept = any(SAMPLER_NODE_RESOURCE in n.get("Resources", {}) for n in ray.nodes())
         e.actor = SamplerActor.options(  # type: ignore[attr-defined]
             num_cpus=self.options.num_cpus,
