@@ -53,6 +53,16 @@ FAMILIES: dict[str, Callable[[], Any]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 40000.0,
                          "partial_rotary_factor": 0.25},
     ),
+    # Qwen3.5-MoE: the same hybrid layers, each with four experts (two per token) and a
+    # shared expert behind a sigmoid gate.
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(
+        **SHAPE | {"num_hidden_layers": 4}, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+        rope_parameters={"rope_type": "default", "rope_theta": 40000.0,
+                         "partial_rotary_factor": 0.25},
+    ),
 }  # fmt: skip
 TIED = ("qwen2", "qwen3")
 

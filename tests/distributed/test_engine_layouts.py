@@ -218,11 +218,17 @@ FAMILY_SHAPES = {
         "linear_value_head_dim": 8,
     },
 }  # fmt: skip
+# Qwen3.5-MoE: the same layers, each with routed experts and a gated shared expert.
+FAMILY_SHAPES["qwen3_5_moe"] = {
+    **FAMILY_SHAPES["qwen3_5"], "family": "qwen3_5_moe", "num_experts": 4, "moe_topk": 2,
+    "moe_ffn_hidden_size": 48, "moe_shared_ffn_hidden_size": 80,
+}  # fmt: skip
 FAMILY_LAYOUTS = [{"dp": 2}, {"cp": 2}, {"tp": 2}, {"pp": 2}, {"dp": 2, "cp": 2}]
 EXTRA = {
     "qwen2": ("linear_qkv.bias", MODEL["num_layers"]),
     "qwen3": ("q_layernorm.weight", MODEL["num_layers"]),
     "qwen3_5": ("self_attention.A_log", 3),
+    "qwen3_5_moe": ("mlp.shared_experts.gate_weight", 4),
 }
 """A tensor each family adds, and how many of it the model has."""
 
@@ -231,8 +237,9 @@ EXTRA = {
 def test_family_shapes_match_single_rank(pools: Callable[[int], RankPool], family: str) -> None:
     """The same matrix for a Qwen2-shaped (q/k/v biases, tied embeddings), a Qwen3-shaped
     (q/k norms, heads wider than hidden / heads) and a Qwen3.5-shaped model (Gated DeltaNet,
-    gated attention; no CP, which its linear layers refuse): the biases', norms' and linear
-    layers' gradients are summed right over TP, CP and DP, and at pp2 the tied embedding's
+    gated attention; no CP, which its linear layers refuse), dense and MoE (routed experts and
+    a gated shared expert; also at dp2 x ep2): the biases', norms', linear layers' and shared
+    experts' gradients are summed right over TP, CP and DP, and at pp2 the tied embedding's
     gradient is the sum of the first and the last stage's, counted once in the grad norm."""
 
     def cfg(**layout: int) -> dict:
@@ -243,8 +250,9 @@ def test_family_shapes_match_single_rank(pools: Callable[[int], RankPool], famil
     extra, count = EXTRA[family]
     assert sum(n.endswith(extra) for n in names) == count
     assert ("output_layer.weight" in names) == (family != "qwen2")
-    for layout in FAMILY_LAYOUTS:
-        if family == "qwen3_5" and layout.get("cp", 1) > 1:
+    moe = [{"dp": 2, "ep": 2}] if "moe" in family else []
+    for layout in FAMILY_LAYOUTS + moe:
+        if family.startswith("qwen3_5") and layout.get("cp", 1) > 1:
             continue
         results = pools(_world(layout)).run(step_and_collect, cfg(**layout), ragged_batch(), LOSSES)
         assert_same_step(results, reference)

@@ -43,7 +43,7 @@ def test_families_import_equal_to_transformers(
     rng = np.random.default_rng(1)
     batch = [rng.integers(0, 256, n).tolist() for n in (17, 5, 40, 96)]
     want = _reference(model, batch)
-    for layout in MOE_LAYOUTS if family == "qwen3_moe" else LAYOUTS:
+    for layout in MOE_LAYOUTS if "moe" in family else LAYOUTS:
         world = int(np.prod([layout.get(axis, 1) for axis in ("dp", "cp", "tp", "pp")]))
         results = pools(world).run(logprobs_from_hf, str(tmp_path), layout, batch)
         got = {i: lp for r in results for i, lp in r[0].items()}  # from the ranks reporting
@@ -89,13 +89,15 @@ def test_unsupported_options_are_refused_by_name() -> None:
         "mlp_bias": {"mlp_bias": True},
         "hidden_act 'gelu'": {"hidden_act": "gelu"},
         "rope_scaling of type 'yarn'": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-        "num_experts 8 (mixture of experts: qwen3_moe only)": {
+        "num_experts 8 (mixture of experts: qwen3_moe, qwen3_5_moe)": {
             "model_type": "qwen2", "num_experts": 8,
         },
         "attention_bias True": {"attention_bias": True},
         "use_sliding_window": {"model_type": "qwen2", "use_sliding_window": True},
         "mlp_only_layers": {**moe, "mlp_only_layers": [1]},
-        "shared_expert_intermediate_size": {**moe, "shared_expert_intermediate_size": 64},
+        "shared_expert_intermediate_size 64 (shared experts: qwen3_5_moe only)": {
+            **moe, "shared_expert_intermediate_size": 64,
+        },
     }  # fmt: skip
     for words, change in cases.items():
         with pytest.raises(ConfigError, match=re.escape(words)):

@@ -29,6 +29,8 @@ LAYOUTS = {
     "qwen3": {"tp": 2, "dp": 1},
     "qwen3_moe": {"dp": 2, "ep": 2},
     "qwen3_5": {"tp": 2, "dp": 1},  # Gated DeltaNet heads and gated attention over two ranks
+    # The same, with experts split over two EP ranks and the shared expert over two TP ranks.
+    "qwen3_5_moe": {"tp": 2, "dp": 1, "ep": 2},
 }
 
 

@@ -87,7 +87,18 @@ def test_what_is_not_built_yet_is_refused_saying_why() -> None:
     with pytest.raises(ConfigError, match=r"lora.max_adapters: LoRA on a model with Gated"):
         _engine(lora=LoraConfig(max_adapters=2)).validate()
     config = hf.hf_config(HYBRID)
-    with pytest.raises(ConfigError, match=r"qwen3_5_moe.*shared experts"):
+    with pytest.raises(ConfigError, match=r"'qwen3_5_moe'.*vision-language.*qwen3_5_moe_text"):
         hf.model_config_from_hf({**config, "model_type": "qwen3_5_moe"}, ModelConfig())
     with pytest.raises(ConfigError, match=r"'qwen3_5'.*vision-language.*qwen3_5_text"):
         hf.model_config_from_hf({**config, "model_type": "qwen3_5"}, ModelConfig())
+    moe = {**config, "model_type": "qwen3_5_moe_text", "num_experts": 4,
+           "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80}  # fmt: skip
+    got = hf.model_config_from_hf(moe, ModelConfig())
+    assert (got.family, got.moe_shared_ffn_hidden_size, got.moe_norm_topk) == (
+        "qwen3_5_moe",
+        80,
+        True,
+    )
+    assert hf.model_config_from_hf(hf.hf_config(got), ModelConfig()) == got
+    with pytest.raises(ConfigError, match=r"shared_expert_intermediate_size \(a qwen3_5_moe "):
+        hf.model_config_from_hf({**moe, "shared_expert_intermediate_size": 0}, ModelConfig())

@@ -59,6 +59,11 @@ class Family:
     zero_centered_norm: bool = False
     """Every RMSNorm of the residual stream and of q/k scales by ``1 + weight`` (Qwen3.5);
     Gated DeltaNet's own output norm does not."""
+    shared_expert: bool = False
+    """Every MoE layer also has a shared expert, gated per token (Qwen3.5-MoE)."""
+    router_normalises: bool = False
+    """The router always renormalises its top-k probabilities: the ``config.json`` has no
+    ``norm_topk_prob`` (Qwen3.5-MoE)."""
 
 
 def _qkv(kind: str) -> Row:
@@ -117,6 +122,10 @@ MOE_MLP = (
     Row("mlp.router.weight", ("mlp.gate.weight",)),
     *_mlp("mlp.experts.local_experts.{e}.", "mlp.experts.{e}."),
 )
+SHARED_EXPERT = (
+    *_mlp("mlp.shared_experts.", "mlp.shared_expert."),
+    Row("mlp.shared_experts.gate_weight", ("mlp.shared_expert_gate.weight",)),
+)
 TOP = (
     Row("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
     Row("decoder.final_layernorm.weight", ("model.norm.weight",)),
@@ -149,6 +158,12 @@ FAMILIES: dict[str, Family] = {
             linear_layer=GATED_DELTA_NET + DENSE_MLP, attention_gate=True,
             zero_centered_norm=True,
         ),
+        Family(
+            "qwen3_5_moe", ("qwen3_5_moe_text",), "Qwen3_5MoeForCausalLM",
+            GATED_ATTENTION + QK_NORM + MOE_MLP + SHARED_EXPERT, qk_norm=True, moe=True,
+            linear_layer=GATED_DELTA_NET + MOE_MLP + SHARED_EXPERT, attention_gate=True,
+            zero_centered_norm=True, shared_expert=True, router_normalises=True,
+        ),
     )
 }  # fmt: skip
 
@@ -164,6 +179,6 @@ def export_problem(family: str, num_experts: int) -> str | None:
         kind = "mixture-of-experts" if num_experts else "dense"
         return (
             f"a {kind} model of family {family!r} has no Hugging Face form "
-            "(mixture-of-experts models export as family 'qwen3_moe')"
+            "(mixture-of-experts models export as family 'qwen3_moe' or 'qwen3_5_moe')"
         )
     return None

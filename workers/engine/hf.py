@@ -6,9 +6,11 @@ canonical full tensors (``workers/engine/weights.py``).
 
 Supported: ``llama`` (Llama 2/3, Mistral-style; RoPE scaling of type ``llama3`` with the
 checkpoint's own factors), ``qwen2`` (q/k/v biases), ``qwen3`` (q/k RMSNorm, its own head
-size) and ``qwen3_moe`` (router and experts on every layer); tied input/output embeddings in
-any of them. Anything else a ``config.json`` asks for (another family, another activation,
-other biases, sliding-window attention, other RoPE scaling, shared or partial experts) is
+size), ``qwen3_moe`` (router and experts on every layer), ``qwen3_5`` (hybrid Gated
+DeltaNet and gated attention) and ``qwen3_5_moe`` (the same with experts and a gated shared
+expert on every layer); tied input/output embeddings in any of them. Anything else a
+``config.json`` asks for (another family, another activation, other biases, sliding-window
+attention, other RoPE scaling, shared experts elsewhere, experts on some layers only) is
 refused with a message naming the field.
 """
 
@@ -40,11 +42,10 @@ _IGNORED = ("rotary_emb.inv_freq",)
 
 
 NOT_YET = {
-    "qwen3_5_moe": "Qwen3.5 MoE needs shared experts beside the routed ones "
-    "(shared_expert_intermediate_size), which our grouped experts do not have yet; the dense "
-    "Qwen3.5 (qwen3_5_text) is supported",
     "qwen3_5": "this is the vision-language Qwen3.5: serve its text model, a checkpoint whose "
     "config.json says model_type 'qwen3_5_text'",
+    "qwen3_5_moe": "this is the vision-language Qwen3.5-MoE: serve its text model, a "
+    "checkpoint whose config.json says model_type 'qwen3_5_moe_text'",
 }
 """model_types we know of and refuse, with why."""
 
@@ -115,6 +116,8 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
+    if fam.shared_expert:
+        out["shared_expert_intermediate_size"] = m.moe_shared_ffn_hidden_size
     return out
 
 
@@ -144,19 +147,25 @@ def _experts(cfg: dict[str, Any], fam: Family, problems: list[str]) -> dict[str,
     num = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     if not fam.moe:
         if num:
-            problems.append(f"num_experts {num} (mixture of experts: qwen3_moe only)")
+            problems.append(f"num_experts {num} (mixture of experts: qwen3_moe, qwen3_5_moe)")
         return {"num_experts": 0}
     if num < 1:
-        problems.append("num_experts (a qwen3_moe model needs at least one expert)")
+        problems.append(f"num_experts (a {fam.name} model needs at least one expert)")
     if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
         problems.append("decoder_sparse_step / mlp_only_layers (experts on every layer only)")
-    if cfg.get("shared_expert_intermediate_size"):
-        problems.append("shared_expert_intermediate_size (shared experts)")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if bool(shared) != fam.shared_expert:
+        problems.append(
+            "shared_expert_intermediate_size "
+            + (f"(a {fam.name} model needs its shared expert)" if fam.shared_expert
+               else f"{shared} (shared experts: qwen3_5_moe only)")
+        )  # fmt: skip
     return {
         "num_experts": num,
         "moe_topk": int(cfg.get("num_experts_per_tok", 2)),
         "moe_ffn_hidden_size": int(cfg["moe_intermediate_size"]),
-        "moe_norm_topk": bool(cfg.get("norm_topk_prob", False)),
+        "moe_norm_topk": fam.router_normalises or bool(cfg.get("norm_topk_prob", False)),
+        "moe_shared_ffn_hidden_size": shared,
     }
 
 
@@ -186,7 +195,8 @@ def model_config_from_hf(cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
         base,
         family=fam.name,
         hidden_size=int(cfg["hidden_size"]),
-        ffn_hidden_size=int(cfg["intermediate_size"]),
+        # Qwen3.5-MoE has no dense MLP, so no intermediate_size: the value is unused there.
+        ffn_hidden_size=int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]),
         num_layers=int(cfg["num_hidden_layers"]),
         num_attention_heads=heads,
         num_query_groups=int(cfg.get("num_key_value_heads") or heads),

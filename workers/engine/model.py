@@ -149,6 +149,16 @@ def _moe_options(cfg: EngineConfig) -> dict[str, object]:
         # Each router can take given top-k indices (workers/engine/replay.py); with none given
         # it routes by its own top-k, as without the option.
         "moe_enable_routing_replay": True,
+        # Qwen3.5-MoE's shared expert: megatron's SharedExpertMLP (a tensor-parallel MLP
+        # beside the routed experts) with its sigmoid gate.
+        **(
+            {
+                "moe_shared_expert_intermediate_size": m.moe_shared_ffn_hidden_size,
+                "moe_shared_expert_gate": True,
+            }
+            if m.moe_shared_ffn_hidden_size
+            else {}
+        ),
     }
 
 

@@ -53,10 +53,14 @@ class ModelConfig:
     moe_norm_topk: bool = True
     """Renormalise each token's top-k router probabilities to sum to 1 (Hugging Face
     ``norm_topk_prob``); False keeps the softmax over all experts (MoE only)."""
+    moe_shared_ffn_hidden_size: int = 0
+    """Inner width of the shared expert (Qwen3.5-MoE): an MLP every token goes through beside
+    its routed experts, its output scaled by ``sigmoid`` of a learned per-token gate; 0: none
+    (MoE only)."""
     family: str = "llama"
     """The Hugging Face family (``workers/engine/families.py``): ``llama``, ``qwen2``,
-    ``qwen3`` or ``qwen3_moe``. It decides the attention options (``qkv_bias``, ``qk_norm``)
-    and the format of imports and exports."""
+    ``qwen3``, ``qwen3_moe``, ``qwen3_5`` or ``qwen3_5_moe``. It decides the attention
+    options (``qkv_bias``, ``qk_norm``) and the format of imports and exports."""
     head_dim: int = 0
     """Channels per attention head; 0 = hidden_size / num_attention_heads (Qwen3 sets its
     own)."""
@@ -111,8 +115,14 @@ class ModelConfig:
     def validate(self) -> None:
         if self.family not in FAMILIES:
             raise ConfigError(f"model.family must be one of {list(FAMILIES)}, got {self.family!r}")
-        if FAMILIES[self.family].moe and not self.num_experts:
+        fam = FAMILIES[self.family]
+        if fam.moe and not self.num_experts:
             raise ConfigError(f"model.family {self.family!r} needs model.num_experts > 0")
+        if fam.shared_expert != bool(self.moe_shared_ffn_hidden_size > 0):
+            raise ConfigError(
+                f"model.moe_shared_ffn_hidden_size: family {self.family!r} "
+                + ("needs a shared expert (> 0)" if fam.shared_expert else "has no shared expert")
+            )
         if self.head_dim < 0:
             raise ConfigError(f"model.head_dim must be >= 0, got {self.head_dim}")
         for name in (

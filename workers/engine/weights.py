@@ -2,11 +2,13 @@
 
 Every parameter has a *canonical name* - its name in the single-rank model: global layer index,
 global expert index - and a *shard rule* saying how TP splits the full tensor:
-    replicated       norms, routers, and experts (no expert tensor parallelism here)
+    replicated       norms, routers, experts (no expert tensor parallelism here) and the
+                     shared expert's gate
     dim d            a contiguous slice along dim ``d`` (embedding and output rows, QKV rows in
                      megatron's group-major layout, attention-out and fc2 columns)
-    glu              fc1 of a gated MLP: megatron keeps ``[gate_k; up_k]`` on TP rank ``k``, so
-                     the gate and up halves are sliced separately
+    glu              fc1 of a gated MLP (the shared expert's too): megatron keeps
+                     ``[gate_k; up_k]`` on TP rank ``k``, so the gate and up halves are
+                     sliced separately
 
 Initialisation draws each *full* tensor from a generator seeded by ``(seed, canonical name)``
 and keeps this rank's shard, so a model is identical on every parallel layout (megatron's own
@@ -68,11 +70,13 @@ def shard_rule(name: str) -> ShardRule:
     """How TP splits the parameter called ``name`` (canonical or local: the suffix decides)."""
     if name.endswith((".lora_a", ".lora_b")):
         return _lora_rule(name)
-    if ".local_experts." in name or name.endswith(("layernorm.weight", "router.weight")):
+    if ".local_experts." in name or name.endswith(
+        ("layernorm.weight", "router.weight", "shared_experts.gate_weight")
+    ):
         return ShardRule("replicated")
     if "final_layernorm" in name or name.endswith("norm.weight"):
         return ShardRule("replicated")
-    if name.endswith("mlp.linear_fc1.weight"):
+    if name.endswith(("mlp.linear_fc1.weight", "shared_experts.linear_fc1.weight")):
         return ShardRule("glu")
     if name.endswith(("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")):
         return ShardRule("dim", 1)
