@@ -28,6 +28,7 @@ SECTIONS: dict[str, Callable[[bool], str]] = {
     "load": load.section,
     "logprob": logprob.section,
     "fused_head": fused_head.section,
+    "fused_head_qwen3_5": fused_head.section_qwen3_5,
     "recompute": recompute.section,
     "sequence_parallel": sequence_parallel.section,
     "tree": tree.section,

@@ -1,4 +1,4 @@
-"""The ``fused_head`` table of ``bench/run.py``."""
+"""The ``fused_head`` tables of ``bench/run.py``: Qwen2.5/Qwen3's vocabulary, and Qwen3.5's."""
 
 from __future__ import annotations
 
@@ -6,8 +6,21 @@ from bench.tables.common import measure, table
 
 
 def section(quick: bool) -> str:
-    v, h, chunk = (32_768, 64, 1024) if quick else (151_936, 64, 1024)
-    lengths = (2048, 8192) if quick else (8192, 32_768, 131_072)
+    """Vocabulary 151,936 (Qwen2.5, Qwen3)."""
+    if quick:
+        return _table(32_768, (2048, 8192))
+    return _table(151_936, (8192, 32_768, 131_072))
+
+
+def section_qwen3_5(quick: bool) -> str:
+    """Vocabulary 248,320 (Qwen3.5)."""
+    return _table(65_536, (2048,)) if quick else _table(248_320, (8192, 32_768))
+
+
+def _table(v: int, lengths: tuple[int, ...], h: int = 64, chunk: int = 1024) -> str:
+    """Fused against unfused at ``v`` for each token count; the unfused head is measured at
+    the first count and computed (its logits and their gradient, fp32) above it, where it
+    does not fit in this machine's 24 GiB."""
     rows = []
     for n in lengths:
         logits_gib = n * v * 4 / (1 << 30)
@@ -17,7 +30,6 @@ def section(quick: bool) -> str:
             unfused_cell = f"{unfused['peak_MiB'] / 1024:.2f} GiB (measured)"
             unfused_gib = unfused["peak_MiB"] / 1024
         else:
-            # Logits and their gradient, fp32: does not fit in this machine's 24 GiB.
             unfused_gib = 2 * logits_gib
             unfused_cell = f"{unfused_gib:.1f} GiB (computed: logits + gradient)"
         ratio = unfused_gib * 1024 / fused["peak_MiB"]

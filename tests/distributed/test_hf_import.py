@@ -131,3 +131,31 @@ def test_export_mapping_inverts_import() -> None:
     assert set(back) == set(canonical)
     for n in names:
         assert torch.equal(back[n], canonical[n]), n
+
+
+QWEN3_5_VOCAB = 248_320
+"""Qwen3.5's vocabulary (its tokenizer's 248,044 tokens, padded)."""
+
+
+def test_qwen3_5_at_its_full_vocabulary_equals_transformers(
+    pools: Callable[[int], RankPool], tmp_path: Path
+) -> None:
+    """The LM head at Qwen3.5's real vocabulary, split over two TP ranks (124,160 rows each)
+    and streamed in chunks by the fused head: targets from the whole range, the top shard's
+    included, give transformers' log-probs."""
+    model = tiny_model("qwen3_5", tmp_path, vocab_size=QWEN3_5_VOCAB)
+    rng = np.random.default_rng(2)
+    batch = [rng.integers(0, QWEN3_5_VOCAB, n).tolist() for n in (33, 64)]
+    batch[0][-8:] = range(QWEN3_5_VOCAB - 8, QWEN3_5_VOCAB)  # the last rows of the top shard
+    want = _reference(model, batch)
+    for layout in ({}, {"tp": 2}):
+        results = pools(max(1, layout.get("tp", 1))).run(
+            logprobs_from_hf, str(tmp_path), layout, batch
+        )
+        assert results[0][1]["vocab_size"] == QWEN3_5_VOCAB
+        got = {i: lp for r in results for i, lp in r[0].items()}
+        assert sorted(got) == [0, 1]
+        for i in range(len(batch)):
+            np.testing.assert_allclose(
+                got[i][1:], want[i], rtol=1e-5, atol=1e-5, err_msg=f"{layout}"
+            )
