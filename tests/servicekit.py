@@ -58,7 +58,11 @@ def running_service(
         svc.start()
     except RuntimeError as e:
         pytest.fail(str(e))
-    yield svc
+    try:
+        yield svc
+    except BaseException:
+        svc.stop()  # a failed test frees its service too: no Ray cluster outlives it
+        raise
     rc = svc.stop()
     assert rc == 0, f"trainctl serve exited with {rc}:\n{svc.log()}"
     assert not svc.leftovers, f"processes left after shutdown: {svc.leftovers}"
