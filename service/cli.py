@@ -79,7 +79,9 @@ def _reserve_port(host: str, port: int) -> socket.socket | None:
     return sock
 
 
-def _check_own_port(url: str, instance: str, timeout_s: float = 30.0) -> None:
+def _check_own_port(
+    url: str, instance: str, stop: threading.Event | None = None, timeout_s: float = 30.0
+) -> None:
     """The gateway's port must answer as this start of trainctl, not as anything else.
 
     Liveness (``/v1/health``, the gateway alone), not readiness: a trainctl that is not ready
@@ -95,6 +97,8 @@ def _check_own_port(url: str, instance: str, timeout_s: float = 30.0) -> None:
         try:
             r = httpx.get(f"{url}/v1/health", timeout=10)
         except httpx.HTTPError as e:
+            if stop is not None and stop.is_set():
+                return  # asked to stop: the drain follows
             if time.monotonic() > deadline:
                 log.warning("%s did not answer its health check (%s); going on", url, e)
                 return
@@ -217,10 +221,12 @@ def _serve(s: Settings) -> int:
             route_prefix="/",
             logging_config={"enable_access_log": False, "log_level": s.log_level},
         )
+        # The gateway serves from here (a client may already have seen it ready): a signal
+        # now drains through the normal path below instead of interrupting start-up code.
+        started.set()
         if s.port:
             local = "127.0.0.1" if s.host in ("0.0.0.0", "::", "") else s.host
-            _check_own_port(f"http://{local}:{s.port}", s.instance_id or instance)
-        started.set()
+            _check_own_port(f"http://{local}:{s.port}", s.instance_id or instance, stop)
         print(
             f"trainctl ready at {s.url} (API docs: {s.url}/docs) "
             f"in {time.perf_counter() - t0:.1f}s",
