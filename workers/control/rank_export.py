@@ -45,13 +45,7 @@ class ExportPart:
         full = {}
         for name in sorted(names):
             by_tp = {g.tp: g.shards[name] for g in got if name in g.shards}
-            rule = weights.shard_rule(name)
-            if rule.kind == "replicated":
-                # Whole on one owner, whichever TP rank it is: an expert sits on the rank of
-                # its EP index, which at tp2 x ep2 is TP rank 1 for half of them.
-                full[name] = next(iter(by_tp.values()))
-            else:
-                full[name] = rule.unshard([by_tp[r] for r in range(tp)])
+            full[name] = weights.shard_rule(name).unshard_ranks(by_tp, tp)
         return full
 
     def write_hf(

@@ -59,6 +59,14 @@ class ShardRule:
             return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
         return torch.cat(shards, dim=self.dim)
 
+    def unshard_ranks(self, by_rank: dict[int, Tensor], size: int) -> Tensor:
+        """The full tensor from what each of ``size`` TP ranks holds (``by_rank``): a
+        replicated tensor from whichever rank has it (an expert lives on its owner only,
+        which at tp2 x ep2 is TP rank 1 for half of them); a split one from every rank."""
+        if self.kind == "replicated":
+            return next(iter(by_rank.values()))
+        return self.unshard([by_rank[r] for r in range(size)])
+
     def full_shape(self, shard_shape: torch.Size, size: int) -> tuple[int, ...]:
         shape = list(shard_shape)
         if self.kind != "replicated":
