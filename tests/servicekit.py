@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,7 +100,6 @@ class Squatter:
 
     def __init__(self) -> None:
         import http.server
-        import threading
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
@@ -117,3 +119,53 @@ class Squatter:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class DroppingProxy:
+    """A loopback TCP proxy that, the first time a request carries ``trigger``, hands the
+    request to the server and then cuts the client's connection instead of relaying the
+    answer: the server did the work, the client saw a dropped connection and retries."""
+
+    def __init__(self, target_port: int, trigger: bytes) -> None:
+        self.target_port, self.trigger = target_port, trigger
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.dropped = 0
+        self._armed = True
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            cut = threading.Event()
+            threading.Thread(target=self._up, args=(client, upstream, cut), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client, cut), daemon=True).start()
+
+    def _up(self, client: socket.socket, upstream: socket.socket, cut: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(1 << 16):
+                if self._armed and self.trigger in data:
+                    self._armed = False
+                    cut.set()
+                    upstream.sendall(data)
+                    time.sleep(2.0)  # the server receives and runs it
+                    self.dropped += 1
+                    client.shutdown(socket.SHUT_RDWR)
+                    client.close()
+                    upstream.close()
+                    return
+                upstream.sendall(data)
+
+    def _down(self, upstream: socket.socket, client: socket.socket, cut: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(1 << 16):
+                if cut.is_set():
+                    return
+                client.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from engine_cases import profile_step, ragged_batch
+from engine_cases import ragged_batch
 from rankpool import RankPool
+from state_cases import profile_step
 
 
 def test_cp2_tp2_profile_files(pools: Callable[[int], RankPool], tmp_path: Path) -> None:

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from engine_cases import checkpoint_restore_case, train_steps_case
 from rankpool import RankPool
+from state_cases import checkpoint_restore_case, train_steps_case
 
 MODEL = {"num_layers": 4, "max_seq_len": 64, "num_attention_heads": 4, "num_query_groups": 2}
 BF16_EPS = 2.0**-8

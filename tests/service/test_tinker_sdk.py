@@ -7,10 +7,7 @@ The tests run in file order; each says what state it leaves.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +17,7 @@ import numpy as np
 import pytest
 
 tinker = pytest.importorskip("tinker", reason="the dev extra installs tinker (Python >= 3.11)")
+from servicekit import DroppingProxy  # noqa: E402
 from tinker import types  # noqa: E402
 
 from conftest import Service, digest, running_service  # noqa: E402
@@ -280,60 +278,10 @@ def test_other_base_model_is_refused(service_client: Any) -> None:
         service_client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=0).result()
 
 
-class _DroppingProxy:
-    """A loopback TCP proxy that, the first time a request carries ``trigger``, hands the
-    request to the server and then cuts the client's connection instead of relaying the
-    answer: the server did the work, the client saw a dropped connection and retries."""
-
-    def __init__(self, target_port: int, trigger: bytes) -> None:
-        self.target_port, self.trigger = target_port, trigger
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.dropped = 0
-        self._armed = True
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            cut = threading.Event()
-            threading.Thread(target=self._up, args=(client, upstream, cut), daemon=True).start()
-            threading.Thread(target=self._down, args=(upstream, client, cut), daemon=True).start()
-
-    def _up(self, client: socket.socket, upstream: socket.socket, cut: threading.Event) -> None:
-        with contextlib.suppress(OSError):
-            while data := client.recv(1 << 16):
-                if self._armed and self.trigger in data:
-                    self._armed = False
-                    cut.set()
-                    upstream.sendall(data)
-                    time.sleep(2.0)  # the server receives and runs it
-                    self.dropped += 1
-                    client.shutdown(socket.SHUT_RDWR)
-                    client.close()
-                    upstream.close()
-                    return
-                upstream.sendall(data)
-
-    def _down(self, upstream: socket.socket, client: socket.socket, cut: threading.Event) -> None:
-        with contextlib.suppress(OSError):
-            while data := upstream.recv(1 << 16):
-                if cut.is_set():
-                    return
-                client.sendall(data)
-
-    def close(self) -> None:
-        self.listener.close()
-
-
 def test_a_step_retried_after_a_dropped_connection_applies_once(svc: Service) -> None:
     """The SDK resends ``optim_step`` after the proxy cut its connection; the server, which
     ran the first copy, answers the retry with the same future: one step, not two."""
-    proxy = _DroppingProxy(int(svc.url.rsplit(":", 1)[1]), b"/api/v1/optim_step")
+    proxy = DroppingProxy(int(svc.url.rsplit(":", 1)[1]), b"/api/v1/optim_step")
     sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{proxy.port}", api_key=KEY)
     try:
         step0 = _info(svc)["step"]
