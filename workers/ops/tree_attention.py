@@ -143,10 +143,18 @@ def flex_tree_attention(
         if cacheable:
             segments._masks[cache_key] = mask
     fn: Callable[..., Any] = flex_attention
+    options: dict[str, Any] | None = None
     if compiled:
         fn = _compiled_flex()
+        # Always the training kernel: for fewer than 128 queries torch would pick its decoding
+        # kernel, which has no configuration for fp32 with grouped query heads (torch 2.11 on
+        # an H200 raised NoValidChoicesError for 121 queries, head_dim 128).
+        options = {"BACKEND": "TRITON"}
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-    out = fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = fn(
+        q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        kernel_options=options,
+    )  # fmt: skip
     return out[0].transpose(0, 1)  # type: ignore[no-any-return]
 
 
