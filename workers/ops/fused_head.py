@@ -122,9 +122,19 @@ class _FusedHeadLogprob(torch.autograd.Function):
             b = min(n, a + ctx.chunk)
             p = head_logits(hidden, weight, rows[a:b]).sub_(m[a:b]).sub_(log_se[a:b]).exp_()
             d = _grad_rows(p, g[a:b], local[a:b], outside[a:b])
-            dh.index_add_(0, rows[a:b], d @ weight.float())
-            dw.addmm_(d.t(), hidden[rows[a:b]].float())
-            del p, d
+            del p
+            if weight.dtype == torch.float32:
+                dh.index_add_(0, rows[a:b], d @ weight)
+                dw.addmm_(d.t(), hidden[rows[a:b]].float())
+            else:
+                # Mixed precision: the two matmuls in the weight's dtype (fp32 accumulation
+                # inside), each chunk's product summed in fp32, as autograd does through the
+                # unfused head. Widening the operands instead ran them as fp32 GEMMs: on an
+                # H200, 36% of a Qwen3-0.6B step at 16K tokens.
+                d = d.to(weight.dtype)
+                dh.index_add_(0, rows[a:b], (d @ weight).float())
+                dw.add_(d.t() @ hidden[rows[a:b]].to(weight.dtype))
+            del d
         if ctx.reduce_hidden_grad:
             _all_reduce(dh, dist.ReduceOp.SUM, ctx.tp_group)
         return dh.to(hidden.dtype), dw.to(weight.dtype), None, None, None, None, None, None
