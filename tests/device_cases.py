@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from hf_models import tiny_model
 
@@ -152,38 +153,55 @@ class TreeVsFlat:
     """max |tree - flat| over every token's log-prob"""
     loss: tuple[float, float]
     grad_norm: tuple[float, float]
+    grads: float
+    """max over parameters of max |tree - flat| / max |flat| of the gradient"""
     params: float
-    """max over parameters of max |tree - flat| / max |flat| after one step"""
+    """the same of the parameters after the step"""
     computed_tokens: tuple[float, float]
 
 
 def tree_vs_flat(**model: Any) -> TreeVsFlat:
     """A GRPO group packed as a trie against the same batch packed flat: log-probs, then one
-    train step each from the same weights (two engines of one seed)."""
-    from trainctl.api import LogProbsRequest, TrainBatchRequest
+    split step each from the same weights (two engines of one seed), its gradients read
+    between ``forward_backward`` and ``optim_step``."""
+    from trainctl.api import ForwardBackwardRequest, LogProbsRequest, OptimStepRequest
 
     results: dict[str, Any] = {}
     for packing in ("tree", "flat"):
-        # A larger Adam epsilon keeps the first update continuous where a gradient is ~0
-        # (there, rounding could flip its sign and move the parameter by 2 x lr).
-        opt = {"eps": 1e-5, "clip_grad": 0.0}
+        # Adam's first update is lr * g / (|g| + eps): with a small eps a gradient element
+        # near 0 moves its parameter by up to 2 x lr on a rounding difference (seen on an
+        # H200: 8e-5 of a tensor's largest parameter, with gradients equal to 1e-7 in norm).
+        # eps = 1e-3 keeps the update within lr / eps = 1 x the gradient's difference; the
+        # gradients themselves are compared directly.
+        opt = {"eps": 1e-3, "clip_grad": 0.0}
         engine = _engine(model=model, precision="fp32", packing=packing, optimizer=opt)
         try:
-            seqs = grpo_group(engine.cfg.model.vocab_size)
-            lp = engine.logprobs(LogProbsRequest(sequences=[{"tokens": t} for t in seqs]))
-            step = engine.train_batch(TrainBatchRequest(sequences=[{"tokens": t} for t in seqs]))
+            seqs = [{"tokens": t} for t in grpo_group(engine.cfg.model.vocab_size)]
+            lp = engine.logprobs(LogProbsRequest(sequences=seqs))
+            fb = engine.forward_backward(ForwardBackwardRequest(sequences=seqs))
+            grads = {
+                k: v.float().cpu() for k, v in engine.engine.canonical_shards(grads=True).items()
+            }
+            step = engine.optim_step(OptimStepRequest())
             params = {k: v.float().cpu() for k, v in engine.engine.canonical_shards().items()}
         finally:
             engine.close()
-        results[packing] = (lp.logprobs, step, params)
-    (lp_t, st_t, p_t), (lp_f, st_f, p_f) = results["tree"], results["flat"]
-    assert p_t.keys() == p_f.keys() and p_t, "both engines report the same parameters"
+        results[packing] = (lp.logprobs, fb, step, grads, params)
+    (lp_t, fb_t, st_t, g_t, p_t), (lp_f, fb_f, st_f, g_f, p_f) = results["tree"], results["flat"]
+    assert p_t.keys() == p_f.keys() == g_t.keys() == g_f.keys() and p_t, "the same parameters"
+    assert any(float(g.abs().max()) > 0 for g in g_f.values()), "the step made gradients"
     return TreeVsFlat(
         logprobs=max(float(np.abs(np.array(a) - b).max()) for a, b in zip(lp_t, lp_f, strict=True)),
-        loss=(st_t.loss, st_f.loss),
+        loss=(fb_t.loss, fb_f.loss),
         grad_norm=(st_t.metrics["grad_norm:value"], st_f.metrics["grad_norm:value"]),
-        params=max(
-            float((p_t[k] - p_f[k]).abs().max() / p_f[k].abs().max().clamp(min=1e-30)) for k in p_f
-        ),
-        computed_tokens=(st_t.metrics["computed_tokens:sum"], st_f.metrics["computed_tokens:sum"]),
+        grads=_worst_relative(g_t, g_f),
+        params=_worst_relative(p_t, p_f),
+        computed_tokens=(fb_t.metrics["computed_tokens:sum"], fb_f.metrics["computed_tokens:sum"]),
+    )
+
+
+def _worst_relative(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
+    """max over tensors of max |got - want| / max |want|"""
+    return max(
+        float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp(min=1e-30)) for k in want
     )

@@ -35,4 +35,5 @@ def test_tries_equal_flat_in_process(pool1: RankPool) -> None:
     assert r.logprobs <= 1e-5
     for tree, flat in (r.loss, r.grad_norm):
         assert abs(tree - flat) <= 1e-5 * abs(flat), (tree, flat)
+    assert r.grads <= 1e-5
     assert r.params <= 1e-5

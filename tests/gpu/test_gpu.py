@@ -64,12 +64,13 @@ def test_bf16_train_loss_falls() -> None:
 
 
 def test_tries_on_flex_attention_equal_flat() -> None:
-    """On CUDA, tries attend through one FlexAttention kernel: log-probs, loss, grad norm and
-    the parameters after a step equal flat packing's within 1e-5 (fp32)."""
+    """On CUDA, tries attend through one FlexAttention kernel: log-probs, loss, grad norm,
+    every gradient and the parameters after a step equal flat packing's within 1e-5 (fp32)."""
     assert torch.cuda.is_available()
     r = cases.tree_vs_flat(**ENGINE_SHAPE)
     assert r.computed_tokens[0] < r.computed_tokens[1]
     assert r.logprobs <= 1e-5
     for tree, flat in (r.loss, r.grad_norm):
         assert abs(tree - flat) <= 1e-5 * abs(flat), (tree, flat)
+    assert r.grads <= 1e-5
     assert r.params <= 1e-5
