@@ -68,6 +68,30 @@ def _peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
+def _profiled(where: str | None) -> Any:
+    """A torch profiler over the timed steps whose table (by self device time) goes to
+    ``where``; a no-op context without one."""
+    import contextlib
+
+    import torch
+
+    if not where:
+        return contextlib.nullcontext()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=acts)
+
+    @contextlib.contextmanager
+    def run() -> Any:
+        with prof:
+            yield
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        Path(where).write_text(prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
+
+    return run()
+
+
 def _tokens(vocab: int, tokens: int, seq_len: int) -> list[list[int]]:
     import numpy as np
 
@@ -76,7 +100,12 @@ def _tokens(vocab: int, tokens: int, seq_len: int) -> list[list[int]]:
 
 
 def trainctl_step(
-    model: dict[str, Any], tokens: int, seq_len: int, steps: int, fused: bool
+    model: dict[str, Any],
+    tokens: int,
+    seq_len: int,
+    steps: int,
+    fused: bool,
+    profile: str | None = None,
 ) -> dict[str, float]:
     import torch
 
@@ -97,19 +126,25 @@ def trainctl_step(
     engine = InProcessEngine(cfg)
     seqs = _tokens(model["vocab_size"], tokens, seq_len)
     req = TrainBatchRequest(sequences=[{"tokens": t} for t in seqs])
-    engine.train_batch(req)  # warm-up: kernels, optimizer state
-    _sync()
-    _peak_reset()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.train_batch(req)
-    _sync()
+    try:
+        engine.train_batch(req)  # warm-up: kernels, optimizer state
+        _sync()
+        _peak_reset()
+        t0 = time.perf_counter()
+        with _profiled(profile):
+            for _ in range(steps):
+                engine.train_batch(req)
+            _sync()
+    except Exception as e:  # the rank's OutOfMemoryError arrives wrapped in a WorkerError
+        if "OutOfMemoryError" in str(e):
+            return {"step_s": float("nan"), "peak_gib": float("nan"), "oom": 1.0}
+        raise
     seconds = (time.perf_counter() - t0) / steps
     return {"step_s": seconds, "peak_gib": _peak_gib(), "params": engine.engine.num_parameters()}
 
 
 def transformers_step(
-    model: dict[str, Any], tokens: int, seq_len: int, steps: int
+    model: dict[str, Any], tokens: int, seq_len: int, steps: int, profile: str | None = None
 ) -> dict[str, float]:
     import torch
     import transformers
@@ -138,9 +173,10 @@ def transformers_step(
         _sync()
         _peak_reset()
         t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        _sync()
+        with _profiled(profile):
+            for _ in range(steps):
+                step()
+            _sync()
     except torch.OutOfMemoryError:
         return {"step_s": float("nan"), "peak_gib": float("nan"), "oom": 1.0}
     return {"step_s": (time.perf_counter() - t0) / steps, "peak_gib": _peak_gib()}
@@ -159,14 +195,43 @@ def _child(job: dict[str, Any]) -> dict[str, float]:
     return fn(**job)  # type: ignore[no-any-return,operator]
 
 
-def measure(**job: Any) -> dict[str, float]:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(job)],
-        capture_output=True, text=True, cwd=ROOT, timeout=1800,
-    )  # fmt: skip
+def measure(timeout_s: float, **job: Any) -> dict[str, float] | None:
+    """One measurement in a fresh process; ``None`` (and its error on stderr) if it failed, so
+    one failing cell does not cost the rest of the table."""
+    head = "" if job.get("fused", True) else " (log-prob kernel)"
+    what = f"{job['fn']}{head} at {job['tokens']:,} tokens"
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(job)],
+            capture_output=True, text=True, cwd=ROOT, timeout=timeout_s,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        print(f"FAILED: {what}: no result in {timeout_s:.0f} s", file=sys.stderr, flush=True)
+        return None
     if proc.returncode:
-        raise RuntimeError(f"{job['fn']} at {job['tokens']} tokens failed:\n{proc.stderr[-3000:]}")
+        print(f"FAILED: {what}:\n{proc.stderr[-4000:]}", file=sys.stderr, flush=True)
+        return None
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def profile(
+    where: Path, timeout_s: float, model: dict[str, Any], tokens: int, seq_len: int, steps: int
+) -> int:
+    """Both steps under the torch profiler; prints and keeps their kernel tables. Returns the
+    number of failed runs."""
+    where.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for fn in ("trainctl", "transformers"):
+        path = where / f"profile_{fn}_{tokens}.txt"
+        got = measure(
+            timeout_s, fn=fn, model=model, tokens=tokens, seq_len=seq_len, steps=steps,
+            profile=str(path), **({"fused": True} if fn == "trainctl" else {}),
+        )  # fmt: skip
+        failed += got is None
+        if got is not None and path.exists():
+            print(f"## {fn}, {tokens:,} tokens, {steps} steps: {got['step_s']:.3f} s a step")
+            print(path.read_text(), flush=True)
+    return failed
 
 
 def _gpu() -> tuple[str, float | None]:
@@ -185,6 +250,12 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     ap.add_argument("--quick", action="store_true", help="a tiny model: checks the script")
+    ap.add_argument("--child-timeout", type=float, default=600, help="seconds per measurement")
+    ap.add_argument(
+        "--profile", metavar="DIR",
+        help="instead of the table: profile trainctl's and transformers' steps at the first "
+        "size, and write each one's kernel table (by self device time) into DIR",
+    )  # fmt: skip
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -193,28 +264,42 @@ def main() -> None:
     model, sizes, seq_len = QWEN3_06B, [int(t) for t in a.tokens.split(",")], a.seq_len
     if a.quick:
         model, sizes, seq_len = TINY, [512, 1024], 256
+    if a.profile:
+        sys.exit(profile(Path(a.profile), a.child_timeout, model, sizes[0], seq_len, a.steps))
     gpu, peak = _gpu()
-    rows = []
+    rows, params, failed = [], 0, 0
     for tokens in sizes:
         common = dict(model=model, tokens=tokens, seq_len=seq_len, steps=a.steps)
-        ours = measure(fn="trainctl", fused=True, **common)
-        unfused = measure(fn="trainctl", fused=False, **common)
-        hf = measure(fn="transformers", **common)
-        flops = step_flops(model, int(ours["params"]), tokens, seq_len)
-        rate = flops / ours["step_s"]
-        mfu = f"{100 * rate / peak:.1f}%" if peak else "n/a"
-        hf_tps = "OOM" if hf.get("oom") else f"{tokens / hf['step_s']:,.0f}"
-        hf_mem = "OOM" if hf.get("oom") else f"{hf['peak_gib']:.1f}"
-        rows.append(
-            f"| {tokens:,} | {tokens / ours['step_s']:,.0f} | {rate / 1e12:.0f} | {mfu} "
-            f"| {ours['peak_gib']:.1f} | {unfused['peak_gib']:.1f} | {hf_tps} | {hf_mem} |"
-        )
+        ours = measure(a.child_timeout, fn="trainctl", fused=True, **common)
+        unfused = measure(a.child_timeout, fn="trainctl", fused=False, **common)
+        hf = measure(a.child_timeout, fn="transformers", **common)
+        failed += sum(r is None for r in (ours, unfused, hf))
+        cells = ["failed"] * 4
+        if ours is not None and ours.get("oom"):
+            cells = ["OOM"] * 4
+        elif ours is not None:
+            params = int(ours["params"])
+            rate = step_flops(model, params, tokens, seq_len) / ours["step_s"]
+            mfu = f"{100 * rate / peak:.1f}%" if peak else "n/a"
+            cells = [f"{tokens / ours['step_s']:,.0f}", f"{rate / 1e12:.0f}", mfu,
+                     f"{ours['peak_gib']:.1f}"]  # fmt: skip
+        cells.append(
+            "failed" if unfused is None else "OOM" if unfused.get("oom")
+            else f"{unfused['peak_gib']:.1f}"
+        )  # fmt: skip
+        if hf is None:
+            cells += ["failed", "failed"]
+        elif hf.get("oom"):
+            cells += ["OOM", "OOM"]
+        else:
+            cells += [f"{tokens / hf['step_s']:,.0f}", f"{hf['peak_gib']:.1f}"]
+        rows.append(f"| {tokens:,} | {' | '.join(cells)} |")
         print(rows[-1], flush=True)
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     table = "\n".join(
         [
             f"{gpu}, {date}: {'a tiny' if a.quick else 'a Qwen3-0.6B-shaped'} model "
-            f"({int(ours['params']) / 1e6:.1f}M parameters, random weights), "
+            f"({params / 1e6:.1f}M parameters, random weights), "
             f"{'bf16' if peak is not None else 'fp32'}, sequences of {seq_len} tokens packed into "
             f"one micro-batch; the mean of {a.steps} steps after a warm-up.",
             "",
@@ -229,6 +314,8 @@ def main() -> None:
     if not a.quick and peak is not None:
         RESULT.write_text(table + "\n")
         print(f"wrote {RESULT.relative_to(ROOT)}")
+    if failed:
+        sys.exit(f"{failed} measurement(s) failed (their errors are above)")
 
 
 if __name__ == "__main__":
