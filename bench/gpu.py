@@ -68,6 +68,10 @@ def _peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
+_OOM = {"step_s": float("nan"), "peak_gib": float("nan"), "oom": 1.0}
+"""A measurement that ran out of device memory."""
+
+
 def _profiled(where: str | None) -> Any:
     """A torch profiler over the timed steps whose table (by self device time) goes to
     ``where``; a no-op context without one."""
@@ -104,7 +108,7 @@ def trainctl_step(
     tokens: int,
     seq_len: int,
     steps: int,
-    fused: bool,
+    fused: bool = True,
     profile: str | None = None,
 ) -> dict[str, float]:
     import torch
@@ -137,7 +141,7 @@ def trainctl_step(
             _sync()
     except Exception as e:  # the rank's OutOfMemoryError arrives wrapped in a WorkerError
         if "OutOfMemoryError" in str(e):
-            return {"step_s": float("nan"), "peak_gib": float("nan"), "oom": 1.0}
+            return _OOM
         raise
     seconds = (time.perf_counter() - t0) / steps
     return {"step_s": seconds, "peak_gib": _peak_gib(), "params": engine.engine.num_parameters()}
@@ -178,7 +182,7 @@ def transformers_step(
                 step()
             _sync()
     except torch.OutOfMemoryError:
-        return {"step_s": float("nan"), "peak_gib": float("nan"), "oom": 1.0}
+        return _OOM
     return {"step_s": (time.perf_counter() - t0) / steps, "peak_gib": _peak_gib()}
 
 
@@ -214,6 +218,13 @@ def measure(timeout_s: float, **job: Any) -> dict[str, float] | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def _unmeasured(result: dict[str, float] | None) -> str | None:
+    """What a cell says for a measurement with no numbers: "failed", "OOM", or None."""
+    if result is None:
+        return "failed"
+    return "OOM" if result.get("oom") else None
+
+
 def profile(
     where: Path, timeout_s: float, model: dict[str, Any], tokens: int, seq_len: int, steps: int
 ) -> int:
@@ -225,7 +236,7 @@ def profile(
         path = where / f"profile_{fn}_{tokens}.txt"
         got = measure(
             timeout_s, fn=fn, model=model, tokens=tokens, seq_len=seq_len, steps=steps,
-            profile=str(path), **({"fused": True} if fn == "trainctl" else {}),
+            profile=str(path),
         )  # fmt: skip
         failed += got is None
         if got is not None and path.exists():
@@ -274,24 +285,20 @@ def main() -> None:
         unfused = measure(a.child_timeout, fn="trainctl", fused=False, **common)
         hf = measure(a.child_timeout, fn="transformers", **common)
         failed += sum(r is None for r in (ours, unfused, hf))
-        cells = ["failed"] * 4
-        if ours is not None and ours.get("oom"):
-            cells = ["OOM"] * 4
-        elif ours is not None:
+        if no := _unmeasured(ours):
+            cells = [no] * 4
+        else:
+            assert ours is not None
             params = int(ours["params"])
             rate = step_flops(model, params, tokens, seq_len) / ours["step_s"]
             mfu = f"{100 * rate / peak:.1f}%" if peak else "n/a"
             cells = [f"{tokens / ours['step_s']:,.0f}", f"{rate / 1e12:.0f}", mfu,
                      f"{ours['peak_gib']:.1f}"]  # fmt: skip
-        cells.append(
-            "failed" if unfused is None else "OOM" if unfused.get("oom")
-            else f"{unfused['peak_gib']:.1f}"
-        )  # fmt: skip
-        if hf is None:
-            cells += ["failed", "failed"]
-        elif hf.get("oom"):
-            cells += ["OOM", "OOM"]
+        cells.append(_unmeasured(unfused) or f"{unfused['peak_gib']:.1f}")
+        if no := _unmeasured(hf):
+            cells += [no] * 2
         else:
+            assert hf is not None
             cells += [f"{tokens / hf['step_s']:,.0f}", f"{hf['peak_gib']:.1f}"]
         rows.append(f"| {tokens:,} | {' | '.join(cells)} |")
         print(rows[-1], flush=True)
