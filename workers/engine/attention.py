@@ -1,17 +1,24 @@
 """Core attention for packed sequences and prefix tries, given to megatron-core's layer spec.
 
 megatron-core's local ``DotProductAttention`` refuses packed (THD) input and context
-parallelism; TransformerEngine's attention needs CUDA. This module attends causally within each
-packed sequence with torch's ``scaled_dot_product_attention``, one sequence at a time, so no
-``[T, T]`` mask is ever built; with CP it gathers keys and values over the CP group and masks
-by global (zigzag) positions. A micro-batch packed as prefix tries attends by ancestry
+parallelism; TransformerEngine's attention needs CUDA. This module hands packed sequences to
+``workers/ops/packed_attention.py``: one flash-attention call over the whole buffer on CUDA
+(varlen), else one batched ``scaled_dot_product_attention`` per run of equal lengths, on views,
+so the cost is linear in the tokens whatever the number of sequences and no ``[T, T]`` mask is
+ever built. With CP it gathers keys and values over the CP group and masks by global (zigzag)
+positions. A micro-batch packed as prefix tries attends by ancestry
 (``workers/ops/tree_attention.py``): segment by segment on the CPU, one FlexAttention kernel
 over the tree's block mask on CUDA.
 
-Rotary positions are applied here, from each token's position id (``rope_freqs``), not by
+Rotary positions are applied here, from each token's position id (``rope_tables``), not by
 megatron from the packed length: a trie token's position is its depth, not its index. megatron's
 own rotary embedding is switched off (``workers/engine/model.py``); the formula is its own
-(``apply_rotary_pos_emb``), so flat sequences get the same values bit for bit.
+(``workers/ops/rope.py``), so flat sequences get the same values bit for bit in eager mode. The
+tables (``cos``, ``sin``) are made once per micro-batch; on CUDA the rotation is compiled.
+
+The packing metadata is host integers (``PackedBatchParams.cu_host``, ``max_len``) plus one
+int32 device copy of the boundaries for the varlen kernel: no layer reads a device tensor on
+the host.
 
 Shapes (``t`` = packed tokens on this rank, ``np`` / ``ng`` = query heads / key-value groups
 on this TP rank, ``hn`` = head dim):
@@ -21,14 +28,11 @@ on this TP rank, ``hn`` = head dim):
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
@@ -38,29 +42,38 @@ from megatron.core.utils import divide
 from torch import Tensor
 
 from trainctl.workers.ops.cp import gather_from_cp, zigzag_positions
+from trainctl.workers.ops.packed_attention import cp_packed_attention, packed_attention, sdpa
+from trainctl.workers.ops.rope import RotaryTables, apply_rope, compiled_rope
 from trainctl.workers.ops.tree_attention import Segments, flex_tree_attention, tree_attention
 
 
 @dataclass
 class PackedBatchParams(PackedSeqParams):
-    """megatron's packed-sequence parameters plus what our attention reads: the rotary
-    frequencies of this rank's tokens and, for prefix tries, the segment table."""
+    """megatron's packed-sequence parameters plus what our attention reads: the boundaries as
+    host integers, the rotary tables of this rank's tokens and, for prefix tries, the segment
+    table."""
 
-    rope: Tensor | None = None
-    """``[t, 1, rot_dim]`` fp32 rotary frequencies by position id (``rope_freqs``)."""
+    cu_host: tuple[int, ...] = ()
+    """The global padded boundaries (``cu_seqlens_q``'s values), read without a device sync."""
+    max_len: int = 0
+    """The longest packed sequence (``max_seqlen_q``'s value)."""
+    cu_device: Tensor | None = None
+    """``cu_host`` as int32 on the compute device, for the varlen kernel (CUDA only)."""
+    rope: RotaryTables | None = None
+    """``cos``/``sin`` ``[t, 1, rot_dim]`` by position id (``rope_tables``)."""
     tree: Segments | None = None
 
 
-def rope_freqs(rope: RotaryEmbedding, positions: Tensor) -> Tensor:
+def rope_tables(rope: RotaryEmbedding, positions: Tensor, dtype: torch.dtype) -> RotaryTables:
     """megatron's rotary frequencies (``RotaryEmbedding.get_emb``) at ``positions [t]``
-    instead of at ``0..t-1``: ``[t, 1, rot_dim]``, row ``i`` equal to ``get_emb``'s row
-    ``positions[i]``, bit for bit (the same ``outer`` of the same values)."""
+    instead of at ``0..t-1``, as ``cos``/``sin`` tables ``[t, 1, rot_dim]`` in ``dtype``: row
+    ``i`` equal to ``get_emb``'s row ``positions[i]``, bit for bit (the same ``outer`` of the
+    same values). Computed where ``positions`` are: the shard keeps ``inv_freq`` there."""
     if rope.rotary_interleaved or rope.seq_len_interpolation_factor is not None:
         raise NotImplementedError("interleaved or interpolated rotary embeddings")
     inv_freq = rope.inv_freq
-    freqs = torch.outer(positions.to(device=inv_freq.device, dtype=inv_freq.dtype), inv_freq)
-    # megatron keeps inv_freq where it was built (the host, under CPU initialisation).
-    return torch.cat((freqs, freqs), dim=-1)[:, None, :].to(positions.device)
+    freqs = torch.outer(positions.to(dtype=inv_freq.dtype), inv_freq.to(positions.device))
+    return RotaryTables.of(torch.cat((freqs, freqs), dim=-1)[:, None, :], dtype)
 
 
 class PackedCoreAttention(MegatronModule):
@@ -89,23 +102,8 @@ class PackedCoreAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-        """``q [b, np, sq, hn]``, ``k/v [b, ng, sk, hn]`` -> ``[b, np, sq, hn]``.
-
-        Causal (``sq == sk``) unless ``mask [sq, sk]`` (True = attend) is given."""
-        if self.heads != self.groups:
-            rep = self.heads // self.groups
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            scale=self.softmax_scale,
-        )
+    def _dropout(self) -> float:
+        return self.dropout_p if self.training else 0.0
 
     def forward(
         self,
@@ -121,82 +119,58 @@ class PackedCoreAttention(MegatronModule):
             raise NotImplementedError("attention_bias")
         if packed_seq_params is None:
             # [s, b, h, d] -> [b, h, s, d]
-            out = self._attend(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            out = sdpa(q, k, v, scale=self.softmax_scale, dropout_p=self._dropout())
             s, b = query.shape[0], query.shape[1]
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-        if not isinstance(packed_seq_params, PackedBatchParams) or packed_seq_params.rope is None:
-            raise ValueError("packed attention needs PackedBatchParams with rotary frequencies")
-        rope = packed_seq_params.rope
-        query = apply_rotary_pos_emb(query, rope, self.config, cp_group=self.cp_group)
-        key = apply_rotary_pos_emb(key, rope, self.config, cp_group=self.cp_group)
-        cu = packed_seq_params.cu_seqlens_q
-        if packed_seq_params.cu_seqlens_q_padded is not None:
-            cu = packed_seq_params.cu_seqlens_q_padded
-        if packed_seq_params.tree is not None:
-            query_pos, query_key = None, None
-            if self.cp_size > 1:
-                # The tries are zigzag-split like sequences: gather every row's keys and
-                # values, and mask this rank's queries by ancestry over global rows.
-                assert self.cp_group is not None
-                key = gather_from_cp(key, cu, self.cp_group)
-                value = gather_from_cp(value, cu, self.cp_group)
-                query_key = self.cp_group.rank()
-                query_pos = zigzag_positions(cu, self.cp_size, query_key)
-            dropout_p = self.dropout_p if self.training else 0.0
-            tree = packed_seq_params.tree
-            if query.is_cuda and dropout_p == 0.0:
-                # One FlexAttention kernel over the tree's block mask (no dropout there).
-                out = flex_tree_attention(
-                    query, key, value, tree, scale=self.softmax_scale, query_pos=query_pos,
-                    query_key=query_key,
-                )  # fmt: skip
-            else:
-                out = tree_attention(
-                    query, key, value, tree, scale=self.softmax_scale, dropout_p=dropout_p,
-                    query_pos=query_pos,
-                )  # fmt: skip
-            return out.reshape(out.shape[0], -1)
-        if self.cp_size > 1:
-            return self._forward_cp(query, key, value, cu)
-        outs = []
-        for start, end in itertools.pairwise(cu.tolist()):
-            if end == start:
-                continue
-            # [len, h, d] -> [1, h, len, d]
-            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-            outs.append(self._attend(q, k, v)[0].transpose(0, 1))
-        out = torch.cat(outs, dim=0)
+        p = packed_seq_params
+        if not isinstance(p, PackedBatchParams) or p.rope is None or not p.cu_host:
+            raise ValueError("packed attention needs PackedBatchParams with rotary tables")
+        rotate = compiled_rope() if query.is_cuda else apply_rope
+        query = rotate(query, p.rope.cos, p.rope.sin)
+        key = rotate(key, p.rope.cos, p.rope.sin)
+        if p.tree is not None:
+            out = self._forward_tree(query, key, value, p)
+        elif self.cp_size > 1:
+            assert self.cp_group is not None
+            cu = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
+            out = cp_packed_attention(
+                query, gather_from_cp(key, cu, self.cp_group),
+                gather_from_cp(value, cu, self.cp_group), p.cu_host, cp_size=self.cp_size,
+                cp_rank=self.cp_group.rank(), scale=self.softmax_scale,
+                dropout_p=self._dropout(),
+            )  # fmt: skip
+        else:
+            out = packed_attention(
+                query, key, value, p.cu_host, scale=self.softmax_scale,
+                dropout_p=self._dropout(), cu_device=p.cu_device, max_len=p.max_len,
+            )  # fmt: skip
         return out.reshape(out.shape[0], -1)
 
-    def _forward_cp(self, query: Tensor, key: Tensor, value: Tensor, cu: Tensor) -> Tensor:
-        """Context parallelism: this rank holds the zigzag chunks ``r`` and ``2c-1-r`` of every
-        sequence (``cu`` = global padded boundaries). Keys and values are gathered over the CP
-        group (backward sends their gradients home); the causal mask compares *global*
-        positions inside each sequence."""
-        group = self.cp_group
-        assert group is not None
-        c, r = self.cp_size, group.rank()
-        k_all = gather_from_cp(key, cu, group)  # [T, ng, hn], global order
-        v_all = gather_from_cp(value, cu, group)
-        outs = []
-        for start, end in itertools.pairwise(cu.tolist()):
-            length = end - start
-            if length == 0:
-                continue
-            h = length // (2 * c)
-            local = slice(start // c, start // c + 2 * h)
-            late = 2 * c - 1 - r
-            dev = query.device
-            q_pos = torch.cat(
-                [
-                    torch.arange(r * h, (r + 1) * h, device=dev),
-                    torch.arange(late * h, (late + 1) * h, device=dev),
-                ]
-            )
-            allowed = q_pos[:, None] >= torch.arange(length, device=dev)[None, :]  # [2h, L]
-            q = query[local].transpose(0, 1).unsqueeze(0)
-            k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (k_all, v_all))
-            outs.append(self._attend(q, k, v, mask=allowed)[0].transpose(0, 1))
-        out = torch.cat(outs, dim=0)
-        return out.reshape(out.shape[0], -1)
+    def _forward_tree(
+        self, query: Tensor, key: Tensor, value: Tensor, p: PackedBatchParams
+    ) -> Tensor:
+        tree = p.tree
+        assert tree is not None
+        cu = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
+        query_pos, query_key = None, None
+        if self.cp_size > 1:
+            # The tries are zigzag-split like sequences: gather every row's keys and
+            # values, and mask this rank's queries by ancestry over global rows.
+            assert self.cp_group is not None
+            key = gather_from_cp(key, cu, self.cp_group)
+            value = gather_from_cp(value, cu, self.cp_group)
+            query_key = self.cp_group.rank()
+            query_pos = zigzag_positions(cu, self.cp_size, query_key)
+        dropout_p = self._dropout()
+        if query.is_cuda and dropout_p == 0.0:
+            # One FlexAttention kernel over the tree's block mask (no dropout there).
+            return flex_tree_attention(
+                query, key, value, tree, scale=self.softmax_scale, query_pos=query_pos,
+                query_key=query_key,
+            )  # fmt: skip
+        return tree_attention(
+            query, key, value, tree, scale=self.softmax_scale, dropout_p=dropout_p,
+            query_pos=query_pos,
+        )  # fmt: skip

@@ -112,12 +112,15 @@ class StageInputs:
             )
         assert batch is not None and batch.cu_seqlens is not None
         assert batch.max_seqlen is not None
-        max_len = batch.max_seqlen.reshape(())
+        max_len = int(batch.max_seqlen.reshape(()))  # a host tensor: no device sync
         segments = None
         if batch.segments is not None:
             segments = Segments.decode(batch.segments, mb.model_tokens)
+        cu_device = None
+        cu = batch.cu_seqlens
         if self.device.type != "cpu":
             batch = _to_device(batch, self.device)
+            cu_device = cu.to(self.device, non_blocking=True)
         return RankMicroBatch(
             batch=batch,
             packed=PackedBatchParams(
@@ -126,6 +129,10 @@ class StageInputs:
                 cu_seqlens_kv=batch.cu_seqlens,
                 max_seqlen_q=max_len,
                 max_seqlen_kv=max_len,
+                # Host values, read here once (the tensors are on the host: no device sync).
+                cu_host=tuple(cu.tolist()),
+                max_len=max_len,
+                cu_device=cu_device,
                 tree=segments,
             ),
             is_dummy=mb.is_dummy,

@@ -39,11 +39,13 @@ from trainctl.workers.engine.experts import GroupedExperts
 from trainctl.workers.engine.families import FAMILIES
 from trainctl.workers.engine.linear_attention import PackedGatedDeltaNet
 from trainctl.workers.engine.norm import RMSNorm
+from trainctl.workers.engine.optim_phase import use_fused_adamw
 
 
-def transformer_config(cfg: EngineConfig, *, bf16: bool) -> TransformerConfig:
-    """megatron's TransformerConfig for ``cfg``: bf16 or fp32 parameters and compute, and
-    fusion-free so it also runs on CPU."""
+def transformer_config(cfg: EngineConfig, *, bf16: bool, cuda: bool = False) -> TransformerConfig:
+    """megatron's TransformerConfig for ``cfg``: bf16 or fp32 parameters and compute. Free of
+    TransformerEngine and apex; on ``cuda`` the SwiGLU is megatron's compiled one (one kernel
+    each way instead of the chunk, SiLU, product and their backward), elsewhere plain ops."""
     m, lay = cfg.model, cfg.layout
     dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
@@ -81,7 +83,7 @@ def transformer_config(cfg: EngineConfig, *, bf16: bool) -> TransformerConfig:
         apply_rope_fusion=False,
         persist_layer_norm=False,
         masked_softmax_fusion=False,
-        bias_activation_fusion=False,
+        bias_activation_fusion=cuda,
         bias_dropout_fusion=False,
         cross_entropy_fusion_impl="native",
         batch_p2p_comm=False,
@@ -313,8 +315,9 @@ def set_hyperparameters(optimizer: Any, o: OptimizerConfig) -> None:
 
 
 def build_optimizer(cfg: EngineConfig, chunks: list[DistributedDataParallel], *, bf16: bool) -> Any:
-    """megatron's AdamW over ``chunks``: with ``bf16``, fp32 master weights (no loss scale:
-    bf16 has fp32's exponent range); with the distributed optimizer, sharded over DP x CP."""
+    """megatron's AdamW over ``chunks``, in torch's fused form: with ``bf16``, fp32 master
+    weights (no loss scale: bf16 has fp32's exponent range); with the distributed optimizer,
+    sharded over DP x CP."""
     o = cfg.optimizer
     oc = MegatronOptimizerConfig(
         optimizer="adam",
@@ -330,4 +333,8 @@ def build_optimizer(cfg: EngineConfig, chunks: list[DistributedDataParallel], *,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
     with megatron_cpu.cuda_to_cpu():
-        return get_megatron_optimizer(oc, chunks)
+        optimizer = get_megatron_optimizer(oc, chunks)
+    # Without TransformerEngine or apex megatron picks torch's foreach AdamW: the fused one is
+    # the same update in a few launches (workers/engine/optim_phase.py).
+    use_fused_adamw(optimizer)
+    return optimizer

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from trainctl.api.models import LossConfig
 from trainctl.workers.engine import megatron_cpu
-from trainctl.workers.engine.attention import rope_freqs
+from trainctl.workers.engine.attention import rope_tables
 from trainctl.workers.engine.boundary import PackedMicroBatch
 from trainctl.workers.engine.inputs import RankMicroBatch, StageInputs
 from trainctl.workers.engine.model import lm_head_weight
@@ -213,7 +213,9 @@ class Schedule:
         gpt = model.module
         positions = mb.batch.position_ids
         assert positions is not None, "every stage gets the position ids"
-        packed = dataclasses.replace(mb.packed, rope=rope_freqs(gpt.rotary_pos_emb, positions[0]))
+        dtype = torch.bfloat16 if gpt.config.bf16 else torch.float32
+        rope = rope_tables(gpt.rotary_pos_emb, positions[0], dtype)
+        packed = dataclasses.replace(mb.packed, rope=rope)
         replay = self.replay
         if replay is not None:
             replay.before_forward(model, run.given_routes[mb.index])
@@ -292,7 +294,7 @@ class Schedule:
         if mb.is_dummy:
             # Through the log-probs, the zero reaches the output layer and every parameter
             # below it.
-            share, n = connected_zero(lp), 0
+            share, n = connected_zero(lp), torch.zeros((), dtype=torch.int, device=lp.device)
             scaled = torch.zeros_like(lp)
         else:
             per_token: dict[str, Any] = {k: v[0] for k, v in b.loss_inputs.items()}
@@ -308,7 +310,9 @@ class Schedule:
                         ref_logprobs=per_token.get("ref_logprobs"), entropy=entropy(),
                     )  # fmt: skip
             terms = per_token_terms(lp, **loss.options(), loss_mask=b.loss_mask[0], **per_token)
-            share, n = local_loss(terms, scale), int(torch.count_nonzero(b.loss_mask))
+            # The target count stays on the device: megatron only adds it up (and the finalize
+            # step ignores it: the loss is pre-normalised), so no read stalls the host here.
+            share, n = local_loss(terms, scale), torch.count_nonzero(b.loss_mask).int()
             scaled = terms * scale
         report = {"loss": share.detach().clone()}
         cp_group = self.dims.cp_group
@@ -328,7 +332,7 @@ class Schedule:
                 report["entropy"] = gather(entropy())
         if "token_loss" in outputs:
             report["token_loss"] = gather(scaled.detach())
-        return share, torch.tensor(n, dtype=torch.int), report
+        return share, n, report
 
 
 def per_sequence(

@@ -83,9 +83,10 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
         # and the model moves there once its weights are assigned.
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else _CPU
         bf16 = cfg.resolved_precision(cuda=cuda) == "bf16"
-        self.tc = transformer_config(cfg, bf16=bf16)
+        self.tc = transformer_config(cfg, bf16=bf16, cuda=cuda)
         self._grad_sync_s = 0.0
-        self._pending_norm: float | None = None
+        self._pending_norm: Tensor | None = None
+        self._norm_plan = None
         source = weights.seeded(cfg.model)
         if cfg.init_hf:
             source = weights.from_dict(hf.load(Path(cfg.init_hf), cfg.model))
@@ -104,6 +105,9 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
                 sites += self._attach_lora(model, last)
             self._assign(model, source)
             model.to(self.device)
+            # The rotary frequencies are a plain attribute (no buffer): on the device too, so
+            # each micro-batch's tables are made there with no host round trip.
+            model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.to(self.device)
             self.chunks.append(wrap_ddp(self.tc, model, distributed_optimizer=self.zero))
         # Hooks into this engine go on the config only after the model is built: MoE layers
         # deep-copy the config, and must not copy the engine along with it.
@@ -285,7 +289,8 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
         except BaseException:
             self.zero_grad()
             raise
-        return self._pending_norm
+        # The controller checks it before phase 2: the one read between the phases.
+        return float(self._pending_norm)
 
     def accumulate(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> StepReport:
         """Phase 1 of a step: forward/backward and the global gradient norm; nothing applied.
@@ -307,7 +312,8 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
             coords=self.coords,
             is_last_stage=self.is_last_stage,
             loss=result.loss,
-            grad_norm=self._pending_norm,
+            # The controller checks it before phase 2: the one read between the phases.
+            grad_norm=float(self._pending_norm),
             metrics={**self.routing.export(), **result.metrics},
             timings={
                 "forward_backward_s": time.perf_counter() - t0,

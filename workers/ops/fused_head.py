@@ -1,31 +1,42 @@
 """The LM head fused with the vocab-parallel log-prob: logits only ever exist one chunk of
-tokens at a time (docs/algorithms.md §3).
+tokens at a time, in the GEMM's dtype (docs/algorithms.md §3).
 
 Unfused, the output layer writes ``[tokens, V_t]`` logits (``V_t`` = this TP rank's vocabulary
 slice), the log-prob kernel reads them, and backward holds their gradient of the same size:
 at 32K tokens and Qwen's 151,936-word vocabulary that is 20 GB in fp32 each. Here forward and
 backward walk the tokens in chunks of ``chunk`` rows and recompute each chunk's logits
-``h W^T`` from the hidden states, so the peak is ``O(chunk x V_t)`` whatever the length:
+``h W^T`` from the hidden states into one reused buffer, so the peak is ``O(chunk x V_t)``
+whatever the length:
 
-    forward   per chunk: logits, their row max and log-sum-exp (reduced over TP), the target's
+    forward   per chunk: logits (bf16 under mixed precision), the target's logit, the row max
+              (reduced over TP), the sum of exponentials (reduced over TP), the target's
               log-prob; keeps only ``m`` and ``log_se`` ``[M]`` besides the inputs
-    backward  per chunk: logits again, ``dlogits = p * (-g) + g at the target`` (the same
-              operations as ``ops/logprob.py``), then ``dh[rows] += dlogits W`` and
-              ``dW += dlogits^T h`` into one preallocated fp32 buffer each; ``dh`` is summed
-              over TP (each rank saw only its vocabulary slice), as megatron's column-parallel
-              output layer does - unless the caller sums it itself (``reduce_hidden_grad=False``:
+    backward  per chunk: logits again, then ``dlogits = g * (onehot - softmax)`` written over
+              them (the same operations as ``ops/logprob.py``), then ``dh[rows] += dlogits W``
+              and ``dW += dlogits^T h`` into one fp32 buffer each; ``dh`` is summed over TP
+              (each rank saw only its vocabulary slice), as megatron's column-parallel output
+              layer does - unless the caller sums it itself (``reduce_hidden_grad=False``:
               under sequence parallelism the all-gather that made ``hidden`` reduce-scatters
               ``dh`` in its own backward, which sums it and keeps this rank's tokens).
+
+The three passes over a chunk (max, sum of exponentials, gradient) are ``head_kernels``': on
+CUDA each is one compiled kernel that reads the bf16 chunk once and computes in fp32, so a
+1,024-token chunk costs about 4 fp32 ``[chunk, V]`` units of memory traffic, GEMMs included,
+instead of the ~23.5 of widening the logits and running one torch op per step. On the CPU the
+same math runs as plain torch ops. The log-probs are fp32 either way.
 
 ``rows`` maps each output row to the hidden row that predicts it, so one hidden row can serve
 several targets (a trie's branch point); ``rows = arange(N)`` is the plain case.
 
-Bit-equal log-probs. A BLAS may compute a row of ``A W^T`` differently depending on how many
-rows ``A`` has (measured on CPU: 2 rows differ from 300 at H = 64; 256 rows differ from 2048 at
-H = 2048). So logits are always computed ``ROW_BLOCK`` rows at a time from row 0, here and in
-the unfused ``head_logits``, and chunks are whole blocks: every row comes out of the same
-matmul call either way, and the log-probs and entropies are ``torch.equal``. ``dW`` sums the
-tokens chunk by chunk instead of in one matmul: equal to fp32 rounding (~1e-6 relative).
+Bit-equal log-probs (eager kernels). A BLAS may compute a row of ``A W^T`` differently
+depending on how many rows ``A`` has (measured on CPU: 2 rows differ from 300 at H = 64; 256
+rows differ from 2048 at H = 2048). So logits are always computed ``ROW_BLOCK`` rows at a time
+from row 0, here and in the unfused ``head_logits``, and chunks are whole blocks: every row
+comes out of the same matmul call either way, and the log-probs and entropies are
+``torch.equal``. ``dW`` sums the tokens chunk by chunk instead of in one matmul: equal to fp32
+rounding (~1e-6 relative). On CUDA a chunk is one matmul and the compiled kernels reduce in
+another order: the two paths agree within fp32 rounding there (1e-6 relative on the
+log-probs), not bit for bit.
 
 Shapes: ``hidden [N, H]``, ``weight [V_t, H]``, ``target [M]`` int64, ``rows [M]`` int64 ->
 log-probs ``[M]`` fp32.
@@ -40,33 +51,31 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from trainctl.workers.ops.logprob import (
-    _all_reduce,
-    _grad_rows,
-    _local_entropy,
-    _local_target,
-    _row_sum,
-)
+from trainctl.workers.ops.head_kernels import kernels_for
+from trainctl.workers.ops.logprob import _all_reduce, _local_entropy, _local_target
 
 ROW_BLOCK = 256
 """Rows of logits computed by one matmul (see the module docstring)."""
 
 
-def head_logits(hidden: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
-    """fp32 logits ``hidden[rows] @ weight^T``, ``ROW_BLOCK`` rows per matmul from row 0: the
-    unfused path (all rows at once) and each chunk of the fused one (whole blocks)."""
+def head_logits(hidden: Tensor, weight: Tensor, rows: Tensor, out: Tensor | None = None) -> Tensor:
+    """Logits ``hidden[rows] @ weight^T`` in the GEMM's dtype (bf16 stays bf16): the unfused
+    path (all rows at once, with autograd) and each chunk of the fused one (into ``out`` when
+    given: no allocation). On the CPU ``ROW_BLOCK`` rows per matmul from row 0 (see the module
+    docstring); on CUDA one matmul, where 256-row blocks would re-read the whole weight per
+    block (at Qwen3's 151,936 x 1,024, more bytes than the block's own logits)."""
     h = hidden[rows]
-    out = torch.empty(h.shape[0], weight.shape[0], dtype=torch.float32, device=h.device)
-    # Straight into ``out`` where nothing needs a graph (inside the fused kernel): no
-    # temporary block. The unfused path keeps autograd, and bf16 logits are widened.
-    direct = h.dtype == torch.float32 and not (
-        torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    )
-    for a in range(0, h.shape[0], ROW_BLOCK):
+    block = ROW_BLOCK if h.device.type == "cpu" else max(h.shape[0], 1)
+    if out is None:
+        if block >= h.shape[0]:
+            return h @ weight.t()
+        out = torch.empty(h.shape[0], weight.shape[0], dtype=h.dtype, device=h.device)
+    direct = not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad))
+    for a in range(0, h.shape[0], block):
         if direct:
-            torch.matmul(h[a : a + ROW_BLOCK], weight.t(), out=out[a : a + ROW_BLOCK])
+            torch.matmul(h[a : a + block], weight.t(), out=out[a : a + block])
         else:
-            out[a : a + ROW_BLOCK] = h[a : a + ROW_BLOCK] @ weight.t()
+            out[a : a + block] = h[a : a + block] @ weight.t()
     return out
 
 
@@ -75,6 +84,32 @@ def _chunk(chunk_size: int, n: int) -> int:
     if chunk_size <= 0:
         return max(n, 1)
     return -(-chunk_size // ROW_BLOCK) * ROW_BLOCK
+
+
+def _buffer(hidden: Tensor, weight: Tensor, rows: int) -> Tensor:
+    """One chunk's logits buffer, reused by every chunk of a pass."""
+    return torch.empty(rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+
+
+_ADDMM_FP32: list[bool] = []
+"""Whether ``addmm(..., out_dtype=float32)`` ran here (CUDA): tried once per process."""
+
+
+def _add_weight_grad(dw: Tensor, d: Tensor, h: Tensor) -> None:
+    """``dw += d^T h`` with ``dw`` fp32 and ``d``, ``h`` in the weight's dtype: where the GEMM
+    can accumulate into fp32 itself (CUDA's ``addmm`` with ``out_dtype``) it does, else the
+    product in the operands' dtype is added (as autograd's unfused head does)."""
+    if d.dtype == torch.float32:
+        dw.addmm_(d.t(), h)
+        return
+    if d.is_cuda and _ADDMM_FP32 != [False]:
+        try:
+            torch.addmm(dw, d.t(), h, out_dtype=torch.float32, out=dw)
+            _ADDMM_FP32[:] = [True]
+            return
+        except (RuntimeError, TypeError):
+            _ADDMM_FP32[:] = [False]
+    dw.add_(d.t() @ h)
 
 
 class _FusedHeadLogprob(torch.autograd.Function):
@@ -95,17 +130,17 @@ class _FusedHeadLogprob(torch.autograd.Function):
         m = torch.empty(n, 1, dtype=torch.float32, device=hidden.device)
         log_se = torch.empty(n, 1, dtype=torch.float32, device=hidden.device)
         lp = torch.empty(n, 1, dtype=torch.float32, device=hidden.device)
+        buf = _buffer(hidden, weight, min(chunk, n))
+        k = kernels_for(hidden)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            x = head_logits(hidden, weight, rows[a:b])
-            x_t = x.gather(-1, local[a:b].unsqueeze(-1))
-            # ops/logprob.py's row statistics, in place: one chunk of logits is all we hold.
-            m[a:b] = _all_reduce(x.max(dim=-1, keepdim=True).values, dist.ReduceOp.MAX, tp_group)
-            se = _all_reduce(_row_sum(x.sub_(m[a:b]).exp_()), dist.ReduceOp.SUM, tp_group)
+            x = head_logits(hidden, weight, rows[a:b], out=buf[: b - a])
+            x_t = x.gather(-1, local[a:b].unsqueeze(-1)).float()
+            m[a:b] = _all_reduce(k.row_max(x), dist.ReduceOp.MAX, tp_group)
+            se = _all_reduce(k.sum_exp_(x, m[a:b]), dist.ReduceOp.SUM, tp_group)
             log_se[a:b] = se.log_()
             # ((x - m) - log_se) at the target, in the order of ops/logprob.py's kernels.
             torch.sub(x_t, m[a:b], out=lp[a:b]).sub_(log_se[a:b])
-            del x  # before the next chunk's logits exist: one chunk at a time
         out = lp.squeeze(-1).masked_fill_(outside, 0.0)
         _all_reduce(out, dist.ReduceOp.SUM, tp_group)
         ctx.save_for_backward(hidden, weight, rows, local, outside, m, log_se)
@@ -118,23 +153,19 @@ class _FusedHeadLogprob(torch.autograd.Function):
         n = rows.shape[0]
         dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        buf = _buffer(hidden, weight, min(ctx.chunk, n))
+        k = kernels_for(hidden)
+        g = g.float()
         for a in range(0, n, ctx.chunk):
             b = min(n, a + ctx.chunk)
-            p = head_logits(hidden, weight, rows[a:b]).sub_(m[a:b]).sub_(log_se[a:b]).exp_()
-            d = _grad_rows(p, g[a:b], local[a:b], outside[a:b])
-            del p
-            if weight.dtype == torch.float32:
-                dh.index_add_(0, rows[a:b], d @ weight)
-                dw.addmm_(d.t(), hidden[rows[a:b]].float())
-            else:
-                # Mixed precision: the two matmuls in the weight's dtype (fp32 accumulation
-                # inside), each chunk's product summed in fp32, as autograd does through the
-                # unfused head. Widening the operands instead ran them as fp32 GEMMs: on an
-                # H200, 36% of a Qwen3-0.6B step at 16K tokens.
-                d = d.to(weight.dtype)
-                dh.index_add_(0, rows[a:b], (d @ weight).float())
-                dw.add_(d.t() @ hidden[rows[a:b]].to(weight.dtype))
-            del d
+            x = head_logits(hidden, weight, rows[a:b], out=buf[: b - a])
+            # The logits' gradient over the logits, in their dtype: the two matmuls then run
+            # in the weight's dtype (fp32 accumulation inside) as autograd's do through the
+            # unfused head. Widened operands ran as fp32 GEMMs: on an H200, 36% of a
+            # Qwen3-0.6B step at 16K tokens.
+            d = k.grad_(x, m[a:b], log_se[a:b], g[a:b], local[a:b], outside[a:b])
+            dh.index_add_(0, rows[a:b], (d @ weight).float())
+            _add_weight_grad(dw, d, hidden[rows[a:b]])
         if ctx.reduce_hidden_grad:
             _all_reduce(dh, dist.ReduceOp.SUM, ctx.tp_group)
         return dh.to(hidden.dtype), dw.to(weight.dtype), None, None, None, None, None, None
@@ -181,8 +212,10 @@ def fused_head_entropy(
     n = rows.shape[0]
     step = _chunk(chunk_size, n)
     out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    buf = _buffer(hidden, weight, min(step, max(n, 1)))
     for a in range(0, n, step):
         b = min(n, a + step)
-        out[a:b] = _local_entropy(head_logits(hidden, weight, rows[a:b]), tp_group)
+        x = head_logits(hidden, weight, rows[a:b], out=buf[: b - a])
+        out[a:b] = _local_entropy(x.float(), tp_group)
     _all_reduce(out, dist.ReduceOp.SUM, tp_group)
     return out

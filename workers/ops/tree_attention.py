@@ -33,13 +33,14 @@ multiple of ``ng``: grouped-query attention) -> ``[t, np, hn]``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from trainctl.workers.ops.packed_attention import sdpa
 
 
 @dataclass(frozen=True)
@@ -158,19 +159,6 @@ def flex_tree_attention(
     return out[0].transpose(0, 1)  # type: ignore[no-any-return]
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, p: float) -> Tensor:
-    """``q [n, np, hn]``, ``k/v [m, ng, hn]`` -> ``[n, np, hn]``; causal when ``mask`` is None."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p, scale=scale
-    )
-    return out[0].transpose(0, 1)
-
-
 def tree_attention(
     query: Tensor,
     key: Tensor,
@@ -182,29 +170,59 @@ def tree_attention(
     query_pos: Tensor | None = None,
 ) -> Tensor:
     """Each token attends to its ancestors and itself (see the module docstring); the queries
-    are the rows at ``query_pos`` of the trie (all of it, in order, when None)."""
-    outs, where = [], []
-    for s, e, anc in zip(segments.start, segments.end, segments.ancestors, strict=True):
-        if query_pos is None:
-            sel: Tensor | slice = slice(s, e)
-            at = torch.arange(s, e, device=query.device)
-        else:
-            sel = torch.nonzero((query_pos >= s) & (query_pos < e)).squeeze(1)
-            if sel.numel() == 0:
-                continue
-            at = query_pos[sel]
-            where.append(sel)
-        q = query[sel]
-        if anc.numel() == 0 and query_pos is None:
-            # A root segment, whole: plain causal attention (the flat path).
-            outs.append(_sdpa(q, key[s:e], value[s:e], None, scale, dropout_p))
+    are the rows at ``query_pos`` of the trie (all of it, in order, when None).
+
+    Every tensor is cut once: the segments' own rows by one ``split``, every segment's ancestor
+    rows by one ``index_select`` then a ``split``, and (under CP) the local queries by one
+    permutation into segment order. Per-segment slicing would give each slice a backward that
+    writes a full-size zero gradient."""
+    lengths = [e - s for s, e in zip(segments.start, segments.end, strict=True)]
+    counts = [int(a.numel()) for a in segments.ancestors]
+    own_k, own_v = key.split(lengths), value.split(lengths)
+    anc_k: tuple[Tensor, ...] = ()
+    anc_v: tuple[Tensor, ...] = ()
+    if sum(counts):
+        rows = torch.cat(list(segments.ancestors)).to(key.device)
+        anc_k = key.index_select(0, rows).split(counts)
+        anc_v = value.index_select(0, rows).split(counts)
+    if query_pos is None:
+        qs: Sequence[Tensor] = query.split(lengths)
+        ats: list[Tensor | None] = [None] * len(lengths)
+        order = None
+    else:
+        # Local queries in segment order: one gather here, one at the end to undo it.
+        starts = torch.tensor(segments.start, dtype=query_pos.dtype)
+        seg_of = torch.searchsorted(starts, query_pos.cpu(), right=True) - 1
+        order = torch.argsort(seg_of, stable=True)
+        per_seg = torch.bincount(seg_of, minlength=len(lengths)).tolist()
+        qs = query.index_select(0, order.to(query.device)).split(per_seg)
+        ats = list(query_pos.cpu()[order].split(per_seg))
+    outs = []
+    for i, (s, e) in enumerate(zip(segments.start, segments.end, strict=True)):
+        q = qs[i]
+        if q.shape[0] == 0:
             continue
+        at = ats[i]
+        if counts[i] == 0 and at is None:
+            # A root segment, whole: plain causal attention (the flat path).
+            outs.append(_attend(q, own_k[i], own_v[i], None, scale, dropout_p))
+            continue
+        if at is None:
+            at = torch.arange(s, e)
         # True = attend: every ancestor, and the segment's own rows up to the query's.
-        mine = torch.arange(s, e, device=query.device)[None, :] <= at[:, None]
-        mask = torch.cat([mine.new_ones(at.numel(), int(anc.numel())), mine], dim=1)
-        k = torch.cat([key[anc], key[s:e]])
-        v = torch.cat([value[anc], value[s:e]])
-        outs.append(_sdpa(q, k, v, mask, scale, dropout_p))
+        mine = torch.arange(s, e)[None, :] <= at[:, None]
+        mask = torch.cat([mine.new_ones(at.numel(), counts[i]), mine], dim=1).to(query.device)
+        k = torch.cat([anc_k[i], own_k[i]]) if counts[i] else own_k[i]
+        v = torch.cat([anc_v[i], own_v[i]]) if counts[i] else own_v[i]
+        outs.append(_attend(q, k, v, mask, scale, dropout_p))
     out = torch.cat(outs)
+    if order is None:
+        return out
     # Under CP the segments tile the trie, so every local row is in exactly one of them.
-    return out if query_pos is None else out[torch.argsort(torch.cat(where))]
+    return out.index_select(0, torch.argsort(order).to(out.device))
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, p: float) -> Tensor:
+    """``q [n, np, hn]``, ``k/v [m, ng, hn]`` -> ``[n, np, hn]``; causal when ``mask`` is None."""
+    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    return sdpa(q4, k4, v4, scale=scale, dropout_p=p, mask=mask)[0].transpose(0, 1)
