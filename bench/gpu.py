@@ -215,10 +215,11 @@ def trainctl_step(
             return _OOM
         raise
     path = "runs"
-    if len(set(lengths)) > 1 and packed_attention.varlen_usable(
-        torch.empty(0, device="cuda" if torch.cuda.is_available() else "cpu",
-                    dtype=torch.bfloat16), 0.0
-    ):  # fmt: skip
+    many_runs = len(packed_attention.equal_runs(lengths)) > packed_attention.VARLEN_MIN_RUNS
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if many_runs and packed_attention.varlen_usable(
+        torch.empty(0, device=dev, dtype=torch.bfloat16), 0.0
+    ):
         path = "varlen"
     return {
         "step_s": statistics.median(times),

@@ -294,7 +294,13 @@ def optimizer(p: Probe, shape: dict[str, int]) -> dict[str, Any]:
 
 
 def elementwise(p: Probe, shape: dict[str, int], tokens: int) -> dict[str, Any]:
-    from trainctl.workers.ops.rope import RotaryTables, apply_rope, compiled_rope
+    from trainctl.workers.ops.rope import (
+        RotaryTables,
+        apply_rope,
+        compiled_norm_rope,
+        compiled_rope,
+        norm_rope,
+    )
 
     dt = torch.bfloat16 if p.device.type == "cuda" else torch.float32
     hn, nq, ffn = shape["head_dim"], shape["heads"], shape["ffn"]
@@ -303,16 +309,23 @@ def elementwise(p: Probe, shape: dict[str, int], tokens: int) -> dict[str, Any]:
     inv = 1.0 / (1e6 ** (torch.arange(0, hn, 2, device=p.device).float() / hn))
     freqs = torch.outer(pos.float(), inv)
     tab = RotaryTables.of(torch.cat((freqs, freqs), -1)[:, None, :], dt)
-    x = torch.randn(tokens, nq, hn, device=p.device, dtype=dt, requires_grad=True)
-    g = torch.randn_like(x)
-    rope = compiled_rope()
-    out["rope_compiled_vs_eager"] = (
-        f"{_rel(rope(x, tab.cos, tab.sin), apply_rope(x, tab.cos, tab.sin)):.1e}"
-    )
-    for name, fn in (("eager", apply_rope), ("compiled", rope)):
-        out[f"rope_{name}_ms"] = round(
-            p.time_ms(lambda fn=fn: torch.autograd.grad(fn(x, tab.cos, tab.sin), x, g)), 3
-        )
+    # The query as the engine gets it: a strided view of the fused q/k/v projection.
+    ng = shape["groups"]
+    qkv = torch.randn(tokens, ng, (nq // ng + 2) * hn, device=p.device, dtype=dt)
+    x = qkv[..., : (nq // ng) * hn].reshape(tokens, nq, hn).requires_grad_()
+    g = torch.randn(tokens, nq, hn, device=p.device, dtype=dt)
+    w = (1.0 + 0.1 * torch.randn(hn, device=p.device)).to(dt).requires_grad_()
+    variants_rope: dict[str, Callable[[], Any]] = {
+        "rope_eager": lambda: apply_rope(x, tab.cos, tab.sin),
+        "rope_compiled": lambda: compiled_rope()(x, tab.cos, tab.sin),
+        "qknorm_rope_eager": lambda: norm_rope(x, w, 1e-6, tab.cos, tab.sin),
+        "qknorm_rope_compiled": lambda: compiled_norm_rope()(x, w, 1e-6, tab.cos, tab.sin),
+    }
+    for name, fn in variants_rope.items():
+        if name.endswith("compiled"):
+            eager = variants_rope[name.replace("compiled", "eager")]
+            out[f"{name}_vs_eager"] = f"{_rel(fn().detach(), eager().detach()):.1e}"
+        out[f"{name}_ms"] = round(p.time_ms(lambda fn=fn: torch.autograd.grad(fn(), x, g)), 3)
     y = torch.randn(tokens, 2 * ffn, device=p.device, dtype=dt, requires_grad=True)
     gy = torch.randn(tokens, ffn, device=p.device, dtype=dt)
 

@@ -14,7 +14,9 @@ Rotary positions are applied here, from each token's position id (``rope_tables`
 megatron from the packed length: a trie token's position is its depth, not its index. megatron's
 own rotary embedding is switched off (``workers/engine/model.py``); the formula is its own
 (``workers/ops/rope.py``), so flat sequences get the same values bit for bit in eager mode. The
-tables (``cos``, ``sin``) are made once per micro-batch; on CUDA the rotation is compiled.
+tables (``cos``, ``sin``) are made once per micro-batch. Qwen3's q/k norms are applied here too,
+just before the rotation (megatron's are deferred: ``DeferredRMSNorm``): on CUDA the norm and the
+rotation are one compiled kernel each way.
 
 The packing metadata is host integers (``PackedBatchParams.cu_host``, ``max_len``) plus one
 int32 device copy of the boundaries for the varlen kernel: no layer reads a device tensor on
@@ -43,7 +45,13 @@ from torch import Tensor
 
 from trainctl.workers.ops.cp import gather_from_cp, zigzag_positions
 from trainctl.workers.ops.packed_attention import cp_packed_attention, packed_attention, sdpa
-from trainctl.workers.ops.rope import RotaryTables, apply_rope, compiled_rope
+from trainctl.workers.ops.rope import (
+    RotaryTables,
+    apply_rope,
+    compiled_norm_rope,
+    compiled_rope,
+    norm_rope,
+)
 from trainctl.workers.ops.tree_attention import Segments, flex_tree_attention, tree_attention
 
 
@@ -101,9 +109,26 @@ class PackedCoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        self._bound: tuple[RotaryEmbedding, Any, Any] | None = None
+
+    def bind(self, rotary: RotaryEmbedding, q_norm: Any, k_norm: Any) -> None:
+        """What this module applies to the query and key before attending (``build_gpt``):
+        the model's rotary frequencies, and the layer's q/k norms where megatron's were
+        deferred to here (``DeferredRMSNorm``; None: no norm). Held outside ``nn.Module``'s
+        registry: the modules stay where they are, under their own names."""
+        self._bound = (rotary, q_norm, k_norm)
 
     def _dropout(self) -> float:
         return self.dropout_p if self.training else 0.0
+
+    def _norm_rope(self, x: Tensor, norm: Any, tables: RotaryTables) -> Tensor:
+        """The q (or k) norm, if any, then the rotation: one compiled kernel each way on CUDA,
+        the eager ops (bit for bit megatron's norm and rotation) elsewhere."""
+        if norm is None:
+            rotate = compiled_rope() if x.is_cuda else apply_rope
+            return rotate(x, tables.cos, tables.sin)
+        fn = compiled_norm_rope() if x.is_cuda else norm_rope
+        return fn(x, norm.weight, norm.eps, tables.cos, tables.sin, norm.zero_centered)
 
     def forward(
         self,
@@ -117,19 +142,26 @@ class PackedCoreAttention(MegatronModule):
     ) -> Tensor:
         if attention_bias is not None:
             raise NotImplementedError("attention_bias")
+        if self._bound is None:
+            raise RuntimeError("PackedCoreAttention is used unbound (build_gpt binds it)")
+        rotary, q_norm, k_norm = self._bound
         if packed_seq_params is None:
-            # [s, b, h, d] -> [b, h, s, d]
+            # One plain sequence per batch row: positions 0..s-1, then [s, b, h, d] ->
+            # [b, h, s, d].
+            s, b = query.shape[0], query.shape[1]
+            pos = torch.arange(s, device=query.device)
+            tab = rope_tables(rotary, pos, query.dtype)
+            tab = RotaryTables(cos=tab.cos[:, None], sin=tab.sin[:, None])  # over b too
+            query, key = self._norm_rope(query, q_norm, tab), self._norm_rope(key, k_norm, tab)
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             out = sdpa(q, k, v, scale=self.softmax_scale, dropout_p=self._dropout())
-            s, b = query.shape[0], query.shape[1]
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
         p = packed_seq_params
         if not isinstance(p, PackedBatchParams) or p.rope is None or not p.cu_host:
             raise ValueError("packed attention needs PackedBatchParams with rotary tables")
-        rotate = compiled_rope() if query.is_cuda else apply_rope
-        query = rotate(query, p.rope.cos, p.rope.sin)
-        key = rotate(key, p.rope.cos, p.rope.sin)
+        query = self._norm_rope(query, q_norm, p.rope)
+        key = self._norm_rope(key, k_norm, p.rope)
         if p.tree is not None:
             out = self._forward_tree(query, key, value, p)
         elif self.cp_size > 1:

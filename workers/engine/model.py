@@ -10,7 +10,6 @@ says, q/k/v biases (Qwen2), q/k norms (Qwen3), experts (Qwen3-MoE), and tied emb
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ from trainctl.workers.engine.config import EngineConfig, OptimizerConfig
 from trainctl.workers.engine.experts import GroupedExperts
 from trainctl.workers.engine.families import FAMILIES
 from trainctl.workers.engine.linear_attention import PackedGatedDeltaNet
-from trainctl.workers.engine.norm import RMSNorm
+from trainctl.workers.engine.norm import DeferredRMSNorm, RMSNorm
 from trainctl.workers.engine.optim_phase import use_fused_adamw
 
 
@@ -184,7 +183,8 @@ def build_gpt(
     # Every norm is ours: megatron's torch-backed norm refuses sequence parallelism.
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
     if attention.q_layernorm is not IdentityOp:
-        attention.q_layernorm = attention.k_layernorm = RMSNorm
+        # Applied by the core attention, fused with the rotation (workers/engine/norm.py).
+        attention.q_layernorm = attention.k_layernorm = DeferredRMSNorm
     if cfg.model.num_experts:
         layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     # The block spec names the final norm (a layer spec alone would get megatron's).
@@ -211,14 +211,12 @@ def build_gpt(
         # Every parameter in bf16, norms included (megatron's Float16Module does the same);
         # RoPE's frequencies are not a parameter or buffer and stay fp32.
         model.bfloat16()
-    # Packed micro-batches get their rotary positions in our core attention, from each token's
-    # position id (workers/engine/attention.py): megatron's, from the packed length, would be
-    # wrong for a trie's depths. An unpacked call (one plain sequence, as the single-process
-    # references make) keeps megatron's own. The module stays for its frequencies (inv_freq,
-    # Llama 3 scaling below).
-    model.rotary_pos_emb.forward = functools.partial(
-        _rotary_unless_packed, model.rotary_pos_emb.forward
-    )
+    # Rotary positions are applied in our core attention (workers/engine/attention.py), after
+    # the q/k norms it also takes over: from each token's position id in a packed micro-batch
+    # (megatron's, from the packed length, would be wrong for a trie's depths), from 0..s-1 in
+    # an unpacked call (one plain sequence, as the single-process references make). megatron's
+    # module stays for its frequencies (inv_freq, Llama 3 scaling below).
+    model.rotary_pos_emb.forward = _no_rotary
     if post_process:
         # The model ends at the final norm: its output is the hidden states, and the loss
         # function applies the output layer (``lm_head_weight``) inside the log-prob kernel.
@@ -235,6 +233,7 @@ def build_gpt(
             high_freq_factor=m.rope_high_freq_factor,
             original_max_position_embeddings=m.rope_original_max_position,
         )
+    _bind_attention(model)
     return model
 
 
@@ -260,16 +259,24 @@ def _stage_layers(
     return [gdn if offset + i in linear else spec for i in range(count)]
 
 
-def _rotary_unless_packed(
-    megatron_rotary: Any,
-    max_seq_len: int,
-    offset: int = 0,
-    packed_seq: bool = False,
-    cp_group: Any = None,
-) -> Tensor | None:
-    if packed_seq:
-        return None  # applied by PackedCoreAttention from the position ids
-    return megatron_rotary(max_seq_len, offset=offset, packed_seq=packed_seq, cp_group=cp_group)  # type: ignore[no-any-return]
+def _no_rotary(*_: Any, **__: Any) -> None:
+    return None  # applied by PackedCoreAttention, after the q/k norms
+
+
+def _bind_attention(model: GPTModel) -> None:
+    """Give each layer's core attention what it applies itself: the rotary frequencies and its
+    layer's q/k norms (deferred, ``DeferredRMSNorm``)."""
+    for layer in model.decoder.layers:
+        attention: Any = getattr(layer, "self_attention", None)
+        core = getattr(attention, "core_attention", None)
+        if not isinstance(core, PackedCoreAttention):
+            continue  # a Gated DeltaNet layer
+        q, k = attention.q_layernorm, attention.k_layernorm
+        core.bind(
+            model.rotary_pos_emb,
+            q if isinstance(q, DeferredRMSNorm) else None,
+            k if isinstance(k, DeferredRMSNorm) else None,
+        )
 
 
 def _hidden_states_out(

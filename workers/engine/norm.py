@@ -19,9 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
+
+from trainctl.workers.ops.norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -47,7 +48,19 @@ class RMSNorm(nn.Module):
         self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.zero_centered:  # in fp32, as Hugging Face's Qwen3.5 norm
-            y = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)
-            return (y * (1.0 + self.weight.float())).type_as(x)
-        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.zero_centered)
+
+
+class DeferredRMSNorm(RMSNorm):
+    """A q/k norm whose application the core attention takes over, fused with the rotation
+    that follows it (``workers/engine/attention.py``): in megatron's place, right after the
+    q/k/v projection, it passes its input through. Its parameter keeps its name and place
+    (``self_attention.q_layernorm.weight``), so checkpoints and the Hugging Face mapping do not
+    change."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+    def normalize(self, x: Tensor) -> Tensor:
+        """What ``RMSNorm`` computes (the eager path, bit for bit)."""
+        return super().forward(x)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from trainctl.workers.ops.logprob import _grad_rows, _row_sum
+from trainctl.workers.ops.rope import token_dynamic
 
 
 class HeadKernels(Protocol):
@@ -85,12 +86,14 @@ def _grad(x: Tensor, m: Tensor, log_se: Tensor, g: Tensor, local: Tensor, outsid
 
 @functools.cache
 def _compiled(name: str) -> Callable[..., Any]:
+    """A pass compiled with only its row dimension dynamic: the vocabulary slice stays a
+    constant of the kernel, so a column index is no division by a runtime value."""
     passes: dict[str, Callable[..., Any]] = {
         "row_max": _row_max,
         "sum_exp": _sum_exp,
         "grad": _grad,
     }
-    return torch.compile(passes[name], dynamic=True)
+    return token_dynamic(passes[name])
 
 
 @torch.library.custom_op("trainctl::head_row_max", mutates_args=())

@@ -7,7 +7,8 @@ Here ``RotaryTables`` holds ``cos`` and ``sin`` in the activations' dtype, made 
 micro-batch, and ``apply_rope`` is the same rotate-half formula in the same order, so its
 values equal megatron's bit for bit in eager mode. On CUDA the engine calls the compiled form
 (``compiled_rope``): one fused kernel each way instead of about eight, compiled once for every
-pack size (the token dimension is dynamic).
+pack size (the token dimension is dynamic). With Qwen3's q/k norms, ``norm_rope`` is the norm and
+the rotation together (``compiled_norm_rope`` on CUDA): the core attention applies both.
 
 Shapes: ``x [t, heads, dim]`` (or ``[s, b, heads, dim]``), ``cos/sin [t, 1, rot_dim]``
 (broadcast over the heads) -> like ``x``. ``rot_dim <= dim``: the columns past it pass through.
@@ -18,9 +19,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from trainctl.workers.ops.norm import rms_norm
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,37 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat(((head * cos) + (torch.cat((-h2, h1), dim=-1) * sin), rest), dim=-1)
 
 
+def token_dynamic(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``fn`` through torch.compile with only the token dimension (dim 0 of every tensor
+    argument) dynamic: one graph for every pack size, while heads, head dim and vocabulary stay
+    constants of the kernel. Everything dynamic made each element's index a division by a
+    runtime value: on an H200 the rotation ran at ~0.9 TB/s."""
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def call(*args: Any) -> Tensor:
+        for a in args:
+            if isinstance(a, Tensor) and a.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        return compiled(*args)  # type: ignore[no-any-return]
+
+    return call
+
+
 @functools.cache
 def compiled_rope() -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """``apply_rope`` through torch.compile, dynamic in every dimension: one graph for every
-    pack size (and one more for its backward)."""
-    return torch.compile(apply_rope, dynamic=True, fullgraph=True)  # type: ignore[return-value]
+    """``apply_rope`` compiled, dynamic in the token dimension only (``token_dynamic``)."""
+    return token_dynamic(apply_rope)
+
+
+def norm_rope(
+    x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor, zero_centered: bool = False
+) -> Tensor:
+    """Qwen3's q/k norm then the rotation: ``apply_rope(rms_norm(x, weight), cos, sin)``."""
+    return apply_rope(rms_norm(x, weight, eps, zero_centered), cos, sin)
+
+
+@functools.cache
+def compiled_norm_rope() -> Callable[..., Tensor]:
+    """``norm_rope`` compiled (``token_dynamic``): the norm and the rotation in one kernel each
+    way, where eager runs the norm's and the rotation's apart."""
+    return token_dynamic(norm_rope)
