@@ -29,3 +29,8 @@ def test_probe_smoke_runs_every_section(tmp_path: Path) -> None:
     head = results["head"]["512_tokens"]
     assert float(head["fused_compiled_c256_lp_vs_ce"]) < 1e-4, head
     assert results["optimizer"]["adamw_fused_ms"] > 0
+    # The compiled elementwise forms (what CUDA runs) compute what the eager ones do.
+    ew = results["elementwise"]
+    for key in ("rope_compiled_vs_eager", "qknorm_rope_compiled_vs_eager",
+                "swiglu_megatron_fused_vs_eager"):  # fmt: skip
+        assert float(ew[key]) < 1e-5, (key, ew)

@@ -3,6 +3,8 @@ and its compiled form (what CUDA runs) equal to it and compiled once for every p
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
@@ -68,3 +70,33 @@ def test_norm_then_rotation_compiled_equals_the_modules_in_turn(zero_centered: b
             torch.autograd.grad(got, (x, w), g), torch.autograd.grad(want, (x, w), g), strict=True
         ):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_rotation_takes_more_variants_than_torchs_default_in_a_worker_thread() -> None:
+    """q and k (other heads and strides), grad on and off, two dtypes and two eps: 16 graphs of
+    one function, in a thread other than the one that made it (dynamo's settings are per
+    thread; a rank steps in a worker thread). torch's default limit of 8 failed the GPU tier."""
+    import threading
+
+    from trainctl.workers.ops.rope import compiled_norm_rope
+
+    fn = compiled_norm_rope()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for dtype, eps, grad, heads in itertools.product(
+                (torch.float32, torch.bfloat16), (1e-6, 1e-5), (True, False), (4, 2)
+            ):
+                tab = RotaryTables.of(_freqs(40, 16), dtype)
+                x = torch.randn(40, heads, 16, dtype=dtype)
+                w = torch.ones(16, dtype=dtype)
+                with torch.set_grad_enabled(grad):
+                    fn(x, w, eps, tab.cos, tab.sin)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, errors

@@ -45,13 +45,7 @@ from torch import Tensor
 
 from trainctl.workers.ops.cp import gather_from_cp, zigzag_positions
 from trainctl.workers.ops.packed_attention import cp_packed_attention, packed_attention, sdpa
-from trainctl.workers.ops.rope import (
-    RotaryTables,
-    apply_rope,
-    compiled_norm_rope,
-    compiled_rope,
-    norm_rope,
-)
+from trainctl.workers.ops.rope import RotaryTables, rotation_for
 from trainctl.workers.ops.tree_attention import Segments, flex_tree_attention, tree_attention
 
 
@@ -124,11 +118,10 @@ class PackedCoreAttention(MegatronModule):
     def _norm_rope(self, x: Tensor, norm: Any, tables: RotaryTables) -> Tensor:
         """The q (or k) norm, if any, then the rotation: one compiled kernel each way on CUDA,
         the eager ops (bit for bit megatron's norm and rotation) elsewhere."""
+        rotate, norm_rotate = rotation_for(x)
         if norm is None:
-            rotate = compiled_rope() if x.is_cuda else apply_rope
             return rotate(x, tables.cos, tables.sin)
-        fn = compiled_norm_rope() if x.is_cuda else norm_rope
-        return fn(x, norm.weight, norm.eps, tables.cos, tables.sin, norm.zero_centered)
+        return norm_rotate(x, norm.weight, norm.eps, tables.cos, tables.sin, norm.zero_centered)
 
     def forward(
         self,

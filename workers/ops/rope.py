@@ -52,6 +52,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat(((head * cos) + (torch.cat((-h2, h1), dim=-1) * sin), rest), dim=-1)
 
 
+RECOMPILE_LIMIT = 64
+"""Graphs a compiled function may hold (torch's default is 8; see ``token_dynamic``)."""
+
+
 def token_dynamic(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """``fn`` through torch.compile with only the token dimension (dim 0 of every tensor
     argument) dynamic: one graph for every pack size, while heads, head dim and vocabulary stay
@@ -60,6 +64,13 @@ def token_dynamic(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     compiled = torch.compile(fn, fullgraph=True)
 
     def call(*args: Any) -> Tensor:
+        # Each function compiles once per (dtype, heads, strides, grad mode, eps) it meets: q and
+        # k differ in heads and strides, training and log-prob passes in grad mode, a process
+        # with two models in dtype and eps. torch's default of 8 graphs per function is too few.
+        # dynamo's settings are per thread (a rank runs its step in a worker thread): set here.
+        config = torch._dynamo.config
+        if config.recompile_limit < RECOMPILE_LIMIT:
+            config.recompile_limit = RECOMPILE_LIMIT
         for a in args:
             if isinstance(a, Tensor) and a.dim() > 0:
                 torch._dynamo.maybe_mark_dynamic(a, 0)
@@ -86,3 +97,21 @@ def compiled_norm_rope() -> Callable[..., Tensor]:
     """``norm_rope`` compiled (``token_dynamic``): the norm and the rotation in one kernel each
     way, where eager runs the norm's and the rotation's apart."""
     return token_dynamic(norm_rope)
+
+
+_forced: list[bool] = []
+
+
+def force_compiled(on: bool | None) -> None:
+    """Use the compiled forms everywhere (True), the eager ones everywhere (False), or pick by
+    device again (None: compiled on CUDA). For checks on the CPU."""
+    _forced.clear()
+    if on is not None:
+        _forced.append(on)
+
+
+def rotation_for(x: Tensor) -> tuple[Callable[..., Tensor], Callable[..., Tensor]]:
+    """``(rope, norm_rope)`` for ``x``: compiled on CUDA, eager elsewhere (``force_compiled``)."""
+    if _forced[-1] if _forced else x.is_cuda:
+        return compiled_rope(), compiled_norm_rope()
+    return apply_rope, norm_rope
