@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainctl.api.bounds import MAX_ALPHA_PER_RANK, MAX_LORA_RANK, MAX_SEED
+from trainctl.api.errors import field_error
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 Target = Literal["attn", "mlp", "unembed"]
@@ -30,8 +33,19 @@ class CreateAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=ADAPTER_NAME, description="The adapter's name in every call.")
-    rank: int = Field(32, ge=1, description="LoRA rank r (at most the service's --lora-max-rank).")
-    alpha: float = Field(32.0, gt=0, description="LoRA alpha: the update is (alpha / r) B A.")
+    rank: int = Field(
+        32,
+        ge=1,
+        le=MAX_LORA_RANK,
+        description="LoRA rank r (at most the service's --lora-max-rank).",
+    )
+    alpha: float = Field(
+        32.0,
+        gt=0,
+        allow_inf_nan=False,
+        description=f"LoRA alpha: the update is (alpha / r) B A; at most {MAX_ALPHA_PER_RANK:g} "
+        "x rank.",
+    )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
     targets: list[Target] = Field(
         default_factory=lambda: list(ALL_TARGETS),
@@ -39,7 +53,18 @@ class CreateAdapterRequest(BaseModel):
         description="What it adapts: attention (q/k/v and out), the MLP (gate/up and down), "
         "the unembedding (LM head).",
     )
-    seed: int = Field(0, ge=0, description="Seed of A's initialisation.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of A's initialisation.")
+
+    @model_validator(mode="after")
+    def _scale(self) -> CreateAdapterRequest:
+        if self.alpha > MAX_ALPHA_PER_RANK * self.rank:
+            raise field_error(
+                "alpha",
+                f"{self.alpha:g} exceeds {MAX_ALPHA_PER_RANK:g} x rank ({self.rank}): the "
+                "update is scaled by alpha / rank, and past that scale it swamps the base "
+                "(alpha 1e308 gave NaN outputs)",
+            )
+        return self
 
 
 class DeleteAdapterRequest(BaseModel):

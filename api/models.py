@@ -195,3 +195,9 @@ class Health(BaseModel):
     instance: str = Field(
         "", description="This start of the service (--instance-id, else random per start)."
     )
+    samplers: dict[str, int] | None = Field(
+        None,
+        description="In GET /v1/ready of a service with samplers: its engines counted by "
+        "status ('ready', 'restarting', ...). The service is ready while its ranks are; an "
+        "engine restarting only slows sampling.",
+    )

@@ -12,6 +12,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainctl.api.adapters import ADAPTER_NAME
+from trainctl.api.bounds import MAX_SEED, MAX_TEMPERATURE
 from trainctl.api.errors import field_error
 from trainctl.api.training import ModelLimits
 
@@ -21,6 +22,13 @@ MAX_SAMPLES_PER_PROMPT = 64
 TokenId = Annotated[int, Field(ge=-(2**31), lt=2**31)]
 """A token id as JSON carries it: an int32 (``check_limits`` holds it to the vocabulary)."""
 
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+"""A sampling seed: equal seeds, equal samples."""
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=-1, lt=2**31)]
+"""-1 (off) or a count of tokens; an int32, as the engine holds it."""
+
 
 class SamplingParams(BaseModel):
     """How to sample; the names and meanings are vLLM's (and OpenAI's)."""
@@ -28,14 +36,18 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     n: int = Field(1, ge=1, le=MAX_SAMPLES_PER_PROMPT, description="Completions per prompt.")
-    max_tokens: int = Field(16, ge=1, description="Most tokens generated per completion.")
-    temperature: float = Field(
-        1.0, ge=0.0, description="Softmax temperature; 0 is greedy (the most likely token)."
+    max_tokens: int = Field(16, ge=1, lt=2**31, description="Most tokens generated per completion.")
+    temperature: Temperature = Field(
+        1.0,
+        description="Softmax temperature; 0 is greedy (the most likely token). Finite, at "
+        f"most {MAX_TEMPERATURE:g}.",
     )
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 = off.")
-    top_k: int = Field(-1, ge=-1, description="Sample from the k most likely tokens; -1 = off.")
-    seed: int | None = Field(
-        None, ge=0, description="Seed of this request's sampling: equal seeds, equal samples."
+    top_p: TopP = Field(1.0, description="Nucleus sampling mass in (0, 1]; 1 = off.")
+    top_k: TopK = Field(-1, description="Sample from the k most likely tokens; -1 = off.")
+    seed: Seed | None = Field(
+        None,
+        description="Seed of this request's sampling, in [0, 2^64 - 1]: equal seeds, equal "
+        "samples.",
     )
     stop_token_ids: list[TokenId] = Field(
         default_factory=list, description="A completion ends after generating any of these."
@@ -66,6 +78,7 @@ class SampleRequest(SamplingParams):
     expected_step: int | None = Field(
         None,
         ge=0,
+        lt=2**63,
         description="Sample only with the weights of this optimizer step (the adapter's step "
         "with `adapter`): 409 if the samplers hold another (a client pinned to a snapshot).",
     )
@@ -191,6 +204,11 @@ class SyncResult(BaseModel):
     bytes: int = Field(description="Bytes of weights sent to each sampler.")
     gather_s: float = Field(description="Seconds to assemble the HF-named tensors.")
     load_s: float = Field(description="Seconds until the slowest sampler had loaded them.")
+    failures: list[str] = Field(
+        default_factory=list,
+        description="Why the engines that did not load it did not: one refused the weights "
+        "(it serves its previous step), or it died or stopped answering (it is recreated).",
+    )
 
 
 class SamplerInfo(BaseModel):

@@ -113,8 +113,9 @@ def sampler_settings(s: Settings) -> Any:
     if dtype == "auto":
         dtype = "bfloat16" if gpus else "float32"
     pool = PoolOptions(
-        num_samplers=s.samplers, num_cpus=s.sampler_num_cpus, num_gpus=gpus, sync=s.sampler_sync
-    )
+        num_samplers=s.samplers, num_cpus=s.sampler_num_cpus, num_gpus=gpus, sync=s.sampler_sync,
+        call_timeout_s=s.sampler_timeout_s,
+    )  # fmt: skip
     return SamplerSettings(
         pool=pool, dtype=dtype, kv_cache_gib=s.sampler_kv_cache_gib, routes=s.sampler_routes
     )

@@ -214,6 +214,13 @@ class Settings(BaseSettings):
         description="When the samplers get new weights: after every applied optimizer step "
         "(and every checkpoint load), or only on POST /v1/weights/sync.",
     )
+    sampler_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="The longest a sampler engine may take to answer one call (a sample, a "
+        "weight load) before it is taken for stopped: it is recreated with the current "
+        "weights, and the call answers 503.",
+    )
     sampler_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="The samplers' weights and activations; 'auto': float32 on CPUs (sampler "

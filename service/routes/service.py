@@ -18,19 +18,25 @@ async def info(controller: ControllerDep) -> Info:
     return await controller.info()
 
 
-@router.get("/health", response_model=Health)
+@router.get("/health", response_model=Health, response_model_exclude_none=True)
 @access(Access.OPEN)
 async def health(request: Request) -> Health:
     """Liveness: the gateway answers."""
     return _health(request, "ok")
 
 
-@router.get("/ready", response_model=Health, responses={503: {"model": ErrorBody}})
+@router.get(
+    "/ready", response_model=Health, response_model_exclude_none=True,
+    responses={503: {"model": ErrorBody}},
+)  # fmt: skip
 @access(Access.OPEN)
 async def ready(request: Request, controller: ControllerDep) -> Any:
-    """Readiness: every rank is built and the service takes work."""
+    """Readiness: every rank is built and the service takes work; with samplers, their
+    engines by status."""
     if await controller.is_ready():
-        return _health(request, "ready")
+        health = _health(request, "ready")
+        health.samplers = await controller.sampler_statuses()
+        return health
     body = ErrorBody(type=ErrorType.NOT_READY, message="workers not ready")
     return error_response(request, 503, body, {"Retry-After": "2"})
 

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainctl.api import ConflictError, CreateAdapterRequest, Info, InvalidRequestError
+from trainctl.api.bounds import MAX_LORA_RANK, MAX_SEED
 
 
 class Body(BaseModel):
@@ -22,8 +23,8 @@ class CreateSession(Body):
 
 
 class LoraConfig(Body):
-    rank: int = 0
-    seed: int | None = None
+    rank: int = Field(0, ge=0, le=MAX_LORA_RANK)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True

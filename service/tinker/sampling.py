@@ -33,6 +33,7 @@ from trainctl.api import (
     SyncResult,
     SyncWeightsRequest,
 )
+from trainctl.api.sampling import MAX_SAMPLES_PER_PROMPT, Seed, Temperature, TopK, TopP
 from trainctl.service.auth import Access, access
 from trainctl.service.codec import read_body
 from trainctl.service.controller_client import ControllerAPI
@@ -106,16 +107,19 @@ class CreateSamplingSession(Body):
 
 
 class TinkerSamplingParams(Body):
-    max_tokens: int | None = None
-    seed: int | None = None
+    """Tinker's sampling parameters, held to the bounds of trainctl's own (``Seed``,
+    ``Temperature``, ...): a 422 names ``sampling_params.<field>``."""
+
+    max_tokens: int | None = Field(None, ge=1, lt=2**31)
+    seed: Seed | None = None
     stop: str | list[str] | list[int] | None = None
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
+    temperature: Temperature = 1.0
+    top_k: TopK = -1
+    top_p: TopP = 1.0
 
 
 class AsampleRequest(Body):
-    num_samples: int = 1
+    num_samples: int = Field(1, ge=1, le=MAX_SAMPLES_PER_PROMPT)
     prompt: dict[str, Any]
     sampling_params: TinkerSamplingParams
     base_model: str | None = None

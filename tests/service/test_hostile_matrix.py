@@ -150,3 +150,52 @@ def test_every_route_refuses_every_hostile_probe_with_a_4xx(service: Service) ->
         assert (info.step, info.weights_digest) == (step, digest)
     assert _files(root, hostile.data_dir) == before, "a probe wrote outside the data directory"
     assert os.path.getsize("/etc/passwd") > 0
+
+
+EDGES: dict[str, bytes] = {
+    "inf": b"Infinity", "-inf": b"-Infinity", "nan": b"NaN", "1e308": b"1e308",
+    "2^64": str(2**64).encode(), "2^70": str(2**70).encode(), "-1": b"-1",
+    "-2^70": str(-(2**70)).encode(),
+}  # fmt: skip
+"""Numbers at the edges of what any field could take, as raw JSON (Python's json writes
+Infinity and NaN; the review sent them)."""
+VALID_EDGES = {("top_k", "-1")}
+ASAMPLE = b'{"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}, "base_model": "m",'
+"""(field, edge) pairs that are valid values: -1 is top-k off."""
+SAMPLING_FIELDS = {
+    # route, the JSON body around the field (FIELD is replaced), the field's path in the error
+    ("/v1/sample", b'{"prompts": [[1, 2, 3]], "max_tokens": 4, "FIELD": EDGE}'): (
+        "seed", "temperature", "top_p", "top_k", "n", "max_tokens", "expected_step",
+    ),
+    ("/api/v1/asample", ASAMPLE + b' "sampling_params": {"max_tokens": 4, "FIELD": EDGE}}'): (
+        "seed", "temperature", "top_p", "top_k", "max_tokens",
+    ),
+    ("/api/v1/asample", ASAMPLE + b' "sampling_params": {"max_tokens": 4}, "FIELD": EDGE}'): (
+        "num_samples",
+    ),
+    ("/v1/adapters", b'{"name": "edge", "rank": 8, "FIELD": EDGE}'): ("alpha", "seed", "rank"),
+    ("/api/v1/create_model", b'{"session_id": "s", "model_seq_id": 0, "base_model": "m",'
+                             b' "lora_config": {"rank": 8, "FIELD": EDGE}}'): ("seed", "rank"),
+}  # fmt: skip
+
+
+def test_every_sampling_and_adapter_field_refuses_its_edges_naming_the_field(
+    service: Service,
+) -> None:
+    """inf, NaN, 1e308, 2^64, 2^70 and negatives in every sampling and adapter field, native
+    and Tinker: each a 4xx naming the field (never a 500 from inside an engine), quickly."""
+    wrong = []
+    sent = 0
+    for (path, template), fields in SAMPLING_FIELDS.items():
+        for field in fields:
+            for edge, raw in EDGES.items():
+                if (field, edge) in VALID_EDGES:
+                    continue
+                body = template.replace(b"FIELD", field.encode()).replace(b"EDGE", raw)
+                r = _send(service, "POST", path, content=body,
+                          headers={"content-type": "application/json"})  # fmt: skip
+                sent += 1
+                if not (400 <= r.status_code < 500 and field in r.text):
+                    wrong.append((path, field, edge, r.status_code, r.text[:160]))
+    assert not wrong, "\n".join(map(str, wrong))
+    assert sent >= 100, sent  # the table is not silently empty

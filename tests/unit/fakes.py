@@ -162,6 +162,9 @@ class FakeController(OperationHost):
     async def is_ready(self) -> bool:
         return self.ready
 
+    async def sampler_statuses(self) -> dict[str, int] | None:
+        return None
+
     async def model_limits(self) -> ModelLimits:
         return self.limits
 

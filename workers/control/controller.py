@@ -352,6 +352,10 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
     async def is_ready(self) -> bool:
         return self.ready and not self.draining
 
+    async def sampler_statuses(self) -> dict[str, int] | None:
+        """The sampler engines counted by status (None: no samplers)."""
+        return None if self.samplers is None else self.samplers.statuses()
+
     async def model_limits(self) -> ModelLimits:
         return self.limits
 

@@ -159,9 +159,10 @@ class SamplingPart:
             log.exception("sync of %sstep failed", what)
             return f"{what}step stands, but the samplers could not load it: {e}"
         if r.samplers < len(self.samplers.engines):
+            why = "; ".join(r.failures) or "the others are being recreated with it"
             return (
                 f"{what}step {r.step} was loaded by {r.samplers} of "
-                f"{len(self.samplers.engines)} samplers; the others are being recreated with it"
+                f"{len(self.samplers.engines)} samplers: {why}"
             )
         return None
 

@@ -15,7 +15,14 @@ adapter, never the base.
 One call runs at a time (the Ray actor has ``max_concurrency=1``), so a weight load always
 falls between two sample calls: a result is produced by one step's weights, and says which.
 The same holds for adapters, and one call samples with one adapter (or the base): base and
-adapter requests never share an engine batch.
+adapter requests never share an engine batch. On a CPU engine with LoRA enabled, base requests
+go through ``lora_guard``: vLLM's CPU LoRA ops would otherwise give them the last adapter's.
+
+An error inside a call fails that call and nothing after it: what the call left in the engine
+is aborted before it answers (a request that raised in vLLM's step otherwise stayed scheduled,
+and every later call waited on it for good). An engine that cannot be cleared, or whose weight
+load failed half-way, answers ``EngineBrokenError``, and the pool recreates it. A weight load is
+checked against the last one's names, shapes and dtypes before any tensor is copied.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from typing import Any
 from trainctl.api import (
     Completion,
     ConflictError,
+    InternalError,
+    InvalidRequestError,
     NotFoundError,
     NotReadyError,
     PromptSamples,
@@ -64,6 +73,34 @@ def engine_env(cuda: bool, threads: int, routes: bool = False) -> dict[str, str]
     return env
 
 
+class EngineBrokenError(InternalError):
+    """This engine cannot serve any more (a call left it with work an abort did not clear, or
+    a weight load failed half-way): the pool recreates it with the current weights."""
+
+
+Schema = dict[str, tuple[tuple[int, ...], str]]
+"""A weight set's names, each with its shape and dtype."""
+
+
+def schema_of(tensors: dict[str, Any]) -> Schema:
+    return {n: (tuple(t.shape), str(t.dtype)) for n, t in tensors.items()}
+
+
+def schema_mismatch(got: Schema, want: Schema) -> str | None:
+    """What differs between two weight sets' schemas (the first few differences), or None."""
+    problems = [f"missing {n}" for n in sorted(want.keys() - got.keys())]
+    problems += [f"unexpected {n}" for n in sorted(got.keys() - want.keys())]
+    problems += [
+        f"{n}: shape {got[n][0]} {got[n][1]}, expected {want[n][0]} {want[n][1]}"
+        for n in sorted(got.keys() & want.keys())
+        if got[n] != want[n]
+    ]
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return "; ".join(problems[:3]) + more
+
+
 @dataclass(frozen=True)
 class Loaded:
     """A sampler's answer to ``load_weights`` and ``load_adapter``."""
@@ -77,6 +114,7 @@ class _Served:
     lora_id: int
     step: int
     path: Path
+    schema: Schema
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -96,11 +134,14 @@ def _memory_dir() -> str | None:
     return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
-def _reload(worker: Any, named: list[tuple[str, Any]]) -> int:
-    """Run on vLLM's worker: load HF-named tensors through the model's own loading path."""
+def _reload(worker: Any, named: list[tuple[str, Any]]) -> list[str]:
+    """Run on vLLM's worker: load HF-named tensors through the model's own loading path.
+    Returns the parameters left without data (on the meta device): vLLM's reload moves them
+    there first, and one it could not fill stays there - a load that "succeeded" broken."""
     worker.reload_weights(weights_iterator=iter(named))
-    _refresh_cpu_embedding_gemms(worker.model_runner.model)
-    return len(named)
+    model = worker.model_runner.model
+    _refresh_cpu_embedding_gemms(model)
+    return [n for n, p in model.named_parameters() if p.is_meta]
 
 
 def _refresh_cpu_embedding_gemms(model: Any) -> None:
@@ -141,6 +182,10 @@ class VllmSampler:
         if cuda:
             kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
         if spec.max_adapters:
+            if not cuda:
+                from trainctl.workers.sampler import lora_guard
+
+                lora_guard.install()
             kwargs |= {
                 "enable_lora": True,
                 "max_loras": 1,  # one call samples with one adapter
@@ -170,6 +215,8 @@ class VllmSampler:
         self.build_s = time.perf_counter() - t0
         self.step: int | None = None
         """The optimizer step of the weights loaded (None: placeholders only)."""
+        self.schema: Schema | None = None
+        """The names, shapes and dtypes of the weights loaded (what the next load must have)."""
 
     def _warm_up(self) -> None:
         """One short generation, so that the first request does not pay for the engine's
@@ -185,12 +232,58 @@ class VllmSampler:
         return os.getpid()
 
     def load_weights(self, step: int, tensors: dict[str, Any]) -> Loaded:
-        """Load a step's weights: every tensor of the model, under its HF name."""
+        """Load a step's weights: every tensor of the model, under its HF name. A set whose
+        names, shapes or dtypes differ from the last one loaded is refused before anything is
+        copied (the engine keeps serving what it has); a load that fails half-way leaves the
+        engine broken (``EngineBrokenError``: the pool recreates it)."""
         t0 = time.perf_counter()
+        schema = schema_of(tensors)
+        if self.schema is not None and (problem := schema_mismatch(schema, self.schema)):
+            raise InternalError(
+                f"sampler {self.index} refused step {step}'s weights, which do not match the "
+                f"ones it serves (step {self.step}): {problem}"
+            )
         named = sorted(tensors.items())
-        self.llm.collective_rpc(_reload, args=(named,))
-        self.step = step
+        try:
+            empty = [n for per_worker in self.llm.collective_rpc(_reload, args=(named,))
+                     for n in per_worker]  # fmt: skip
+        except Exception as e:
+            raise EngineBrokenError(
+                f"sampler {self.index} failed loading step {step}'s weights half-way "
+                f"({type(e).__name__}: {e}); it is being recreated"
+            ) from None
+        if empty:
+            raise EngineBrokenError(
+                f"sampler {self.index} loaded step {step}'s weights with {len(empty)} "
+                f"parameter(s) left empty ({', '.join(empty[:3])}); it is being recreated"
+            )
+        self.step, self.schema = step, schema
         return Loaded(step=step, seconds=time.perf_counter() - t0)
+
+    def _recover(self) -> None:
+        """After a call raised inside vLLM: abort every request it left in the engine, so the
+        next call starts clean; ``EngineBrokenError`` if some remain."""
+        engine = self.llm.llm_engine
+        left = list(engine.output_processor.request_states)
+        if left:
+            engine.abort_request(left, internal=True)
+        if engine.has_unfinished_requests():
+            raise EngineBrokenError(
+                f"sampler {self.index} still holds requests after aborting them; it is being "
+                "recreated"
+            )
+
+    def _generate(self, prompts: list[Any], params: Any, lora: Any) -> list[Any]:
+        """``llm.generate``; an error inside it fails this call alone (the engine is cleared
+        first) with a 500 that names it."""
+        try:
+            return self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)  # type: ignore[no-any-return]
+        except Exception as e:
+            self._recover()
+            raise InternalError(
+                f"sampler {self.index} failed this request ({type(e).__name__}: {e}); it "
+                "serves the next one"
+            ) from None
 
     def load_adapter(self, name: str, step: int, adapter: PeftAdapter) -> Loaded:
         """Load (or replace in place) the adapter ``name`` at its step ``step``."""
@@ -199,6 +292,11 @@ class VllmSampler:
 
         t0 = time.perf_counter()
         old = self.adapters.get(name)
+        if old is not None and (problem := schema_mismatch(schema_of(adapter.tensors), old.schema)):
+            raise InternalError(
+                f"sampler {self.index} refused adapter {name!r} at step {step}, whose tensors "
+                f"do not match the version it serves (step {old.step}): {problem}"
+            )
         lora_id = old.lora_id if old is not None else self._next_lora_id
         # A new directory per load: vLLM may re-read an evicted adapter from its path later.
         path = Path(self._adapters_dir.name, f"{name}.{step}.{time.monotonic_ns()}")
@@ -214,7 +312,7 @@ class VllmSampler:
             self._next_lora_id += 1
         else:
             shutil.rmtree(old.path, ignore_errors=True)  # the version it replaced
-        self.adapters[name] = _Served(lora_id, step, path)
+        self.adapters[name] = _Served(lora_id, step, path, schema_of(adapter.tensors))
         return Loaded(step=step, seconds=time.perf_counter() - t0)
 
     def remove_adapter(self, name: str) -> None:
@@ -232,10 +330,10 @@ class VllmSampler:
         completions are generated as usual and each prompt is then scored alone."""
         from vllm import SamplingParams
 
-        outs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        outs = self._generate(prompts, params, lora)
         score = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         for prompt, out in zip(prompts, outs, strict=True):
-            scored = self.llm.generate([prompt], score, lora_request=lora, use_tqdm=False)
+            scored = self._generate([prompt], score, lora)
             out.prompt_logprobs = scored[0].prompt_logprobs
         return outs
 
@@ -270,24 +368,27 @@ class VllmSampler:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            n=req.n,
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=req.seed,
-            stop_token_ids=list(req.stop_token_ids),
-            logprobs=0 if req.logprobs else None,
-            detokenize=False,
-        )
+        try:
+            params = SamplingParams(
+                n=req.n,
+                max_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                seed=req.seed,
+                stop_token_ids=list(req.stop_token_ids),
+                logprobs=0 if req.logprobs else None,
+                detokenize=False,
+            )
+        except (ValueError, TypeError) as e:  # vLLM's own checks of the parameters
+            raise InvalidRequestError(f"sampling parameters: {e}") from None
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in req.prompts]
         t0 = time.perf_counter()
         if not req.prompt_logprobs:
-            outs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+            outs = self._generate(prompts, params, lora)
         elif not self.adapters_enabled or (len(prompts) == 1 and req.n == 1):
             params.prompt_logprobs = 0
-            outs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+            outs = self._generate(prompts, params, lora)
         else:
             outs = self._generate_then_score(prompts, params, lora)
         seconds = time.perf_counter() - t0

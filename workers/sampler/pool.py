@@ -8,7 +8,13 @@
 - **Dispatch**: a sample request goes to the ready engine with the fewest requests in
   flight. Its result carries the step of the engine's weights.
 - **Recreate**: an engine that dies fails its in-flight requests with a retryable 503, and is
-  rebuilt in the background with the weights of the step the others serve.
+  rebuilt in the background with the weights of the step the others serve. So is one that
+  does not answer a call within ``call_timeout_s`` (a sample, a load: nothing waits on a sick
+  engine for good), and one that answers ``EngineBrokenError``. ``info`` (and ``ready``) show
+  it ``restarting`` meanwhile.
+- **Refuse**: weights an engine refuses (their names, shapes or dtypes are not the ones it
+  serves) leave it serving the step it had; if every live engine refused them, the pool keeps
+  the previous step's reference, so a recreated engine loads that one too.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any, Literal
 import ray
 
 from trainctl.api import (
+    InternalError,
     NotReadyError,
     SampleRequest,
     SampleResult,
@@ -30,7 +37,7 @@ from trainctl.api import (
     SyncResult,
     TrainctlError,
 )
-from trainctl.workers.sampler.engine import Loaded, VllmSampler, engine_env
+from trainctl.workers.sampler.engine import EngineBrokenError, Loaded, VllmSampler, engine_env
 from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE, SamplerSpec
 
 log = logging.getLogger(__name__)
@@ -58,6 +65,11 @@ class PoolOptions:
     threads: int = 1
     sync: Literal["after_step", "manual"] = "after_step"
     """'after_step': every applied optimizer step is synced; 'manual': on POST /v1/weights/sync."""
+    call_timeout_s: float = 300.0
+    """The longest an engine may take to answer a sample or a load before it is taken for
+    stopped and recreated."""
+    start_timeout_s: float = 900.0
+    """The longest an engine may take to start (and load the current weights)."""
 
 
 class SamplerPool:
@@ -120,6 +132,7 @@ class SamplerPool:
         """Every live engine loads ``weights``: an object-store reference to HF-named tensors,
         or with ``adapter`` to that adapter's ``PeftAdapter``. An engine finishes the request
         it is serving first: one call at a time."""
+        previous = self.weights if adapter is None else self.adapters.get(adapter)
         if adapter is None:
             self.weights = (step, weights)
         else:
@@ -133,6 +146,16 @@ class SamplerPool:
             *(self._load(e, step, weights, adapter) for e in live), return_exceptions=True
         )
         loaded = [g for g in got if isinstance(g, Loaded)]
+        refused = [
+            g for g in got if isinstance(g, InternalError) and not isinstance(g, EngineBrokenError)
+        ]
+        if live and not loaded and len(refused) == len(live) and previous is not None:
+            # Every engine refused them and serves the previous step still: so will a
+            # recreated one.
+            if adapter is None:
+                self.weights = previous
+            else:
+                self.adapters[adapter] = previous
         self.last_sync = SyncResult(
             step=step,
             adapter=adapter,
@@ -140,19 +163,40 @@ class SamplerPool:
             bytes=nbytes,
             gather_s=gather_s,
             load_s=time.perf_counter() - t0,
+            failures=[str(g) for g in got if isinstance(g, BaseException)],
         )
         return self.last_sync
 
-    async def _load(self, e: _Engine, step: int, weights: Any, adapter: str | None) -> Loaded:
+    async def _call(self, e: _Engine, ref: Any, what: str) -> Any:
+        """``e``'s answer to the call ``ref``, within ``call_timeout_s``. An engine that died,
+        stopped answering or reports itself broken is recreated (``_lost``), and the call fails
+        with a retryable 503; the engine's own refusals (``TrainctlError``) pass through."""
+        timeout = self.options.call_timeout_s
         try:
-            loaded: Loaded = await (
-                e.actor.load_weights.remote(step, weights)
-                if adapter is None
-                else e.actor.load_adapter.remote(adapter, step, weights)
-            )
+            return await asyncio.wait_for(ref, timeout)
+        except TimeoutError:
+            cause = f"sampler {e.index} did not answer {what} within {timeout:g} s"
+            self._lost(e, TimeoutError(cause))
         except ray.exceptions.RayActorError as err:
             self._lost(e, err)
-            raise
+            cause = f"sampler {e.index} died while serving {what}"
+        except ray.exceptions.RayTaskError as err:
+            error = getattr(err, "cause", None)
+            if not isinstance(error, TrainctlError):
+                raise
+            if not isinstance(error, EngineBrokenError):
+                raise error from None  # the engine's own refusal (409, 422, 503, 500)
+            self._lost(e, error)
+            cause = error.message
+        raise NotReadyError(f"{cause}; it is being recreated with the current weights: retry")
+
+    async def _load(self, e: _Engine, step: int, weights: Any, adapter: str | None) -> Loaded:
+        ref = (
+            e.actor.load_weights.remote(step, weights)
+            if adapter is None
+            else e.actor.load_adapter.remote(adapter, step, weights)
+        )
+        loaded: Loaded = await self._call(e, ref, f"the load of step {step}")
         if adapter is None:
             e.step = loaded.step
         return loaded
@@ -162,8 +206,10 @@ class SamplerPool:
         self.adapters.pop(name, None)
         live = [e for e in self.engines if e.status == "ready"]
         await asyncio.gather(
-            *(e.actor.remove_adapter.remote(name) for e in live), return_exceptions=True
-        )
+            *(self._call(e, e.actor.remove_adapter.remote(name), "an adapter's removal")
+              for e in live),
+            return_exceptions=True,
+        )  # fmt: skip
 
     # -- sampling ----------------------------------------------------------------------------
 
@@ -182,19 +228,8 @@ class SamplerPool:
         e = self._pick()
         e.in_flight += 1
         try:
-            result: SampleResult = await e.actor.sample.remote(req)
+            result: SampleResult = await self._call(e, e.actor.sample.remote(req), "a sample")
             return result
-        except ray.exceptions.RayActorError as err:
-            self._lost(e, err)
-            raise NotReadyError(
-                f"sampler {e.index} died while serving this request; it is being recreated "
-                "with the current weights: retry"
-            ) from None
-        except ray.exceptions.RayTaskError as err:
-            cause = getattr(err, "cause", None)
-            if isinstance(cause, TrainctlError):
-                raise cause from None  # the engine's own refusal (409, 503)
-            raise
         finally:
             e.in_flight -= 1
 
@@ -216,13 +251,14 @@ class SamplerPool:
                 ray.kill(e.actor, no_restart=True)
             self._spawn(e)
             e.status = "restarting"
-            e.pid = await e.actor.pid.remote()
-            if self.weights is not None:
-                step, weights = self.weights
-                loaded: Loaded = await e.actor.load_weights.remote(step, weights)
-                e.step = loaded.step
-            for name, (step, ref) in list(self.adapters.items()):
-                await e.actor.load_adapter.remote(name, step, ref)
+            async with asyncio.timeout(self.options.start_timeout_s):
+                e.pid = await e.actor.pid.remote()
+                if self.weights is not None:
+                    step, weights = self.weights
+                    loaded: Loaded = await e.actor.load_weights.remote(step, weights)
+                    e.step = loaded.step
+                for name, (step, ref) in list(self.adapters.items()):
+                    await e.actor.load_adapter.remote(name, step, ref)
             e.restarts += 1
             e.status = "ready"
             log.info("sampler %d recreated (step %s)", e.index, e.step)
@@ -230,6 +266,13 @@ class SamplerPool:
             e.status = "failed"
             e.last_error = f"recreating failed: {err}"[:300]
             log.exception("could not recreate sampler %d", e.index)
+
+    def statuses(self) -> dict[str, int]:
+        """The engines counted by status."""
+        out: dict[str, int] = {}
+        for e in self.engines:
+            out[e.status] = out.get(e.status, 0) + 1
+        return out
 
     def info(self) -> SamplersInfo:
         return SamplersInfo(
