@@ -201,3 +201,35 @@ def params_after_steps(cfg: dict[str, Any], steps: int, foreach: bool) -> dict[s
     }
     eng.close()
     return out
+
+
+def grads_with_the_head_gradient(cfg: dict[str, Any], in_forward: bool) -> dict[str, Any]:
+    """One PPO train pass (with KL) and its gradients, the head's gradient taken in the
+    forward pass (``fused_head_loss``) or, ``in_forward`` False, by the two-pass head."""
+    from trainctl.api.models import LossConfig, LossKind
+    from trainctl.workers.control.plan import plan_step
+    from trainctl.workers.engine import schedule
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.shard import EngineShard
+
+    from engine_cases import numpy_shards, ragged_batch, to_host
+
+    separable = schedule.TOKEN_SEPARABLE
+    if not in_forward:
+        schedule.TOKEN_SEPARABLE = frozenset()  # type: ignore[misc]
+    try:
+        eng = EngineShard(EngineConfig.from_dict(cfg))
+        loss = LossConfig(kind=LossKind("ppo"), kl_coef=0.05)
+        plan = plan_step(to_host(ragged_batch(3)), eng.cfg, loss=loss, packing="flat")
+        result = eng.train_pass(plan.microbatches[eng.coords.dp], loss)
+        out = {
+            "coords": {"tp": eng.coords.tp, "pp": eng.coords.pp, "dp": eng.coords.dp},
+            "loss": result.loss,
+            "metrics": result.metrics,
+            "norm": float(eng.grad_norm()),
+            "grads": numpy_shards(eng.canonical_shards(grads=True, owned=True)),
+        }
+        eng.close()
+        return out
+    finally:
+        schedule.TOKEN_SEPARABLE = separable  # type: ignore[misc]

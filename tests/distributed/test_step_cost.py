@@ -85,3 +85,29 @@ def test_fused_adamw_makes_foreachs_update(
     assert got.keys() == want.keys()
     for name, p in want.items():
         np.testing.assert_allclose(got[name], p, rtol=0, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "layout", [{}, {"tp": 2}, {"cp": 2}, {"dp": 2}], ids=["tp1", "tp2-sp", "cp2", "dp2"]
+)
+def test_the_heads_gradient_in_the_forward_changes_no_number(
+    pools: Callable[[int], RankPool], layout: dict[str, int]
+) -> None:
+    """A PPO pass with KL: the loss, its RL metrics, the grad norm and every gradient with the
+    head's gradient taken in the forward pass equal the two-pass head's (fp32, 1e-5)."""
+    world = max(layout.values(), default=1)
+    cfg = {"layout": layout, "model": MODEL, "max_tokens_per_microbatch": 96}
+    got = pools(world).run(cases.grads_with_the_head_gradient, cfg, True)
+    want = pools(world).run(cases.grads_with_the_head_gradient, cfg, False)
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-9)
+        assert g["norm"] == pytest.approx(w["norm"], rel=1e-5)
+        assert g["metrics"].keys() == w["metrics"].keys() and g["metrics"]
+        for k, v in w["metrics"].items():
+            assert g["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    grads, ref = full_tensors(got, "grads"), full_tensors(want, "grads")
+    assert grads.keys() == ref.keys() and grads
+    for name, r in ref.items():
+        np.testing.assert_allclose(
+            grads[name], r, rtol=1e-5, atol=1e-5 * np.abs(r).max(), err_msg=name
+        )

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainctl.workers.ops import head_kernels
-from trainctl.workers.ops.fused_head import fused_head_logprob, head_logits
+from trainctl.workers.ops.fused_head import fused_head_logprob, fused_head_loss, head_logits
 from trainctl.workers.ops.logprob import vocab_parallel_logprob
 
 N, H, V, CHUNK = 2048, 64, 16384, 1024
@@ -152,3 +152,47 @@ def test_compiled_bf16_logprobs_are_float64s_and_its_gradients_the_unfused_ones(
     want = torch.autograd.grad((unfused * w).sum(), (hidden, weight))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2 * float(b.abs().max()))
+
+
+def _share_of(scale: torch.Tensor) -> Any:
+    def share_of(lp: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        return (-lp * scale[a:b]).sum()
+
+    return share_of
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_with_its_gradient_in_the_forward_equals_the_two_passes(
+    dtype: torch.dtype,
+) -> None:
+    """``fused_head_loss`` (the head's gradient taken in the forward pass) against the fused
+    log-probs then the loss then autograd: the same share and log-probs, the same gradients
+    to fp32 rounding (bf16: to its own), times the loss's upstream gradient."""
+    hidden, weight, target, _ = _case(dtype, seed=4, n=700, v=3000)
+    scale = torch.rand(700, generator=torch.Generator().manual_seed(5)).double()
+    share, lp = fused_head_loss(hidden, weight, target, _share_of(scale), chunk_size=256)
+    assert not lp.requires_grad
+    got = torch.autograd.grad(share * 1.5, (hidden, weight))
+    ref_lp = fused_head_logprob(hidden, weight, target, chunk_size=256)
+    ref_share = (-ref_lp * scale).sum()
+    want = torch.autograd.grad(ref_share * 1.5, (hidden, weight))
+    assert torch.equal(lp, ref_lp.detach())
+    torch.testing.assert_close(share, ref_share.detach(), rtol=1e-12, atol=0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol * float(b.abs().max()))
+
+
+def test_the_loss_in_the_forward_moves_less_than_the_two_passes() -> None:
+    """One matmul's logits fewer per chunk: the backward recomputes nothing."""
+    hidden, weight, target, w = _case(torch.bfloat16)
+    scale = w.abs().double()
+    with kernels(head_kernels.COMPILED):
+        fused_head_loss(hidden, weight, target, _share_of(scale), chunk_size=CHUNK)  # compile
+        in_forward = Traffic(V)
+        with in_forward:
+            share, _ = fused_head_loss(hidden, weight, target, _share_of(scale), chunk_size=CHUNK)
+            torch.autograd.grad(share, (hidden, weight))
+    two_pass = _traffic(head_kernels.COMPILED)
+    saved = _units(two_pass) - _units(in_forward)
+    assert saved >= 0.5, (_units(two_pass), _units(in_forward))  # at least a chunk's logits

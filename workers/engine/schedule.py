@@ -43,9 +43,14 @@ from trainctl.workers.engine.replay import RouteReplay, given_routes, router_row
 from trainctl.workers.engine.routing import RoutingStats
 from trainctl.workers.ops.aggregate import aggregate_loss
 from trainctl.workers.ops.cp import gather_from_cp, gather_targets_from_cp
-from trainctl.workers.ops.fused_head import fused_head_entropy, fused_head_logprob, head_logits
+from trainctl.workers.ops.fused_head import (
+    fused_head_entropy,
+    fused_head_logprob,
+    fused_head_loss,
+    head_logits,
+)
 from trainctl.workers.ops.logprob import vocab_parallel_entropy, vocab_parallel_logprob
-from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
+from trainctl.workers.ops.loss import TOKEN_SEPARABLE, connected_zero, local_loss, per_token_terms
 from trainctl.workers.ops.metrics import Reduction, StatsTracker
 from trainctl.workers.ops.rl_metrics import policy_metric_keys, record_policy_metrics
 
@@ -76,6 +81,8 @@ class _Pass:
 
     loss: LossConfig
     outputs: tuple[str, ...]
+    backward: bool = False
+    """The pass runs backward: a separable loss may take the head's gradient in its forward."""
     stats: StatsTracker = dataclasses.field(default_factory=StatsTracker)
     policy_keys: list[tuple[str, Reduction]] = dataclasses.field(default_factory=list)
     given_routes: list[Tensor | None] = dataclasses.field(default_factory=list)
@@ -126,7 +133,7 @@ class Schedule:
         tensors = [
             dataclasses.replace(self.inputs.prepare(mb), index=i) for i, mb in enumerate(mbs)
         ]
-        run = _Pass(loss=loss, outputs=outputs)
+        run = _Pass(loss=loss, outputs=outputs, backward=not forward_only)
         rows = self._router_rows(mbs, run, record=routes)
         try:
             return self._run(mbs, tensors, run, forward_only=forward_only, router_rows=rows)
@@ -240,8 +247,7 @@ class Schedule:
         backward reduce-scatters the hidden states' gradient, summing each rank's vocabulary
         slice's share, so the head itself must not sum it again."""
         group = self.dims.tp_group
-        if self.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, group=group)
+        hidden = self._head_input(hidden)
         if rows is None:
             rows = torch.arange(hidden.shape[0], device=hidden.device)
         kw: dict[str, Any] = {"tp_group": group, "chunk_size": self.chunk_size}
@@ -267,6 +273,39 @@ class Schedule:
         lp = vocab_parallel_logprob(logits, labels, vocab_start=self.vocab_start, **kw)
         return lp, lambda: vocab_parallel_entropy(logits.detach(), **kw)
 
+    def _head_input(self, hidden: Tensor) -> Tensor:
+        """``hidden`` as the head reads it: under sequence parallelism all-gathered over TP
+        (see ``_head``)."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(hidden, group=self.dims.tp_group)
+        return hidden
+
+    def _loss_in_forward(
+        self, hidden: Tensor, weight: Tensor, mb: RankMicroBatch, run: _Pass
+    ) -> tuple[Tensor, Tensor, Any]:
+        """``(loss share, log-probs, entropy function)`` with the head's gradient taken in the
+        forward pass (``fused_head_loss``): a flat micro-batch of a training pass whose loss is
+        token-separable. The share is the sum of each chunk's ``sum(term * scale)``."""
+        b, loss = mb.batch, run.loss
+        assert b.labels is not None and b.loss_mask is not None
+        per_token: dict[str, Any] = {
+            k: v[0] for k, v in b.loss_inputs.items() if k not in ("loss_scale", "seq_id")
+        }
+        scale, mask, options = b.loss_inputs["loss_scale"][0], b.loss_mask[0], loss.options()
+
+        def share_of(lp: Tensor, a: int, c: int) -> Tensor:
+            inputs = {k: v[a:c] for k, v in per_token.items()}
+            terms = per_token_terms(lp, **options, loss_mask=mask[a:c], **inputs)
+            return local_loss(terms, scale[a:c])
+
+        x = self._head_input(hidden)
+        kw: dict[str, Any] = {"tp_group": self.dims.tp_group, "chunk_size": self.chunk_size}
+        share, lp = fused_head_loss(
+            x, weight, b.labels[0], share_of, vocab_start=self.vocab_start,
+            reduce_hidden_grad=not self.sequence_parallel, **kw,
+        )  # fmt: skip
+        return share, lp, lambda: fused_head_entropy(x.detach(), weight.detach(), **kw)
+
     def _tree_head(
         self, hidden: Tensor, weight: Tensor, labels: Tensor, rows: Tensor
     ) -> tuple[Tensor, Any]:
@@ -287,7 +326,15 @@ class Schedule:
         b, loss, outputs = mb.batch, run.loss, run.outputs
         assert weight is not None, "the loss function runs on the last stage"
         assert b.labels is not None and b.loss_mask is not None and b.cu_seqlens is not None
-        if b.rows is None:
+        in_forward = (
+            self.fused and run.backward and b.rows is None and not mb.is_dummy
+            and loss.kind.value in TOKEN_SEPARABLE
+        )  # fmt: skip
+        share: Tensor | None = None
+        scaled: Tensor | None = None
+        if in_forward:
+            share, lp, entropy = self._loss_in_forward(hidden[0], weight, mb, run)
+        elif b.rows is None:
             lp, entropy = self._head(hidden[0], weight, b.labels[0], None)
         else:
             lp, entropy = self._tree_head(hidden[0], weight, b.labels[0], b.rows[0])
@@ -309,11 +356,17 @@ class Schedule:
                         clip_low=loss.clip_low, clip_high=loss.clip_high,
                         ref_logprobs=per_token.get("ref_logprobs"), entropy=entropy(),
                     )  # fmt: skip
-            terms = per_token_terms(lp, **loss.options(), loss_mask=b.loss_mask[0], **per_token)
             # The target count stays on the device: megatron only adds it up (and the finalize
             # step ignores it: the loss is pre-normalised), so no read stalls the host here.
-            share, n = local_loss(terms, scale), torch.count_nonzero(b.loss_mask).int()
-            scaled = terms * scale
+            n = torch.count_nonzero(b.loss_mask).int()
+            if share is None:
+                terms = per_token_terms(lp, **loss.options(), loss_mask=b.loss_mask[0], **per_token)
+                share, scaled = local_loss(terms, scale), terms * scale
+            elif "token_loss" in outputs:  # the loss is taken already: its terms, for the report
+                with torch.no_grad():
+                    scaled = scale * per_token_terms(
+                        lp, **loss.options(), loss_mask=b.loss_mask[0], **per_token
+                    )
         report = {"loss": share.detach().clone()}
         cp_group = self.dims.cp_group
 
@@ -331,6 +384,7 @@ class Schedule:
             with torch.no_grad():
                 report["entropy"] = gather(entropy())
         if "token_loss" in outputs:
+            assert scaled is not None
             report["token_loss"] = gather(scaled.detach())
         return share, n, report
 

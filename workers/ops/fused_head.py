@@ -44,6 +44,7 @@ log-probs ``[M]`` fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -84,6 +85,15 @@ def _chunk(chunk_size: int, n: int) -> int:
     if chunk_size <= 0:
         return max(n, 1)
     return -(-chunk_size // ROW_BLOCK) * ROW_BLOCK
+
+
+def _rows(rows: Tensor | None, target: Tensor) -> Tensor:
+    """The row map: each target's hidden row (``arange`` when not given), checked."""
+    if rows is None:
+        return torch.arange(target.shape[0], device=target.device)
+    if rows.shape != target.shape:
+        raise ValueError(f"rows {tuple(rows.shape)} and target {tuple(target.shape)} differ")
+    return rows
 
 
 def _buffer(hidden: Tensor, weight: Tensor, rows: int) -> Tensor:
@@ -171,6 +181,101 @@ class _FusedHeadLogprob(torch.autograd.Function):
         return dh.to(hidden.dtype), dw.to(weight.dtype), None, None, None, None, None, None
 
 
+ShareOf = Callable[[Tensor, int, int], Tensor]
+"""``share_of(lp, a, b)``: the loss share of output rows ``[a, b)`` from their log-probs
+``lp [b - a]`` (differentiable in ``lp``; every other input it reads is a constant)."""
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """The head, the log-probs and a per-token separable loss with the head's gradient taken
+    in the forward pass: each chunk's logits are used once, for the statistics and then for
+    their gradient, so the backward recomputes nothing (Liger-Kernel's fused linear
+    cross-entropy, for any loss whose term of a token reads only that token's log-prob)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        target: Tensor,
+        rows: Tensor,
+        share_of: ShareOf,
+        vocab_start: int,
+        tp_group: Any,
+        chunk: int,
+        reduce_hidden_grad: bool,
+    ) -> tuple[Tensor, Tensor]:
+        n = target.shape[0]
+        local, outside = _local_target(target, vocab_start, weight.shape[0])
+        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        share: Tensor | None = None
+        dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        buf = _buffer(hidden, weight, min(chunk, n))
+        k = kernels_for(hidden)
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            x = head_logits(hidden, weight, rows[a:b], out=buf[: b - a])
+            x_t = x.gather(-1, local[a:b].unsqueeze(-1)).float()
+            m = _all_reduce(k.row_max(x), dist.ReduceOp.MAX, tp_group)
+            keeps = k.keeps_logits(x)
+            log_se = _all_reduce(k.sum_exp_(x, m), dist.ReduceOp.SUM, tp_group).log_()
+            lp_c = torch.sub(x_t, m).sub_(log_se).squeeze(-1).masked_fill_(outside[a:b], 0.0)
+            lp[a:b] = _all_reduce(lp_c, dist.ReduceOp.SUM, tp_group)
+            with torch.enable_grad():
+                lp_in = lp[a:b].clone().requires_grad_()
+                part = share_of(lp_in, a, b)
+                (g,) = torch.autograd.grad(part, lp_in)
+            share = part.detach() if share is None else share + part.detach()
+            if not keeps:  # the eager fp32 pass overwrote the chunk: make it again
+                x = head_logits(hidden, weight, rows[a:b], out=buf[: b - a])
+            d = k.grad_(x, m, log_se, g, local[a:b], outside[a:b])
+            dh.index_add_(0, rows[a:b], (d @ weight).float())
+            _add_weight_grad(dw, d, hidden[rows[a:b]])
+        if reduce_hidden_grad:
+            _all_reduce(dh, dist.ReduceOp.SUM, tp_group)
+        if share is None:  # no rows: a zero share in the loss's own dtype
+            with torch.enable_grad():
+                empty = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+                share = share_of(empty.requires_grad_(), 0, 0).detach()
+        ctx.save_for_backward(dh, dw)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(lp)
+        return share, lp
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor, _lp: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        dh, dw = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        g = g.float()
+        return (dh * g).to(h_dtype), (dw * g).to(w_dtype), *([None] * 7)
+
+
+def fused_head_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    share_of: ShareOf,
+    *,
+    rows: Tensor | None = None,
+    vocab_start: int = 0,
+    tp_group: ProcessGroup | None = None,
+    chunk_size: int = 1024,
+    reduce_hidden_grad: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """``(loss share, log-probs)`` of a per-token separable loss over the head: the share is
+    ``sum`` over chunks of ``share_of(lp[a:b], a, b)``, and its gradient with respect to
+    ``hidden`` and ``weight`` is computed here, in the forward pass (``_FusedHeadLoss``); the
+    log-probs (fp32 ``[M]``) carry no gradient. The same numbers as ``fused_head_logprob``
+    followed by the loss, within fp32 rounding, with one matmul fewer per chunk."""
+    rows = _rows(rows, target)
+    chunk = _chunk(chunk_size, int(target.shape[0]))
+    share, lp = _FusedHeadLoss.apply(
+        hidden, weight, target, rows, share_of, vocab_start, tp_group, chunk, reduce_hidden_grad
+    )
+    return share, lp
+
+
 def fused_head_logprob(
     hidden: Tensor,
     weight: Tensor,
@@ -186,10 +291,7 @@ def fused_head_logprob(
     ``tp_group``), never holding more than ``chunk_size`` rows of logits (rounded up to whole
     ``ROW_BLOCK``s; 0 = all at once); fp32 ``[M]``. ``reduce_hidden_grad``: sum the gradient
     of ``hidden`` over ``tp_group`` here (False when the caller's own collective does)."""
-    if rows is None:
-        rows = torch.arange(target.shape[0], device=hidden.device)
-    if rows.shape != target.shape:
-        raise ValueError(f"rows {tuple(rows.shape)} and target {tuple(target.shape)} differ")
+    rows = _rows(rows, target)
     chunk = _chunk(chunk_size, int(target.shape[0]))
     return _FusedHeadLogprob.apply(  # type: ignore[no-any-return]
         hidden, weight, target, rows, vocab_start, tp_group, chunk, reduce_hidden_grad

@@ -35,6 +35,10 @@ from trainctl.workers.ops.rope import token_dynamic
 
 
 class HeadKernels(Protocol):
+    def keeps_logits(self, x: Tensor) -> bool:
+        """Whether ``sum_exp_`` leaves ``x`` as it was (else it is overwritten)."""
+        ...
+
     def row_max(self, x: Tensor) -> Tensor: ...
 
     def sum_exp_(self, x: Tensor, m: Tensor) -> Tensor: ...
@@ -49,6 +53,9 @@ class EagerKernels:
     bf16 ``x`` is widened into one fp32 temporary per pass."""
 
     name = "eager"
+
+    def keeps_logits(self, x: Tensor) -> bool:
+        return x.dtype != torch.float32
 
     def row_max(self, x: Tensor) -> Tensor:
         return x.max(dim=-1, keepdim=True).values.float()
@@ -117,6 +124,9 @@ class CompiledKernels:
     """One compiled kernel per pass, each a ``trainctl::head_*`` operator."""
 
     name = "compiled"
+
+    def keeps_logits(self, x: Tensor) -> bool:
+        return True
 
     def row_max(self, x: Tensor) -> Tensor:
         return _head_row_max(x)  # type: ignore[no-any-return]

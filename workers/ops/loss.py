@@ -91,6 +91,12 @@ is one function here, one row in this table and its member in ``api.LossKind``."
 LOSS_KINDS = ("cross_entropy", *POLICY_LOSSES)
 """Every loss kind: supervised ``cross_entropy`` (``-lp``) and the policy losses."""
 
+TOKEN_SEPARABLE = frozenset(LOSS_KINDS)
+"""The kinds whose term of a token reads only that token's log-prob (and per-token
+constants): the LM head may take their gradient in its forward pass
+(``workers/ops/fused_head.py``, ``fused_head_loss``). A sequence-level loss, whose term reads a
+whole sequence's log-probs, is not one and must stay out of this set."""
+
 
 def per_token_terms(
     logprobs: Tensor,
