@@ -21,8 +21,9 @@ keeps what ran), and printed as a table:
 * ``elementwise``: rotary embedding eager against compiled, SwiGLU eager against megatron's
   compiled ``bias_swiglu_impl`` (when megatron-core is importable);
 * ``head``: the LM head + log-prob + backward at 16K and 32K tokens: a full-logit
-  cross-entropy (what transformers does), the fused head with eager passes (today's traffic:
-  each pass widens the chunk to fp32) and with compiled passes, at chunks of 1,024 and 4,096.
+  cross-entropy (what transformers does), the fused head with eager passes (each pass widens
+  the chunk to fp32) and with compiled passes, at chunks of 1,024 and 4,096, and the compiled
+  head with the loss's gradient taken in the forward pass (``fused_head_loss``).
 
 Times are the median of ``--reps`` CUDA-event-timed runs after warm-up, on fresh random inputs
 (never zeros). Each variant's output is checked against a reference before it is timed.
@@ -357,7 +358,7 @@ def _head_size(p: Probe, w: torch.Tensor, n: int, chunks: list[int]) -> dict[str
     chunk; each log-prob checked against the cross-entropy's, each timed with its backward,
     each peak taken above what the inputs hold."""
     from trainctl.workers.ops import head_kernels
-    from trainctl.workers.ops.fused_head import fused_head_logprob
+    from trainctl.workers.ops.fused_head import fused_head_logprob, fused_head_loss
 
     vocab, h_dim = w.shape
     row: dict[str, Any] = {}
@@ -369,9 +370,16 @@ def _head_size(p: Probe, w: torch.Tensor, n: int, chunks: list[int]) -> dict[str
         lp = -F.cross_entropy((hid @ w.t()).float(), tgt, reduction="none")
         torch.autograd.grad((lp * seed).sum(), (hid, w))
 
-    def fused(chunk: int) -> None:
+    def fused(chunk: int) -> tuple[torch.Tensor, ...]:
         lp = fused_head_logprob(hid, w, tgt, chunk_size=chunk)
-        torch.autograd.grad((lp * seed).sum(), (hid, w))
+        return torch.autograd.grad((lp * seed).sum(), (hid, w))
+
+    def share_of(lp: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        return (lp * seed[a:b]).sum()
+
+    def in_forward(chunk: int) -> tuple[torch.Tensor, ...]:
+        share, _ = fused_head_loss(hid, w, tgt, share_of, chunk_size=chunk)
+        return torch.autograd.grad(share, (hid, w))
 
     with torch.no_grad():
         ref = -F.cross_entropy((hid @ w.t()).float(), tgt, reduction="none")
@@ -392,18 +400,31 @@ def _head_size(p: Probe, w: torch.Tensor, n: int, chunks: list[int]) -> dict[str
                 with torch.no_grad():
                     got = fused_head_logprob(hid, w, tgt, chunk_size=chunk)
                 row[f"{key}_lp_vs_ce"] = f"{float((got - ref).abs().max()):.1e}"
-                if chunk == chunks[0]:
-                    lp = fused_head_logprob(hid, w, tgt, chunk_size=chunk)
-                    grads = torch.autograd.grad((lp * seed).sum(), (hid, w))
-                    rel = [_rel(a, b) for a, b in zip(grads, ref_grads, strict=True)]
-                    row[f"{key}_grads_vs_ce"] = " / ".join(f"{r:.1e}" for r in rel)
-                    del lp, grads
-                base = _allocated(p.device)
-                row[f"{key}_ms"] = round(p.time_ms(lambda chunk=chunk: fused(chunk)), 2)
-                row[f"{key}_peak_GiB"] = _peak(p.device, base)
+                check = chunk == chunks[0]
+                _measure(p, row, key, lambda c=chunk: fused(c), ref_grads if check else None)
+            if kind == "compiled":  # the gradient taken in the forward pass
+                for chunk in chunks:
+                    check = chunk == chunks[0]
+                    step = lambda c=chunk: in_forward(c)  # noqa: E731
+                    _measure(
+                        p, row, f"loss_in_forward_c{chunk}", step, ref_grads if check else None
+                    )
         finally:
             head_kernels.force_kernels(None)
     return row
+
+
+def _measure(
+    p: Probe, row: dict[str, Any], key: str, step: Callable[[], Any], ref: Any = None
+) -> None:
+    """Time ``step`` (a forward and backward returning its gradients) and its peak into
+    ``row``; with ``ref``, first its gradients against those (relative error each)."""
+    if ref is not None:
+        rel = [_rel(a, b) for a, b in zip(step(), ref, strict=True)]
+        row[f"{key}_grads_vs_ce"] = " / ".join(f"{r:.1e}" for r in rel)
+    base = _allocated(p.device)
+    row[f"{key}_ms"] = round(p.time_ms(step), 2)
+    row[f"{key}_peak_GiB"] = _peak(p.device, base)
 
 
 def head(p: Probe, shape: dict[str, int], sizes: list[int], chunks: list[int]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ down (Kubernetes stops pods with SIGTERM, which ``serve run`` would not survive)
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import signal
 import socket
@@ -131,7 +132,18 @@ def _check_reachable(address: str) -> None:
         ) from None
 
 
+def _check_sampler_stack(s: Settings) -> None:
+    """``--samplers`` on this machine's Ray needs vLLM here: say so in one line at start,
+    rather than as a sampler actor's traceback once the ranks are built."""
+    if s.samplers and not s.ray_address and importlib.util.find_spec("vllm") is None:
+        raise StartupError(
+            f"--samplers {s.samplers} needs vLLM, which is not installed: pip install "
+            "'trainctl[sampler]' (from a checkout: scripts/serve --samplers N installs it)"
+        )
+
+
 def _serve(s: Settings) -> int:
+    _check_sampler_stack(s)
     try:
         s.token()
     except OSError as e:

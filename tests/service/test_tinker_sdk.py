@@ -86,7 +86,7 @@ def test_forward_logprobs_equal_native_logprobs(svc: Service, training: Any) -> 
     got = out.result().loss_fn_outputs[0]["logprobs"].tolist()
     want = _native_logprobs(svc, TOKENS)[1:]
     assert len(got) == len(TOKENS) - 1
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_cross_entropy_steps_lower_the_loss(svc: Service, training: Any) -> None:
@@ -257,8 +257,10 @@ def test_forward_backward_custom_equals_the_same_loss_from_native_parts(
     sdk_norm = via_sdk.metrics["grad_norm:mean"]
     assert sdk_norm > 0
     assert by_hand.metrics["grad_norm:value"] == pytest.approx(sdk_norm, rel=1e-6, abs=1e-6)
-    gap = max(np.abs(np.subtract(a, b)).max() for a, b in zip(after_sdk, after_native, strict=True))
-    assert gap <= 1e-6, gap
+    # Log-probs of magnitude ~10 after a step taken two ways: held to their own precision,
+    # a few fp32 ulps (one ulp at 8 is 9.5e-7), not to an absolute 1e-6 (1.9e-6 was seen).
+    for a, b in zip(after_sdk, after_native, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_lora_rank_above_zero_is_refused_clearly(service_client: Any) -> None:
@@ -374,5 +376,7 @@ def test_raw_forward_is_protobuf_in_and_out_zstd_and_deduplicated(svc: Service) 
     assert got.headers["content-type"] == "application/x-protobuf"
     out = deserialize_forward_backward_output(got.content)
     want = _native_logprobs(svc, TOKENS)[1:]
-    np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].tolist(), want, atol=1e-6)
+    np.testing.assert_allclose(
+        out.loss_fn_outputs[0]["logprobs"].tolist(), want, rtol=1e-6, atol=1e-7
+    )
     assert abs(out.metrics["loss:sum"] + sum(want)) <= 1e-4 * abs(sum(want))

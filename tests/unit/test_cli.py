@@ -155,3 +155,24 @@ def test_the_gateway_port_must_answer_as_this_start(fake: FakeController) -> Non
     t0 = time.monotonic()
     cli._check_own_port(f"http://127.0.0.1:{free_port()}", "ours", timeout_s=1.0)
     assert 1.0 <= time.monotonic() - t0 < 10  # waited, then left it to readiness
+
+
+def test_serve_with_samplers_but_no_vllm_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before Ray or a rank starts: the one command that installs what is missing."""
+    import importlib.util
+
+    from trainctl.service.cli import serve_main
+    from trainctl.service.settings import Settings
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    assert serve_main(Settings(samplers=1, data_dir=tmp_path, port=0)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "trainctl: --samplers 1 needs vLLM, which is not installed: pip install "
+        "'trainctl[sampler]' (from a checkout: scripts/serve --samplers N installs it)"
+    ]

@@ -28,6 +28,8 @@ def test_probe_smoke_runs_every_section(tmp_path: Path) -> None:
             assert float(pack[f"{name}_vs_slices"]) < 1e-5, pack
     head = results["head"]["512_tokens"]
     assert float(head["fused_compiled_c256_lp_vs_ce"]) < 1e-4, head
+    for key in ("fused_compiled_c256_grads_vs_ce", "loss_in_forward_c256_grads_vs_ce"):
+        assert all(float(r) < 1e-4 for r in head[key].split(" / ")), (key, head)
     assert results["optimizer"]["adamw_fused_ms"] > 0
     # The compiled elementwise forms (what CUDA runs) compute what the eager ones do.
     ew = results["elementwise"]
