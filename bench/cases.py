@@ -261,7 +261,7 @@ def one_sequence_peak(eng: Any, tokens: int) -> dict[str, float]:
     plan = plan_step([seq], eng.cfg)
     mbs = plan.microbatches[eng.coords.dp]
     eng.train_pass(mbs, plan.loss)  # warm-up
-    eng.zero_grad()
+    eng.optim.zero_grad()
     dist.barrier()
     with PeakRSS() as m:
         t0 = time.perf_counter()
@@ -352,10 +352,10 @@ def _state_rank(
 
     params = sum(add(p) for c in eng.chunks for p in c.module.parameters())
     grads = sum(add(p.main_grad) for c in eng.chunks for p in c.module.parameters())
-    masters = sum(add(p) for g in eng.optimizer.param_groups for p in g["params"])
+    masters = sum(add(p) for g in eng.optim.optimizer.param_groups for p in g["params"])
     adam = sum(
         add(t)
-        for o in getattr(eng.optimizer, "chained_optimizers", [eng.optimizer])
+        for o in getattr(eng.optim.optimizer, "chained_optimizers", [eng.optim.optimizer])
         for st in o.optimizer.state.values()
         for t in st.values()
         if isinstance(t, torch.Tensor) and t.dim() > 0

@@ -61,8 +61,8 @@ def lora_state_case(precision: str, adapters: int, rank: int) -> dict[str, float
     torch.set_num_threads(1)
     eng = _engine(precision, adapters, rank)
     for i in range(adapters):
-        eng.create_adapter(AdapterSpec(name=f"a{i}", rank=rank, alpha=float(rank)))
-        eng.activate_adapter(f"a{i}")
+        eng.adapters.create(AdapterSpec(name=f"a{i}", rank=rank, alpha=float(rank)))
+        eng.adapters.activate(f"a{i}")
         _step(eng)
     if not adapters:
         _step(eng)
@@ -88,18 +88,19 @@ def lora_state_case(precision: str, adapters: int, rank: int) -> dict[str, float
     grads = sum(
         size(p.main_grad) for c in eng.chunks for p in c.module.parameters() if p.requires_grad
     )
-    masters = sum(size(p) for g in eng.optimizer.param_groups for p in g["params"])
+    masters = sum(size(p) for g in eng.optim.optimizer.param_groups for p in g["params"])
     adam = sum(
         size(t)
-        for o in getattr(eng.optimizer, "chained_optimizers", [eng.optimizer])
+        for o in getattr(eng.optim.optimizer, "chained_optimizers", [eng.optim.optimizer])
         for st in o.optimizer.state.values()
         for t in tensors(st)
     )
     slots = 0
-    if eng.adapters is not None:
-        eng.adapters.state()  # the active adapter stashed too: every slot complete
-        slots = sum(size(t) for s in eng.adapters.slots.values() for t in tensors(s.tensors))
-        slots += sum(size(t) for s in eng.adapters.slots.values() for t in tensors(s.optimizer))
+    bank = eng.adapters.bank
+    if bank is not None:
+        bank.state()  # the active adapter stashed too: every slot complete
+        slots = sum(size(t) for s in bank.slots.values() for t in tensors(s.tensors))
+        slots += sum(size(t) for s in bank.slots.values() for t in tensors(s.optimizer))
     base = sum(p.numel() for n, p in eng._parameters() if not n.endswith((".lora_a", ".lora_b")))
     return {
         "base_parameters": float(base),
@@ -129,16 +130,16 @@ def lora_switch_case(
     names = ("a", "b", "c") if disk else ("a", "b")
     eng = _engine(precision, len(names), rank, tempfile.mkdtemp() if disk else "")
     for name in names:
-        eng.create_adapter(AdapterSpec(name=name, rank=rank, alpha=float(rank)))
-        eng.activate_adapter(name)
+        eng.adapters.create(AdapterSpec(name=name, rank=rank, alpha=float(rank)))
+        eng.adapters.activate(name)
         _step(eng)
     switch, same = [], []
     for i in range(repeats):
         t0 = time.perf_counter()
-        eng.activate_adapter(names[i % len(names)])
+        eng.adapters.activate(names[i % len(names)])
         switch.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        eng.activate_adapter(names[i % len(names)])
+        eng.adapters.activate(names[i % len(names)])
         same.append(time.perf_counter() - t0)
     bank = eng.adapters
     per_adapter = sum(s.nbytes for s in bank.slots.values()) / len(bank.slots)

@@ -218,11 +218,11 @@ def step_and_collect(
             )
         )
         if i + 1 < len(losses):
-            r["grad_norm"] = eng.grad_norm()
-            eng.zero_grad()
+            r["grad_norm"] = eng.optim.grad_norm()
+            eng.optim.zero_grad()
         else:
-            r["grad_norm"] = eng.update_local()
-            eng.publish()
+            r["grad_norm"] = eng.optim.update_local()
+            eng.optim.publish()
             out["shard_params"] = numpy_shards(eng.canonical_shards(owned=True))
             out["dummies"] = plan.num_dummies
             out["real_microbatches"] = sum(not mb.is_dummy for mb in mbs)
@@ -236,8 +236,8 @@ def _warm_adapter(eng: Any, adapter: dict[str, Any], packing: str) -> None:
     from trainctl.workers.engine.boundary import AdapterSpec
 
     spec = AdapterSpec(**{**adapter, "targets": tuple(adapter["targets"])})
-    eng.create_adapter(spec)
-    eng.activate_adapter(spec.name)
+    eng.adapters.create(spec)
+    eng.adapters.activate(spec.name)
     plan = plan_step(to_host(ragged_batch(1)), eng.cfg, loss=LossConfig(), packing=packing)
     eng.train_batch(plan.microbatches[eng.coords.dp], LossConfig())
 
@@ -285,7 +285,7 @@ def tied_embedding_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dic
         ]
 
     after_step = [p.detach().clone().numpy() for p in tied()]
-    state = through_disk(eng.checkpoint_state())  # as written to disk: no shared storage
+    state = through_disk(eng.checkpoint.state())  # as written to disk: no shared storage
     with_names = [
         k
         for sd in state["chunks"]
@@ -294,7 +294,7 @@ def tied_embedding_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dic
     ]
     for p in tied():
         p.data.add_(1.0)  # the load must restore it, the copy from the first stage
-    eng.load_checkpoint_state(state)
+    eng.checkpoint.load(state)
     return {
         "pp": eng.coords.pp,
         "after_step": after_step,

@@ -57,8 +57,8 @@ def lora_from_hf(
     )
     eng = EngineShard(cfg)
     spec = AdapterSpec(**{**adapter, "targets": tuple(adapter["targets"])})
-    eng.create_adapter(spec)
-    eng.activate_adapter(spec.name)
+    eng.adapters.create(spec)
+    eng.adapters.activate(spec.name)
 
     def plan(seqs: list[list[int]]) -> Any:
         req = LogProbsRequest(sequences=[{"tokens": t} for t in seqs])

@@ -29,27 +29,29 @@ def train_adapters(cfg: dict[str, Any], order: str, delete_after: str = "") -> d
     eng = EngineShard(EngineConfig.from_dict(cfg))
     base = eng.weights_digest()
     for name in dict.fromkeys(order):
-        eng.create_adapter(AdapterSpec(**ADAPTERS[name]))
+        eng.adapters.create(AdapterSpec(**ADAPTERS[name]))
     seen = dict.fromkeys(ADAPTERS, 0)
     out: dict[str, Any] = {"losses": {}, "digests": {}}
     for name in order:
-        eng.activate_adapter(name)
+        eng.adapters.activate(name)
         seed = SEED_OFFSET[name] + seen[name]
         seen[name] += 1
         plan = plan_step(to_host(ragged_batch(seed)), eng.cfg, loss=LossConfig())
         r = eng.train_batch(plan.microbatches[eng.coords.dp], LossConfig())
         out["losses"].setdefault(name, []).append((r.loss, r.grad_norm))
     for name in dict.fromkeys(order):
-        out["digests"][name] = eng.adapter_digest(name)
-    out["steps"] = {i.spec.name: i.step for i in eng.adapter_infos()}
+        out["digests"][name] = eng.adapters.digest(name)
+    out["steps"] = {i.spec.name: i.step for i in eng.adapters.infos()}
     out["base"] = (base, eng.weights_digest())
     out["on_disk"] = sorted(
-        s.spec.name for s in eng.adapters.slots.values() if s.path is not None and s.path.is_file()
+        s.spec.name
+        for s in eng.adapters.bank.slots.values()
+        if s.path is not None and s.path.is_file()
     )
     if delete_after:
-        eng.delete_adapter(delete_after)
-        out["after_delete"] = eng.adapter_digest("a")
-        out["left"] = sorted(i.spec.name for i in eng.adapter_infos())
+        eng.adapters.delete(delete_after)
+        out["after_delete"] = eng.adapters.digest("a")
+        out["left"] = sorted(i.spec.name for i in eng.adapters.infos())
     return out
 
 
@@ -65,12 +67,12 @@ def split_steps(cfg: dict[str, Any], order: str) -> dict[str, Any]:
 
     eng = EngineShard(EngineConfig.from_dict(cfg))
     for name in sorted({c.lower() for c in order}):
-        eng.create_adapter(AdapterSpec(**ADAPTERS[name]))
+        eng.adapters.create(AdapterSpec(**ADAPTERS[name]))
     seen = dict.fromkeys(ADAPTERS, 0)
     norms: dict[str, list[float]] = {name: [] for name in ADAPTERS}
     for c in order:
         name = c.lower()
-        eng.activate_adapter(name)
+        eng.adapters.activate(name)
         if c.islower():
             plan = plan_step(
                 to_host(ragged_batch(SEED_OFFSET[name] + seen[name])),
@@ -81,11 +83,11 @@ def split_steps(cfg: dict[str, Any], order: str) -> dict[str, Any]:
         else:
             norms[name].append(eng.finish_window(100.0))
             eng.apply()
-            eng.publish()
+            eng.optim.publish()
     names = sorted({c.lower() for c in order})
-    on_disk = sorted(s.spec.name for s in eng.adapters.slots.values() if s.path is not None)
+    on_disk = sorted(s.spec.name for s in eng.adapters.bank.slots.values() if s.path is not None)
     return {
         "norms": norms,
-        "digests": {n: eng.adapter_digest(n) for n in names},
+        "digests": {n: eng.adapters.digest(n) for n in names},
         "on_disk": on_disk,
     }

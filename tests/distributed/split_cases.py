@@ -40,7 +40,7 @@ def split_step_case(
     norm_value = eng.finish_window(divisor)
     grads = numpy_shards(eng.canonical_shards(grads=True, owned=True))
     eng.apply()
-    eng.publish()
+    eng.optim.publish()
     return {
         "coords": {"tp": eng.coords.tp},
         "is_last_stage": eng.is_last_stage,

@@ -28,10 +28,10 @@ def train_steps_case(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
         r = eng.train_batch(plan.microbatches[eng.coords.dp], LossConfig())
         losses.append(r.loss)
         norms.append(r.grad_norm)
-    masters = [p for g in eng.optimizer.param_groups for p in g["params"]]
+    masters = [p for g in eng.optim.optimizer.param_groups for p in g["params"]]
     states = [
         t
-        for o in getattr(eng.optimizer, "chained_optimizers", [eng.optimizer])
+        for o in getattr(eng.optim.optimizer, "chained_optimizers", [eng.optim.optimizer])
         for s in o.optimizer.state.values()
         for t in s.values()
         if isinstance(t, torch.Tensor) and t.dim() > 0
@@ -66,11 +66,11 @@ def checkpoint_restore_case(cfg: dict[str, Any]) -> dict[str, Any]:
         return r.loss, r.grad_norm
 
     step(0)
-    saved = through_disk(eng.checkpoint_state())
+    saved = through_disk(eng.checkpoint.state())
     digest_saved = eng.weights_digest()
     first = [step(1), step(2)]
     digest_first = eng.weights_digest()
-    eng.load_checkpoint_state(saved)
+    eng.checkpoint.load(saved)
     digest_loaded = eng.weights_digest()
     again = [step(1), step(2)]
     return {

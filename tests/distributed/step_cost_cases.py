@@ -76,7 +76,7 @@ def layer_traffic(lengths: list[int]) -> dict[str, Any]:
             return func(*args, **(kw or {}))
 
     eng.train_pass(mbs, LossConfig())  # warm: lazily made state stays out of the count
-    eng.zero_grad()
+    eng.optim.zero_grad()
     with Copies(), Bytes():
         eng.train_pass(mbs, LossConfig())
     eng.close()
@@ -149,7 +149,7 @@ def norm_ops(cfg: dict[str, Any]) -> dict[str, Any]:
 
     eng = EngineShard(EngineConfig.from_dict(cfg))
     eng.train_pass(_plan(eng, [40, 17, 64]), LossConfig())
-    eng.grad_norm()  # builds the plan
+    eng.optim.grad_norm()  # builds the plan
     ops: list[str] = []
 
     class Count(TorchDispatchMode):
@@ -158,7 +158,7 @@ def norm_ops(cfg: dict[str, Any]) -> dict[str, Any]:
             return func(*args, **(kw or {}))
 
     with Count():
-        norm = eng.grad_norm()
+        norm = eng.optim.grad_norm()
     out = {
         "ops": ops,
         "norm": float(norm),
@@ -182,7 +182,7 @@ def params_after_steps(cfg: dict[str, Any], steps: int, foreach: bool) -> dict[s
 
     eng = EngineShard(EngineConfig.from_dict(cfg))
     if foreach:
-        for o in inner_optimizers(eng.optimizer):
+        for o in inner_optimizers(eng.optim.optimizer):
             for g in o.optimizer.param_groups:
                 g["fused"], g["foreach"] = False, True
     from trainctl.workers.control.plan import plan_step
@@ -192,7 +192,9 @@ def params_after_steps(cfg: dict[str, Any], steps: int, foreach: bool) -> dict[s
         plan = plan_step(to_host(ragged_batch(i)), eng.cfg, loss=LossConfig(), packing="flat")
         report = eng.train_batch(plan.microbatches[eng.coords.dp], LossConfig())
         norms.append(report.grad_norm)
-    fused = [g["fused"] for o in inner_optimizers(eng.optimizer) for g in o.optimizer.param_groups]
+    fused = [
+        g["fused"] for o in inner_optimizers(eng.optim.optimizer) for g in o.optimizer.param_groups
+    ]
     out = {
         "coords": {"tp": eng.coords.tp, "pp": eng.coords.pp, "dp": eng.coords.dp},
         "shard_params": numpy_shards(eng.canonical_shards(owned=True)),
@@ -226,7 +228,7 @@ def grads_with_the_head_gradient(cfg: dict[str, Any], in_forward: bool) -> dict[
             "coords": {"tp": eng.coords.tp, "pp": eng.coords.pp, "dp": eng.coords.dp},
             "loss": result.loss,
             "metrics": result.metrics,
-            "norm": float(eng.grad_norm()),
+            "norm": float(eng.optim.grad_norm()),
             "grads": numpy_shards(eng.canonical_shards(grads=True, owned=True)),
         }
         eng.close()

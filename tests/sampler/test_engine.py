@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
-import engine_cases as cases
+import one_engine_cases as cases
 
 
 def test_a_failing_request_and_a_misshapen_load_leave_the_engine_serving() -> None:

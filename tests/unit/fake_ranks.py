@@ -104,7 +104,8 @@ def controller(data: Path, world_size: int = 2, **kwargs: Any) -> tuple[Any, Fak
     """A real ``Controller`` over a ``FakeRankGroup``; call ``await c.start()`` first."""
     from trainctl.workers.control.controller import Controller
 
-    c = Controller(EngineConfig().to_dict(), data_root=str(data), rank_num_cpus=1, **kwargs)
     fake = FakeRankGroup(world_size)
-    c.group = c.steps.group = c.recorder.group = fake  # type: ignore[assignment]
+    c = Controller(
+        EngineConfig().to_dict(), data_root=str(data), rank_num_cpus=1, group=fake, **kwargs
+    )
     return c, fake

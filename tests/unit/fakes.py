@@ -28,10 +28,10 @@ from trainctl.api import (
     StepResult,
     TrainBatchRequest,
 )
-from trainctl.workers.control.op_queue import Handle, OperationHost, OperationQueue
+from trainctl.workers.control.op_queue import Handle, OperationQueue, Operations
 
 
-class FakeController(OperationHost):
+class FakeController:
     def __init__(self, vocab_size: int = 100, max_seq_len: int = 16, max_queued: int = 64) -> None:
         self.limits = ModelLimits(vocab_size=vocab_size, max_seq_len=max_seq_len)
         self.calls: list[str] = []
@@ -41,6 +41,10 @@ class FakeController(OperationHost):
         self.ready = True
         self.delay_s = 0.0
         self.queue = OperationQueue(max_queued=max_queued)
+        self.operations = Operations(self.queue, self._prepare, lambda: None)
+        self.submit, self.run, self.operation = (
+            self.operations.submit, self.operations.run, self.operations.operation,
+        )  # fmt: skip
         self.files: dict[str, bytes] = {}
         self.file_name = "snapshot_rank00_p0d0c0t0.trace.json"
         """The name the profile lists its file under (a hostile server may pick any)."""

@@ -73,7 +73,7 @@ def test_a_key_is_kept_once_the_step_applied_even_if_the_call_fails_after(
         second = await _step(c, key="b")
         assert second.step == 2 and "rank was lost" in second.warnings[0]
         await c.queue.idle()  # the recovery restores step-000001
-        assert c.step == 1 and c.recovery is not None
+        assert c.step == 1 and c.recovery.last is not None
         retry = await c.run(OperationKind.OPTIM_STEP, OptimStepRequest(), "b", "b")
         assert retry == second and ranks.calls.count("apply") == 2
 
@@ -101,7 +101,7 @@ def test_recovery_restores_the_newest_history_not_the_highest_step(tmp_path: Pat
         await c.queue.idle()
         assert c.queue.get(op.id).error is not None
         assert c.step == 3 and ranks.version == 3, (c.step, ranks.version)
-        assert c.steps_lost == 0
+        assert c.recovery.steps_lost == 0
         latest = (await c.list_checkpoints()).checkpoints[-1]
         assert (latest.checkpoint_id, latest.step) == ("step-000003", 3)
 
@@ -159,7 +159,7 @@ def test_a_load_that_fails_on_one_rank_changes_no_rank(tmp_path: Path) -> None:
             assert "ValueError" in str(e), e
         else:
             raise AssertionError("the load of a corrupt shard succeeded")
-        assert ranks.version == 2 and c.step == 2 and c.recovery is None
+        assert ranks.version == 2 and c.step == 2 and c.recovery.last is None
         assert "apply_checkpoint" not in ranks.calls and "drop_staged" in ranks.calls
         assert (await c.info()).weights_digest == before
 
@@ -169,7 +169,7 @@ def test_a_load_that_fails_on_one_rank_changes_no_rank(tmp_path: Path) -> None:
                             LoadCheckpointRequest(checkpoint_id="step-000002"))  # fmt: skip
         await c.queue.idle()
         assert c.queue.get(op.id).error is not None
-        assert c.recovery is not None and c.recovery.restored_checkpoint == "step-000002"
+        assert c.recovery.last is not None and c.recovery.last.restored_checkpoint == "step-000002"
 
     asyncio.run(main())
 

@@ -34,27 +34,29 @@ from trainctl.api import (
     MemoryProfileResult,
     ModelLimits,
     NotReadyError,
+    Operation,
     OperationKind,
     RankInfo,
-    RecoveryInfo,
+    SampleRequest,
+    SampleResult,
     TrainctlError,
 )
 from trainctl.workers.control import logs
 from trainctl.workers.control.adapters import Adapters
 from trainctl.workers.control.checkpoints import CheckpointStore
 from trainctl.workers.control.group import GroupLostError
-from trainctl.workers.control.op_queue import Handle, OperationHost, OperationQueue, Runner
+from trainctl.workers.control.op_queue import Handle, OperationQueue, Operations, Runner
 from trainctl.workers.control.profile_store import ProfileStore
 from trainctl.workers.control.profiles import ProfileRecorder
 from trainctl.workers.control.rank_group import RankGroup
-from trainctl.workers.control.recovery import RecoveryPart
-from trainctl.workers.control.sampling import SamplerSettings, SamplingPart
-from trainctl.workers.control.saves import PARTIAL_EXPORT, SavesPart
+from trainctl.workers.control.recovery import Recovery
+from trainctl.workers.control.sampling import Samplers, SamplerSettings
+from trainctl.workers.control.saves import PARTIAL_EXPORT, Saves
+from trainctl.workers.control.serving import Serving, WeightsVersion
 from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.control.telemetry import ControllerMetrics
 from trainctl.workers.control.trackers import TrackerLog, open_trackers
 from trainctl.workers.engine.config import EngineConfig
-from trainctl.workers.sampler.pool import SamplerPool
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,12 @@ def _versions() -> dict[str, str]:
     return out
 
 
-class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
-    """Plain class; ``ControllerActor`` below is its Ray actor."""
+class Controller:
+    """Owns the served model's lifecycle (start, drain, shutdown), the table of operations and
+    ``info``; each concern is a collaborator built here: ``group`` (the ranks), ``steps`` (the
+    step operations), ``adapters``, ``saves`` (checkpoints, exports), ``samplers``,
+    ``recovery``, ``recorder`` (memory profiles). Plain class; ``ControllerActor`` below is its
+    Ray actor."""
 
     def __init__(
         self,
@@ -93,22 +99,23 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
         resume: bool = True,
         metrics_log: str | None = None,
         samplers: SamplerSettings | None = None,
+        group: Any = None,
     ) -> None:
+        """``group``: the rank group to drive (tests give a fake one); by default the real
+        ``RankGroup`` of ``cfg``."""
         logs.configure()
         self.cfg = EngineConfig.from_dict(cfg).validate()
         root = Path(data_root)
         self.profiles = ProfileStore(profile_root or str(root / "profiles"))
         self.checkpoints = CheckpointStore(root / "checkpoints", keep=keep_checkpoints)
-        self.export_root = root / "exports"
         self.checkpoint_every_steps = checkpoint_every_steps
         self.resume = resume
-        self.recovery: RecoveryInfo | None = None
-        self.steps_lost = 0
-        self.group = RankGroup(self.cfg, num_cpus=rank_num_cpus, num_gpus=rank_num_gpus)
+        self.group: RankGroup = group or RankGroup(
+            self.cfg, num_cpus=rank_num_cpus, num_gpus=rank_num_gpus
+        )
         self.state = ModelState()
-        self._weights_epoch = 0
-        """Bumped by every load and rebuild: with the step, the version of the weights."""
-        self._digest_cache: tuple[tuple[int, int], list[str]] | None = None
+        self.version = WeightsVersion(self.group, self.state)
+        self.serving = Serving()
         m = self.cfg.model
         self.limits = ModelLimits(
             vocab_size=m.vocab_size,
@@ -122,16 +129,26 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
             self.cfg, self.group, self.state, after_train=self._after_train,
             adapter_state=self.adapters.state if self.cfg.lora.enabled else None,
         )  # fmt: skip
-        self.sampler_settings = samplers or SamplerSettings()
-        self.samplers: SamplerPool | None = None
         self.recorder = ProfileRecorder(self.group, self.profiles, self.state)
-        self.ready = False
-        self.waiting: str | None = None
-        """Why the workers cannot be rebuilt yet (a lost node): the 503's message."""
-        self.draining = False
         self.start_lock = asyncio.Lock()
         self.queue = OperationQueue(max_queued=max_queued_operations)
+        self.operations = Operations(self.queue, self._prepare, self.serving.check)
         self.metrics = ControllerMetrics(lambda: self.queue.depth, lambda: self.queue.evicted)
+        self.samplers = Samplers(
+            cfg=self.cfg, limits=self.limits, group=self.group, state=self.state,
+            settings=samplers or SamplerSettings(), metrics=self.metrics,
+            adapters=self.adapters, serving=self.serving,
+        )  # fmt: skip
+        self.saves = Saves(
+            cfg=self.cfg, checkpoints=self.checkpoints, export_root=root / "exports",
+            group=self.group, state=self.state, adapters=self.adapters, version=self.version,
+            after_load=self.samplers.sync_after_load,
+        )  # fmt: skip
+        self.recovery = Recovery(
+            serving=self.serving, group=self.group, queue=self.queue, state=self.state,
+            adapters=self.adapters, saves=self.saves, samplers=self.samplers,
+            version=self.version, info=self.info,
+        )  # fmt: skip
         self.queue.listeners.append(self.metrics.observe)
         self.trackers = TrackerLog(open_trackers(metrics_log, root))
         self.queue.listeners.append(self._track)
@@ -143,12 +160,12 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
             OperationKind.OPTIM_STEP: self.steps.optim_step,
             OperationKind.START_MEMORY_PROFILE: self.recorder.start,
             OperationKind.STOP_MEMORY_PROFILE: self.recorder.stop,
-            OperationKind.SAVE_CHECKPOINT: self._save_op,
-            OperationKind.LOAD_CHECKPOINT: self._load_op,
-            OperationKind.EXPORT_HF: self._export,
-            OperationKind.SYNC_WEIGHTS: self._sync_op,
-            OperationKind.CREATE_ADAPTER: self._create_adapter_op,
-            OperationKind.DELETE_ADAPTER: self._delete_adapter_op,
+            OperationKind.SAVE_CHECKPOINT: self.saves.save_op,
+            OperationKind.LOAD_CHECKPOINT: self.saves.load_op,
+            OperationKind.EXPORT_HF: self.saves.export_op,
+            OperationKind.SYNC_WEIGHTS: self.samplers.sync_op,
+            OperationKind.CREATE_ADAPTER: self.samplers.create_adapter_op,
+            OperationKind.DELETE_ADAPTER: self.samplers.delete_adapter_op,
         }
 
     @property
@@ -165,14 +182,14 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
         await self.group.place()
         await self.group.spawn()
         self.checkpoints.sweep_partial()
-        for d in self.export_root.glob(f"{PARTIAL_EXPORT}*"):  # a crash's leftovers
+        for d in self.saves.export_root.glob(f"{PARTIAL_EXPORT}*"):  # a crash's leftovers
             shutil.rmtree(d, ignore_errors=True)
-        latest = self._latest_checkpoint()
+        latest = self.saves.latest()
         if self.resume and latest is not None:
-            await self._load(latest.checkpoint_id)
+            await self.saves.load(latest.checkpoint_id)
             log.info("resumed from checkpoint %s (step %d)", latest.checkpoint_id, self.step)
-        await self._start_samplers()
-        self.ready = True
+        await self.samplers.start()
+        self.serving.ready = True
         log.info("%d ranks ready in %.1fs", self.group.world_size, time.perf_counter() - t0)
         return await self.info()
 
@@ -184,37 +201,47 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
 
     async def drain(self) -> None:
         """Refuse new work, fail what is queued, and let the operation in flight finish."""
-        self.draining = True
+        self.serving.draining = True
         n = self.queue.fail_pending(NotReadyError("the service is shutting down"))
         if n:
             log.info("failed %d queued operation(s): shutting down", n)
         await self.queue.idle()
-        if self.samplers is not None:
-            await self.samplers.drain()
+        if self.samplers.pool is not None:
+            await self.samplers.pool.drain()
 
     async def shutdown(self, checkpoint: bool = False) -> None:
         """Drain; with ``checkpoint``, save the training state if it changed since the last
         checkpoint; then stop every rank."""
         await self.drain()
-        if checkpoint and self.ready and self.step != self.state.last_checkpoint_step:
+        if checkpoint and self.serving.ready and self.step != self.state.last_checkpoint_step:
             try:
-                saved = await self._save()
+                saved = await self.saves.save()
                 log.info("saved checkpoint %s on the way out", saved.checkpoint_id)
             except Exception:
                 log.exception("could not save a checkpoint on shutdown")
         self.group.kill(release=True)
-        if self.samplers is not None:
-            self.samplers.kill()
+        if self.samplers.pool is not None:
+            self.samplers.pool.kill()
         self.trackers.close()
-        self.ready = False
+        self.serving.ready = False
 
     # -- operations --------------------------------------------------------------------------
 
-    def _check_serving(self) -> None:
-        if self.draining:
-            raise NotReadyError("the service is shutting down")
-        if not self.ready:
-            raise NotReadyError(self.waiting or "the workers are still starting; retry shortly")
+    async def submit(
+        self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
+    ) -> Operation:
+        """Queue an operation, or return the one already submitted under ``key``."""
+        return await self.operations.submit(kind, req, key, fingerprint)
+
+    async def run(
+        self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
+    ) -> Any:
+        """``submit`` and wait: the operation's result, or its error raised."""
+        return await self.operations.run(kind, req, key, fingerprint)
+
+    async def operation(self, op_id: str, wait_s: float = 0.0) -> Operation:
+        """The operation's state; with ``wait_s``, once finished or after that many seconds."""
+        return await self.operations.operation(op_id, wait_s)
 
     async def _prepare(self, kind: OperationKind, req: BaseModel | None) -> Runner:
         """Validate (and plan) ``req`` now; return what runs it in its turn. A batch is
@@ -230,7 +257,7 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
             try:
                 return await run(h)
             except GroupLostError as e:
-                self._begin_recovery(e.cause)
+                self.recovery.begin(e.cause)
                 raise
 
         return guarded
@@ -248,8 +275,8 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
         warnings = []
         if adapter is None:
             warnings = [w for w in (await self._scheduled_checkpoint(h),) if w]
-        if self.ready:  # not while the ranks are being restored
-            warning = await self._sync_after_change(adapter)
+        if self.serving.ready:  # not while the ranks are being restored
+            warning = await self.samplers.sync_after_change(adapter)
             if warning:
                 warnings.append(warning)
         return warnings
@@ -258,9 +285,9 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
         if not self.checkpoint_every_steps or self.step % self.checkpoint_every_steps:
             return None
         try:
-            await self._save(h)
+            await self.saves.save(h)
         except GroupLostError as e:
-            self._begin_recovery(e.cause)
+            self.recovery.begin(e.cause)
             return (
                 f"step {self.step} was applied, but a rank was lost while its scheduled "
                 f"checkpoint was written ({e.cause}); the workers are being restored from "
@@ -306,13 +333,13 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
         answer is an error (never an empty digest); while the workers are rebuilt the digests
         are null, so that ``info`` keeps answering."""
         meta = self.group.meta
-        digests: list[str] | None = await self._digests() if self.ready else None
+        digests: list[str] | None = await self.version.digests() if self.serving.ready else None
         per_rank: list[str | None] = [None] * len(meta) if digests is None else [*digests]
         cfg = self.cfg
         return Info(
             model_name=Path(cfg.init_hf).name if cfg.init_hf else DEFAULT_MODEL_NAME,
             model=dict(cfg.to_dict()["model"]),
-            layout=self._layout(),
+            layout=self.saves.layout(),
             engine={
                 "max_tokens_per_microbatch": cfg.max_tokens_per_microbatch,
                 "logprob_chunk_size": cfg.logprob_chunk_size,
@@ -336,25 +363,20 @@ class Controller(RecoveryPart, SavesPart, SamplingPart, OperationHost):
             ],
             versions=_versions(),
             limits=self.limits,
-            recovery=self.recovery,
-            steps_lost=self.steps_lost,
-            samplers=None if self.samplers is None else self.samplers.info(),
+            recovery=self.recovery.last,
+            steps_lost=self.recovery.steps_lost,
+            samplers=None if self.samplers.pool is None else self.samplers.pool.info(),
         )
 
-    async def _digests(self) -> list[str]:
-        """Every rank's weights digest, hashed once per version of the weights: a step, a
-        load or a rebuild makes a new version (``info`` is polled; hashing is not free)."""
-        version = (self.step, self._weights_epoch)
-        if self._digest_cache is None or self._digest_cache[0] != version:
-            self._digest_cache = (version, await self.group.digests())
-        return list(self._digest_cache[1])
-
     async def is_ready(self) -> bool:
-        return self.ready and not self.draining
+        return self.serving.taking_work
 
     async def sampler_statuses(self) -> dict[str, int] | None:
         """The sampler engines counted by status (None: no samplers)."""
-        return None if self.samplers is None else self.samplers.statuses()
+        return None if self.samplers.pool is None else self.samplers.pool.statuses()
+
+    async def sample(self, req: SampleRequest) -> SampleResult:
+        return await self.samplers.sample(req)
 
     async def model_limits(self) -> ModelLimits:
         return self.limits

@@ -261,30 +261,28 @@ class OperationQueue:
                 del self._by_key[h.key]
 
 
-class OperationHost:
-    """The operations API of a controller: ``submit``, ``run`` and ``operation``.
+class Operations:
+    """The operations API over a queue: ``submit``, ``run`` and ``operation``. ``prepare``
+    validates and plans a request *before* it is queued (so a rejected request never queues)
+    and returns its runner; ``check`` raises ``NotReadyError`` when no new work is taken."""
 
-    A subclass provides ``queue`` and ``_prepare(kind, req)`` - which validates and plans the
-    request *before* it is queued (so a rejected request never queues) and returns the runner.
-    """
-
-    queue: OperationQueue
-
-    async def _prepare(self, kind: OperationKind, req: Any) -> Runner:
-        raise NotImplementedError
-
-    def _check_serving(self) -> None:
-        """Raise ``NotReadyError`` if no new work is taken now."""
+    def __init__(
+        self,
+        queue: OperationQueue,
+        prepare: Callable[[OperationKind, Any], Awaitable[Runner]],
+        check: Callable[[], None],
+    ) -> None:
+        self.queue, self.prepare, self.check = queue, prepare, check
 
     async def submit(
         self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
     ) -> Operation:
         """Queue an operation, or return the one already submitted under ``key``."""
-        self._check_serving()
+        self.check()
         existing = self.queue.find(kind, key, fingerprint)
         if existing is not None:
             return existing
-        run = await self._prepare(kind, req)
+        run = await self.prepare(kind, req)
         return self.queue.submit(kind, run, key=key, fingerprint=fingerprint)
 
     async def run(

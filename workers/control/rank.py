@@ -23,12 +23,13 @@ from typing import Any
 from trainctl.workers.control import logs
 from trainctl.workers.control.batch import StepPlan
 from trainctl.workers.control.op_queue import current_operation
-from trainctl.workers.control.rank_export import ExportPart, tensor_bytes
+from trainctl.workers.control.rank_export import Exporter, Part, tensor_bytes
 from trainctl.workers.engine.boundary import (
     AdapterInfo,
     AdapterSpec,
     Applied,
     LogProbsPart,
+    OwnedShards,
     PartResult,
     RankMeta,
     RankProfile,
@@ -36,6 +37,7 @@ from trainctl.workers.engine.boundary import (
     WrittenFile,
 )
 from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.sampler.spec import PeftAdapter
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +80,11 @@ def _operation(op_id: str) -> Iterator[None]:
         current_operation.reset(token)
 
 
-class RankWorker(ExportPart):
-    """Plain class; ``workers.controller`` wraps it with ``ray.remote``."""
+class RankWorker:
+    """One rank: its process group, its ``EngineShard`` (``engine``) and the rank's side of
+    checkpoints and exports (``exporter``). Its methods are what the controller calls through
+    Ray; each delegates to the collaborator that owns the work. Plain class;
+    ``workers.controller`` wraps it with ``ray.remote``."""
 
     def __init__(self, rank: int, world_size: int, num_threads: int = 1) -> None:
         import torch
@@ -90,6 +95,7 @@ class RankWorker(ExportPart):
         self.rank = rank
         self.world_size = world_size
         self.engine: Any = None
+        self.exporter: Exporter | None = None
         self._faults: dict[str, int] = {}
         self._store: Any = None
         self._listener: Any = None
@@ -142,6 +148,7 @@ class RankWorker(ExportPart):
         from trainctl.workers.engine.shard import EngineShard
 
         self.engine = EngineShard(cfg)
+        self.exporter = Exporter(self.engine)
         return RankMeta(
             coords=self.engine.coords,
             parameters=self.engine.num_parameters(),
@@ -152,14 +159,14 @@ class RankWorker(ExportPart):
     def _shard(self, plan: StepPlan) -> Any:
         self._check_fault("forward")
         self.engine.profiler.pause_if_expired()  # a CPU profile's recording is capped
-        self.engine.activate_adapter(plan.adapter)
+        self.engine.adapters.activate(plan.adapter)
         return plan.microbatches[self.engine.coords.dp]
 
     def accumulate(self, plan: StepPlan, op_id: str = "-") -> StepReport:
         """Phase 1 of a train step: forward/backward; gradients held until ``apply``."""
         with _operation(op_id):
             report = self.engine.accumulate(self._shard(plan), plan.loss)
-            self._fault_point("accumulate_end", undo=self.engine.zero_grad)
+            self._fault_point("accumulate_end", undo=self.engine.optim.zero_grad)
             return report  # type: ignore[no-any-return]
 
     def _fault_point(self, phase: str, *, undo: Callable[[], None]) -> None:
@@ -201,7 +208,7 @@ class RankWorker(ExportPart):
         ``adapter``'s window, with adapters)."""
         with _operation(op_id):
             self._check_fault("finish_window")
-            self.engine.activate_adapter(adapter)
+            self.engine.adapters.activate(adapter)
             return float(self.engine.finish_window(divisor))
 
     def publish(self, op_id: str = "-") -> float:
@@ -210,12 +217,12 @@ class RankWorker(ExportPart):
         with _operation(op_id):
             t0 = time.perf_counter()
             self._check_fault("publish")
-            self.engine.publish()
+            self.engine.optim.publish()
             return time.perf_counter() - t0
 
     def discard(self) -> None:
         """Drop the accumulated gradients (another rank failed phase 1)."""
-        self.engine.zero_grad()
+        self.engine.optim.zero_grad()
 
     def eval_batch(self, plan: StepPlan, op_id: str = "-") -> StepReport:
         with _operation(op_id):
@@ -249,7 +256,7 @@ class RankWorker(ExportPart):
 
         path = Path(directory) / f"rank-{self.rank:05d}.pt"
         tmp = path.with_suffix(".pt.partial")
-        state = self.engine.checkpoint_state()
+        state = self.engine.checkpoint.state()
         needed = tensor_bytes(state)
         if shutil.disk_usage(directory).free < needed:
             raise _no_space(self.rank, needed, directory)
@@ -273,7 +280,7 @@ class RankWorker(ExportPart):
 
         path = Path(directory) / f"rank-{self.rank:05d}.pt"
         state = torch.load(path, map_location="cpu", weights_only=True)
-        self.engine.check_checkpoint_state(state)
+        self.engine.checkpoint.check(state)
         self._staged = state
 
     def apply_checkpoint(self, optimizer: bool = True) -> int:
@@ -281,7 +288,7 @@ class RankWorker(ExportPart):
         state, self._staged = self._staged, None
         if state is None:
             raise RuntimeError("apply_checkpoint without a staged checkpoint")
-        self.engine.load_checkpoint_state(state, optimizer=optimizer)
+        self.engine.checkpoint.load(state, optimizer=optimizer)
         return int(self.engine.step)
 
     def drop_staged(self) -> None:
@@ -290,13 +297,13 @@ class RankWorker(ExportPart):
     # -- adapters (workers/engine/adapters.py) -----------------------------------------------
 
     def create_adapter(self, spec: AdapterSpec) -> None:
-        self.engine.create_adapter(spec)
+        self.engine.adapters.create(spec)
 
     def delete_adapter(self, name: str) -> None:
-        self.engine.delete_adapter(name)
+        self.engine.adapters.delete(name)
 
     def adapter_infos(self) -> list[AdapterInfo]:
-        return self.engine.adapter_infos()  # type: ignore[no-any-return]
+        return self.engine.adapters.infos()  # type: ignore[no-any-return]
 
     # -- fault injection (operators and tests, through Ray only: not on the HTTP API) ---------
 
@@ -318,6 +325,30 @@ class RankWorker(ExportPart):
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    # -- exports (the exporter's) ---------------------------------------------------------------
+
+    def _export(self) -> Exporter:
+        if self.exporter is None:
+            raise RuntimeError("this rank has no engine yet (build first)")
+        return self.exporter
+
+    def canonical_shards(self, part: Part = "base", adapter: str | None = None) -> OwnedShards:
+        return self._export().canonical_shards(part, adapter)
+
+    def write_hf(
+        self, directory: str, parts: list[Any], adapter: str | None = None, merged: bool = False
+    ) -> list[WrittenFile]:
+        return self._export().write_hf(directory, parts, adapter, merged)
+
+    def hf_weights(self, parts: list[Any]) -> tuple[dict[str, Any], int]:
+        return self._export().hf_weights(parts)
+
+    def peft_weights(self, parts: list[Any], adapter: str) -> tuple[PeftAdapter, int]:
+        return self._export().peft_weights(parts, adapter)
+
+    def hf_config(self) -> dict[str, Any]:
+        return self._export().hf_config()
 
 
 def _no_space(rank: int, needed: int, directory: str) -> OSError:

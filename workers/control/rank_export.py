@@ -1,4 +1,4 @@
-"""The rank actor's export part: the model (or an adapter) gathered from every rank's shards
+"""The rank actor's exporter: the model (or an adapter) gathered from every rank's shards
 into whole tensors on one rank, written as a Hugging Face checkpoint or PEFT adapter, or kept
 in memory for the samplers."""
 
@@ -15,10 +15,14 @@ Part = Literal["base", "adapter", "merged"]
 """What an export gathers: the base's weights, an adapter's factors, or both (to merge)."""
 
 
-class ExportPart:
-    """Mixed into ``RankWorker``: it hosts ``engine``."""
+class Exporter:
+    """Owns the rank's side of an export: its shards of the model (or of an adapter), and on
+    one rank all of them merged into whole tensors, written or kept in memory. It reads the
+    rank's engine shard (``RankWorker`` builds one per engine, and its methods of these names
+    delegate here)."""
 
-    engine: Any
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
 
     def canonical_shards(self, part: Part = "base", adapter: str | None = None) -> OwnedShards:
         """What this rank adds to one full copy of ``part`` (for export and the samplers):
@@ -26,7 +30,7 @@ class ExportPart:
         from trainctl.workers.engine.lora import is_lora
 
         if adapter is not None:
-            self.engine.activate_adapter(adapter)
+            self.engine.adapters.activate(adapter)
         shards = self.engine.canonical_shards(owned=True)
         keep = {"base": lambda n: not is_lora(n), "adapter": is_lora}.get(part, lambda n: True)
         return OwnedShards(
@@ -60,7 +64,7 @@ class ExportPart:
         if adapter is None:
             files = hf.save(Path(directory), full, m)
         else:
-            spec = self.engine.adapters.slots[adapter].spec
+            spec = self.engine.adapters.bank.slots[adapter].spec
             if merged:
                 m2 = hf_adapter.untie_if_head_adapted(m, spec)
                 files = hf.save(Path(directory), hf_adapter.merged(full, m, spec), m2)
@@ -83,7 +87,7 @@ class ExportPart:
         ``write_hf`` writes for it), and their size in bytes."""
         from trainctl.workers.engine import hf_adapter
 
-        spec = self.engine.adapters.slots[adapter].spec
+        spec = self.engine.adapters.bank.slots[adapter].spec
         config, tensors = hf_adapter.to_peft(self._merged(parts), self.engine.cfg.model, spec)
         return PeftAdapter(config=config, tensors=tensors), tensor_bytes(tensors)
 

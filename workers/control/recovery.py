@@ -7,61 +7,62 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
-from trainctl.api import CheckpointInfo, Info, OperationKind, RecoveryInfo
+from trainctl.api import Info, OperationKind, RecoveryInfo
+from trainctl.workers.control.adapters import Adapters
 from trainctl.workers.control.op_queue import Handle, OperationQueue
 from trainctl.workers.control.rank_group import RankGroup
+from trainctl.workers.control.sampling import Samplers
+from trainctl.workers.control.saves import Saves
+from trainctl.workers.control.serving import Serving, WeightsVersion
 from trainctl.workers.control.steps import ModelState
 from trainctl.workers.engine.config import ConfigError
-
-if TYPE_CHECKING:
-    from trainctl.workers.control.adapters import Adapters
 
 log = logging.getLogger(__name__)
 
 RECOVERY_RETRY_S = 15.0
 
 
-class RecoveryPart:
-    """Mixed into ``Controller``: what it needs of the controller is declared here."""
+class Recovery:
+    """Owns the rebuild of a lost rank group and its record: ``last`` (the latest recovery)
+    and ``steps_lost`` (steps undone by restores, all told). It stops the service taking work
+    (``serving``), queues the rebuild ahead of everything, restores the latest checkpoint
+    through ``saves`` and syncs the samplers after; ``info`` is what a rebuild answers."""
 
-    ready: bool
-    draining: bool
-    waiting: str | None
-    recovery: RecoveryInfo | None
-    steps_lost: int
-    group: RankGroup
-    adapters: Adapters
-    state: ModelState
-    queue: OperationQueue
-    _weights_epoch: int
+    def __init__(
+        self,
+        *,
+        serving: Serving,
+        group: RankGroup,
+        queue: OperationQueue,
+        state: ModelState,
+        adapters: Adapters,
+        saves: Saves,
+        samplers: Samplers,
+        version: WeightsVersion,
+        info: Callable[[], Awaitable[Info]],
+    ) -> None:
+        self.serving, self.group, self.queue, self.state = serving, group, queue, state
+        self.adapters, self.saves, self.samplers = adapters, saves, samplers
+        self.version, self.info = version, info
+        self.last: RecoveryInfo | None = None
+        self.steps_lost = 0
 
-    if TYPE_CHECKING:
+    @property
+    def step(self) -> int:
+        return self.state.step
 
-        @property
-        def step(self) -> int: ...
-
-        def _latest_checkpoint(self) -> CheckpointInfo | None: ...
-
-        async def _load(
-            self, checkpoint_id: str, h: Handle | None = None, *, optimizer: bool = True
-        ) -> CheckpointInfo: ...
-
-        async def info(self) -> Info: ...
-
-        async def _sync_after_load(self) -> str | None: ...
-
-    def _begin_recovery(self, cause: str) -> None:
+    def begin(self, cause: str) -> None:
         """Stop taking work and queue the rebuild ahead of everything else."""
-        if not self.ready:
+        if not self.serving.ready:
             return  # already recovering
-        self.ready = False
+        self.serving.ready = False
         log.error("worker group lost (%s): rebuilding", cause)
-        self._queue_recovery(cause, self.step)
+        self._queue(cause, self.step)
 
-    def _queue_recovery(self, cause: str, step_before: int) -> None:
-        if not self.draining:
+    def _queue(self, cause: str, step_before: int) -> None:
+        if not self.serving.draining:
             run = lambda h: self._recover(h, cause, step_before)  # noqa: E731
             self.queue.submit(OperationKind.RECOVER, run, front=True)
 
@@ -73,7 +74,7 @@ class RecoveryPart:
         except Exception:
             log.exception("recovery failed; trying again in %.0fs", RECOVERY_RETRY_S)
             loop = asyncio.get_running_loop()
-            loop.call_later(RECOVERY_RETRY_S, self._queue_recovery, cause, step_before)
+            loop.call_later(RECOVERY_RETRY_S, self._queue, cause, step_before)
             raise
 
     async def _rebuild(self, h: Handle, cause: str, step_before: int) -> Info:
@@ -83,19 +84,19 @@ class RecoveryPart:
         try:  # placed anew: a lost node's placement group cannot come back
             await self.group.place()
         except ConfigError as e:
-            self.waiting = f"waiting for the cluster to hold the workers again: {e}"
+            self.serving.waiting = f"waiting for the cluster to hold the workers again: {e}"
             raise
-        self.waiting = None
-        self._weights_epoch += 1
+        self.serving.waiting = None
+        self.version.bump()
         await self.group.spawn()
-        latest = self._latest_checkpoint()
+        latest = self.saves.latest()
         if latest is not None:
             h.set_phase(f"restoring {latest.checkpoint_id}")
-            await self._load(latest.checkpoint_id)
+            await self.saves.load(latest.checkpoint_id)
         else:
             self.state.step = 0
             await self.adapters.reread()  # fresh ranks: no adapters
-        self.recovery = RecoveryInfo(
+        self.last = RecoveryInfo(
             at=time.time(),
             cause=cause,
             restored_checkpoint=latest.checkpoint_id if latest else None,
@@ -103,10 +104,10 @@ class RecoveryPart:
             step_after=self.step,
         )
         self.steps_lost += step_before - self.step
-        warning = await self._sync_after_load()
+        warning = await self.samplers.sync_after_load()
         if warning:
             log.warning("after recovery: %s", warning)
-        self.ready = True
+        self.serving.ready = True
         log.warning(
             "recovered: at step %d (was %d; %d step(s) lost)",
             self.step,

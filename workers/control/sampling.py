@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import ray
 
@@ -35,13 +35,12 @@ from trainctl.api.errors import field_error
 from trainctl.workers.control.adapters import Adapters
 from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.rank_group import RankGroup
+from trainctl.workers.control.serving import Serving
+from trainctl.workers.control.steps import ModelState
 from trainctl.workers.control.telemetry import ControllerMetrics
-from trainctl.workers.engine.config import ConfigError
+from trainctl.workers.engine.config import ConfigError, EngineConfig
 from trainctl.workers.sampler.pool import PoolOptions, SamplerPool
 from trainctl.workers.sampler.spec import SamplerSpec
-
-if TYPE_CHECKING:
-    from trainctl.workers.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,27 +58,36 @@ class SamplerSettings:
     """``--sampler-routes``: the engines capture the experts each token was routed to."""
 
 
-class SamplingPart:
-    """Mixed into ``Controller``: what it needs of the controller is declared here."""
+class Samplers:
+    """Owns the service's sampler engines (``pool``: None until started, and on a service
+    without samplers): their start, every sync, adapters' arrival and departure on them, and
+    ``sample``."""
 
-    cfg: EngineConfig
-    limits: ModelLimits
-    group: RankGroup
-    sampler_settings: SamplerSettings
-    samplers: SamplerPool | None
-    metrics: ControllerMetrics
-    adapters: Adapters
+    def __init__(
+        self,
+        *,
+        cfg: EngineConfig,
+        limits: ModelLimits,
+        group: RankGroup,
+        state: ModelState,
+        settings: SamplerSettings,
+        metrics: ControllerMetrics,
+        adapters: Adapters,
+        serving: Serving,
+    ) -> None:
+        self.cfg, self.limits, self.group, self.state = cfg, limits, group, state
+        self.settings, self.metrics, self.adapters, self.serving = (
+            settings, metrics, adapters, serving,
+        )  # fmt: skip
+        self.pool: SamplerPool | None = None
 
-    if TYPE_CHECKING:
+    @property
+    def step(self) -> int:
+        return self.state.step
 
-        @property
-        def step(self) -> int: ...
-
-        def _check_serving(self) -> None: ...
-
-    async def _start_samplers(self) -> None:
+    async def start(self) -> None:
         """Build the sampler engines and give them the current weights."""
-        s = self.sampler_settings
+        s = self.settings
         if not s.pool.num_samplers:
             return
         _check_engines(self.cfg, s)
@@ -99,26 +107,26 @@ class SamplingPart:
             max_lora_rank=self.cfg.lora.max_rank,
             return_routes=s.routes,
         )
-        pool = self.samplers = SamplerPool(spec, s.pool)
+        pool = self.pool = SamplerPool(spec, s.pool)
         self.metrics.watch_samplers(
             lag=lambda: float(self.step - pool.weights[0]) if pool.weights else float("nan"),
             restarts=lambda: float(sum(e.restarts for e in pool.engines)),
         )
         await pool.start()
-        await self._sync()
+        await self.sync()
         for name in self.adapters.entries:  # resumed from a checkpoint that holds adapters
-            await self._sync(adapter=name)
+            await self.sync(adapter=name)
 
-    def _sync_op(self, req: SyncWeightsRequest) -> Runner:
-        if self.samplers is None:
+    def sync_op(self, req: SyncWeightsRequest) -> Runner:
+        if self.pool is None:
             raise ConflictError(_NO_SAMPLERS)
         if req.adapter is not None:
             self.adapters.state(req.adapter)  # 404 now, not once queued
-        return lambda h: self._sync(h, req.adapter)
+        return lambda h: self.sync(h, req.adapter)
 
-    async def _sync(self, h: Handle | None = None, adapter: str | None = None) -> SyncResult:
+    async def sync(self, h: Handle | None = None, adapter: str | None = None) -> SyncResult:
         """Every sampler engine loads the ranks' current weights, or ``adapter``'s."""
-        assert self.samplers is not None
+        assert self.pool is not None
         if h is not None:
             h.set_phase("gathering weights")
         t0 = time.perf_counter()
@@ -138,7 +146,7 @@ class SamplingPart:
         if h is not None:
             h.set_phase("loading weights into the samplers")
         gather_s = time.perf_counter() - t0
-        result = await self.samplers.sync(step, weights, nbytes, gather_s, adapter)
+        result = await self.pool.sync(step, weights, nbytes, gather_s, adapter)
         self.metrics.sync_seconds.observe(result.gather_s + result.load_s)
         log.info(
             "synced %s step %d to %d sampler(s): gather %.3fs, load %.3fs",
@@ -147,67 +155,67 @@ class SamplingPart:
         )  # fmt: skip
         return result
 
-    async def _sync_after_change(self, adapter: str | None = None) -> str | None:
+    async def sync_after_change(self, adapter: str | None = None) -> str | None:
         """After an applied step (of the base or of ``adapter``) or an adapter's creation
         (``sync: after_step``): sync it, and report a failure as a warning (the step stands)."""
-        if self.samplers is None or self.sampler_settings.pool.sync != "after_step":
+        if self.pool is None or self.settings.pool.sync != "after_step":
             return None
         what = "" if adapter is None else f"adapter {adapter!r}'s "
         try:
-            r = await self._sync(adapter=adapter)
+            r = await self.sync(adapter=adapter)
         except Exception as e:
             log.exception("sync of %sstep failed", what)
             return f"{what}step stands, but the samplers could not load it: {e}"
-        if r.samplers < len(self.samplers.engines):
+        if r.samplers < len(self.pool.engines):
             why = "; ".join(r.failures) or "the others are being recreated with it"
             return (
                 f"{what}step {r.step} was loaded by {r.samplers} of "
-                f"{len(self.samplers.engines)} samplers: {why}"
+                f"{len(self.pool.engines)} samplers: {why}"
             )
         return None
 
-    async def _sync_after_load(self) -> str | None:
+    async def sync_after_load(self) -> str | None:
         """After a checkpoint load or a recovery: the base and every adapter the ranks now
         hold are synced; an adapter they no longer hold leaves the samplers."""
-        if self.samplers is None:
+        if self.pool is None:
             return None
-        for name in set(self.samplers.adapters) - set(self.adapters.entries):
-            await self.samplers.remove_adapter(name)
-        warnings = [await self._sync_after_change()]
-        warnings += [await self._sync_after_change(name) for name in self.adapters.entries]
+        for name in set(self.pool.adapters) - set(self.adapters.entries):
+            await self.pool.remove_adapter(name)
+        warnings = [await self.sync_after_change()]
+        warnings += [await self.sync_after_change(name) for name in self.adapters.entries]
         return "; ".join(w for w in warnings if w) or None
 
-    def _create_adapter_op(self, req: CreateAdapterRequest) -> Runner:
+    def create_adapter_op(self, req: CreateAdapterRequest) -> Runner:
         run = self.adapters.create(req)
 
         async def created(h: Handle) -> AdapterInfo:
             info: AdapterInfo = await run(h)
-            warning = await self._sync_after_change(req.name)  # sample it from step 0 on
+            warning = await self.sync_after_change(req.name)  # sample it from step 0 on
             if warning:
                 log.warning("after creating adapter %r: %s", req.name, warning)
             return info
 
         return created
 
-    def _delete_adapter_op(self, req: DeleteAdapterRequest) -> Runner:
+    def delete_adapter_op(self, req: DeleteAdapterRequest) -> Runner:
         run = self.adapters.delete(req)
 
         async def deleted(h: Handle) -> AdapterList:
             out: AdapterList = await run(h)
-            if self.samplers is not None:
-                await self.samplers.remove_adapter(req.name)
+            if self.pool is not None:
+                await self.pool.remove_adapter(req.name)
             return out
 
         return deleted
 
     async def sample(self, req: SampleRequest) -> SampleResult:
-        self._check_serving()
-        if self.samplers is None:
+        self.serving.check()
+        if self.pool is None:
             raise ConflictError(_NO_SAMPLERS)
         # The gateway checked these already; an engine must never see a token outside the
         # vocabulary or a prompt past its context, whoever calls.
         req.check_limits(self.limits)
-        if req.return_routes and not self.sampler_settings.routes:
+        if req.return_routes and not self.settings.routes:
             raise field_error(
                 "return_routes",
                 "the samplers capture no routes: start the service with --sampler-routes "
@@ -216,7 +224,7 @@ class SamplingPart:
         t0 = time.perf_counter()
         if req.adapter is not None:
             self.adapters.state(req.adapter)  # a 404 naming it, or the 422 of a base service
-        result = await self.samplers.sample(req)
+        result = await self.pool.sample(req)
         self.metrics.sample_seconds.observe(time.perf_counter() - t0)
         self.metrics.sampled_tokens.inc(
             sum(len(c.tokens) for s in result.samples for c in s.completions)

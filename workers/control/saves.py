@@ -8,8 +8,8 @@ import asyncio
 import logging
 import os
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from trainctl.api import (
     CheckpointInfo,
@@ -22,18 +22,17 @@ from trainctl.api import (
     TrainctlError,
     WorkerError,
 )
+from trainctl.workers.control.adapters import Adapters
 from trainctl.workers.control.checkpoints import CheckpointStore
 from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.profile_store import replace_dir
 from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.control.rank_group import RankGroup
+from trainctl.workers.control.serving import WeightsVersion
 from trainctl.workers.control.steps import ModelState
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.engine.families import export_problem
-
-if TYPE_CHECKING:
-    from trainctl.workers.control.adapters import Adapters
 
 log = logging.getLogger(__name__)
 
@@ -41,39 +40,44 @@ PARTIAL_EXPORT = ".partial-"
 """An export being written (or left by a crash, and swept at start)."""
 
 
-class SavesPart:
-    """Mixed into ``Controller``: what it needs of the controller is declared here."""
+class Saves:
+    """Owns checkpoints and exports: save (every rank's shard, then one commit), load in two
+    phases, and the Hugging Face export. ``after_load`` runs after a load operation (the
+    samplers follow it)."""
 
-    cfg: EngineConfig
-    checkpoints: CheckpointStore
-    export_root: Path
-    group: RankGroup
-    state: ModelState
-    adapters: Adapters
-    _weights_epoch: int
+    def __init__(
+        self,
+        *,
+        cfg: EngineConfig,
+        checkpoints: CheckpointStore,
+        export_root: Path,
+        group: RankGroup,
+        state: ModelState,
+        adapters: Adapters,
+        version: WeightsVersion,
+        after_load: Callable[[], Awaitable[str | None]],
+    ) -> None:
+        self.cfg, self.checkpoints, self.export_root = cfg, checkpoints, export_root
+        self.group, self.state, self.adapters = group, state, adapters
+        self.version, self.after_load = version, after_load
 
-    if TYPE_CHECKING:
+    @property
+    def step(self) -> int:
+        return self.state.step
 
-        @property
-        def step(self) -> int: ...
-
-        async def _digests(self) -> list[str]: ...
-
-        async def _sync_after_load(self) -> str | None: ...
-
-    def _layout(self) -> dict[str, int]:
+    def layout(self) -> dict[str, int]:
         return dict(self.cfg.to_dict()["layout"])
 
-    def _latest_checkpoint(self) -> CheckpointInfo | None:
-        found = [c for c in self.checkpoints.list().checkpoints if c.layout == self._layout()]
+    def latest(self) -> CheckpointInfo | None:
+        found = [c for c in self.checkpoints.list().checkpoints if c.layout == self.layout()]
         return found[-1] if found else None
 
-    def _save_op(self, req: SaveCheckpointRequest) -> Runner:
+    def save_op(self, req: SaveCheckpointRequest) -> Runner:
         if req.name is not None:
             self.checkpoints.check_name(req.name, req.overwrite)  # 409 now, not once queued
-        return lambda h: self._save(h, req.name, req.overwrite)
+        return lambda h: self.save(h, req.name, req.overwrite)
 
-    async def _save(
+    async def save(
         self, h: Handle | None = None, name: str | None = None, overwrite: bool = False
     ) -> CheckpointInfo:
         if h is not None:
@@ -83,8 +87,8 @@ class SavesPart:
         tmp = self.checkpoints.begin(self.step)
         try:
             await self.group.call(RankWorker.save_checkpoint, str(tmp))
-            digest = self.group.digest_of(await self._digests())
-            info = {"step": self.step, "layout": self._layout(), "weights_digest": digest}
+            digest = self.group.digest_of(await self.version.digests())
+            info = {"step": self.step, "layout": self.layout(), "weights_digest": digest}
             saved = await asyncio.to_thread(self.checkpoints.commit, tmp, info, name)
         except BaseException:
             self.checkpoints.abort(tmp)
@@ -92,26 +96,26 @@ class SavesPart:
         self.state.last_checkpoint_step = self.step
         return saved
 
-    def _load_op(self, req: LoadCheckpointRequest) -> Runner:
+    def load_op(self, req: LoadCheckpointRequest) -> Runner:
         self.checkpoints.path(req.checkpoint_id)  # 404 now, not once queued
 
         async def run(h: Handle) -> CheckpointInfo:
-            info = await self._load(req.checkpoint_id, h, optimizer=req.optimizer)
-            warning = await self._sync_after_load()  # the samplers follow the load
+            info = await self.load(req.checkpoint_id, h, optimizer=req.optimizer)
+            warning = await self.after_load()  # the samplers follow the load
             if warning:
                 log.warning("after loading %s: %s", req.checkpoint_id, warning)
             return info
 
         return run
 
-    async def _load(
+    async def load(
         self, checkpoint_id: str, h: Handle | None = None, *, optimizer: bool = True
     ) -> CheckpointInfo:
         path, info = self.checkpoints.path(checkpoint_id)
-        if info.layout != self._layout():
+        if info.layout != self.layout():
             raise ConflictError(
                 f"checkpoint {checkpoint_id} was saved with layout {info.layout}; this service "
-                f"runs {self._layout()}"
+                f"runs {self.layout()}"
             )
         if h is not None:
             h.set_phase(f"loading {checkpoint_id}")
@@ -122,7 +126,7 @@ class SavesPart:
         except TrainctlError:
             await self.group.call_quietly(RankWorker.drop_staged)
             raise
-        self._weights_epoch += 1
+        self.version.bump()
         try:  # phase 2: local on every rank; a failure here leaves the replicas different
             await self.group.call(RankWorker.apply_checkpoint, optimizer)
         except WorkerError as e:
@@ -139,7 +143,7 @@ class SavesPart:
         await self.adapters.reread()  # the checkpoint's adapters, at their steps
         return info
 
-    def _export(self, req: ExportRequest) -> Runner:
+    def export_op(self, req: ExportRequest) -> Runner:
         m = self.cfg.model
         problem = export_problem(m.family, m.num_experts)
         if problem:

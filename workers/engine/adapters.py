@@ -236,39 +236,42 @@ class AdapterBank:
         return weights.digest(sorted(tensors.items()))
 
 
-class AdaptersPart:
-    """Mixed into ``EngineShard``: its adapter calls (None when it holds no adapters)."""
+class ShardAdapters:
+    """The shard's adapter calls, over its ``AdapterBank`` (None on a service that trains the
+    full model): each says what is wrong when the service holds no adapters."""
 
-    adapters: AdapterBank | None
+    def __init__(self, bank: AdapterBank | None) -> None:
+        self.bank = bank
 
-    def _check_trainable(self) -> None:
-        if self.adapters is not None and self.adapters.active is None:
+    def check_trainable(self) -> None:
+        """Refuse a training call on a frozen base with no adapter active."""
+        if self.bank is not None and self.bank.active is None:
             raise ValueError(
                 "adapter: this service trains LoRA adapters on a frozen base; name an adapter "
                 "to train (the base model is for forward passes only)"
             )
 
     def _bank(self) -> AdapterBank:
-        if self.adapters is None:
+        if self.bank is None:
             raise ValueError(
                 "adapter: this service holds no adapters (start it with --max-adapters N)"
             )
-        return self.adapters
+        return self.bank
 
-    def create_adapter(self, spec: AdapterSpec) -> None:
+    def create(self, spec: AdapterSpec) -> None:
         self._bank().create(spec)
 
-    def delete_adapter(self, name: str) -> None:
+    def delete(self, name: str) -> None:
         self._bank().delete(name)
 
-    def activate_adapter(self, name: str | None) -> None:
+    def activate(self, name: str | None) -> None:
         """Compute with adapter ``name`` from now on (None: the base alone)."""
-        if name is None and self.adapters is None:
+        if name is None and self.bank is None:
             return
         self._bank().activate(name)
 
-    def adapter_infos(self) -> list[AdapterInfo]:
-        return self._bank().infos() if self.adapters is not None else []
+    def infos(self) -> list[AdapterInfo]:
+        return self._bank().infos() if self.bank is not None else []
 
-    def adapter_digest(self, name: str) -> str:
+    def digest(self, name: str) -> str:
         return self._bank().digest(name)

@@ -1,37 +1,32 @@
-"""The shard's checkpoint part: its training state as a dict of tensors and plain
+"""The shard's checkpoint: its training state as a dict of tensors and plain
 containers (what ``torch.load(weights_only=True)`` reads back), checked before it is loaded."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from trainctl.workers.engine import weights, zero
-from trainctl.workers.engine.boundary import RankCoords
-from trainctl.workers.engine.config import EngineConfig
-from trainctl.workers.engine.parallel import ParallelDims
+from trainctl.workers.engine.adapters import AdapterBank
+from trainctl.workers.engine.optimizer import ShardOptimizer
+from trainctl.workers.engine.parallel import ShardContext
 
 
-class CheckpointPart:
-    """Mixed into ``EngineShard``: what it needs of the shard is declared here."""
+class ShardCheckpoint:
+    """Owns the format of this rank's training state on disk (weights, optimizer state, step,
+    adapters, RNG, coordinates), and its check and load. It reads and writes the shard's model
+    chunks, its ``ShardOptimizer`` and its adapters; it keeps nothing of its own."""
 
-    cfg: EngineConfig
-    coords: RankCoords
-    dims: ParallelDims
-    chunks: list[Any]
-    optimizer: Any
-    zero: bool
-    step: int
-    adapters: Any
+    def __init__(
+        self, ctx: ShardContext, *, optim: ShardOptimizer, adapters: AdapterBank | None
+    ) -> None:
+        self.cfg, self.coords, self.dims, self.chunks = ctx.cfg, ctx.coords, ctx.dims, ctx.chunks
+        self.optim, self.adapters = optim, adapters
 
-    if TYPE_CHECKING:
-
-        def zero_grad(self) -> None: ...
-
-    def checkpoint_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         """Everything this rank needs to resume: weights, optimizer state, step, RNG."""
         return {
             # A tied embedding is saved once, by the first stage; the last stage's copy is
@@ -44,15 +39,19 @@ class CheckpointPart:
                 }
                 for c in self.chunks
             ],
-            "optimizer": zero.state(self.optimizer) if self.zero else self.optimizer.state_dict(),
-            "step": self.step,
+            "optimizer": (
+                zero.state(self.optim.optimizer)
+                if self.optim.zero
+                else self.optim.optimizer.state_dict()
+            ),
+            "step": self.optim.step,
             # Every adapter's tensors, AdamW state and step (workers/engine/adapters.py).
             "adapters": self.adapters.state() if self.adapters is not None else {},
             "rng": torch.get_rng_state(),
             "coords": dataclasses.asdict(self.coords),
         }
 
-    def check_checkpoint_state(self, state: dict[str, Any]) -> None:
+    def check(self, state: dict[str, Any]) -> None:
         """Raise unless ``state`` loads here: this rank's coordinates, and every chunk's
         tensors with this shard's names and shapes. Changes nothing."""
         if state.get("coords") != dataclasses.asdict(self.coords):
@@ -81,10 +80,10 @@ class CheckpointPart:
                         f"checkpoint shard: {k} has shape {shape}, not {tuple(v.shape)}"
                     )
 
-    def load_checkpoint_state(self, state: dict[str, Any], *, optimizer: bool = True) -> None:
-        """Inverse of ``checkpoint_state`` (same layout: the coordinates must match). Without
+    def load(self, state: dict[str, Any], *, optimizer: bool = True) -> None:
+        """Inverse of ``state`` (same layout: the coordinates must match). Without
         ``optimizer``, the weights and step only: the optimizer starts afresh on them."""
-        self.check_checkpoint_state(state)
+        self.check(state)
         with torch.no_grad():
             for c, sd in zip(self.chunks, state["chunks"], strict=True):
                 missing, unexpected = c.module.load_state_dict(sd, strict=False)
@@ -92,17 +91,18 @@ class CheckpointPart:
                 if bad or unexpected:
                     raise ValueError(f"checkpoint shard: missing {bad}, unexpected {unexpected}")
             self._sync_tied_embedding()
+        megatron_optimizer = self.optim.optimizer
         if not optimizer:
-            zero.restart(self.optimizer)
-        elif self.zero:
-            zero.load_state(self.optimizer, state["optimizer"])
+            zero.restart(megatron_optimizer)
+        elif self.optim.zero:
+            zero.load_state(megatron_optimizer, state["optimizer"])
         else:
-            self.optimizer.load_state_dict(state["optimizer"])
+            megatron_optimizer.load_state_dict(state["optimizer"])
         if self.adapters is not None:
             self.adapters.load_state(state.get("adapters") or {})
-        self.zero_grad()
+        self.optim.zero_grad()
         torch.set_rng_state(state["rng"])
-        self.step = int(state["step"])
+        self.optim.step = int(state["step"])
 
     def _sync_tied_embedding(self) -> None:
         """Make the last stage's copy of tied embeddings equal to the first stage's (the copy

@@ -1,4 +1,4 @@
-"""The shard's optimizer part: the global gradient norm, clipping, the AdamW update of what
+"""The shard's optimizer: the global gradient norm, clipping, the AdamW update of what
 this rank owns, and ZeRO-1's all-gather of the updated parameters (docs/algorithms.md §5).
 
 The arithmetic is ``optim_phase``'s: fused AdamW, the norm from one multi-tensor kernel over
@@ -6,7 +6,8 @@ the views a ``NormPlan`` holds, the clip coefficient on the device."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,31 +15,40 @@ from torch import Tensor
 
 from trainctl.workers.engine import megatron_cpu, weights, zero
 from trainctl.workers.engine.accumulation import Accumulation
-from trainctl.workers.engine.boundary import RankCoords
-from trainctl.workers.engine.config import EngineConfig, OptimizerConfig
+from trainctl.workers.engine.adapters import AdapterBank
+from trainctl.workers.engine.config import OptimizerConfig
 from trainctl.workers.engine.model import set_hyperparameters
 from trainctl.workers.engine.optim_phase import NormPlan, clip_
-from trainctl.workers.engine.parallel import ParallelDims
+from trainctl.workers.engine.parallel import ShardContext
 
 
-class OptimizerPart:
-    """Mixed into ``EngineShard``: what it needs of the shard is declared here."""
+class ShardOptimizer:
+    """Owns this rank's optimizer state and its step count: megatron's optimizer over the
+    shard's model chunks, the ``NormPlan`` of the trainable gradients, and the update. It reads
+    the shard's chunks, groups and gradient window; ``trainable`` says which parameters train
+    now (all of them, or the active adapter's on a frozen base), ``adapters`` is told of every
+    step."""
 
-    cfg: EngineConfig
-    coords: RankCoords
-    dims: ParallelDims
-    chunks: list[Any]
-    optimizer: Any
-    window: Accumulation
-    zero: bool
-    device: torch.device
-    step: int
-    adapters: Any
-    _norm_plan: NormPlan | None
-
-    if TYPE_CHECKING:
-
-        def _trainable(self) -> list[tuple[str, Any]]: ...
+    def __init__(
+        self,
+        ctx: ShardContext,
+        *,
+        optimizer: Any,
+        window: Accumulation,
+        device: torch.device,
+        trainable: Callable[[], list[tuple[str, Any]]],
+        adapters: AdapterBank | None = None,
+    ) -> None:
+        self.cfg, self.coords, self.dims, self.chunks = ctx.cfg, ctx.coords, ctx.dims, ctx.chunks
+        self.optimizer = optimizer
+        self.window = window
+        self.device = device
+        self.zero = ctx.cfg.use_distributed_optimizer
+        self.trainable = trainable
+        self.adapters = adapters
+        self.step = 0
+        """Optimizer steps applied (the base's; an adapter's are its slot's)."""
+        self._norm_plan: NormPlan | None = None
 
     def update_local(
         self, grad_norm: Tensor | None = None, hyper: OptimizerConfig | None = None
@@ -84,7 +94,7 @@ class OptimizerPart:
         are summed on every rank and added on TP rank 0 (``grad_norm``). Without ZeRO a
         parameter's view is its whole ``main_grad``; with it, the slice of it this rank holds
         summed (``zero.owned_grads``: possibly empty)."""
-        trainable = self._trainable()
+        trainable = self.trainable()
         key = tuple(id(p) for _, p in trainable)
         plan = self._norm_plan
         if plan is not None and plan.key == key:

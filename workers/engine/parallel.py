@@ -8,13 +8,14 @@ groups from this object, never from megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from torch.distributed import ProcessGroup
 
 from trainctl.workers.engine.boundary import RankCoords
-from trainctl.workers.engine.config import ParallelLayout
+from trainctl.workers.engine.config import EngineConfig, ParallelLayout
 from trainctl.workers.ops.pp_broadcast import StageRole
 
 
@@ -105,3 +106,17 @@ class ParallelDims:
     def reports_logprobs(self) -> bool:
         """The one rank per DP slot that returns per-token results: TP 0, CP 0, last stage."""
         return self.is_last_stage and self.coords.tp == 0 and self.coords.cp == 0
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """What every collaborator of an engine shard reads and none owns: the engine's config,
+    the rank's place (its coordinates and process groups) and its model chunks."""
+
+    cfg: EngineConfig
+    dims: ParallelDims
+    chunks: list[Any]
+
+    @property
+    def coords(self) -> RankCoords:
+        return self.dims.coords

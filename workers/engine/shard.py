@@ -28,7 +28,7 @@ from trainctl.api.models import LossConfig
 from trainctl.workers.engine import hf, lora, megatron_cpu, weights, zero
 from trainctl.workers.engine.accumulation import Accumulation
 from trainctl.workers.engine.adapter_store import SpillStore
-from trainctl.workers.engine.adapters import AdapterBank, AdaptersPart
+from trainctl.workers.engine.adapters import AdapterBank, ShardAdapters
 from trainctl.workers.engine.boundary import (
     Applied,
     LogProbsPart,
@@ -37,7 +37,7 @@ from trainctl.workers.engine.boundary import (
     PerSequence,
     StepReport,
 )
-from trainctl.workers.engine.checkpoint import CheckpointPart
+from trainctl.workers.engine.checkpoint import ShardCheckpoint
 from trainctl.workers.engine.config import EngineConfig, OptimizerConfig
 from trainctl.workers.engine.inputs import StageInputs
 from trainctl.workers.engine.model import (
@@ -47,8 +47,8 @@ from trainctl.workers.engine.model import (
     transformer_config,
     wrap_ddp,
 )
-from trainctl.workers.engine.optimizer import OptimizerPart
-from trainctl.workers.engine.parallel import ParallelDims
+from trainctl.workers.engine.optimizer import ShardOptimizer
+from trainctl.workers.engine.parallel import ParallelDims, ShardContext
 from trainctl.workers.engine.profiling import MemoryProfiler
 from trainctl.workers.engine.replay import RouteReplay, route_shards
 from trainctl.workers.engine.routing import RoutingStats
@@ -59,8 +59,12 @@ log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
 
 
-class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
-    """This rank's share of the model and the training step."""
+class EngineShard:
+    """Owns this rank's share of the model (its megatron-core chunks, process groups and
+    inputs) and runs its passes (``train_pass``, the split step's parts, ``eval_batch``,
+    ``logprobs``); its collaborators own the rest: ``optim`` the optimizer state and step,
+    ``checkpoint`` the on-disk format, ``adapters`` the adapter calls, ``profiler`` memory
+    profiles."""
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg.validate()
@@ -86,7 +90,6 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
         self.tc = transformer_config(cfg, bf16=bf16, cuda=cuda)
         self._grad_sync_s = 0.0
         self._pending_norm: Tensor | None = None
-        self._norm_plan = None
         source = weights.seeded(cfg.model)
         if cfg.init_hf:
             source = weights.from_dict(hf.load(Path(cfg.init_hf), cfg.model))
@@ -115,14 +118,14 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
         self.tc.no_sync_func = [c.no_sync for c in self.chunks]
         if len(self.chunks) == 1:
             self.tc.no_sync_func = self.chunks[0].no_sync
-        self.optimizer = build_optimizer(cfg, self.chunks, bf16=bf16)
+        optimizer = build_optimizer(cfg, self.chunks, bf16=bf16)
         self.window = Accumulation(self.chunks)
-        self.adapters: AdapterBank | None = None
+        bank: AdapterBank | None = None
         if cfg.lora.enabled:
-            self.adapters = AdapterBank(
+            bank = AdapterBank(
                 sites=sites,
                 params={n: p for n, p in self._canonical_parameters() if lora.is_lora(n)},
-                optimizer=self.optimizer,
+                optimizer=optimizer,
                 zero_optimizer=self.zero,
                 max_adapters=cfg.lora.max_adapters,
                 max_rank=cfg.lora.max_rank,
@@ -131,6 +134,13 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
                 window=self.window,
                 store=SpillStore.for_rank(cfg.lora, self.coords.rank),
             )
+        self.adapters = ShardAdapters(bank)
+        ctx = ShardContext(cfg=self.cfg, dims=self.dims, chunks=self.chunks)
+        self.optim = ShardOptimizer(
+            ctx, optimizer=optimizer, window=self.window, device=self.device,
+            trainable=self._trainable, adapters=bank,
+        )  # fmt: skip
+        self.checkpoint = ShardCheckpoint(ctx, optim=self.optim, adapters=bank)
         self.routing = RoutingStats(
             self.chunks, num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts
         )
@@ -146,7 +156,6 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
             replay=RouteReplay(self.chunks) if cfg.model.num_experts else None,
         )
         self.profiler = MemoryProfiler(self.coords)
-        self.step = 0
         log.info("rank %s built %s", self.coords, self.num_parameters())
 
     def close(self) -> None:
@@ -157,9 +166,14 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
         would keep its memory and its process groups' threads alive until the process exits.
         A process that builds shards more than once (the test rank pools) closes each one.
         """
-        self.optimizer = None
+        self.optim.optimizer = None
         self.chunks = []
         self.schedule = None  # type: ignore[assignment]
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps applied to the base (``optim.step``)."""
+        return self.optim.step
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -252,7 +266,7 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
             with torch.no_grad():
                 result = self.schedule.run(mbs, loss, forward_only=True, outputs=outputs)
         else:
-            self._check_trainable()
+            self.adapters.check_trainable()
             self.window.begin_part()
             try:
                 result = self.schedule.run(mbs, loss, forward_only=False, outputs=outputs)
@@ -285,9 +299,9 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
         try:
             self.window.finish(divisor)
             with megatron_cpu.cuda_to_cpu():
-                self._pending_norm = self.grad_norm()
+                self._pending_norm = self.optim.grad_norm()
         except BaseException:
-            self.zero_grad()
+            self.optim.zero_grad()
             raise
         # The controller checks it before phase 2: the one read between the phases.
         return float(self._pending_norm)
@@ -300,13 +314,13 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
         """
         t0 = time.perf_counter()
         self._grad_sync_s = 0.0
-        self._check_trainable()
+        self.adapters.check_trainable()
         try:
             result = self.train_pass(mbs, loss)
             with megatron_cpu.cuda_to_cpu():
-                self._pending_norm = self.grad_norm()
+                self._pending_norm = self.optim.grad_norm()
         except BaseException:
-            self.zero_grad()
+            self.optim.zero_grad()
             raise
         return StepReport(
             coords=self.coords,
@@ -326,14 +340,14 @@ class EngineShard(OptimizerPart, CheckpointPart, AdaptersPart):
         and phase 1's norm. Local: no collective. ``hyper``: this step's AdamW settings
         (``optim_step``), else the engine config's."""
         t0 = time.perf_counter()
-        grad_norm = self.update_local(self._pending_norm, hyper)
+        grad_norm = self.optim.update_local(self._pending_norm, hyper)
         return Applied(grad_norm=grad_norm, seconds=time.perf_counter() - t0)
 
     def train_batch(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> StepReport:
         """Both phases in one call (tests, benchmarks and the single-process reference)."""
         report = self.accumulate(mbs, loss)
         applied = self.apply()
-        self.publish()
+        self.optim.publish()
         timings = {**report.timings, "optimizer_s": applied.seconds}
         return dataclasses.replace(report, timings=timings)
 

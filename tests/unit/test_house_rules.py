@@ -1,0 +1,96 @@
+"""The house's structural rules, read off the source with ``ast``: a class is built from
+collaborators, not cut into mixins. No class in ``workers/`` has more than one base defined in
+this repository, and no class body declares what it does not own: no ``if TYPE_CHECKING:``
+block (stubs of a host's methods) and no annotation-only attribute that neither its
+``__init__`` assigns nor a dataclass makes a field of."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = ROOT / "workers"
+
+
+def _classes() -> list[tuple[Path, ast.ClassDef]]:
+    out = []
+    for path in sorted(WORKERS.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        out += [(path, n) for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    return out
+
+
+def _local_class_names() -> set[str]:
+    return {c.name for _, c in _classes()}
+
+
+def _is_dataclass_like(cls: ast.ClassDef) -> bool:
+    """A dataclass, a Protocol, a NamedTuple or a TypedDict: their annotations are fields."""
+    names = {ast.unparse(d).split("(")[0].split(".")[-1] for d in cls.decorator_list}
+    bases = {ast.unparse(b).split("[")[0].split(".")[-1] for b in cls.bases}
+    return bool(
+        names & {"dataclass"}
+        or bases & {"Protocol", "NamedTuple", "TypedDict", "BaseModel", "Enum", "IntEnum"}
+    )
+
+
+def _assigned_in_init(cls: ast.ClassDef) -> set[str]:
+    init = next(
+        (f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None
+    )
+    if init is None:
+        return set()
+    out = set()
+    for node in ast.walk(init):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+            targets = [node.target]
+        for t in targets:
+            for el in ast.walk(t):
+                if isinstance(el, ast.Attribute) and ast.unparse(el.value) == "self":
+                    out.add(el.attr)
+    return out
+
+
+def test_no_class_mixes_in_two_bases_of_this_repository() -> None:
+    local = _local_class_names()
+    mixed = []
+    for path, cls in _classes():
+        bases = [ast.unparse(b).split("[")[0].split(".")[-1] for b in cls.bases]
+        ours = [b for b in bases if b in local]
+        if len(ours) > 1:
+            mixed.append(f"{path.relative_to(ROOT)}: {cls.name}({', '.join(ours)})")
+    assert not mixed, mixed
+
+
+def test_no_class_declares_what_it_does_not_own() -> None:
+    problems = []
+    for path, cls in _classes():
+        where = f"{path.relative_to(ROOT)}:{cls.lineno} {cls.name}"
+        for node in cls.body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                problems.append(f"{where}: an `if TYPE_CHECKING:` block in the class body")
+        if _is_dataclass_like(cls):
+            continue
+        owned = _assigned_in_init(cls)
+        for node in cls.body:
+            if isinstance(node, ast.AnnAssign) and node.value is None:
+                name = ast.unparse(node.target)
+                if name not in owned:
+                    problems.append(f"{where}: `{name}` is annotated, never assigned in __init__")
+    assert not problems, "\n".join(problems)
+
+
+def test_test_modules_have_names_of_their_own() -> None:
+    """pytest imports every test directory's modules into one namespace: two helpers named
+    alike (``engine_cases.py`` in two tiers) made one tier import the other's, and failed every
+    distributed test in one CI run."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name not in ("conftest.py", "__init__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, clashes
