@@ -79,7 +79,7 @@ class LossConfig(BaseModel):
         return out
 
     def options(self) -> dict[str, Any]:
-        """The keyword arguments of ``workers/ops/loss.per_token_terms`` for this loss (the
+        """The keyword arguments of ``workers/ops/loss.py:per_token_terms`` for this loss (the
         normalisation is not among them: the host folds it into each token's loss scale)."""
         return {
             "kind": self.kind.value,

@@ -90,8 +90,16 @@ def iteration(
 
 
 def run(
-    tc: TrainctlClient, iterations: int, *, prompts: int = 8, seed: int = 0, quiet: bool = False
+    tc: TrainctlClient,
+    iterations: int,
+    *,
+    prompts: int = 8,
+    seed: int = 0,
+    quiet: bool = False,
+    until: float | None = None,
 ) -> list[Iteration]:
+    """``iterations`` of the loop; with ``until``, fewer: it stops once the mean reward of the
+    last three reaches it."""
     rng = np.random.default_rng(seed)
     vocab = int(tc.info().model["vocab_size"])
     batch = [rng.integers(0, vocab, 4).tolist() for _ in range(prompts)]
@@ -105,6 +113,8 @@ def run(
         if not quiet:
             print(f"{i:4d}  {it.step:4d}  {it.reward:6.3f}  {it.sample_s:8.3f}  "
                   f"{it.train_s:7.3f}  {it.sync_s:6.3f}  {it.tokens:6d}")  # fmt: skip
+        if until is not None and len(out) >= 3 and np.mean([o.reward for o in out[-3:]]) >= until:
+            break
     return out
 
 

@@ -105,7 +105,7 @@ def create_controller(s: Settings, cfg: dict[str, Any], *, detached: bool) -> An
 
 def sampler_settings(s: Settings) -> Any:
     """The controller's ``SamplerSettings`` (on a connected Ray: GPUs are looked up)."""
-    from trainctl.workers.control.sampling import SamplerSettings
+    from trainctl.workers.control.samplers import SamplerSettings
     from trainctl.workers.sampler.pool import PoolOptions
 
     gpus = _gpus_per_actor(s.sampler_num_gpus)

@@ -44,7 +44,7 @@ from trainctl.service.auth import Access, access
 from trainctl.service.codec import read_body
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.routes.deps import get_limits
-from trainctl.service.tinker import convert, proto, sampling
+from trainctl.service.tinker import convert, proto, sampling_sessions
 from trainctl.service.tinker.bodies import (
     AdamParams,
     Body,
@@ -318,14 +318,14 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     if req.path is None:  # save_weights_and_get_sampling_client: the samplers, at this step
         return _in_order(
             request, model, req.seq_id, fp, OperationKind.SYNC_WEIGHTS,
-            lambda: sampling.sync_request(req, model.adapter),
-            lambda r: sampling.session_for(request, req, r),
+            lambda: sampling_sessions.sync_request(req, model.adapter),
+            lambda r: sampling_sessions.session_for(request, req, r),
         )  # fmt: skip
     path = convert.TinkerPath(model.model_id, "sampler_weights", req.path)
 
     def exported(result: Any) -> dict[str, Any]:
         step = ExportResult.model_validate(result).step
-        sampling.remember_path(request, str(path), model.adapter, step)
+        sampling_sessions.remember_path(request, str(path), model.adapter, step)
         return {"path": str(path), "type": "save_weights_for_sampler"}
 
     return _in_order(
@@ -388,4 +388,4 @@ def install(app: FastAPI, order_timeout_s: float = 60.0) -> None:
     app.state.tinker = TinkerState(order_timeout_s=order_timeout_s)
     app.state.tinker_long_poll_s = LONG_POLL_S
     app.include_router(router)
-    sampling.install(app, app.state.tinker.evicted)
+    sampling_sessions.install(app, app.state.tinker.evicted)

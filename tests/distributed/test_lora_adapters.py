@@ -50,7 +50,7 @@ def test_alternating_adapters_equal_each_alone(
 
 
 def test_limits_are_refused_by_name() -> None:
-    from trainctl.workers.engine.adapters import AdapterBank
+    from trainctl.workers.engine.adapter_bank import AdapterBank
     from trainctl.workers.engine.boundary import AdapterSpec
 
     bank = AdapterBank(

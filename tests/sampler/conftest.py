@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from parity import SAMPLER_TIMEOUT_S
 from servicekit import Service, running_service
 
 from hf_models import tiny_model
@@ -45,4 +46,16 @@ def qwen3_manual(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     flags = ("--init-hf", str(root / "hf"), "--tp", "2", "--dp", "1", "--samplers", "1",
              "--sampler-sync", "manual")  # fmt: skip
     with running_service(root / "data", *flags) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="session")
+def lora_sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The embedded default with room for four adapters and one sampler engine, synced after
+    every step, with a short call deadline: the LoRA sampling tests and the robustness tests
+    share it (one service start fewer)."""
+    data = tmp_path_factory.mktemp("lora-sampled")
+    flags = ("--max-adapters", "4", "--lora-max-rank", "8", "--samplers", "1",
+             "--sampler-timeout-s", str(SAMPLER_TIMEOUT_S))  # fmt: skip
+    with running_service(data, *flags) as svc:
         yield svc

@@ -13,6 +13,9 @@ from trainctl.clients import TrainctlClient
 PARITY = 1e-4
 """Sampler vs trainer log-probs in fp32 (measured: below 1e-6)."""
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9], [40, 41, 42, 43, 44, 45], [5]]
+SAMPLER_TIMEOUT_S = 20.0
+"""``lora_sampled``'s --sampler-timeout-s (conftest.py): a call not answered by then marks the
+engine stopped (``test_sampler_robustness.py`` stops one)."""
 
 
 def scored(result: SampleResult, prompts: list[list[int]]) -> tuple[list[Any], list[float]]:

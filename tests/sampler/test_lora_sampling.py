@@ -8,14 +8,13 @@ trained far enough from the base that serving the base (or another adapter) woul
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import tinker
 from parity import PARITY, PROMPTS, gap, prompt_scores
-from servicekit import Service, running_service
+from servicekit import Service
 from tinker import types
 
 from trainctl.api import ConflictError, NotFoundError
@@ -23,16 +22,6 @@ from trainctl.api import ConflictError, NotFoundError
 PROBE = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
 APART = 1e-2
 """How far a trained adapter's log-probs are from the base's (measured: above 0.1)."""
-
-
-@pytest.fixture(scope="module")
-def lora_sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    """The embedded default with room for three adapters and one sampler engine, synced after
-    every step."""
-    data = tmp_path_factory.mktemp("lora-sampled")
-    flags = ("--max-adapters", "3", "--lora-max-rank", "8", "--samplers", "1")
-    with running_service(data, *flags) as svc:
-        yield svc
 
 
 def _train(tc: Any, adapter: str, batch: list[list[int]], steps: int) -> int:

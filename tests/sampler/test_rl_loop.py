@@ -18,10 +18,10 @@ from examples import rl_loop  # noqa: E402
 def test_the_reward_rises_from_random_to_above_0_8(sampled: Service) -> None:
     with sampled.client() as tc:
         start = tc.info().step
-        its = rl_loop.run(tc, 40)
+        its = rl_loop.run(tc, 40, until=0.8)  # stops once it gets there: CI minutes
     rewards = [i.reward for i in its]
     print("rewards:", " ".join(f"{r:.2f}" for r in rewards))
     assert rewards[0] < 0.3, "a random policy scores about 0.125"
     assert max(sum(rewards[k : k + 3]) / 3 for k in range(len(rewards) - 2)) >= 0.8
-    assert [i.step for i in its] == list(range(start + 1, start + 41))
+    assert [i.step for i in its] == list(range(start + 1, start + 1 + len(its)))
     assert all(i.sync_s > 0 and i.sample_s > 0 for i in its)

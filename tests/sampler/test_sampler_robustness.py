@@ -1,53 +1,38 @@
 """No request can jam a sampler engine, a stopped engine is replaced, and base requests on an
-adapter service get no adapter's weights: the live service, one vLLM engine, LoRA enabled."""
+adapter service get no adapter's weights: the live service (``lora_sampled``: one vLLM engine,
+LoRA enabled, a short call deadline)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import httpx
 import numpy as np
-import pytest
-from parity import PARITY, PROMPTS, gap, prompt_scores
-from servicekit import Service, running_service
-
-TIMEOUT_S = 20.0
-"""The service's --sampler-timeout-s: a call not answered by then marks the engine stopped."""
-
-
-@pytest.fixture(scope="module")
-def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    """The embedded default, one sampler engine with room for two adapters, synced after
-    every step, and a short call deadline."""
-    data = tmp_path_factory.mktemp("guarded")
-    flags = ("--samplers", "1", "--max-adapters", "2", "--lora-max-rank", "8",
-             "--sampler-timeout-s", str(TIMEOUT_S))  # fmt: skip
-    with running_service(data, *flags) as svc:
-        yield svc
+from parity import PARITY, PROMPTS, SAMPLER_TIMEOUT_S, gap, prompt_scores
+from servicekit import Service
 
 
 def test_an_unsigned_64_bit_overflow_seed_is_a_422_and_the_engine_keeps_serving(
-    guarded: Service,
+    lora_sampled: Service,
 ) -> None:
     """The seed that jammed an engine for good (2^64: torch's generator refuses it inside
     vLLM's step) is refused at the gateway; the next sample answers, and a weight sync after
     it completes."""
-    with guarded.client() as tc:
+    with lora_sampled.client() as tc:
         ref = tc.sample([[1, 2, 3]], max_tokens=4, seed=11)
         for body in (
             {"prompts": [[1, 2, 3]], "max_tokens": 4, "seed": 2**64},
             {"prompts": [[1, 2, 3]], "max_tokens": 4, "seed": 2**70},
         ):
-            r = httpx.post(f"{guarded.url}/v1/sample", json=body, timeout=30)
+            r = httpx.post(f"{lora_sampled.url}/v1/sample", json=body, timeout=30)
             assert r.status_code == 422 and r.json()["message"].startswith("seed"), r.text
         tinker = {
             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
             "sampling_params": {"max_tokens": 4, "seed": 2**64}, "base_model": "x",
         }  # fmt: skip
-        r = httpx.post(f"{guarded.url}/api/v1/asample", json=tinker, timeout=30,
+        r = httpx.post(f"{lora_sampled.url}/api/v1/asample", json=tinker, timeout=30,
                        headers={"x-api-key": "tml-x"})  # fmt: skip
         assert r.status_code in (400, 422) and "sampling_params.seed" in r.text, r.text
         after = tc.sample([[1, 2, 3]], max_tokens=4, seed=11)
@@ -56,11 +41,11 @@ def test_an_unsigned_64_bit_overflow_seed_is_a_422_and_the_engine_keeps_serving(
         assert synced.samplers == 1 and synced.failures == []
 
 
-def test_base_requests_get_no_adapters_weights(guarded: Service) -> None:
+def test_base_requests_get_no_adapters_weights(lora_sampled: Service) -> None:
     """An adapter with a large alpha on attention, the MLP and the unembedding, trained once,
     is in the engine's LoRA slot; base prompt and generated log-probs still equal the trainer's
     base, and the adapter's equal the trainer's with the adapter."""
-    with guarded.client() as tc:
+    with lora_sampled.client() as tc:
         base_before = prompt_scores(tc, PROMPTS)
         tc.create_adapter("loud", rank=8, alpha=2048.0, targets=["attn", "mlp", "unembed"])
         rows = [{"tokens": p, "loss_mask": [1] * len(p)} for p in PROMPTS if len(p) > 1]
@@ -83,23 +68,23 @@ def test_base_requests_get_no_adapters_weights(guarded: Service) -> None:
         tc.delete_adapter("loud")
 
 
-def test_an_engine_that_stops_answering_is_replaced(guarded: Service) -> None:
+def test_an_engine_that_stops_answering_is_replaced(lora_sampled: Service) -> None:
     """SIGSTOP the engine (a hung process: it answers nothing, and is not dead): the next
     sample fails within the deadline with a retryable 503, ready and info show the engine
     restarting, and it comes back serving the current step; sampling and a sync work."""
-    with guarded.client() as tc:
+    with lora_sampled.client() as tc:
         before = tc.info().samplers
         assert before is not None
         (engine,) = before.engines
         assert engine.status == "ready" and engine.pid is not None
         os.kill(engine.pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        r = httpx.post(f"{guarded.url}/v1/sample",
+        r = httpx.post(f"{lora_sampled.url}/v1/sample",
                        json={"prompts": [[1, 2, 3]], "max_tokens": 2}, timeout=120)  # fmt: skip
         waited = time.monotonic() - t0
         assert r.status_code == 503 and "did not answer" in r.text, r.text
-        assert TIMEOUT_S <= waited < TIMEOUT_S + 15, waited
-        ready = httpx.get(f"{guarded.url}/v1/ready", timeout=10).json()
+        assert SAMPLER_TIMEOUT_S <= waited < SAMPLER_TIMEOUT_S + 15, waited
+        ready = httpx.get(f"{lora_sampled.url}/v1/ready", timeout=10).json()
         assert ready["status"] == "ready" and ready["samplers"] == {"restarting": 1}, ready
         now = tc.info().samplers
         assert now is not None and now.engines[0].status == "restarting"
@@ -111,7 +96,9 @@ def test_an_engine_that_stops_answering_is_replaced(guarded: Service) -> None:
         back = tc.info().samplers.engines[0]  # type: ignore[union-attr]
         assert back.pid != engine.pid and back.restarts == engine.restarts + 1
         assert back.step == tc.info().step
-        assert httpx.get(f"{guarded.url}/v1/ready", timeout=10).json()["samplers"] == {"ready": 1}
+        assert httpx.get(f"{lora_sampled.url}/v1/ready", timeout=10).json()["samplers"] == {
+            "ready": 1
+        }
         result = tc.sample(PROMPTS, n=2, max_tokens=4, seed=2)
         assert gap(tc, result, PROMPTS) <= PARITY
         assert tc.sync_weights().samplers == 1

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from trainctl.api import SampleRequest, SampleResult
-from trainctl.workers.control.sampling import SamplerSettings, _check_engines
+from trainctl.workers.control.samplers import SamplerSettings, _check_engines
 from trainctl.workers.engine.config import ConfigError, EngineConfig, LoraConfig, ModelConfig
 from trainctl.workers.sampler.engine import _prompt_samples, engine_env
 from trainctl.workers.sampler.pool import PoolOptions

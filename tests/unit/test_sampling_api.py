@@ -54,7 +54,7 @@ def test_the_tinker_sample_response_decodes_in_the_sdk() -> None:
     """Our protobuf, read by the SDK's own decoder: tokens, log-probs, stop reasons, and the
     prompt log-probs with the first one absent."""
     response_conv = pytest.importorskip("tinker.proto.response_conv")
-    from trainctl.service.tinker.sampling import sample_response
+    from trainctl.service.tinker.sampling_sessions import sample_response
 
     result = SampleResult(
         samples=[
@@ -87,7 +87,7 @@ def test_a_token_id_beyond_int32_is_a_422_not_an_overflow() -> None:
 
 def test_sampling_sessions_are_bounded_and_their_evictions_counted() -> None:
     from trainctl.api import NotFoundError
-    from trainctl.service.tinker.sampling import SamplingSession, SamplingSessions
+    from trainctl.service.tinker.sampling_sessions import SamplingSession, SamplingSessions
 
     evicted: dict[str, int] = {}
     table = SamplingSessions(evicted, limit=8)

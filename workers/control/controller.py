@@ -42,7 +42,7 @@ from trainctl.api import (
     TrainctlError,
 )
 from trainctl.workers.control import logs
-from trainctl.workers.control.adapters import Adapters
+from trainctl.workers.control.adapter_registry import Adapters
 from trainctl.workers.control.checkpoints import CheckpointStore
 from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.op_queue import Handle, OperationQueue, Operations, Runner
@@ -50,7 +50,7 @@ from trainctl.workers.control.profile_store import ProfileStore
 from trainctl.workers.control.profiles import ProfileRecorder
 from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.recovery import Recovery
-from trainctl.workers.control.sampling import Samplers, SamplerSettings
+from trainctl.workers.control.samplers import Samplers, SamplerSettings
 from trainctl.workers.control.saves import PARTIAL_EXPORT, Saves
 from trainctl.workers.control.serving import Serving, WeightsVersion
 from trainctl.workers.control.steps import ModelState, Steps

@@ -159,7 +159,7 @@ class RankWorker:
     def _shard(self, plan: StepPlan) -> Any:
         self._check_fault("forward")
         self.engine.profiler.pause_if_expired()  # a CPU profile's recording is capped
-        self.engine.adapters.activate(plan.adapter)
+        self.engine.adapter_bank.activate(plan.adapter)
         return plan.microbatches[self.engine.coords.dp]
 
     def accumulate(self, plan: StepPlan, op_id: str = "-") -> StepReport:
@@ -208,7 +208,7 @@ class RankWorker:
         ``adapter``'s window, with adapters)."""
         with _operation(op_id):
             self._check_fault("finish_window")
-            self.engine.adapters.activate(adapter)
+            self.engine.adapter_bank.activate(adapter)
             return float(self.engine.finish_window(divisor))
 
     def publish(self, op_id: str = "-") -> float:
@@ -294,16 +294,16 @@ class RankWorker:
     def drop_staged(self) -> None:
         self._staged = None
 
-    # -- adapters (workers/engine/adapters.py) -----------------------------------------------
+    # -- adapters (workers/engine/adapter_bank.py) -----------------------------------------------
 
     def create_adapter(self, spec: AdapterSpec) -> None:
-        self.engine.adapters.create(spec)
+        self.engine.adapter_bank.create(spec)
 
     def delete_adapter(self, name: str) -> None:
-        self.engine.adapters.delete(name)
+        self.engine.adapter_bank.delete(name)
 
     def adapter_infos(self) -> list[AdapterInfo]:
-        return self.engine.adapters.infos()  # type: ignore[no-any-return]
+        return self.engine.adapter_bank.infos()  # type: ignore[no-any-return]
 
     # -- fault injection (operators and tests, through Ray only: not on the HTTP API) ---------
 

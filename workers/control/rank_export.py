@@ -30,7 +30,7 @@ class Exporter:
         from trainctl.workers.engine.lora import is_lora
 
         if adapter is not None:
-            self.engine.adapters.activate(adapter)
+            self.engine.adapter_bank.activate(adapter)
         shards = self.engine.canonical_shards(owned=True)
         keep = {"base": lambda n: not is_lora(n), "adapter": is_lora}.get(part, lambda n: True)
         return OwnedShards(
@@ -64,7 +64,7 @@ class Exporter:
         if adapter is None:
             files = hf.save(Path(directory), full, m)
         else:
-            spec = self.engine.adapters.bank.slots[adapter].spec
+            spec = self.engine.adapter_bank.bank.slots[adapter].spec
             if merged:
                 m2 = hf_adapter.untie_if_head_adapted(m, spec)
                 files = hf.save(Path(directory), hf_adapter.merged(full, m, spec), m2)
@@ -87,7 +87,7 @@ class Exporter:
         ``write_hf`` writes for it), and their size in bytes."""
         from trainctl.workers.engine import hf_adapter
 
-        spec = self.engine.adapters.bank.slots[adapter].spec
+        spec = self.engine.adapter_bank.bank.slots[adapter].spec
         config, tensors = hf_adapter.to_peft(self._merged(parts), self.engine.cfg.model, spec)
         return PeftAdapter(config=config, tensors=tensors), tensor_bytes(tensors)
 

@@ -10,10 +10,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 from trainctl.api import Info, OperationKind, RecoveryInfo
-from trainctl.workers.control.adapters import Adapters
+from trainctl.workers.control.adapter_registry import Adapters
 from trainctl.workers.control.op_queue import Handle, OperationQueue
 from trainctl.workers.control.rank_group import RankGroup
-from trainctl.workers.control.sampling import Samplers
+from trainctl.workers.control.samplers import Samplers
 from trainctl.workers.control.saves import Saves
 from trainctl.workers.control.serving import Serving, WeightsVersion
 from trainctl.workers.control.steps import ModelState

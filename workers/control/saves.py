@@ -22,7 +22,7 @@ from trainctl.api import (
     TrainctlError,
     WorkerError,
 )
-from trainctl.workers.control.adapters import Adapters
+from trainctl.workers.control.adapter_registry import Adapters
 from trainctl.workers.control.checkpoints import CheckpointStore
 from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.op_queue import Handle, Runner

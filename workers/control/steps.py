@@ -115,7 +115,7 @@ class Steps:
         checkpoints, the samplers' sync); it never raises, and what it returns are warnings to
         report beside the step's result."""
         self.adapter_state = adapter_state
-        """A LoRA adapter's own step and window (``workers/control/adapters.py``); a name it
+        """A LoRA adapter's own step and window (``workers/control/adapter_registry.py``); a name it
         does not know is a 404."""
 
     def state_of(self, adapter: str | None) -> ModelState:

@@ -42,7 +42,7 @@ class TreeLayout:
     position_ids: np.ndarray  # [N] int64, each token's depth
     cu_seqlens: np.ndarray  # [tries + 1] int32, padded trie boundaries
     segments: np.ndarray
-    """int64 segment table (``workers/control/trie.encode_segments``): who attends to whom."""
+    """int64 segment table (``workers/control/trie.py:encode_segments``): who attends to whom."""
     rows: np.ndarray  # [M] int64, the trie row of each flat position (pads: row 0)
     computed_tokens: int
     """Real trie tokens (no pads): the tokens after sharing."""

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from trainctl.workers.engine import weights, zero
-from trainctl.workers.engine.adapters import AdapterBank
+from trainctl.workers.engine.adapter_bank import AdapterBank
 from trainctl.workers.engine.optimizer import ShardOptimizer
 from trainctl.workers.engine.parallel import ShardContext
 
@@ -45,7 +45,7 @@ class ShardCheckpoint:
                 else self.optim.optimizer.state_dict()
             ),
             "step": self.optim.step,
-            # Every adapter's tensors, AdamW state and step (workers/engine/adapters.py).
+            # Every adapter's tensors, AdamW state and step (workers/engine/adapter_bank.py).
             "adapters": self.adapters.state() if self.adapters is not None else {},
             "rng": torch.get_rng_state(),
             "coords": dataclasses.asdict(self.coords),

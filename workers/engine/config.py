@@ -113,7 +113,7 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class LoraConfig:
-    """LoRA adapters on a frozen base (``workers/engine/adapters.py``)."""
+    """LoRA adapters on a frozen base (``workers/engine/adapter_bank.py``)."""
 
     max_adapters: int = 0
     """Adapters one service holds at most; 0: no adapters, the base trains (full

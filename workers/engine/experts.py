@@ -1,4 +1,4 @@
-"""The MoE experts of one rank, all applied in one grouped call (``workers/ops/grouped_linear``).
+"""The MoE experts of one rank, all applied in one grouped call (``workers/ops/grouped_linear.py``).
 
 Takes the place of megatron's ``SequentialMLP`` in the MoE layer spec: the same inputs (tokens
 sorted by local expert, ``tokens_per_expert``, the router probabilities of each row) and the

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from trainctl.workers.engine import megatron_cpu, weights, zero
 from trainctl.workers.engine.accumulation import Accumulation
-from trainctl.workers.engine.adapters import AdapterBank
+from trainctl.workers.engine.adapter_bank import AdapterBank
 from trainctl.workers.engine.config import OptimizerConfig
 from trainctl.workers.engine.model import set_hyperparameters
 from trainctl.workers.engine.optim_phase import NormPlan, clip_

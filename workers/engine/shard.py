@@ -27,8 +27,8 @@ from torch import Tensor
 from trainctl.api.models import LossConfig
 from trainctl.workers.engine import hf, lora, megatron_cpu, weights, zero
 from trainctl.workers.engine.accumulation import Accumulation
+from trainctl.workers.engine.adapter_bank import AdapterBank, ShardAdapters
 from trainctl.workers.engine.adapter_store import SpillStore
-from trainctl.workers.engine.adapters import AdapterBank, ShardAdapters
 from trainctl.workers.engine.boundary import (
     Applied,
     LogProbsPart,
@@ -391,7 +391,8 @@ class EngineShard:
         return weights.digest((n, p) for n, p in self._parameters() if not lora.is_lora(n))
 
     def canonical_shards(self, *, grads: bool = False, owned: bool = False) -> dict[str, Tensor]:
-        """This rank's parameter (or gradient) shards by canonical name (``workers/weights``).
+        """This rank's parameter (or gradient) shards by canonical name
+        (``workers/engine/weights.py``).
 
         ``weights.shard_rule(name).unshard`` of the shards of TP ranks 0..tp-1 gives the full
         tensor; across pipeline stages the names are disjoint (a tied embedding comes from the

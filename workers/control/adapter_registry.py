@@ -1,7 +1,7 @@
 """The controller's side of the LoRA adapters (docs/lora.md): which exist, each one's step and
 split-step window, and the create/delete operations run on every rank in the queue's turn.
 
-The adapters' tensors and AdamW state live on the ranks (``workers/engine/adapters.py``); what
+The adapters' tensors and AdamW state live on the ranks (``workers/engine/adapter_bank.py``); what
 the controller keeps is what it answers without asking them: a ``ModelState`` per adapter (its
 step, its ``forward_backward`` window), its spec, its size and when a call last named it. A
 checkpoint load or a recovery re-reads the table from the ranks.

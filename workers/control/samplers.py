@@ -32,7 +32,7 @@ from trainctl.api import (
 )
 from trainctl.api.adapters import CreateAdapterRequest, DeleteAdapterRequest
 from trainctl.api.errors import field_error
-from trainctl.workers.control.adapters import Adapters
+from trainctl.workers.control.adapter_registry import Adapters
 from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.serving import Serving
