@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import signal
 import socket
 import sys
@@ -26,7 +27,7 @@ from trainctl.service import ray_auth
 from trainctl.service.cluster import HEAD_ATTEMPTS, LocalRayHead
 from trainctl.service.ray_auth import StartupError
 from trainctl.service.settings import Settings
-from trainctl.workers.control import logs
+from trainctl.workers.rank import logs
 
 log = logging.getLogger("trainctl.serve")
 
@@ -191,6 +192,8 @@ def _serve(s: Settings) -> int:
         if not started.is_set():
             raise KeyboardInterrupt
 
+    if s.exit_with_pid is not None:
+        _watch_parent(s.exit_with_pid, stop)
     t0 = time.perf_counter()
     controller = None
     head: LocalRayHead | None = None
@@ -266,6 +269,24 @@ def _serve(s: Settings) -> int:
             head.stop()
     log.info("stopped")
     return 0
+
+
+def _watch_parent(pid: int, stop: threading.Event) -> None:
+    """SIGTERM to ourselves once ``pid`` is gone (the normal drain then runs, start-up
+    included); a daemon thread polling once a second."""
+
+    def watch() -> None:
+        while not stop.wait(1.0):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                log.warning("process %d (--exit-with-pid) is gone: stopping", pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            except PermissionError:
+                pass  # alive, someone else's
+
+    threading.Thread(target=watch, name="exit-with-pid", daemon=True).start()
 
 
 def _handle_signals(handler: Any) -> None:

@@ -10,7 +10,7 @@ from trainctl.service import launch
 from trainctl.service.app import create_app
 from trainctl.service.controller_client import RayController
 from trainctl.service.settings import Settings
-from trainctl.workers.control import logs
+from trainctl.workers.rank import logs
 
 DEPLOYMENT_NAME = "trainctl-gateway"
 APP_NAME = "trainctl"

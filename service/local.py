@@ -4,7 +4,8 @@
         svc.client().train_batch(...)
 
 Starts the service in its own process session (``env`` adds variables; a None value unsets
-one), waits until ``/v1/ready``, and on exit sends
+one), tied to this process (``--exit-with-pid``: killed, it still stops the service), waits
+until ``/v1/ready``, and on exit sends
 SIGTERM to the service's pid only (as Kubernetes does), waits for it, and kills whatever is
 left of its session. ``returncode`` and ``leftovers`` say how the stop went.
 """
@@ -61,6 +62,7 @@ class LocalService:
             **os.environ,
             "TRAINCTL_DATA_DIR": str(self.data_dir),
             "TRAINCTL_INSTANCE_ID": self.instance,
+            "TRAINCTL_EXIT_WITH_PID": str(os.getpid()),  # never outlives this process
             "PYTHONUNBUFFERED": "1",
             **self.env,
         }

@@ -249,6 +249,13 @@ class Settings(BaseSettings):
         description="The identity /v1/health and /v1/ready report, so a check can tell this "
         "start of the service from any other server on its port; default: random per start.",
     )
+    exit_with_pid: int | None = Field(
+        None,
+        ge=1,
+        description="Drain and stop, as on SIGTERM, once process PID is gone: a service "
+        "started by a test run, notebook or benchmark never outlives it, even when that "
+        "process is killed before it can stop the service.",
+    )
     ray_worker_ports: str = Field(
         "10002-19999",
         pattern=r"^\d+-\d+$",

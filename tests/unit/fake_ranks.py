@@ -92,7 +92,7 @@ class FakeRankGroup:
         return hashlib.sha256("".join(digests).encode()).hexdigest()
 
     async def digests(self) -> list[str]:
-        from trainctl.workers.control.rank import RankWorker
+        from trainctl.workers.rank.worker import RankWorker
 
         return await self.call(RankWorker.weights_digest)
 

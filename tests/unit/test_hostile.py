@@ -156,7 +156,7 @@ def test_checkpoint_and_profile_files_are_never_unpickled_as_code(tmp_path: Path
     import torch
 
     from trainctl.workers.control.profile_plot import memory_timeline
-    from trainctl.workers.control.rank import RankWorker
+    from trainctl.workers.rank.worker import RankWorker
 
     marker = tmp_path / "ran"
     torch.save({"chunks": [_Payload(str(marker))]}, tmp_path / "rank-00000.pt")
@@ -245,7 +245,7 @@ def test_the_rendezvous_store_listens_on_the_node_address_only() -> None:
     """The review's case: rank 0's TCPStore listened on every interface, uncredentialed."""
     import ray
 
-    from trainctl.workers.control.rank import RankWorker
+    from trainctl.workers.rank.worker import RankWorker
 
     worker = RankWorker(rank=0, world_size=1)
     host, port = worker.rendezvous_address(timeout_s=5)

@@ -94,3 +94,30 @@ def test_test_modules_have_names_of_their_own() -> None:
             seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not clashes, clashes
+
+
+DOORS = {
+    WORKERS / "control" / "rank_group.py": "the rank workers",
+    WORKERS / "sampler" / "pool.py": "the sampler engines",
+}
+
+
+def test_remote_actors_are_called_through_their_one_door() -> None:
+    """Only ``RankGroup`` calls a rank worker's method (``.remote(...)``) and only the sampler
+    pool calls an engine's: every other module in ``workers/`` goes through their typed
+    methods, so a call's deadline, error classification and failure handling live in one
+    place. Making an actor class (``ray.remote(Cls)``) is not a call."""
+    side_doors = []
+    for path in sorted(WORKERS.rglob("*.py")):
+        if path in DOORS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "remote"
+                and ast.unparse(node.func.value) != "ray"
+            ):
+                side_doors.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert all(p.exists() for p in DOORS), DOORS
+    assert not side_doors, "calls past the door:\n" + "\n".join(side_doors)

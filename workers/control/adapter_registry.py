@@ -18,10 +18,10 @@ from trainctl.api.adapters import DeleteAdapterRequest as DeleteRequest
 from trainctl.api.errors import field_error
 from trainctl.workers.control.group import Group
 from trainctl.workers.control.op_queue import Handle, Runner
-from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.control.steps import ModelState
 from trainctl.workers.engine import boundary
 from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.rank.worker import RankWorker
 
 
 @dataclass

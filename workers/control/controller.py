@@ -40,8 +40,8 @@ from trainctl.api import (
     SampleRequest,
     SampleResult,
     TrainctlError,
+    WorkerError,
 )
-from trainctl.workers.control import logs
 from trainctl.workers.control.adapter_registry import Adapters
 from trainctl.workers.control.checkpoints import CheckpointStore
 from trainctl.workers.control.group import GroupLostError
@@ -57,6 +57,8 @@ from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.control.telemetry import ControllerMetrics
 from trainctl.workers.control.trackers import TrackerLog, open_trackers
 from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.rank import logs
+from trainctl.workers.rank.worker import RankWorker
 
 log = logging.getLogger(__name__)
 
@@ -306,13 +308,12 @@ class Controller:
         return self.adapters.list()
 
     async def inject_fault(self, rank: int, phase: str, times: int) -> None:
-        ranks = self.group.ranks
-        if not 0 <= rank < len(ranks):
-            raise InvalidRequestError(f"rank: {rank} is not in [0, {len(ranks)})")
+        if not 0 <= rank < self.group.world_size:
+            raise InvalidRequestError(f"rank: {rank} is not in [0, {self.group.world_size})")
         try:
-            await ranks[rank].inject_fault.remote(phase, times)
-        except ray.exceptions.RayTaskError as e:
-            raise InvalidRequestError(f"phase: {e.cause}") from None
+            await self.group.call_one(rank, RankWorker.inject_fault, phase, times)
+        except WorkerError as e:
+            raise InvalidRequestError(f"phase: {e.message.split(': ', 2)[-1]}") from None
 
     # -- reads (no queueing) -----------------------------------------------------------------
 

@@ -2,16 +2,22 @@
 
 ``RankGroup`` (``rank_group.py``) is the service's: one Ray actor per rank. ``LocalGroup`` is
 one ``RankWorker`` in this process (``inprocess.py``: the GPU tier and the benchmarks), so
-both run the controller's own step sequence (``steps.py``). Imports no Ray and no torch.
+both run the controller's own step sequence (``steps.py``). A call names the unbound
+``RankWorker`` method, so its arguments and result are typed through. Imports no Ray and no
+torch.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from trainctl.api import NotReadyError, TrainctlError, WorkerError
+from trainctl.workers.rank.worker import RankWorker
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class GroupLostError(NotReadyError):
@@ -36,8 +42,11 @@ class Group(Protocol):
     def put(self, value: Any) -> Any:
         """``value`` as the ranks receive it (Ray: one object-store copy for all ranks)."""
 
-    async def call(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+    async def call(
+        self, method: Callable[Concatenate[RankWorker, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
         """``method`` (a ``RankWorker`` method) on every rank; the results in rank order."""
+        ...
 
     async def call_quietly(self, method: Callable[..., Any]) -> None:
         """``method`` on every rank that still answers; failures ignored (cleanup)."""
@@ -46,15 +55,17 @@ class Group(Protocol):
 class LocalGroup:
     """A group of one: a ``RankWorker`` in this process, called directly."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: RankWorker) -> None:
         self.worker = worker
 
     def put(self, value: Any) -> Any:
         return value
 
-    async def call(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+    async def call(
+        self, method: Callable[Concatenate[RankWorker, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
         try:
-            return [method(self.worker, *args)]
+            return [method(self.worker, *args, **kwargs)]
         except TrainctlError:
             raise
         except Exception as e:

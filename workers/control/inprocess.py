@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore
 
 from trainctl.api import (
     EvalBatchRequest,
@@ -39,10 +40,10 @@ from trainctl.api import (
 )
 from trainctl.api.operations import Operation, OperationKind, OperationStatus
 from trainctl.workers.control.group import LocalGroup
-from trainctl.workers.control.op_queue import Handle, Runner
-from trainctl.workers.control.rank import RankWorker, process_group_backend
+from trainctl.workers.control.op_queue import Handle, Runs, T
 from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.rank.worker import RankWorker, process_group_backend
 
 
 async def _no_hook(_h: Handle, _adapter: str | None) -> list[str]:
@@ -61,7 +62,7 @@ def init_single_process(backend: str = "auto", timeout_s: float = 120.0) -> None
         return
     dist.init_process_group(
         backend=process_group_backend(backend, cuda=torch.cuda.is_available()),
-        store=dist.HashStore(),
+        store=HashStore(),
         rank=0,
         world_size=1,
         timeout=timedelta(seconds=timeout_s),
@@ -81,7 +82,7 @@ class InProcessEngine:
         init_single_process(cfg.backend, cfg.collective_timeout_s)
         self.worker = RankWorker(0, 1, num_threads=num_threads or torch.get_num_threads())
         self.worker.build(cfg)
-        self.cfg: EngineConfig = self.worker.engine.cfg
+        self.cfg: EngineConfig = self.worker.shard.cfg
         self.state = ModelState()
         self.steps = Steps(self.cfg, LocalGroup(self.worker), self.state, after_train=_no_hook)
 
@@ -95,14 +96,14 @@ class InProcessEngine:
         """Optimizer steps applied."""
         return self.state.step
 
-    def _run(self, kind: OperationKind, runner: Runner) -> Any:
+    def _run(self, kind: OperationKind, runner: Runs[T]) -> T:
         op = Operation(
             id=f"local-{kind.value}", kind=kind, status=OperationStatus.RUNNING,
             created_at=time.time(),
         )  # fmt: skip
         handle = Handle(op=op, run=None, key=None, fingerprint="")
 
-        async def run() -> Any:
+        async def run() -> T:
             return await runner(handle)
 
         return asyncio.run(run())
@@ -110,21 +111,21 @@ class InProcessEngine:
     def train_batch(self, req: TrainBatchRequest) -> StepResult:
         """Forward/backward and the optimizer step; a non-finite gradient norm applies
         nothing (as in the service)."""
-        return self._run(OperationKind.TRAIN_BATCH, self.steps.train(req))  # type: ignore[no-any-return]
+        return self._run(OperationKind.TRAIN_BATCH, self.steps.train(req))
 
     def eval_batch(self, req: EvalBatchRequest) -> StepResult:
-        return self._run(OperationKind.EVAL_BATCH, self.steps.eval(req))  # type: ignore[no-any-return]
+        return self._run(OperationKind.EVAL_BATCH, self.steps.eval(req))
 
     def logprobs(self, req: LogProbsRequest) -> LogProbsResult:
-        return self._run(OperationKind.LOGPROBS, self.steps.logprobs(req))  # type: ignore[no-any-return]
+        return self._run(OperationKind.LOGPROBS, self.steps.logprobs(req))
 
     def forward_backward(self, req: ForwardBackwardRequest) -> ForwardBackwardResult:
         """A split-step part: gradients wait for ``optim_step``."""
         kind = OperationKind.FORWARD_BACKWARD
-        return self._run(kind, self.steps.forward_backward(req))  # type: ignore[no-any-return]
+        return self._run(kind, self.steps.forward_backward(req))
 
     def optim_step(self, req: OptimStepRequest) -> StepResult:
-        return self._run(OperationKind.OPTIM_STEP, self.steps.optim_step(req))  # type: ignore[no-any-return]
+        return self._run(OperationKind.OPTIM_STEP, self.steps.optim_step(req))
 
     def start_memory_profile(self, max_entries: int = 100_000) -> None:
         """Record allocations (CUDA: the allocator's history; CPU: the profiler's events)."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import itertools
 import logging
 import time
@@ -27,7 +26,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from trainctl.api import (
     ConflictError,
@@ -40,13 +39,15 @@ from trainctl.api import (
     RateLimitedError,
     TrainctlError,
 )
+from trainctl.workers.rank.logs import current_operation
 
 log = logging.getLogger(__name__)
 
-current_operation: contextvars.ContextVar[str] = contextvars.ContextVar("operation", default="-")
-"""Id of the operation this task works for; the log filter puts it on every line."""
 
-Runner = Callable[["Handle"], Awaitable[Any]]
+T = TypeVar("T")
+Runs = Callable[["Handle"], Awaitable[T]]
+"""What an operation runs in its turn, typed by its result."""
+Runner = Runs[Any]
 
 
 @dataclass(eq=False)

@@ -28,10 +28,10 @@ import numpy as np
 from trainctl.api.batch import TokenSequence
 from trainctl.api.fields import LOSS_INPUTS
 from trainctl.api.models import LossConfig, Normalization
-from trainctl.workers.control.batch import StepPlan
 from trainctl.workers.control.trie import Trie, build_tries, tree_layout
 from trainctl.workers.engine.boundary import PACKED_FIELDS, PackedMicroBatch, TreeLayout
 from trainctl.workers.engine.config import LINEAR_TREE, EngineConfig
+from trainctl.workers.rank.step_plan import StepPlan
 
 CROSS_ENTROPY = LossConfig()
 

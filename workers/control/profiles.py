@@ -15,9 +15,9 @@ from trainctl.api import (
 )
 from trainctl.workers.control.op_queue import Runner
 from trainctl.workers.control.profile_store import ProfileStore
-from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.steps import ModelState
+from trainctl.workers.rank.worker import RankWorker
 
 
 class ProfileRecorder:

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import ray
 from ray.util.placement_group import (
@@ -27,10 +27,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from trainctl.api import NotReadyError, TrainctlError, WorkerError
 from trainctl.workers.control import placement
 from trainctl.workers.control.group import GroupLostError
-from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.engine.boundary import RankMeta
 from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.rank.worker import RankWorker
 from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,8 @@ class RankGroup:
         nodes, else CPUs over ``num_cpus``; in a fixed order (address, then node id). Nodes
         kept for samplers (``SAMPLER_NODE_RESOURCE``) hold no rank."""
         out = []
-        for n in ray.nodes():
+        nodes: Callable[[], list[dict[str, Any]]] = ray.nodes  # untyped in Ray
+        for n in nodes():
             res = n.get("Resources", {}) if n.get("Alive") else {}
             if SAMPLER_NODE_RESOURCE in res:
                 continue  # kept for the sampler engines
@@ -159,17 +163,76 @@ class RankGroup:
     def put(self, value: Any) -> Any:
         return ray.put(value)
 
-    async def call(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+    async def call(
+        self, method: Callable[Concatenate[RankWorker, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
         """``method`` (a ``RankWorker`` method) on every rank; the results in rank order, or
-        the failure classified."""
-        name = method.__name__
-        tasks = [asyncio.ensure_future(getattr(r, name).remote(*args)) for r in self.ranks]
+        the failure classified (``_classified``)."""
+        return await self._classified(list(enumerate(self.ranks)), method.__name__, args, kwargs)
+
+    async def call_one(
+        self,
+        rank: int,
+        method: Callable[Concatenate[RankWorker, P], R],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
+        """``method`` on rank ``rank`` alone (rank-0 work, a fault injection), its failure
+        classified as ``call``'s."""
+        got = await self._classified([(rank, self.ranks[rank])], method.__name__, args, kwargs)
+        return cast(R, got[0])
+
+    def gather_on_rank0(
+        self,
+        shards: Callable[..., Any],
+        shard_args: tuple[Any, ...],
+        merge: Callable[..., Any],
+        merge_args: tuple[Any, ...] = (),
+        *,
+        num_returns: int = 1,
+    ) -> Any:
+        """Every rank's ``shards(*shard_args)``, left in the object store, handed as one list
+        to rank 0's ``merge(parts, *merge_args)``: rank 0's result reference(s), not awaited,
+        so the controller never holds the tensors (the samplers or a file get them). ``fetch``
+        awaits one with its failure classified."""
+        parts = [getattr(r, shards.__name__).remote(*shard_args) for r in self.ranks]
+        remote = getattr(self.ranks[0], merge.__name__)
+        if num_returns != 1:
+            remote = remote.options(num_returns=num_returns)
+        return remote.remote(parts, *merge_args)
+
+    async def fetch(self, ref: Any, what: str) -> Any:
+        """The value of a reference ``gather_on_rank0`` made; a dead rank is the group lost, a
+        rank's own error a ``WorkerError`` naming ``what``."""
+        try:
+            return await ref
+        except ray.exceptions.RayActorError as e:
+            cause = f"a rank died during {what}"
+            raise GroupLostError(
+                f"{cause}; nothing was applied. The workers are being rebuilt from the latest "
+                "checkpoint: retry shortly",
+                details={"error": str(e).splitlines()[0]},
+                cause=cause,
+            ) from None
+        except ray.exceptions.RayTaskError as e:
+            c = getattr(e, "cause", None)
+            if isinstance(c, TrainctlError):
+                raise c from None
+            raise WorkerError(f"{what} failed: {type(c).__name__}: {c}") from None
+
+    async def _classified(
+        self, ranks: list[tuple[int, Any]], name: str, args: Any, kwargs: Any
+    ) -> list[Any]:
+        """``name`` on each ``(rank, actor)``; the results in that order. A rank that died or
+        peers stuck past ``FAILURE_GRACE_S``: the group is lost (``GroupLostError``); a rank's
+        own ``TrainctlError`` as it is; any other failure a ``WorkerError`` naming the rank."""
+        tasks = [asyncio.ensure_future(getattr(r, name).remote(*args, **kwargs)) for _, r in ranks]
         _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         if pending:
             _, pending = await asyncio.wait(pending, timeout=FAILURE_GRACE_S)
         failed = {
             rank: t.exception()
-            for rank, t in enumerate(tasks)
+            for (rank, _), t in zip(ranks, tasks, strict=True)
             if t.done() and t.exception() is not None
         }
         if not failed and not pending:

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from trainctl.api import LogProbsResult, StepResult, WorkerError
-from trainctl.workers.control.batch import StepPlan
 from trainctl.workers.engine.boundary import LogProbsPart
+from trainctl.workers.rank.step_plan import StepPlan
 
 
 def step_result(plan: StepPlan, reports: list[Any], *, step: int, t_plan: float) -> StepResult:

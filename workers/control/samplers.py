@@ -17,8 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import ray
-
 from trainctl.api import (
     AdapterInfo,
     AdapterList,
@@ -39,6 +37,7 @@ from trainctl.workers.control.serving import Serving
 from trainctl.workers.control.steps import ModelState
 from trainctl.workers.control.telemetry import ControllerMetrics
 from trainctl.workers.engine.config import ConfigError, EngineConfig
+from trainctl.workers.rank.worker import RankWorker
 from trainctl.workers.sampler.pool import PoolOptions, SamplerPool
 from trainctl.workers.sampler.spec import SamplerSpec
 
@@ -92,10 +91,11 @@ class Samplers:
             return
         _check_engines(self.cfg, s)
         try:
-            hf_config = await self.group.ranks[0].hf_config.remote()
-        except ray.exceptions.RayTaskError as e:
+            hf_config = await self.group.call_one(0, RankWorker.hf_config)
+        except WorkerError as e:
+            problem = e.message.split(": ", 2)[-1]  # "rank 0 failed in hf_config: <error>"
             raise ConfigError(
-                f"samplers: this model has no Hugging Face export: {e.cause}"
+                f"samplers: this model has no Hugging Face export: {problem}"
             ) from None
         spec = SamplerSpec(
             hf_config=hf_config,
@@ -130,19 +130,19 @@ class Samplers:
         if h is not None:
             h.set_phase("gathering weights")
         t0 = time.perf_counter()
-        ranks = self.group.ranks
+        g = self.group
         if adapter is None:
-            parts = [r.canonical_shards.remote() for r in ranks]
-            weights, size = ranks[0].hf_weights.options(num_returns=2).remote(parts)
+            weights, size = g.gather_on_rank0(
+                RankWorker.canonical_shards, (), RankWorker.hf_weights, num_returns=2
+            )
             step = self.step
         else:
-            parts = [r.canonical_shards.remote("adapter", adapter) for r in ranks]
-            weights, size = ranks[0].peft_weights.options(num_returns=2).remote(parts, adapter)
+            weights, size = g.gather_on_rank0(
+                RankWorker.canonical_shards, ("adapter", adapter), RankWorker.peft_weights,
+                (adapter,), num_returns=2,
+            )  # fmt: skip
             step = self.adapters.entries[adapter].state.step
-        try:
-            nbytes = int(await size)
-        except ray.exceptions.RayError as e:
-            raise WorkerError(f"gathering the weights for the samplers failed: {e}") from None
+        nbytes = int(await g.fetch(size, "gathering the weights for the samplers"))
         if h is not None:
             h.set_phase("loading weights into the samplers")
         gather_s = time.perf_counter() - t0

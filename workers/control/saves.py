@@ -27,12 +27,12 @@ from trainctl.workers.control.checkpoints import CheckpointStore
 from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.profile_store import replace_dir
-from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.serving import WeightsVersion
 from trainctl.workers.control.steps import ModelState
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.engine.families import export_problem
+from trainctl.workers.rank.worker import RankWorker
 
 log = logging.getLogger(__name__)
 
@@ -172,12 +172,13 @@ class Saves:
         tmp = self.export_root / f"{PARTIAL_EXPORT}{name}-{os.getpid()}"
         h.set_phase("gathering weights")
         part = "base" if req.adapter is None else "merged" if req.merged else "adapter"
-        parts = [r.canonical_shards.remote(part, req.adapter) for r in self.group.ranks]
+        written = self.group.gather_on_rank0(
+            RankWorker.canonical_shards, (part, req.adapter), RankWorker.write_hf,
+            (str(tmp), req.adapter, req.merged),
+        )  # fmt: skip
         h.set_phase("writing safetensors")
         try:
-            files = await self.group.ranks[0].write_hf.remote(
-                str(tmp), parts, req.adapter, req.merged
-            )
+            files = await self.group.fetch(written, "the export")
             await asyncio.to_thread(replace_dir, tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

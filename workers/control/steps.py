@@ -46,11 +46,9 @@ from trainctl.api import (
 )
 from trainctl.api.batch import SequenceBatch
 from trainctl.api.errors import field_error
-from trainctl.workers.control.batch import StepPlan
 from trainctl.workers.control.group import Group, GroupLostError
-from trainctl.workers.control.op_queue import Handle, Runner
+from trainctl.workers.control.op_queue import Handle, Runs
 from trainctl.workers.control.plan import plan_step
-from trainctl.workers.control.rank import RankWorker
 from trainctl.workers.control.results import (
     in_request_order,
     logprobs_result,
@@ -58,6 +56,8 @@ from trainctl.workers.control.results import (
     step_result,
 )
 from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.rank.step_plan import StepPlan
+from trainctl.workers.rank.worker import RankWorker
 
 log = logging.getLogger(__name__)
 
@@ -161,16 +161,16 @@ class Steps:
                 "adapter to train; the base alone is for forward passes",
             )
 
-    def train(self, req: TrainBatchRequest) -> Runner:
+    def train(self, req: TrainBatchRequest) -> Runs[StepResult]:
         self._check_trainable(req.adapter)
         plan, t_plan = self.plan(req.sequences, req.loss, req.packing, adapter=req.adapter)
         return lambda h: self._train(h, req, plan, t_plan)
 
-    def eval(self, req: EvalBatchRequest) -> Runner:
+    def eval(self, req: EvalBatchRequest) -> Runs[StepResult]:
         plan, t_plan = self.plan(req.sequences, req.loss, req.packing, adapter=req.adapter)
         return lambda h: self._eval(h, plan, t_plan)
 
-    def forward_backward(self, req: ForwardBackwardRequest) -> Runner:
+    def forward_backward(self, req: ForwardBackwardRequest) -> Runs[ForwardBackwardResult]:
         if not req.forward_only:
             self._check_trainable(req.adapter)
         plan, t_plan = self.plan(
@@ -178,7 +178,7 @@ class Steps:
         )
         return lambda h: self._forward_backward(h, req, plan, t_plan)
 
-    def optim_step(self, req: OptimStepRequest) -> Runner:
+    def optim_step(self, req: OptimStepRequest) -> Runs[StepResult]:
         from trainctl.workers.engine.config import OptimizerConfig
 
         hyper = {**dataclasses.asdict(self.cfg.optimizer), **req.overrides()}
@@ -190,7 +190,7 @@ class Steps:
         self.state_of(req.adapter)
         return lambda h: self._optim_step(h, req, hyper)
 
-    def logprobs(self, req: LogProbsRequest) -> Runner:
+    def logprobs(self, req: LogProbsRequest) -> Runs[LogProbsResult]:
         """Log-probs read only the tokens (every position after the first is a target) and
         the routes to replay, if given."""
         tokens_only = req.sequences.without(

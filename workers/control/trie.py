@@ -132,7 +132,8 @@ def encode_segments(
     offsets = np.zeros(k + 1, np.int64)
     offsets[1:] = np.cumsum([a.shape[0] for a in ancestors])
     flat = np.concatenate(list(ancestors)) if k else np.zeros(0, np.int64)
-    return np.concatenate([[k], starts, ends, offsets, flat]).astype(np.int64)
+    table: np.ndarray = np.concatenate([[k], starts, ends, offsets, flat]).astype(np.int64)
+    return table
 
 
 def tree_layout(

@@ -275,3 +275,7 @@ class ShardAdapters:
 
     def digest(self, name: str) -> str:
         return self._bank().digest(name)
+
+    def spec(self, name: str) -> AdapterSpec:
+        """How adapter ``name`` was made (its rank, alpha and targets)."""
+        return self._bank().slots[name].spec

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from trainctl.workers.engine.boundary import OwnedShards, WrittenFile
 from trainctl.workers.sampler.spec import PeftAdapter
+
+if TYPE_CHECKING:
+    from trainctl.workers.engine.shard import EngineShard
 
 Part = Literal["base", "adapter", "merged"]
 """What an export gathers: the base's weights, an adapter's factors, or both (to merge)."""
@@ -21,7 +24,7 @@ class Exporter:
     rank's engine shard (``RankWorker`` builds one per engine, and its methods of these names
     delegate here)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: EngineShard) -> None:
         self.engine = engine
 
     def canonical_shards(self, part: Part = "base", adapter: str | None = None) -> OwnedShards:
@@ -30,7 +33,7 @@ class Exporter:
         from trainctl.workers.engine.lora import is_lora
 
         if adapter is not None:
-            self.engine.adapter_bank.activate(adapter)
+            self.engine.adapters.activate(adapter)
         shards = self.engine.canonical_shards(owned=True)
         keep = {"base": lambda n: not is_lora(n), "adapter": is_lora}.get(part, lambda n: True)
         return OwnedShards(
@@ -53,7 +56,7 @@ class Exporter:
         return full
 
     def write_hf(
-        self, directory: str, parts: list[Any], adapter: str | None = None, merged: bool = False
+        self, parts: list[Any], directory: str, adapter: str | None = None, merged: bool = False
     ) -> list[WrittenFile]:
         """On one rank: merge every rank's ``canonical_shards`` and write a Hugging Face
         checkpoint of the model's family; with ``adapter``, its PEFT adapter, or (``merged``)
@@ -64,7 +67,7 @@ class Exporter:
         if adapter is None:
             files = hf.save(Path(directory), full, m)
         else:
-            spec = self.engine.adapter_bank.bank.slots[adapter].spec
+            spec = self.engine.adapters.spec(adapter)
             if merged:
                 m2 = hf_adapter.untie_if_head_adapted(m, spec)
                 files = hf.save(Path(directory), hf_adapter.merged(full, m, spec), m2)
@@ -87,7 +90,7 @@ class Exporter:
         ``write_hf`` writes for it), and their size in bytes."""
         from trainctl.workers.engine import hf_adapter
 
-        spec = self.engine.adapter_bank.bank.slots[adapter].spec
+        spec = self.engine.adapters.spec(adapter)
         config, tensors = hf_adapter.to_peft(self._merged(parts), self.engine.cfg.model, spec)
         return PeftAdapter(config=config, tensors=tensors), tensor_bytes(tensors)
 

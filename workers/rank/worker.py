@@ -18,12 +18,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainctl.workers.control import logs
-from trainctl.workers.control.batch import StepPlan
-from trainctl.workers.control.op_queue import current_operation
-from trainctl.workers.control.rank_export import Exporter, Part, tensor_bytes
 from trainctl.workers.engine.boundary import (
     AdapterInfo,
     AdapterSpec,
@@ -37,7 +33,14 @@ from trainctl.workers.engine.boundary import (
     WrittenFile,
 )
 from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.rank import logs
+from trainctl.workers.rank.export import Exporter, Part, tensor_bytes
+from trainctl.workers.rank.logs import current_operation
+from trainctl.workers.rank.step_plan import StepPlan
 from trainctl.workers.sampler.spec import PeftAdapter
+
+if TYPE_CHECKING:
+    from trainctl.workers.engine.shard import EngineShard
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ class RankWorker:
         torch.set_num_threads(num_threads)
         self.rank = rank
         self.world_size = world_size
-        self.engine: Any = None
+        self.engine: EngineShard | None = None
         self.exporter: Exporter | None = None
         self._faults: dict[str, int] = {}
         self._store: Any = None
@@ -102,6 +105,13 @@ class RankWorker:
         """Rank 0: the socket the rendezvous store listens on (kept open while it lives)."""
         self._staged: dict[str, Any] | None = None
         """A checkpoint shard read by ``stage_checkpoint``, waiting for ``apply_checkpoint``."""
+
+    @property
+    def shard(self) -> EngineShard:
+        """This rank's engine shard (``build`` makes it)."""
+        if self.engine is None:
+            raise RuntimeError(f"rank {self.rank} has no engine yet: build it first")
+        return self.engine
 
     def rendezvous_address(self, timeout_s: float) -> tuple[str, int]:
         """Called on rank 0: start the rendezvous store on a port the OS picks (no race with
@@ -111,12 +121,13 @@ class RankWorker:
         import socket
 
         import ray
-        import torch.distributed as dist
+        from torch._C._distributed_c10d import TCPStore
 
-        host = ray.util.get_node_ip_address()
+        node_ip: Callable[[], str] = ray.util.get_node_ip_address  # untyped in Ray
+        host = node_ip()
         self._listener = socket.create_server((host, 0), backlog=128)
         port = self._listener.getsockname()[1]
-        self._store = dist.TCPStore(
+        self._store = TCPStore(
             host,
             port,
             self.world_size,
@@ -130,12 +141,13 @@ class RankWorker:
     def init_process_group(self, host: str, port: int, backend: str, timeout_s: float) -> None:
         import torch
         import torch.distributed as dist
+        from torch._C._distributed_c10d import TCPStore
 
         backend = process_group_backend(backend, cuda=torch.cuda.is_available())
         timeout = timedelta(seconds=timeout_s)
         store = self._store
         if store is None:
-            store = dist.TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
+            store = TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
         dist.init_process_group(
             backend=backend,
             store=store,
@@ -158,16 +170,16 @@ class RankWorker:
 
     def _shard(self, plan: StepPlan) -> Any:
         self._check_fault("forward")
-        self.engine.profiler.pause_if_expired()  # a CPU profile's recording is capped
-        self.engine.adapter_bank.activate(plan.adapter)
-        return plan.microbatches[self.engine.coords.dp]
+        self.shard.profiler.pause_if_expired()  # a CPU profile's recording is capped
+        self.shard.adapters.activate(plan.adapter)
+        return plan.microbatches[self.shard.coords.dp]
 
     def accumulate(self, plan: StepPlan, op_id: str = "-") -> StepReport:
         """Phase 1 of a train step: forward/backward; gradients held until ``apply``."""
         with _operation(op_id):
-            report = self.engine.accumulate(self._shard(plan), plan.loss)
-            self._fault_point("accumulate_end", undo=self.engine.optim.zero_grad)
-            return report  # type: ignore[no-any-return]
+            report = self.shard.accumulate(self._shard(plan), plan.loss)
+            self._fault_point("accumulate_end", undo=self.shard.optim.zero_grad)
+            return report
 
     def _fault_point(self, phase: str, *, undo: Callable[[], None]) -> None:
         """An injected fault at the end of ``phase``, after ``undo`` took back its work."""
@@ -185,7 +197,7 @@ class RankWorker:
         with _operation(op_id):
             self._check_fault("optimizer")
             opt = OptimizerConfig(**hyper) if hyper is not None else None
-            return self.engine.apply(opt)  # type: ignore[no-any-return]
+            return self.shard.apply(opt)
 
     def forward_backward(
         self, plan: StepPlan, op_id: str = "-", backward: bool = True
@@ -194,22 +206,22 @@ class RankWorker:
         per-sequence log-probs and token losses. On failure here the window is as before the
         call. Without ``backward``: the same outputs, no gradients."""
         with _operation(op_id):
-            out = self.engine.forward_backward(self._shard(plan), plan.loss, backward=backward)
+            out = self.shard.forward_backward(self._shard(plan), plan.loss, backward=backward)
             if backward:
-                self._fault_point("forward_backward_end", undo=self.engine.rollback_part)
-            return out  # type: ignore[no-any-return]
+                self._fault_point("forward_backward_end", undo=self.shard.rollback_part)
+            return out
 
     def rollback_part(self) -> None:
         """Undo this rank's last part (another rank failed it)."""
-        self.engine.rollback_part()
+        self.shard.rollback_part()
 
     def finish_window(self, divisor: float, op_id: str = "-", adapter: str | None = None) -> float:
         """``optim_step`` phase 1: the window's one reduction, then the grad norm (of
         ``adapter``'s window, with adapters)."""
         with _operation(op_id):
             self._check_fault("finish_window")
-            self.engine.adapter_bank.activate(adapter)
-            return float(self.engine.finish_window(divisor))
+            self.shard.adapters.activate(adapter)
+            return float(self.shard.finish_window(divisor))
 
     def publish(self, op_id: str = "-") -> float:
         """Phase 3 under ZeRO-1, once every rank's update succeeded: the all-gather of the
@@ -217,35 +229,35 @@ class RankWorker:
         with _operation(op_id):
             t0 = time.perf_counter()
             self._check_fault("publish")
-            self.engine.optim.publish()
+            self.shard.optim.publish()
             return time.perf_counter() - t0
 
     def discard(self) -> None:
         """Drop the accumulated gradients (another rank failed phase 1)."""
-        self.engine.optim.zero_grad()
+        self.shard.optim.zero_grad()
 
     def eval_batch(self, plan: StepPlan, op_id: str = "-") -> StepReport:
         with _operation(op_id):
-            return self.engine.eval_batch(self._shard(plan), plan.loss)  # type: ignore[no-any-return]
+            return self.shard.eval_batch(self._shard(plan), plan.loss)
 
     def logprobs(
         self, plan: StepPlan, entropy: bool, routes: bool = False, op_id: str = "-"
     ) -> LogProbsPart:
         with _operation(op_id):
-            return self.engine.logprobs(self._shard(plan), entropy=entropy, routes=routes)  # type: ignore[no-any-return]
+            return self.shard.logprobs(self._shard(plan), entropy=entropy, routes=routes)
 
     def weights_digest(self) -> str:
-        return str(self.engine.weights_digest())
+        return str(self.shard.weights_digest())
 
     def start_memory_profile(self, max_entries: int) -> None:
-        self.engine.profiler.start(max_entries)
+        self.shard.profiler.start(max_entries)
 
     def stop_memory_profile(self) -> RankProfile:
         """Stop recording; this rank's file, as bytes (the controller stores it)."""
         with tempfile.TemporaryDirectory(prefix="trainctl-profile-") as tmp:
-            path = self.engine.profiler.stop(Path(tmp))
+            path = self.shard.profiler.stop(Path(tmp))
             data = path.read_bytes()
-        return RankProfile(name=path.name, coords=self.engine.coords, data=data)
+        return RankProfile(name=path.name, coords=self.shard.coords, data=data)
 
     # -- checkpoints and export ----------------------------------------------------------------
 
@@ -256,7 +268,7 @@ class RankWorker:
 
         path = Path(directory) / f"rank-{self.rank:05d}.pt"
         tmp = path.with_suffix(".pt.partial")
-        state = self.engine.checkpoint.state()
+        state = self.shard.checkpoint.state()
         needed = tensor_bytes(state)
         if shutil.disk_usage(directory).free < needed:
             raise _no_space(self.rank, needed, directory)
@@ -280,7 +292,7 @@ class RankWorker:
 
         path = Path(directory) / f"rank-{self.rank:05d}.pt"
         state = torch.load(path, map_location="cpu", weights_only=True)
-        self.engine.checkpoint.check(state)
+        self.shard.checkpoint.check(state)
         self._staged = state
 
     def apply_checkpoint(self, optimizer: bool = True) -> int:
@@ -288,8 +300,8 @@ class RankWorker:
         state, self._staged = self._staged, None
         if state is None:
             raise RuntimeError("apply_checkpoint without a staged checkpoint")
-        self.engine.checkpoint.load(state, optimizer=optimizer)
-        return int(self.engine.step)
+        self.shard.checkpoint.load(state, optimizer=optimizer)
+        return int(self.shard.step)
 
     def drop_staged(self) -> None:
         self._staged = None
@@ -297,13 +309,13 @@ class RankWorker:
     # -- adapters (workers/engine/adapter_bank.py) -----------------------------------------------
 
     def create_adapter(self, spec: AdapterSpec) -> None:
-        self.engine.adapter_bank.create(spec)
+        self.shard.adapters.create(spec)
 
     def delete_adapter(self, name: str) -> None:
-        self.engine.adapter_bank.delete(name)
+        self.shard.adapters.delete(name)
 
     def adapter_infos(self) -> list[AdapterInfo]:
-        return self.engine.adapter_bank.infos()  # type: ignore[no-any-return]
+        return self.shard.adapters.infos()
 
     # -- fault injection (operators and tests, through Ray only: not on the HTTP API) ---------
 
@@ -337,9 +349,9 @@ class RankWorker:
         return self._export().canonical_shards(part, adapter)
 
     def write_hf(
-        self, directory: str, parts: list[Any], adapter: str | None = None, merged: bool = False
+        self, parts: list[Any], directory: str, adapter: str | None = None, merged: bool = False
     ) -> list[WrittenFile]:
-        return self._export().write_hf(directory, parts, adapter, merged)
+        return self._export().write_hf(parts, directory, adapter, merged)
 
     def hf_weights(self, parts: list[Any]) -> tuple[dict[str, Any], int]:
         return self._export().hf_weights(parts)

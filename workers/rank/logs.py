@@ -1,19 +1,22 @@
 """Logging for the controller, the ranks and the gateway: the operation id on every line.
 
 ``configure(level, fmt)`` installs one handler whose records carry ``op`` (the operation this
-task works for, from ``operations.current_operation``; ``-`` outside one). ``fmt="json"`` writes
+task works for, from ``current_operation``; ``-`` outside one). ``fmt="json"`` writes
 one JSON object per line (``ts``, ``level``, ``logger``, ``op``, ``msg``), for log collectors;
 ``text`` writes the same fields for people.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
 import time
 
-from trainctl.workers.control.op_queue import current_operation
+current_operation: contextvars.ContextVar[str] = contextvars.ContextVar("operation", default="-")
+"""Id of the operation this task works for (the controller's queue and the rank actor set it);
+the log filter puts it on every line."""
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [op=%(op)s] %(message)s"
 
