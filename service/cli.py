@@ -177,7 +177,7 @@ def _serve(s: Settings) -> int:
     from trainctl.workers.engine.config import ConfigError
 
     try:
-        cfg = launch.engine_config_dict(s)
+        cfg = launch.engine_config(s)
     except OSError as e:
         raise StartupError(f"cannot read {e.filename}: {e.strerror}") from None
     except (ConfigError, TypeError, ValueError) as e:
@@ -213,15 +213,7 @@ def _serve(s: Settings) -> int:
             _start_head(head)
         _handle_signals(_on_signal)
         controller = launch.create_controller(s, cfg, detached=False)
-        layout = cfg["layout"]
-        log.info(
-            "building %d rank(s): dp=%d cp=%d tp=%d pp=%d",
-            layout["dp"] * layout["cp"] * layout["tp"] * layout["pp"],
-            layout["dp"],
-            layout["cp"],
-            layout["tp"],
-            layout["pp"],
-        )
+        log.info("building %d rank(s): %s", cfg.layout.world_size, cfg.layout.describe())
         try:
             info: Info = ray.get(controller.start.remote())
         except ray.exceptions.RayTaskError as e:

@@ -57,7 +57,7 @@ def app_builder(args: dict[str, Any]) -> Any:
     """
     s = launch.settings_from_args(args)
     logs.configure(s.log_level, s.log_format)
-    controller = launch.create_controller(s, launch.engine_config_dict(s), detached=True)
+    controller = launch.create_controller(s, launch.engine_config(s), detached=True)
     controller.start_once.remote()
     return gateway_app(s)
 

@@ -2,49 +2,39 @@
 ``serve deploy`` both build the engine config, the controller and the gateway here, from one
 ``Settings`` (``service/settings.py``) with one set of defaults.
 
-Precedence, for every setting that shapes the engine (``ENGINE_SETTINGS``): flag or Serve arg
-> environment > engine config file (or inline ``engine``) > default.
+What the controller actor takes is typed, built here once: the ``EngineConfig``, the
+``ControllerOptions`` and the ``SamplerSettings``. Precedence, for every setting that shapes
+the engine (a field marked with its place in the engine config, ``engine_settings()``): flag
+or Serve arg > environment > engine config file (or inline ``engine``) > default.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainctl.service.settings import Settings
+from trainctl.service.settings import Settings, engine_settings
 
-ENGINE_SETTINGS: dict[str, tuple[str | None, str]] = {
-    "dp": ("layout", "dp"),
-    "cp": ("layout", "cp"),
-    "tp": ("layout", "tp"),
-    "pp": ("layout", "pp"),
-    "seed": ("model", "seed"),
-    "lr": ("optimizer", "lr"),
-    "max_tokens_per_microbatch": (None, "max_tokens_per_microbatch"),
-    "recompute": (None, "recompute"),
-    "precision": (None, "precision"),
-    "distributed_optimizer": (None, "distributed_optimizer"),
-    "sequence_parallel": (None, "sequence_parallel"),
-    "packing": (None, "packing"),
-    "max_adapters": ("lora", "max_adapters"),
-    "lora_max_rank": ("lora", "max_rank"),
-    "adapters_in_memory": ("lora", "max_in_memory"),
-}
-"""Setting -> (section of the engine config, or None for the top level; key in it)."""
-
+if TYPE_CHECKING:
+    from trainctl.workers.control.controller import ControllerOptions
+    from trainctl.workers.control.samplers import SamplerSettings
+    from trainctl.workers.engine.config import EngineConfig
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 """The resource only Ray's head node has."""
 
 
-def engine_config_dict(s: Settings) -> dict[str, Any]:
+def engine_config(s: Settings) -> EngineConfig:
     """The validated engine config: the file's values, overridden by the settings given as a
     flag or in the environment, and the settings' defaults where the file is silent."""
     from trainctl.workers.engine.config import EngineConfig
 
     base = copy.deepcopy(s.engine_file())
-    for name, (section, key) in ENGINE_SETTINGS.items():
-        target = base.setdefault(section, {}) if section else base
+    for name, place in engine_settings().items():
+        *sections, key = place.split(".")
+        target = base
+        for section in sections:
+            target = target.setdefault(section, {})
         if name in s.model_fields_set or key not in target:
             target[key] = getattr(s, name)
     lora = base.setdefault("lora", {})
@@ -54,25 +44,27 @@ def engine_config_dict(s: Settings) -> dict[str, Any]:
         from trainctl.workers.engine import hf
 
         base = hf.engine_dict_from(s.init_hf, base)
-    return EngineConfig.from_dict(base).validate().to_dict()
+    return EngineConfig.from_dict(base).validate()
 
 
-def controller_kwargs(s: Settings, *, rank_num_gpus: float) -> dict[str, Any]:
-    """The controller's keyword arguments (besides the engine config)."""
-    return {
-        "data_root": str(s.data_dir.resolve()),
-        "profile_root": str(s.profiles_dir()),
-        "rank_num_cpus": s.rank_num_cpus,
-        "rank_num_gpus": rank_num_gpus,
-        "max_queued_operations": s.max_queued_operations,
-        "checkpoint_every_steps": s.checkpoint_every_steps,
-        "keep_checkpoints": s.keep_checkpoints,
-        "resume": s.resume,
-        "metrics_log": s.metrics_log,
-    }
+def controller_options(s: Settings, *, rank_num_gpus: float) -> ControllerOptions:
+    """How the controller runs, besides the engine config and the samplers."""
+    from trainctl.workers.control.controller import ControllerOptions
+
+    return ControllerOptions(
+        data_root=str(s.data_dir.resolve()),
+        profile_root=str(s.profiles_dir()),
+        rank_num_cpus=s.rank_num_cpus,
+        rank_num_gpus=rank_num_gpus,
+        max_queued_operations=s.max_queued_operations,
+        checkpoint_every_steps=s.checkpoint_every_steps,
+        keep_checkpoints=s.keep_checkpoints,
+        resume=s.resume,
+        metrics_log=s.metrics_log,
+    )
 
 
-def create_controller(s: Settings, cfg: dict[str, Any], *, detached: bool) -> Any:
+def create_controller(s: Settings, cfg: EngineConfig, *, detached: bool) -> Any:
     """The named controller actor (on a connected Ray). ``detached`` (Serve): it outlives the
     application's builder, and a redeploy finds and reuses it."""
 
@@ -98,12 +90,12 @@ def create_controller(s: Settings, cfg: dict[str, Any], *, detached: bool) -> An
     }
     if detached:
         options.update(lifetime="detached", get_if_exists=True)
-    return ControllerActor.options(**options).remote(  # type: ignore[attr-defined,unused-ignore]
-        cfg, **controller_kwargs(s, rank_num_gpus=gpus), samplers=sampler_settings(s)
+    return ControllerActor.options(**options).remote(
+        cfg, controller_options(s, rank_num_gpus=gpus), sampler_settings(s)
     )
 
 
-def sampler_settings(s: Settings) -> Any:
+def sampler_settings(s: Settings) -> SamplerSettings:
     """The controller's ``SamplerSettings`` (on a connected Ray: GPUs are looked up)."""
     from trainctl.workers.control.samplers import SamplerSettings
     from trainctl.workers.sampler.pool import PoolOptions

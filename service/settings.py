@@ -21,6 +21,29 @@ _ENGINE = EngineConfig()
 """The engine's own defaults: the settings below that shape the engine default to them."""
 
 
+def _at(path: str) -> dict[str, Any]:
+    """Marks a setting that shapes the engine: its place in the engine config (``layout.dp``:
+    the ``dp`` of section ``layout``). ``service/launch.py`` reads these marks; no other list of
+    engine settings exists."""
+    return {"engine": path}
+
+
+def _axis(axis: str, description: str, default: int | None = None) -> Any:
+    """The setting of a parallel axis: ``layout.<axis>``, at least 1."""
+    value = getattr(_ENGINE.layout, axis) if default is None else default
+    return Field(value, ge=1, description=description, json_schema_extra=_at(f"layout.{axis}"))
+
+
+def engine_settings() -> dict[str, str]:
+    """Each setting that shapes the engine, with its place in the engine config."""
+    out = {}
+    for name, field in Settings.model_fields.items():
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and isinstance(extra.get("engine"), str):
+            out[name] = str(extra["engine"])
+    return out
+
+
 class Settings(BaseSettings):
     """How ``trainctl serve`` runs. Environment: ``TRAINCTL_<FIELD>`` (e.g. ``TRAINCTL_DP=4``)."""
 
@@ -38,10 +61,12 @@ class Settings(BaseSettings):
     num_cpus: int | None = Field(
         None, description="CPUs of the local Ray cluster (default: all); ignored when joining."
     )
-    dp: int = Field(2, ge=1, description="Data-parallel size.")
-    cp: int = Field(1, ge=1, description="Context-parallel size.")
-    tp: int = Field(1, ge=1, description="Tensor-parallel size.")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel size.")
+    dp: int = _axis("dp", "Data-parallel size.", default=2)  # two ranks: DP is exercised
+    cp: int = _axis("cp", "Context-parallel size.")
+    tp: int = _axis("tp", "Tensor-parallel size.")
+    pp: int = _axis("pp", "Pipeline-parallel size.")
+    ep: int = _axis("ep", "Expert-parallel size (mixture-of-experts models; divides dp x cp x tp).")
+    vp: int = _axis("vp", "Virtual pipeline stages per rank (interleaved 1F1B; needs pp > 1).")
     engine_config: Path | None = Field(
         None,
         description="JSON file with a full engine config (model, layout, optimizer, ...; "
@@ -55,34 +80,49 @@ class Settings(BaseSettings):
         json_schema_extra={"cli": False},
     )
     seed: int = Field(
-        _ENGINE.model.seed, description="Seed of the embedded model's random initialisation."
+        _ENGINE.model.seed,
+        json_schema_extra=_at("model.seed"),
+        description="Seed of the embedded model's random initialisation.",
     )
-    lr: float = Field(_ENGINE.optimizer.lr, ge=0, description="AdamW learning rate.")
+    lr: float = Field(
+        _ENGINE.optimizer.lr,
+        json_schema_extra=_at("optimizer.lr"),
+        ge=0,
+        description="AdamW learning rate.",
+    )
     max_tokens_per_microbatch: int = Field(
-        _ENGINE.max_tokens_per_microbatch, ge=1, description="Token budget of one micro-batch."
+        _ENGINE.max_tokens_per_microbatch,
+        json_schema_extra=_at("max_tokens_per_microbatch"),
+        ge=1,
+        description="Token budget of one micro-batch.",
     )
     recompute: Literal["none", "selective", "full"] = Field(
         _ENGINE.recompute,
+        json_schema_extra=_at("recompute"),
         description="Activation recomputation: none, selective (attention core and MLP) or "
         "full (whole layers): less activation memory for more compute.",
     )
     precision: Literal["auto", "bf16", "fp32"] = Field(
         _ENGINE.precision,
+        json_schema_extra=_at("precision"),
         description="bf16 (bf16 parameters and compute, fp32 gradients, master weights and "
         "loss) or fp32; auto: bf16 on GPUs, fp32 on CPUs.",
     )
     distributed_optimizer: Literal["auto", "on", "off"] = Field(
         _ENGINE.distributed_optimizer,
+        json_schema_extra=_at("distributed_optimizer"),
         description="ZeRO-1: shard optimizer state and master weights over DP x CP; "
         "auto: on when dp x cp > 1.",
     )
     sequence_parallel: Literal["auto", "on", "off"] = Field(
         _ENGINE.sequence_parallel,
+        json_schema_extra=_at("sequence_parallel"),
         description="Sequence parallelism: between the tensor-parallel layers each TP rank "
         "keeps 1/tp of the tokens; auto: on when tp > 1 (MoE at tp > 1 needs it).",
     )
     packing: Literal["auto", "flat", "tree"] = Field(
         _ENGINE.packing,
+        json_schema_extra=_at("packing"),
         description="Default packing of a request that names none: 'tree' packs sequences "
         "sharing a prefix into prefix tries (shared tokens computed once, the same results); "
         "'flat' packs every sequence whole; 'auto': 'tree', or 'flat' for a model with "
@@ -90,6 +130,7 @@ class Settings(BaseSettings):
     )
     max_adapters: int = Field(
         _ENGINE.lora.max_adapters,
+        json_schema_extra=_at("lora.max_adapters"),
         ge=0,
         description="LoRA adapters the service holds at most, on a frozen base (POST "
         "/v1/adapters, Tinker's create_lora_training_client); 0: no adapters, the full model "
@@ -97,12 +138,14 @@ class Settings(BaseSettings):
     )
     lora_max_rank: int = Field(
         _ENGINE.lora.max_rank,
+        json_schema_extra=_at("lora.max_rank"),
         ge=1,
         description="The largest LoRA rank an adapter may have (every adapted linear keeps "
         "factors this wide).",
     )
     adapters_in_memory: int = Field(
         _ENGINE.lora.max_in_memory,
+        json_schema_extra=_at("lora.max_in_memory"),
         ge=0,
         description="Idle LoRA adapters kept in host memory; the least recently used beyond "
         "that many wait on disk under <data_dir>/adapters until a call names them. 0: all in "

@@ -275,7 +275,7 @@ def test_dockerfile_runs_trainctl_entry_point() -> None:
 def test_application_args_are_serve_settings(source: str) -> None:
     """Both Serve configs speak the one settings model: every arg is a `trainctl serve`
     setting, and the engine config they give builds and validates."""
-    from trainctl.service.launch import engine_config_dict, settings_from_args
+    from trainctl.service.launch import engine_config, settings_from_args
 
     if source == "chart":
         cfg = serve_config(rayservice("--set", "layout.tp=2", "--set", "workers.gpusPerPod=2"))
@@ -283,7 +283,7 @@ def test_application_args_are_serve_settings(source: str) -> None:
         cfg = yaml.safe_load((ROOT / "deploy" / "serve-config.yaml").read_text())
     args = cfg["applications"][0]["args"]
     s = settings_from_args(args)
-    engine = engine_config_dict(s)
+    engine = engine_config(s).to_dict()
     assert engine["layout"] == {**engine["layout"], **args["engine"]["layout"]}
     if source == "chart":
         assert engine["layout"]["tp"] == 2 and s.rank_num_gpus == 1

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from trainctl.service.launch import engine_config_dict
+from trainctl.service.launch import engine_config
 from trainctl.service.settings import Settings
 
 from conftest import Service, running_service
@@ -56,7 +56,7 @@ def _close(a: float, b: float) -> bool:
 
 
 def _reference(mode: str, batch: list[dict]) -> Any:
-    cfg = engine_config_dict(Settings(dp=1, cp=1, tp=1, pp=1))
+    cfg = engine_config(Settings(dp=1, cp=1, tp=1, pp=1)).to_dict()
     ref = subprocess.run(
         [sys.executable, str(REFERENCE)],
         input=json.dumps({"mode": mode, "sequences": batch, "engine": cfg}),

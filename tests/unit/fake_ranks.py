@@ -102,10 +102,9 @@ class FakeRankGroup:
 
 def controller(data: Path, world_size: int = 2, **kwargs: Any) -> tuple[Any, FakeRankGroup]:
     """A real ``Controller`` over a ``FakeRankGroup``; call ``await c.start()`` first."""
-    from trainctl.workers.control.controller import Controller
+    from trainctl.workers.control.controller import Controller, ControllerOptions
 
     fake = FakeRankGroup(world_size)
-    c = Controller(
-        EngineConfig().to_dict(), data_root=str(data), rank_num_cpus=1, group=fake, **kwargs
-    )
+    options = ControllerOptions(data_root=str(data), rank_num_cpus=1, **kwargs)
+    c = Controller(EngineConfig(), options, group=fake)  # type: ignore[arg-type]
     return c, fake

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainctl.service.cli import _settings_from, build_parser
-from trainctl.service.launch import engine_config_dict, settings_from_args
+from trainctl.service.launch import engine_config, settings_from_args
 from trainctl.service.settings import Settings
 
 
@@ -42,42 +42,42 @@ def test_precedence_flag_env_file_default(tmp_path: Path, monkeypatch: pytest.Mo
         model={"seed": 7},
     )
     # Defaults: the service's (dp=2) and the engine's own.
-    assert _values(engine_config_dict(Settings())) == (2, 4096, 1e-3, 1234)
+    assert _values(engine_config(Settings()).to_dict()) == (2, 4096, 1e-3, 1234)
     # The file beats the defaults, every one of them.
-    assert _values(engine_config_dict(Settings(engine_config=engine))) == (4, 2048, 0.5, 7)
+    assert _values(engine_config(Settings(engine_config=engine)).to_dict()) == (4, 2048, 0.5, 7)
     # The environment beats the file.
     monkeypatch.setenv("TRAINCTL_DP", "1")
     monkeypatch.setenv("TRAINCTL_MAX_TOKENS_PER_MICROBATCH", "1024")
-    assert _values(engine_config_dict(Settings(engine_config=engine))) == (1, 1024, 0.5, 7)
+    assert _values(engine_config(Settings(engine_config=engine)).to_dict()) == (1, 1024, 0.5, 7)
     # A flag beats the environment (and the file).
     argv = ["serve", "--engine-config", str(engine), "--max-tokens-per-microbatch", "3072"]
     argv += ["--lr", "0.25"]
     s = _settings_from(build_parser().parse_args(argv))
-    assert _values(engine_config_dict(s)) == (1, 3072, 0.25, 7)
+    assert _values(engine_config(s).to_dict()) == (1, 3072, 0.25, 7)
 
 
 def test_serve_args_rank_as_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Serve application's args go through the same settings: `engine` as the file."""
     monkeypatch.setenv("TRAINCTL_SEED", "99")
     args = {"engine": {"layout": {"dp": 1}, "model": {"seed": 5}}, "lr": 0.125}
-    assert _values(engine_config_dict(settings_from_args(args))) == (1, 4096, 0.125, 99)
+    assert _values(engine_config(settings_from_args(args)).to_dict()) == (1, 4096, 0.125, 99)
     monkeypatch.delenv("TRAINCTL_SEED")
-    assert _values(engine_config_dict(settings_from_args(args))) == (1, 4096, 0.125, 5)
+    assert _values(engine_config(settings_from_args(args)).to_dict()) == (1, 4096, 0.125, 5)
     with pytest.raises(ValueError, match="give one engine config"):
-        engine_config_dict(Settings(engine={}, engine_config=_file(tmp_path)))
+        engine_config(Settings(engine={}, engine_config=_file(tmp_path)))
 
 
 def test_one_set_of_defaults() -> None:
     """`trainctl serve` with no flags and the Serve application with no args agree."""
     flags = _settings_from(build_parser().parse_args(["serve"]))
     assert flags == settings_from_args({})
-    assert engine_config_dict(flags) == engine_config_dict(settings_from_args({}))
+    assert engine_config(flags).to_dict() == engine_config(settings_from_args({})).to_dict()
 
 
 def test_recompute_flag_reaches_the_engine() -> None:
     s = _settings_from(build_parser().parse_args(["serve", "--recompute", "full"]))
-    assert engine_config_dict(s)["recompute"] == "full"
-    assert engine_config_dict(Settings())["recompute"] == "none"
+    assert engine_config(s).to_dict()["recompute"] == "full"
+    assert engine_config(Settings()).to_dict()["recompute"] == "none"
     with pytest.raises(ValueError, match="recompute"):
         _settings_from(build_parser().parse_args(["serve", "--recompute", "some"]))
 
@@ -93,8 +93,8 @@ def test_recompute_flag_reaches_the_engine() -> None:
 )
 def test_memory_flags_reach_the_engine(flag: str, key: str, value: str, default: str) -> None:
     s = _settings_from(build_parser().parse_args(["serve", flag, value]))
-    assert engine_config_dict(s)[key] == value
-    assert engine_config_dict(Settings())[key] == default
+    assert engine_config(s).to_dict()[key] == value
+    assert engine_config(Settings()).to_dict()[key] == default
     with pytest.raises(ValueError, match=key):
         _settings_from(build_parser().parse_args(["serve", flag, "fp8"]))
 
@@ -134,3 +134,29 @@ def test_an_empty_token_is_a_startup_error_not_no_auth(
     assert err.count("\n") == 1 and ("is empty" in err or "set but empty" in err), err
     with pytest.raises(ValueError, match="empty"):
         s.token()
+
+
+def test_every_layout_axis_is_a_setting_and_reaches_the_engine() -> None:
+    """The layout's fields are the flags: an axis added to ``ParallelLayout`` without a
+    setting (or a setting marked with a place the engine config lacks) fails here."""
+    from dataclasses import fields
+
+    from trainctl.service.settings import engine_settings
+    from trainctl.workers.engine.config import EngineConfig, ParallelLayout
+
+    places = engine_settings()
+    for axis in fields(ParallelLayout):
+        assert places.get(axis.name) == f"layout.{axis.name}", axis.name
+    engine = EngineConfig().to_dict()
+    for name, place in places.items():
+        *sections, key = place.split(".")
+        target = engine
+        for section in sections:
+            target = target[section]
+        assert key in target, f"setting {name} is marked for {place}, which is no engine key"
+    from trainctl.workers.engine.config import ConfigError
+
+    s = _settings_from(build_parser().parse_args(["serve", "--ep", "2", "--dp", "2"]))
+    with pytest.raises(ConfigError, match=r"layout\.ep > 1 needs an MoE model"):
+        engine_config(s)  # the tiny default is dense: --ep reached the engine's checks
+    assert engine_config(Settings()).layout.ep == 1

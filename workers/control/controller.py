@@ -18,6 +18,7 @@ import asyncio
 import logging
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,25 @@ def _versions() -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class ControllerOptions:
+    """How the controller runs, besides the engine's config and the samplers' settings
+    (``service/launch.py`` builds all three from ``trainctl serve``'s settings)."""
+
+    data_root: str
+    """Checkpoints, exports, profiles and adapters live under it."""
+    rank_num_cpus: float
+    rank_num_gpus: float = 0.0
+    profile_root: str | None = None
+    """Where memory profiles go (default: ``data_root/profiles``)."""
+    max_queued_operations: int = 64
+    checkpoint_every_steps: int = 0
+    keep_checkpoints: int = 3
+    resume: bool = True
+    """Start from the latest checkpoint of this layout, if any."""
+    metrics_log: str | None = None
+
+
 class Controller:
     """Owns the served model's lifecycle (start, drain, shutdown), the table of operations and
     ``info``; each concern is a collaborator built here: ``group`` (the ranks), ``steps`` (the
@@ -89,31 +109,23 @@ class Controller:
 
     def __init__(
         self,
-        cfg: dict[str, Any],
-        *,
-        data_root: str,
-        profile_root: str | None = None,
-        rank_num_cpus: float,
-        rank_num_gpus: float = 0.0,
-        max_queued_operations: int = 64,
-        checkpoint_every_steps: int = 0,
-        keep_checkpoints: int = 3,
-        resume: bool = True,
-        metrics_log: str | None = None,
+        cfg: EngineConfig,
+        options: ControllerOptions,
         samplers: SamplerSettings | None = None,
-        group: Any = None,
+        *,
+        group: RankGroup | None = None,
     ) -> None:
         """``group``: the rank group to drive (tests give a fake one); by default the real
         ``RankGroup`` of ``cfg``."""
         logs.configure()
-        self.cfg = EngineConfig.from_dict(cfg).validate()
-        root = Path(data_root)
-        self.profiles = ProfileStore(profile_root or str(root / "profiles"))
-        self.checkpoints = CheckpointStore(root / "checkpoints", keep=keep_checkpoints)
-        self.checkpoint_every_steps = checkpoint_every_steps
-        self.resume = resume
+        self.cfg = cfg.validate()
+        root = Path(options.data_root)
+        self.profiles = ProfileStore(options.profile_root or str(root / "profiles"))
+        self.checkpoints = CheckpointStore(root / "checkpoints", keep=options.keep_checkpoints)
+        self.checkpoint_every_steps = options.checkpoint_every_steps
+        self.resume = options.resume
         self.group: RankGroup = group or RankGroup(
-            self.cfg, num_cpus=rank_num_cpus, num_gpus=rank_num_gpus
+            self.cfg, num_cpus=options.rank_num_cpus, num_gpus=options.rank_num_gpus
         )
         self.state = ModelState()
         self.version = WeightsVersion(self.group, self.state)
@@ -133,7 +145,7 @@ class Controller:
         )  # fmt: skip
         self.recorder = ProfileRecorder(self.group, self.profiles, self.state)
         self.start_lock = asyncio.Lock()
-        self.queue = OperationQueue(max_queued=max_queued_operations)
+        self.queue = OperationQueue(max_queued=options.max_queued_operations)
         self.operations = Operations(self.queue, self._prepare, self.serving.check)
         self.metrics = ControllerMetrics(lambda: self.queue.depth, lambda: self.queue.evicted)
         self.samplers = Samplers(
@@ -152,7 +164,7 @@ class Controller:
             version=self.version, info=self.info,
         )  # fmt: skip
         self.queue.listeners.append(self.metrics.observe)
-        self.trackers = TrackerLog(open_trackers(metrics_log, root))
+        self.trackers = TrackerLog(open_trackers(options.metrics_log, root))
         self.queue.listeners.append(self._track)
         self._handlers: dict[OperationKind, Any] = {
             OperationKind.TRAIN_BATCH: self.steps.train,
@@ -383,4 +395,4 @@ class Controller:
         return self.limits
 
 
-ControllerActor = ray.remote(Controller)
+ControllerActor: Any = ray.remote(Controller)  # a Ray actor class: .options(...).remote(...)
