@@ -156,6 +156,12 @@ class Completion(BaseModel):
     finish_reason: FinishReason = Field(
         description="'stop': a stop token ended it; 'length': max_tokens was reached."
     )
+    weight_steps: list[int] | None = Field(
+        None,
+        description="The weights step each generated token was sampled with, where it varies "
+        "within the completion (an engine whose weights were updated while it generated); "
+        "null: every token by the result's `step`.",
+    )
     routed_experts: list[list[list[int]]] | None = Field(
         None,
         description="With `return_routes`: for each token the sampler fed through the model "

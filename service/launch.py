@@ -109,7 +109,11 @@ def sampler_settings(s: Settings) -> SamplerSettings:
         call_timeout_s=s.sampler_timeout_s,
     )  # fmt: skip
     return SamplerSettings(
-        pool=pool, dtype=dtype, kv_cache_gib=s.sampler_kv_cache_gib, routes=s.sampler_routes
+        pool=pool,
+        backend=s.sampler_backend,
+        dtype=dtype,
+        kv_cache_gib=s.sampler_kv_cache_gib,
+        routes=s.sampler_routes,
     )
 
 

@@ -252,6 +252,10 @@ class Settings(BaseSettings):
         description="vLLM sampler engines to start beside the ranks (POST /v1/sample, Tinker "
         "sampling clients); needs `pip install 'trainctl[sampler]'`. 0: none.",
     )
+    sampler_backend: Literal["vllm"] = Field(
+        "vllm",
+        description="The sampler engines' backend (workers/sampler/backend.py: BACKENDS).",
+    )
     sampler_sync: Literal["after_step", "manual"] = Field(
         "after_step",
         description="When the samplers get new weights: after every applied optimizer step "

@@ -1,8 +1,10 @@
-"""One vLLM sampler engine in a process of its own (``VllmSampler``, no Ray, no service): the
-cases of ``test_engine.py``, importable by a spawned process."""
+"""One vLLM sampler engine in a process of its own (``VllmSampler``, no Ray, no service),
+driven through the ``SamplerEngine`` protocol: the cases of ``test_engine.py``, importable
+by a spawned process."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -23,41 +25,90 @@ def _hf_weights(seed: int) -> dict[str, Any]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _engine() -> Any:
+    from trainctl.workers.sampler.vllm_backend.rules import env
+
+    os.environ.update(env(False, 1))
+    from trainctl.workers.sampler.spec import SamplerSpec
+    from trainctl.workers.sampler.vllm_backend.engine import VllmSampler
+
+    return VllmSampler(0, SamplerSpec(hf_config=CONFIG, max_model_len=256, max_num_seqs=8))
+
+
 def jam_then_refused_load() -> dict[str, Any]:
     """A request that raises inside vLLM's step (a seed of 2^64, past the gateway's check),
     then a weight set with one tensor of the wrong shape: what each answered, and whether the
     engine still samples what it sampled before."""
-    from trainctl.workers.sampler.engine import engine_env
+    return asyncio.run(_jam_then_refused_load())
 
-    os.environ.update(engine_env(False, 1))
+
+async def _jam_then_refused_load() -> dict[str, Any]:
     from trainctl.api import SampleRequest, TrainctlError
-    from trainctl.workers.sampler.engine import VllmSampler
-    from trainctl.workers.sampler.spec import SamplerSpec
+    from trainctl.workers.sampler.transport import LocalTransport
 
-    engine = VllmSampler(0, SamplerSpec(hf_config=CONFIG, max_model_len=256, max_num_seqs=8))
+    engine = _engine()
     weights = _hf_weights(0)
-    engine.load_weights(1, weights)
+    await engine.load_weights(LocalTransport.ship(1, weights))
     ok = SampleRequest(prompts=[[1, 2, 3], [4, 5]], n=2, max_tokens=5, seed=5)
-    ref = engine.sample(ok).samples
+    ref = (await engine.sample("ref", ok)).samples
     out: dict[str, Any] = {}
     bad = SampleRequest.model_construct(**{**ok.model_dump(), "seed": 2**64})
     try:
-        engine.sample(bad)
+        await engine.sample("bad", bad)
         out["bad_seed"] = "answered"
     except TrainctlError as e:
         out["bad_seed"] = (e.status, e.message)
-    out["after_bad_seed"] = engine.sample(ok).samples == ref
+    out["after_bad_seed"] = (await engine.sample("again", ok)).samples == ref
     wrong = dict(weights)
     name = "model.layers.1.mlp.down_proj.weight"
     wrong[name] = wrong[name][:, :-1].clone()
     try:
-        engine.load_weights(2, wrong)
+        await engine.load_weights(LocalTransport.ship(2, wrong))
         out["wrong_shape"] = "loaded"
     except TrainctlError as e:
         out["wrong_shape"] = (e.status, e.message)
-    out["step_after_refusal"] = engine.step
-    out["after_refusal"] = engine.sample(ok).samples == ref
-    changed = _hf_weights(1)
-    engine.load_weights(3, changed)
-    out["after_a_good_load"] = engine.sample(ok).samples != ref
+    out["step_after_refusal"] = engine._engine.step
+    out["after_refusal"] = (await engine.sample("after", ok)).samples == ref
+    await engine.load_weights(LocalTransport.ship(3, _hf_weights(1)))
+    out["after_a_good_load"] = (await engine.sample("changed", ok)).samples != ref
+    return out
+
+
+def abort_and_pause() -> dict[str, Any]:
+    """The protocol's ordering: a request aborted while it waits for its turn is dropped, one
+    running finishes; a paused engine holds new samples, still loads weights, and the held
+    sample runs on resume with the weights loaded meanwhile."""
+    return asyncio.run(_abort_and_pause())
+
+
+async def _abort_and_pause() -> dict[str, Any]:
+    from trainctl.api import SampleRequest, TrainctlError
+    from trainctl.workers.sampler.transport import LocalTransport
+
+    engine = _engine()
+    await engine.load_weights(LocalTransport.ship(1, _hf_weights(0)))
+    long = SampleRequest(prompts=[[1, 2, 3]] * 8, n=4, max_tokens=200, seed=1)
+    short = SampleRequest(prompts=[[4, 5]], max_tokens=3, seed=1)
+    out: dict[str, Any] = {}
+    running = asyncio.create_task(engine.sample("running", long))
+    await asyncio.sleep(0.2)
+    queued = asyncio.create_task(engine.sample("queued", short))
+    await asyncio.sleep(0.05)
+    out["abort_queued"] = await engine.abort("queued")
+    out["abort_running"] = await engine.abort("running")
+    out["abort_unknown"] = await engine.abort("never-sent")
+    try:
+        await queued
+        out["queued"] = "answered"
+    except TrainctlError as e:
+        out["queued"] = (e.status, e.message)
+    out["running_tokens"] = sum(len(c.tokens) for s in (await running).samples
+                                for c in s.completions)  # fmt: skip
+    await engine.pause()
+    held = asyncio.create_task(engine.sample("held", short))
+    await asyncio.sleep(1.0)
+    out["held_while_paused"] = not held.done()
+    await engine.load_weights(LocalTransport.ship(2, _hf_weights(1)))
+    await engine.resume()
+    out["held_step"] = (await asyncio.wait_for(held, 60)).step
     return out

@@ -1,17 +1,27 @@
-"""A sampler engine survives what its callers send it: a request that raises inside vLLM fails
-alone (the engine was left holding it, and every later call waited on it for good), and a
-weight set whose shapes differ from the served one is refused before any tensor is copied."""
+"""A sampler engine survives what its callers send it, and keeps the protocol's order.
+
+A request that raises inside vLLM fails alone (the engine was left holding it, and every
+later call waited on it for good), and a weight set whose shapes differ from the served one is
+refused before any tensor is copied. A request aborted while it waits is dropped; a paused
+engine holds samples but loads weights."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Callable
+from typing import Any
 
 import one_engine_cases as cases
 
 
-def test_a_failing_request_and_a_misshapen_load_leave_the_engine_serving() -> None:
+def _in_own_process(case: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     with mp.get_context("spawn").Pool(1) as pool:
-        out = pool.apply_async(cases.jam_then_refused_load).get(timeout=600)
+        out: dict[str, Any] = pool.apply_async(case).get(timeout=600)
+    return out
+
+
+def test_a_failing_request_and_a_misshapen_load_leave_the_engine_serving() -> None:
+    out = _in_own_process(cases.jam_then_refused_load)
     status, message = out["bad_seed"]
     assert status == 500 and "failed this request" in message, out
     assert out["after_bad_seed"], "the engine answered differently (or not) after the error"
@@ -19,3 +29,13 @@ def test_a_failing_request_and_a_misshapen_load_leave_the_engine_serving() -> No
     assert status == 500 and "down_proj" in message and "refused" in message, out
     assert out["step_after_refusal"] == 1 and out["after_refusal"], out
     assert out["after_a_good_load"], "a later good load must still take effect"
+
+
+def test_abort_drops_a_waiting_request_and_pause_holds_samples_but_not_loads() -> None:
+    out = _in_own_process(cases.abort_and_pause)
+    assert (out["abort_queued"], out["abort_running"], out["abort_unknown"]) == (True, False, False)
+    status, message = out["queued"]
+    assert status == 409 and "aborted before it ran" in message, out
+    assert out["running_tokens"] > 0, out
+    assert out["held_while_paused"], out
+    assert out["held_step"] == 2, out

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from trainctl.api import SampleRequest, SampleResult
-from trainctl.workers.control.samplers import SamplerSettings, _check_engines
+from trainctl.workers.control.samplers import SamplerSettings, check_engines
 from trainctl.workers.engine.config import ConfigError, EngineConfig, LoraConfig, ModelConfig
-from trainctl.workers.sampler.engine import _prompt_samples, engine_env
 from trainctl.workers.sampler.pool import PoolOptions
+from trainctl.workers.sampler.vllm_backend.engine import _prompt_samples
+from trainctl.workers.sampler.vllm_backend.rules import env as engine_env
 
 MOE = ModelConfig(family="qwen3_moe", num_experts=4)
 QWEN3_5 = ModelConfig(
@@ -41,7 +42,7 @@ def test_what_the_engines_cannot_do_is_refused_naming_the_setting(
 ) -> None:
     cfg = EngineConfig(model=model, lora=LoraConfig(max_adapters=lora))
     with pytest.raises(ConfigError, match="^" + words.replace("(", r"\(")):
-        _check_engines(cfg, _settings(gpus, routes))
+        check_engines(cfg, _settings(gpus, routes))
 
 
 @pytest.mark.parametrize(
@@ -52,7 +53,7 @@ def test_what_the_engines_cannot_do_is_refused_naming_the_setting(
 def test_what_the_engines_can_do_starts(
     model: ModelConfig, lora: int, gpus: float, routes: bool
 ) -> None:
-    _check_engines(EngineConfig(model=model, lora=LoraConfig(max_adapters=lora)),
+    check_engines(EngineConfig(model=model, lora=LoraConfig(max_adapters=lora)),
                    _settings(gpus, routes))  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from trainctl.api import (
     AdapterInfo,
@@ -38,8 +38,11 @@ from trainctl.workers.control.steps import ModelState
 from trainctl.workers.control.telemetry import ControllerMetrics
 from trainctl.workers.engine.config import ConfigError, EngineConfig
 from trainctl.workers.rank.worker import RankWorker
+from trainctl.workers.sampler import backend
+from trainctl.workers.sampler.backend import SamplerNeeds, UnsupportedError
 from trainctl.workers.sampler.pool import PoolOptions, SamplerPool
 from trainctl.workers.sampler.spec import SamplerSpec
+from trainctl.workers.sampler.transport import ObjectStoreTransport, WeightTransport
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,8 @@ class SamplerSettings:
     only the ranks know)."""
 
     pool: PoolOptions = field(default_factory=lambda: PoolOptions(num_samplers=0))
+    backend: str = "vllm"
+    """``--sampler-backend``: the engines' backend (``workers/sampler/backend.py``)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     kv_cache_gib: int = 1
     routes: bool = False
@@ -79,6 +84,7 @@ class Samplers:
             settings, metrics, adapters, serving,
         )  # fmt: skip
         self.pool: SamplerPool | None = None
+        self.transport: WeightTransport = ObjectStoreTransport()
 
     @property
     def step(self) -> int:
@@ -89,7 +95,7 @@ class Samplers:
         s = self.settings
         if not s.pool.num_samplers:
             return
-        _check_engines(self.cfg, s)
+        check_engines(self.cfg, s)
         try:
             hf_config = await self.group.call_one(0, RankWorker.hf_config)
         except WorkerError as e:
@@ -99,6 +105,7 @@ class Samplers:
             ) from None
         spec = SamplerSpec(
             hf_config=hf_config,
+            backend=s.backend,
             dtype=s.dtype,
             max_model_len=self.cfg.model.max_seq_len,
             kv_cache_gib=s.kv_cache_gib,
@@ -109,7 +116,7 @@ class Samplers:
         )
         pool = self.pool = SamplerPool(spec, s.pool)
         self.metrics.watch_samplers(
-            lag=lambda: float(self.step - pool.weights[0]) if pool.weights else float("nan"),
+            lag=lambda: float(self.step - pool.weights.version) if pool.weights else float("nan"),
             restarts=lambda: float(sum(e.restarts for e in pool.engines)),
         )
         await pool.start()
@@ -130,23 +137,12 @@ class Samplers:
         if h is not None:
             h.set_phase("gathering weights")
         t0 = time.perf_counter()
-        g = self.group
-        if adapter is None:
-            weights, size = g.gather_on_rank0(
-                RankWorker.canonical_shards, (), RankWorker.hf_weights, num_returns=2
-            )
-            step = self.step
-        else:
-            weights, size = g.gather_on_rank0(
-                RankWorker.canonical_shards, ("adapter", adapter), RankWorker.peft_weights,
-                (adapter,), num_returns=2,
-            )  # fmt: skip
-            step = self.adapters.entries[adapter].state.step
-        nbytes = int(await g.fetch(size, "gathering the weights for the samplers"))
+        step = self.step if adapter is None else self.adapters.entries[adapter].state.step
+        shipment = await self.transport.send(self, step, adapter)
         if h is not None:
             h.set_phase("loading weights into the samplers")
         gather_s = time.perf_counter() - t0
-        result = await self.pool.sync(step, weights, nbytes, gather_s, adapter)
+        result = await self.pool.sync(shipment, gather_s)
         self.metrics.sync_seconds.observe(result.gather_s + result.load_s)
         log.info(
             "synced %s step %d to %d sampler(s): gather %.3fs, load %.3fs",
@@ -154,6 +150,21 @@ class Samplers:
             result.samplers, result.gather_s, result.load_s,
         )  # fmt: skip
         return result
+
+    async def to_object_store(self, adapter: str | None) -> tuple[Any, int]:
+        """``WeightSource``: every rank sends its canonical shards to rank 0, which merges them
+        under their HF names (an adapter's: PEFT's) and puts them in the object store once."""
+        g = self.group
+        if adapter is None:
+            weights, size = g.gather_on_rank0(
+                RankWorker.canonical_shards, (), RankWorker.hf_weights, num_returns=2
+            )
+        else:
+            weights, size = g.gather_on_rank0(
+                RankWorker.canonical_shards, ("adapter", adapter), RankWorker.peft_weights,
+                (adapter,), num_returns=2,
+            )  # fmt: skip
+        return weights, int(await g.fetch(size, "gathering the weights for the samplers"))
 
     async def sync_after_change(self, adapter: str | None = None) -> str | None:
         """After an applied step (of the base or of ``adapter``) or an adapter's creation
@@ -235,29 +246,17 @@ class Samplers:
 _NO_SAMPLERS = "this service has no samplers: start it with --samplers N"
 
 
-def _check_engines(cfg: EngineConfig, s: SamplerSettings) -> None:
-    """A ConfigError naming what vLLM 0.32 cannot do for this model on these engines: each
-    case was measured (docs/sampling.md), and would otherwise fail inside vLLM's start-up."""
-    cpu, moe = not s.pool.num_gpus, bool(cfg.model.num_experts)
-    gpus = "give the samplers GPUs (--sampler-num-gpus)"
-    if cfg.lora.enabled and moe and cpu:
-        raise ConfigError(
-            "samplers: vLLM's CPU build has no LoRA for mixture-of-experts models (its "
-            f"fused-MoE LoRA kernels need Triton on a GPU): {gpus}, or start without "
-            "--samplers or --max-adapters"
-        )
-    if cpu and cfg.model.linear_layers:
-        raise ConfigError(
-            "samplers: vLLM's CPU build cannot load Qwen3.5 (its Qwen3_5ForCausalLM module "
-            f"imports the Qwen3-VL vision code, which needs torchvision): {gpus}, or start "
-            "without --samplers"
-        )
-    if s.routes and not moe:
-        raise ConfigError(
-            "sampler_routes: routes are captured for mixture-of-experts models; this is dense"
-        )
-    if s.routes and cpu:
-        raise ConfigError(
-            "sampler_routes: vLLM captures routes only in its Model Runner V2, which needs "
-            f"Triton, and its CPU build has none: {gpus}, or start without --sampler-routes"
-        )
+def check_engines(cfg: EngineConfig, s: SamplerSettings) -> None:
+    """A ConfigError naming what the engines' backend cannot do for this model, said before
+    any engine starts (the rules live with the backend: ``check``)."""
+    needs = SamplerNeeds(
+        gpus=s.pool.num_gpus,
+        moe=bool(cfg.model.num_experts),
+        linear_attention=bool(cfg.model.linear_layers),
+        lora=cfg.lora.enabled,
+        routes=s.routes,
+    )
+    try:
+        backend.load(s.backend).check(needs)
+    except UnsupportedError as e:
+        raise ConfigError(str(e)) from None

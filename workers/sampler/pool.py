@@ -1,12 +1,15 @@
 """The sampler engines as the controller drives them: spawn, sync, dispatch, recreate.
 
-- **Spawn**: one Ray actor per engine (``SamplerActor``), each serving one call at a time.
-- **Sync**: the controller hands over one object-store reference to a step's HF-named
-  tensors; every engine loads it (shared memory on a node, Ray's transfer across nodes: no
-  file). The reference is kept, so an engine recreated later loads the same step. An
-  adapter's sync is the same with its PEFT tensors, kept per adapter.
+- **Spawn**: one Ray actor per engine, of the backend's engine class (``backend.py``: the
+  ``SamplerEngine`` protocol; ``--sampler-backend`` picks the backend), an asynchronous
+  actor that orders its own calls.
+- **Sync**: the controller hands over a ``Shipment`` of a step's HF-named tensors
+  (``transport.py``); every engine loads it. The shipment is kept, so an engine recreated
+  later loads the same step. An adapter's sync is the same with its PEFT tensors, kept per
+  adapter.
 - **Dispatch**: a sample request goes to the ready engine with the fewest requests in
-  flight. Its result carries the step of the engine's weights.
+  flight, under a request id. Its result carries the step of the engine's weights. A caller
+  that gives up (cancelled, or past the deadline) aborts its request on the engine.
 - **Recreate**: an engine that dies fails its in-flight requests with a retryable 503, and is
   rebuilt in the background with the weights of the step the others serve. So is one that
   does not answer a call within ``call_timeout_s`` (a sample, a load: nothing waits on a sick
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,12 +41,16 @@ from trainctl.api import (
     SyncResult,
     TrainctlError,
 )
-from trainctl.workers.sampler.engine import EngineBrokenError, Loaded, VllmSampler, engine_env
+from trainctl.workers.sampler import backend
+from trainctl.workers.sampler.backend import EngineBrokenError, Loaded
 from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE, SamplerSpec
+from trainctl.workers.sampler.transport import Shipment
 
 log = logging.getLogger(__name__)
 
-SamplerActor = ray.remote(VllmSampler)
+ACTOR_CONCURRENCY = 1000
+"""Calls an engine actor takes at once: its event loop interleaves them, and the engine
+orders its own work (``sample`` waits its turn, ``abort`` and ``pause`` never wait)."""
 
 
 @dataclass
@@ -75,25 +83,30 @@ class PoolOptions:
 class SamplerPool:
     def __init__(self, spec: SamplerSpec, options: PoolOptions) -> None:
         self.spec, self.options = spec, options
+        self.backend = backend.load(spec.backend)
+        self._actor_class: Any = None
         self.engines = [_Engine(i) for i in range(options.num_samplers)]
-        self.weights: tuple[int, Any] | None = None
-        """The step the samplers serve and the object-store reference to its tensors."""
-        self.adapters: dict[str, tuple[int, Any]] = {}
-        """Each adapter served: its step and the reference to its ``PeftAdapter``."""
+        self.weights: Shipment | None = None
+        """The base's weights the samplers serve (their step: ``weights.version``)."""
+        self.adapters: dict[str, Shipment] = {}
+        """Each adapter served, by name."""
         self.last_sync: SyncResult | None = None
         self._restarts: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _spawn(self, e: _Engine) -> None:
-        env = engine_env(self.options.num_gpus > 0, self.options.threads, self.spec.return_routes)
+        o = self.options
+        env = self.backend.env(o.num_gpus > 0, o.threads, self.spec.return_routes)
         kept = any(SAMPLER_NODE_RESOURCE in n.get("Resources", {}) for n in ray.nodes())
-        e.actor = SamplerActor.options(  # type: ignore[attr-defined]
-            num_cpus=self.options.num_cpus,
-            num_gpus=self.options.num_gpus,
+        if self._actor_class is None:
+            self._actor_class = ray.remote(self.backend.engine_class())
+        e.actor = self._actor_class.options(
+            num_cpus=o.num_cpus,
+            num_gpus=o.num_gpus,
             # On a cluster with nodes kept for samplers (the chart's sampler group): one there.
             resources={SAMPLER_NODE_RESOURCE: 1} if kept else {},
-            max_concurrency=1,
+            max_concurrency=ACTOR_CONCURRENCY,
             max_restarts=0,
             runtime_env={"env_vars": env},
         ).remote(e.index, self.spec)
@@ -126,25 +139,21 @@ class SamplerPool:
 
     # -- sync --------------------------------------------------------------------------------
 
-    async def sync(
-        self, step: int, weights: Any, nbytes: int, gather_s: float, adapter: str | None = None
-    ) -> SyncResult:
-        """Every live engine loads ``weights``: an object-store reference to HF-named tensors,
-        or with ``adapter`` to that adapter's ``PeftAdapter``. An engine finishes the request
-        it is serving first: one call at a time."""
+    async def sync(self, shipment: Shipment, gather_s: float) -> SyncResult:
+        """Every live engine loads ``shipment``: the base's weights, or an adapter's. An
+        engine finishes the request it is serving first: one call at a time."""
+        adapter = shipment.adapter
         previous = self.weights if adapter is None else self.adapters.get(adapter)
         if adapter is None:
-            self.weights = (step, weights)
+            self.weights = shipment
         else:
-            self.adapters[adapter] = (step, weights)
+            self.adapters[adapter] = shipment
         for e in self.engines:
             if e.status == "failed":  # its last recreation failed: try again, with this step
                 self._lost(e, RuntimeError(e.last_error or "failed"))
         live = [e for e in self.engines if e.status == "ready"]
         t0 = time.perf_counter()
-        got = await asyncio.gather(
-            *(self._load(e, step, weights, adapter) for e in live), return_exceptions=True
-        )
+        got = await asyncio.gather(*(self._load(e, shipment) for e in live), return_exceptions=True)
         loaded = [g for g in got if isinstance(g, Loaded)]
         refused = [
             g for g in got if isinstance(g, InternalError) and not isinstance(g, EngineBrokenError)
@@ -157,10 +166,10 @@ class SamplerPool:
             else:
                 self.adapters[adapter] = previous
         self.last_sync = SyncResult(
-            step=step,
+            step=shipment.version,
             adapter=adapter,
             samplers=len(loaded),
-            bytes=nbytes,
+            bytes=shipment.nbytes,
             gather_s=gather_s,
             load_s=time.perf_counter() - t0,
             failures=[str(g) for g in got if isinstance(g, BaseException)],
@@ -190,14 +199,13 @@ class SamplerPool:
             cause = error.message
         raise NotReadyError(f"{cause}; it is being recreated with the current weights: retry")
 
-    async def _load(self, e: _Engine, step: int, weights: Any, adapter: str | None) -> Loaded:
-        ref = (
-            e.actor.load_weights.remote(step, weights)
-            if adapter is None
-            else e.actor.load_adapter.remote(adapter, step, weights)
-        )
-        loaded: Loaded = await self._call(e, ref, f"the load of step {step}")
-        if adapter is None:
+    async def _load(self, e: _Engine, shipment: Shipment) -> Loaded:
+        if shipment.adapter is None:
+            ref = e.actor.load_weights.remote(shipment)
+        else:
+            ref = e.actor.load_adapter.remote(shipment)
+        loaded: Loaded = await self._call(e, ref, f"the load of step {shipment.version}")
+        if shipment.adapter is None:
             e.step = loaded.step
         return loaded
 
@@ -226,10 +234,16 @@ class SamplerPool:
 
     async def sample(self, req: SampleRequest) -> SampleResult:
         e = self._pick()
+        request_id = uuid.uuid4().hex
         e.in_flight += 1
         try:
-            result: SampleResult = await self._call(e, e.actor.sample.remote(req), "a sample")
+            ref = e.actor.sample.remote(request_id, req)
+            result: SampleResult = await self._call(e, ref, "a sample")
             return result
+        except asyncio.CancelledError:  # its caller gave up: nothing waits for the result
+            if e.actor is not None and e.status == "ready":
+                e.actor.abort.remote(request_id)
+            raise
         finally:
             e.in_flight -= 1
 
@@ -254,11 +268,10 @@ class SamplerPool:
             async with asyncio.timeout(self.options.start_timeout_s):
                 e.pid = await e.actor.pid.remote()
                 if self.weights is not None:
-                    step, weights = self.weights
-                    loaded: Loaded = await e.actor.load_weights.remote(step, weights)
+                    loaded: Loaded = await e.actor.load_weights.remote(self.weights)
                     e.step = loaded.step
-                for name, (step, ref) in list(self.adapters.items()):
-                    await e.actor.load_adapter.remote(name, step, ref)
+                for shipment in list(self.adapters.values()):
+                    await e.actor.load_adapter.remote(shipment)
             e.restarts += 1
             e.status = "ready"
             log.info("sampler %d recreated (step %s)", e.index, e.step)
@@ -277,8 +290,8 @@ class SamplerPool:
     def info(self) -> SamplersInfo:
         return SamplersInfo(
             sync=self.options.sync,
-            step=None if self.weights is None else self.weights[0],
-            adapters={name: step for name, (step, _) in self.adapters.items()},
+            step=None if self.weights is None else self.weights.version,
+            adapters={name: s.version for name, s in self.adapters.items()},
             engines=[
                 SamplerInfo(
                     index=e.index,

@@ -17,6 +17,8 @@ class SamplerSpec:
 
     hf_config: dict[str, Any]
     """The model's Hugging Face ``config.json`` (the same mapping as ``export_hf``)."""
+    backend: str = "vllm"
+    """The engine's backend (``backend.BACKENDS``; ``--sampler-backend``)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The engine's weights and activations: 'float32' (exact log-probs) or 'bfloat16'."""
     max_model_len: int = 1024

@@ -12,8 +12,12 @@ format, replacing the one of that name in place. vLLM reads an adapter from a di
 its two files are written to a memory-backed one (``/dev/shm`` where it exists): a few MB per
 adapter, never the base.
 
-One call runs at a time (the Ray actor has ``max_concurrency=1``), so a weight load always
-falls between two sample calls: a result is produced by one step's weights, and says which.
+``VllmSampler`` is the asynchronous ``SamplerEngine`` the pool drives; ``_Engine`` is vLLM's
+synchronous ``LLM`` inside it, on one thread of its own. One engine call runs at a time, so a
+weight load always falls between two sample calls: a result is produced by one step's
+weights, and says which. The event loop stays free while a call runs: ``abort`` drops a
+request still waiting for its turn (a running one finishes: the synchronous engine cannot
+stop it), ``pause`` holds new samples until ``resume``, ``pid`` answers.
 The same holds for adapters, and one call samples with one adapter (or the base): base and
 adapter requests never share an engine batch. On a CPU engine with LoRA enabled, base requests
 go through ``lora_guard``: vLLM's CPU LoRA ops would otherwise give them the last adapter's.
@@ -23,15 +27,20 @@ is aborted before it answers (a request that raised in vLLM's step otherwise sta
 and every later call waited on it for good). An engine that cannot be cleared, or whose weight
 load failed half-way, answers ``EngineBrokenError``, and the pool recreates it. A weight load is
 checked against the last one's names, shapes and dtypes before any tensor is copied.
+
+Weights arrive as a ``Shipment``; vLLM's model worker opens it itself (``_reload``), so no
+tensor travels as an argument of ``collective_rpc``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,66 +56,16 @@ from trainctl.api import (
     SampleRequest,
     SampleResult,
 )
+from trainctl.workers.sampler.backend import EngineBrokenError, Loaded, RequestAbortedError
 from trainctl.workers.sampler.spec import PeftAdapter, SamplerSpec
-
-
-def engine_env(cuda: bool, threads: int, routes: bool = False) -> dict[str, str]:
-    """The environment a sampler's process needs before vLLM is imported (``routes``: the
-    engine captures routed experts, which vLLM does only in its Model Runner V2)."""
-    env = {
-        # The engine core runs in this process: no spawned engine process to guard or reap.
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        # The functions sent by collective_rpc are ours, in this process.
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_DO_NOT_TRACK": "1",
-    }
-    if routes:
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    if not cuda:
-        env |= {
-            "VLLM_TARGET_DEVICE": "cpu",
-            # Ranks share these cores: never pin this engine's threads to them.
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "OMP_NUM_THREADS": str(threads),
-        }
-    return env
-
-
-class EngineBrokenError(InternalError):
-    """This engine cannot serve any more (a call left it with work an abort did not clear, or
-    a weight load failed half-way): the pool recreates it with the current weights."""
-
-
-Schema = dict[str, tuple[tuple[int, ...], str]]
-"""A weight set's names, each with its shape and dtype."""
-
-
-def schema_of(tensors: dict[str, Any]) -> Schema:
-    return {n: (tuple(t.shape), str(t.dtype)) for n, t in tensors.items()}
-
-
-def schema_mismatch(got: Schema, want: Schema) -> str | None:
-    """What differs between two weight sets' schemas (the first few differences), or None."""
-    problems = [f"missing {n}" for n in sorted(want.keys() - got.keys())]
-    problems += [f"unexpected {n}" for n in sorted(got.keys() - want.keys())]
-    problems += [
-        f"{n}: shape {got[n][0]} {got[n][1]}, expected {want[n][0]} {want[n][1]}"
-        for n in sorted(got.keys() & want.keys())
-        if got[n] != want[n]
-    ]
-    if not problems:
-        return None
-    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-    return "; ".join(problems[:3]) + more
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """A sampler's answer to ``load_weights`` and ``load_adapter``."""
-
-    step: int
-    seconds: float
+from trainctl.workers.sampler.transport import (
+    Schema,
+    Shipment,
+    open_shipment,
+    schema_mismatch,
+    schema_of,
+)
+from trainctl.workers.sampler.vllm_backend.rules import vllm_max_lora_rank
 
 
 @dataclass
@@ -117,31 +76,32 @@ class _Served:
     schema: Schema
 
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM takes as ``max_lora_rank``."""
-
-
-def vllm_max_lora_rank(max_rank: int) -> int:
-    """The smallest rank vLLM accepts as its limit that holds every adapter of ``max_rank``."""
-    for r in VLLM_LORA_RANKS:
-        if r >= max_rank:
-            return r
-    raise ValueError(f"lora max rank {max_rank} exceeds vLLM's largest, {VLLM_LORA_RANKS[-1]}")
-
-
 def _memory_dir() -> str | None:
     """A memory-backed directory for adapter files (None: the default temporary one)."""
     return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
-def _reload(worker: Any, named: list[tuple[str, Any]]) -> list[str]:
-    """Run on vLLM's worker: load HF-named tensors through the model's own loading path.
-    Returns the parameters left without data (on the meta device): vLLM's reload moves them
+@dataclass(frozen=True)
+class _Reloaded:
+    schema: Schema
+    problem: str | None
+    """Why the weights were refused (nothing was copied), or None."""
+    empty: list[str]
+    """The parameters left without data (on the meta device): vLLM's reload moves them
     there first, and one it could not fill stays there - a load that "succeeded" broken."""
-    worker.reload_weights(weights_iterator=iter(named))
+
+
+def _reload(worker: Any, shipment: Shipment, want: Schema | None) -> _Reloaded:
+    """Run on vLLM's worker: open the shipment, check its tensors against ``want`` (the
+    schema served), and load them through the model's own loading path."""
+    tensors = open_shipment(shipment)
+    schema = schema_of(tensors)
+    if want is not None and (problem := schema_mismatch(schema, want)):
+        return _Reloaded(schema, problem, [])
+    worker.reload_weights(weights_iterator=iter(sorted(tensors.items())))
     model = worker.model_runner.model
     _refresh_cpu_embedding_gemms(model)
-    return [n for n, p in model.named_parameters() if p.is_meta]
+    return _Reloaded(schema, None, [n for n, p in model.named_parameters() if p.is_meta])
 
 
 def _refresh_cpu_embedding_gemms(model: Any) -> None:
@@ -161,8 +121,9 @@ def _refresh_cpu_embedding_gemms(model: Any) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
-class VllmSampler:
-    """vLLM in this process; ``SamplerActor`` (``pool.py``) is its Ray actor."""
+class _Engine:
+    """vLLM's synchronous ``LLM`` in this process, with the adapters and weights it serves.
+    Every method runs on the one thread ``VllmSampler`` gives it."""
 
     def __init__(self, index: int, spec: SamplerSpec) -> None:
         import torch
@@ -183,7 +144,7 @@ class VllmSampler:
             kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
         if spec.max_adapters:
             if not cuda:
-                from trainctl.workers.sampler import lora_guard
+                from trainctl.workers.sampler.vllm_backend import lora_guard
 
                 lora_guard.install()
             kwargs |= {
@@ -227,37 +188,32 @@ class VllmSampler:
         params = SamplingParams(max_tokens=2, logprobs=0, prompt_logprobs=0, detokenize=False)
         self.llm.generate([TokensPrompt(prompt_token_ids=[0, 1])], params, use_tqdm=False)
 
-    def pid(self) -> int:
-        """This engine's process (``info`` shows it; an operator can find it)."""
-        return os.getpid()
-
-    def load_weights(self, step: int, tensors: dict[str, Any]) -> Loaded:
+    def load_weights(self, shipment: Shipment) -> Loaded:
         """Load a step's weights: every tensor of the model, under its HF name. A set whose
         names, shapes or dtypes differ from the last one loaded is refused before anything is
         copied (the engine keeps serving what it has); a load that fails half-way leaves the
         engine broken (``EngineBrokenError``: the pool recreates it)."""
         t0 = time.perf_counter()
-        schema = schema_of(tensors)
-        if self.schema is not None and (problem := schema_mismatch(schema, self.schema)):
-            raise InternalError(
-                f"sampler {self.index} refused step {step}'s weights, which do not match the "
-                f"ones it serves (step {self.step}): {problem}"
-            )
-        named = sorted(tensors.items())
+        step = shipment.version
         try:
-            empty = [n for per_worker in self.llm.collective_rpc(_reload, args=(named,))
-                     for n in per_worker]  # fmt: skip
+            per_worker = self.llm.collective_rpc(_reload, args=(shipment, self.schema))
         except Exception as e:
             raise EngineBrokenError(
                 f"sampler {self.index} failed loading step {step}'s weights half-way "
                 f"({type(e).__name__}: {e}); it is being recreated"
             ) from None
+        if problem := next((r.problem for r in per_worker if r.problem), None):
+            raise InternalError(
+                f"sampler {self.index} refused step {step}'s weights, which do not match the "
+                f"ones it serves (step {self.step}): {problem}"
+            )
+        empty = [n for r in per_worker for n in r.empty]
         if empty:
             raise EngineBrokenError(
                 f"sampler {self.index} loaded step {step}'s weights with {len(empty)} "
                 f"parameter(s) left empty ({', '.join(empty[:3])}); it is being recreated"
             )
-        self.step, self.schema = step, schema
+        self.step, self.schema = step, per_worker[0].schema
         return Loaded(step=step, seconds=time.perf_counter() - t0)
 
     def _recover(self) -> None:
@@ -285,12 +241,15 @@ class VllmSampler:
                 "serves the next one"
             ) from None
 
-    def load_adapter(self, name: str, step: int, adapter: PeftAdapter) -> Loaded:
-        """Load (or replace in place) the adapter ``name`` at its step ``step``."""
+    def load_adapter(self, shipment: Shipment) -> Loaded:
+        """Load (or replace in place) the shipment's adapter, at its step."""
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         t0 = time.perf_counter()
+        assert shipment.adapter is not None
+        name, step = shipment.adapter, shipment.version
+        adapter: PeftAdapter = open_shipment(shipment)
         old = self.adapters.get(name)
         if old is not None and (problem := schema_mismatch(schema_of(adapter.tensors), old.schema)):
             raise InternalError(
@@ -399,6 +358,77 @@ class VllmSampler:
             sampler=self.index,
             seconds=seconds,
         )
+
+
+class VllmSampler:
+    """The ``SamplerEngine`` the pool drives: ``_Engine`` on a thread of its own, one call at
+    a time in arrival order, with an event loop that stays free to abort, pause and answer."""
+
+    def __init__(self, index: int, spec: SamplerSpec) -> None:
+        self.index = index
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"sampler-{index}")
+        self._engine = self._thread.submit(_Engine, index, spec).result()
+        self._turn = asyncio.Lock()
+        """Held by the engine call running; the others wait for it in arrival order."""
+        self._open = asyncio.Event()
+        """Set unless paused: a sample waits for it before taking its turn."""
+        self._open.set()
+        self._waiting: set[str] = set()
+        self._aborted: set[str] = set()
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        async with self._turn:
+            return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def pid(self) -> int:
+        """This engine's process (``info`` shows it; an operator can find it)."""
+        return os.getpid()
+
+    async def sample(self, request_id: str, req: SampleRequest) -> SampleResult:
+        self._waiting.add(request_id)
+        try:
+            await self._open.wait()
+            async with self._turn:
+                self._waiting.discard(request_id)
+                if request_id in self._aborted:
+                    raise RequestAbortedError(
+                        f"sampler {self.index}: request {request_id} was aborted before it ran"
+                    )
+                loop = asyncio.get_running_loop()
+                result: SampleResult = await loop.run_in_executor(
+                    self._thread, self._engine.sample, req
+                )
+                return result
+        finally:
+            self._waiting.discard(request_id)
+            self._aborted.discard(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """Drop a request still waiting for its turn (True); one running finishes (False)."""
+        if request_id not in self._waiting:
+            return False
+        self._aborted.add(request_id)
+        return True
+
+    async def pause(self) -> None:
+        """Hold new samples; returns once the call running (if any) has finished."""
+        self._open.clear()
+        async with self._turn:
+            pass
+
+    async def resume(self) -> None:
+        self._open.set()
+
+    async def load_weights(self, shipment: Shipment) -> Loaded:
+        loaded: Loaded = await self._run(self._engine.load_weights, shipment)
+        return loaded
+
+    async def load_adapter(self, shipment: Shipment) -> Loaded:
+        loaded: Loaded = await self._run(self._engine.load_adapter, shipment)
+        return loaded
+
+    async def remove_adapter(self, name: str) -> None:
+        await self._run(self._engine.remove_adapter, name)
 
 
 def _chosen(entries: Any, tokens: Any) -> list[float | None]:

@@ -1,0 +1,106 @@
+"""The seam between the sampler pool and an inference engine.
+
+``SamplerEngine`` is what the pool asks of one engine replica (through its Ray actor). It is
+asynchronous from the start, so that an engine that serves many requests at once (vLLM's
+``AsyncLLM``) fits it as well as one that serves one call at a time:
+
+- ``sample`` is a coroutine with a request id; ``abort(request_id)`` drops it (a request still
+  waiting for the engine is dropped at once; whether a running one stops is the engine's);
+- ``pause`` lets the running work finish and holds new samples until ``resume`` (a weight
+  update between two versions); loads still run while paused;
+- weights and adapters arrive as a ``Shipment`` (``transport.py``) naming their version, and
+  a result says which version produced it: ``SampleResult.step``, and per token
+  ``Completion.weight_steps`` where the version changed inside a request;
+- ``load_adapter``/``remove_adapter``, and ``pid`` for ``info``.
+
+A backend is a package beside this module that exposes ``engine_class()`` (the class the
+pool makes an actor of; imported only when a pool is built), ``env(cuda, threads, routes)``
+(the engine process's environment) and ``check(needs)`` (what it cannot do, said before any
+engine starts). ``BACKENDS`` names them; ``--sampler-backend`` picks one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+from trainctl.api import ConflictError, InternalError, SampleRequest, SampleResult
+from trainctl.workers.sampler.transport import Shipment
+
+BACKENDS: dict[str, str] = {"vllm": "trainctl.workers.sampler.vllm_backend"}
+"""Each sampler backend's package, by the name ``--sampler-backend`` takes."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """An engine's answer to ``load_weights`` and ``load_adapter``."""
+
+    step: int
+    seconds: float
+
+
+class EngineBrokenError(InternalError):
+    """This engine cannot serve any more (a call left it with work an abort did not clear, or
+    a weight load failed half-way): the pool recreates it with the current weights."""
+
+
+class RequestAbortedError(ConflictError):
+    """The request was aborted (by its caller, or past its deadline) before it ran."""
+
+
+class UnsupportedError(ValueError):
+    """What a backend cannot do for this model on these engines (a start-up refusal)."""
+
+
+@dataclass(frozen=True)
+class SamplerNeeds:
+    """What the service asks of its engines, for a backend's ``check``."""
+
+    gpus: float
+    """GPUs per engine (0: a CPU engine)."""
+    moe: bool
+    """The model is a mixture of experts."""
+    linear_attention: bool
+    """The model has linear-attention (Gated DeltaNet) layers: Qwen3.5."""
+    lora: bool
+    """The service serves LoRA adapters."""
+    routes: bool
+    """The engines capture the experts each token was routed to."""
+
+
+class SamplerEngine(Protocol):
+    async def pid(self) -> int: ...
+
+    async def sample(self, request_id: str, req: SampleRequest) -> SampleResult: ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Drop the request; True if it will not produce a result."""
+        ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def load_weights(self, shipment: Shipment) -> Loaded: ...
+
+    async def load_adapter(self, shipment: Shipment) -> Loaded: ...
+
+    async def remove_adapter(self, name: str) -> None: ...
+
+
+class Backend(Protocol):
+    """A backend package, as ``load`` returns it."""
+
+    def engine_class(self) -> type[SamplerEngine]: ...
+
+    def env(self, cuda: bool, threads: int, routes: bool = False) -> dict[str, str]: ...
+
+    def check(self, needs: SamplerNeeds) -> None: ...
+
+
+def load(name: str) -> Backend:
+    """The backend called ``name``."""
+    if name not in BACKENDS:
+        raise UnsupportedError(f"sampler_backend: no backend {name!r}; one of {sorted(BACKENDS)}")
+    return cast(Backend, importlib.import_module(BACKENDS[name]))
