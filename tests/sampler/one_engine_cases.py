@@ -30,7 +30,7 @@ def _engine() -> Any:
 
     os.environ.update(env(False, 1))
     from trainctl.workers.sampler.spec import SamplerSpec
-    from trainctl.workers.sampler.vllm_backend.engine import VllmSampler
+    from trainctl.workers.sampler.vllm_backend.sampler import VllmSampler
 
     return VllmSampler(0, SamplerSpec(hf_config=CONFIG, max_model_len=256, max_num_seqs=8))
 

@@ -33,6 +33,9 @@ class Entry:
 
 
 class Adapters:
+    """The controller's table of adapters. Owns each adapter's entry (spec, ``ModelState``, size,
+    last use); the tensors are the ranks'."""
+
     def __init__(self, cfg: EngineConfig, group: Group) -> None:
         self.cfg, self.group = cfg, group
         self.entries: dict[str, Entry] = {}

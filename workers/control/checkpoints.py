@@ -42,6 +42,9 @@ _PARTIAL = ".partial-"
 
 
 class CheckpointStore:
+    """The checkpoint directory. Owns the on-disk layout under ``root`` and the retention of
+    ``keep`` complete checkpoints; the ranks write the shards."""
+
     def __init__(self, root: str | Path, keep: int = 3) -> None:
         self.root = Path(root).resolve()
         self.keep = keep

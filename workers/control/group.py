@@ -53,7 +53,7 @@ class Group(Protocol):
 
 
 class LocalGroup:
-    """A group of one: a ``RankWorker`` in this process, called directly."""
+    """A group of one: a ``RankWorker`` in this process, called directly. Owns its one worker."""
 
     def __init__(self, worker: RankWorker) -> None:
         self.worker = worker

@@ -71,6 +71,9 @@ class Handle:
 
 
 class OperationQueue:
+    """The operation queue. Owns the pending and running operations, the finished ones kept for
+    polling, the idempotency keys and the one worker task that runs them in order."""
+
     def __init__(
         self, *, max_queued: int = 64, keep_finished: int = 1024, avg_run_s: float = 1.0
     ) -> None:
@@ -263,9 +266,10 @@ class OperationQueue:
 
 
 class Operations:
-    """The operations API over a queue: ``submit``, ``run`` and ``operation``. ``prepare``
-    validates and plans a request *before* it is queued (so a rejected request never queues)
-    and returns its runner; ``check`` raises ``NotReadyError`` when no new work is taken."""
+    """The operations API over a queue: ``submit``, ``run`` and ``operation``. ``prepare`` validates
+    and plans a request *before* it is queued (so a rejected request never queues) and returns its
+    runner; ``check`` raises ``NotReadyError`` when no new work is taken. Owns nothing but its queue
+    and the two callbacks it is given."""
 
     def __init__(
         self,

@@ -83,6 +83,8 @@ def fsync_dir(path: Path) -> None:
 
 
 class ProfileStore:
+    """Finished memory profiles. Owns their directory under ``root``."""
+
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
 

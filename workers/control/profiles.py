@@ -21,6 +21,9 @@ from trainctl.workers.rank.worker import RankWorker
 
 
 class ProfileRecorder:
+    """A memory-profile operation in progress. Owns the id of the profile being recorded; the
+    ranks record, the ``ProfileStore`` keeps the results."""
+
     def __init__(self, group: RankGroup, store: ProfileStore, state: ModelState) -> None:
         self.group, self.store, self.state = group, store, state
         self.profile_id: str | None = None

@@ -100,6 +100,9 @@ class ModelState:
 
 
 class Steps:
+    """The one step sequence. Owns nothing but the order of a step's calls; the weights' version
+    is the ``ModelState`` it is given, the ranks hold the tensors."""
+
     def __init__(
         self,
         cfg: EngineConfig,

@@ -17,6 +17,8 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
 class ControllerMetrics:
+    """The controller's Prometheus metrics. Owns their registry and each metric."""
+
     def __init__(
         self, queue_depth: Callable[[], int], evicted: Callable[[], int] = lambda: 0
     ) -> None:

@@ -174,7 +174,8 @@ def step_metrics(kind: OperationKind, result: Any) -> tuple[dict[str, float], in
 
 
 class TrackerLog:
-    """The controller's queue listener: every finished step operation, to every tracker."""
+    """The controller's queue listener: every finished step operation, to every tracker. Owns its
+    trackers."""
 
     def __init__(self, trackers: list[Tracker]) -> None:
         self.trackers = trackers

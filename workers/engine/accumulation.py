@@ -31,7 +31,8 @@ def grad_buffers(chunks: list[Any]) -> list[Tensor]:
 
 
 class Accumulation:
-    """The gradient window of one engine shard: parts summed locally since the last step."""
+    """The gradient window of one engine shard: parts summed locally since the last step. Owns the
+    window's parts and what an undo restores."""
 
     def __init__(self, chunks: list[Any]) -> None:
         self.chunks = chunks

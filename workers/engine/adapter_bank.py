@@ -50,7 +50,8 @@ def _nbytes(tensors: dict[str, Tensor]) -> int:
 
 
 class AdapterBank:
-    """This rank's adapters. Every rank holds the same names and runs the same calls."""
+    """This rank's adapters. Every rank holds the same names and runs the same calls. Owns the slots
+    (each adapter's weights and AdamW state), the active adapter and the spill store."""
 
     def __init__(
         self,
@@ -237,8 +238,9 @@ class AdapterBank:
 
 
 class ShardAdapters:
-    """The shard's adapter calls, over its ``AdapterBank`` (None on a service that trains the
-    full model): each says what is wrong when the service holds no adapters."""
+    """The shard's adapter calls, over its ``AdapterBank`` (None on a service that trains the full
+    model): each says what is wrong when the service holds no adapters. Owns nothing but the bank.
+    """
 
     def __init__(self, bank: AdapterBank | None) -> None:
         self.bank = bank

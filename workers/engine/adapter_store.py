@@ -32,6 +32,9 @@ def to_host(obj: Any) -> Any:
 
 
 class SpillStore:
+    """Idle adapters written to disk. Owns the spill directory and the limit of adapters kept
+    in host memory."""
+
     def __init__(self, directory: str, max_in_memory: int) -> None:
         self.directory = Path(directory) if directory else None
         self.max_in_memory = max_in_memory if self.directory is not None else 0

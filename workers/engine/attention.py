@@ -79,7 +79,8 @@ def rope_tables(rope: RotaryEmbedding, positions: Tensor, dtype: torch.dtype) ->
 
 
 class PackedCoreAttention(MegatronModule):
-    """Causal attention within each packed sequence (``cu_seqlens``), drop-in for megatron."""
+    """Causal attention within each packed sequence (``cu_seqlens``), drop-in for megatron. Owns no
+    parameters: the heads' shapes and the CP group it attends over."""
 
     def __init__(
         self,

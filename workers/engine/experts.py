@@ -37,7 +37,7 @@ from trainctl.workers.ops.grouped_linear import WgradOptions, grouped_linear
 
 
 class _Weight(nn.Module):
-    """Holds one weight under megatron's linear-layer name (``<name>.weight``)."""
+    """Holds one weight under megatron's linear-layer name (``<name>.weight``). Owns that weight."""
 
     def __init__(self, out_features: int, in_features: int) -> None:
         super().__init__()
@@ -48,6 +48,8 @@ class _Weight(nn.Module):
 
 
 class _Expert(nn.Module):
+    """One expert's two linears under megatron's names. Owns their weights."""
+
     def __init__(self, hidden: int, ffn: int) -> None:
         super().__init__()
         self.linear_fc1 = _Weight(2 * ffn, hidden)
@@ -55,8 +57,9 @@ class _Expert(nn.Module):
 
 
 class GroupedExperts(MegatronModule):
-    """SwiGLU experts ``y_t = p_t * W2_e (silu(G_e x_t) * U_e x_t)``, the rows of each local
-    expert ``e`` back to back, ``p_t`` the row's router probability."""
+    """SwiGLU experts ``y_t = p_t * W2_e (silu(G_e x_t) * U_e x_t)``, the rows of each local expert
+    ``e`` back to back, ``p_t`` the row's router probability. Owns the local experts' weights and
+    their LoRA adapter site."""
 
     def __init__(
         self,

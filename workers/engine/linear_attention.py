@@ -54,6 +54,9 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 class PackedGatedDeltaNet(GatedDeltaNet):
+    """megatron's Gated DeltaNet over packed sequences. Owns its layer's parameters (megatron's)
+    and the output norm."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.pop("attn_mask_type", None)
         with _no_fla_needed():

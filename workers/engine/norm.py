@@ -26,7 +26,7 @@ from trainctl.workers.ops.norm import rms_norm
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight`` over the last dimension, ``hidden_size`` wide."""
+    """``x / rms(x) * weight`` over the last dimension, ``hidden_size`` wide. Owns the weight."""
 
     def __init__(
         self,

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 class MemoryProfiler:
-    """Records this rank's allocations between ``start`` and ``stop``."""
+    """Records this rank's allocations between ``start`` and ``stop``. Owns the recording in
+    progress."""
 
     def __init__(self, coords: RankCoords, cpu_max_seconds: float = 600.0) -> None:
         self.coords = coords

@@ -48,6 +48,9 @@ class _SwitchToBackward(torch.autograd.Function):
 
 
 class RouteReplay:
+    """Routing replay on one shard. Owns the routers it drives and the routes recorded in a
+    forward, replayed in its backward."""
+
     def __init__(self, chunks: list[Any]) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplay
 

@@ -24,6 +24,8 @@ def moe_routers(chunk: nn.Module) -> list[Any]:
 
 
 class RoutingStats:
+    """Per-expert token counts on one shard. Owns the counts and whether they are being taken."""
+
     def __init__(self, chunks: list[Any], *, num_layers: int, num_experts: int) -> None:
         self.counting = False
         self.counts = torch.zeros(num_layers, max(num_experts, 1), dtype=torch.float64)

@@ -92,7 +92,8 @@ class _Pass:
 
 
 class Schedule:
-    """Runs passes for one engine shard: its model chunks, groups and inputs."""
+    """Runs passes for one engine shard: its model chunks, groups and inputs. Owns no tensors: the
+    chunks, groups and inputs are the shard's, lent to it."""
 
     def __init__(
         self,

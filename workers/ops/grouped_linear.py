@@ -105,7 +105,8 @@ def grouped_linear(
 
 
 class GroupedLinear(nn.Module):
-    """``E`` linear layers ``K -> N``, one per expert, applied to grouped rows."""
+    """``E`` linear layers ``K -> N``, one per expert, applied to grouped rows. Owns the experts'
+    weights and biases."""
 
     def __init__(
         self,

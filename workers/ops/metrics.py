@@ -58,7 +58,8 @@ def _nonempty(name: str, x: Tensor) -> None:
 
 
 class StatsTracker:
-    """Accumulates masked statistics over micro-batches, then reduces them over a group."""
+    """Accumulates masked statistics over micro-batches, then reduces them over a group. Owns the
+    accumulated sums and their denominators."""
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}

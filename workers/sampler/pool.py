@@ -81,6 +81,9 @@ class PoolOptions:
 
 
 class SamplerPool:
+    """The sampler engines. Owns their actors, the weights and adapters last shipped to them (to
+    recreate one), the last sync's report and the restart count."""
+
     def __init__(self, spec: SamplerSpec, options: PoolOptions) -> None:
         self.spec, self.options = spec, options
         self.backend = backend.load(spec.backend)

@@ -12,14 +12,11 @@ format, replacing the one of that name in place. vLLM reads an adapter from a di
 its two files are written to a memory-backed one (``/dev/shm`` where it exists): a few MB per
 adapter, never the base.
 
-``VllmSampler`` is the asynchronous ``SamplerEngine`` the pool drives; ``_Engine`` is vLLM's
-synchronous ``LLM`` inside it, on one thread of its own. One engine call runs at a time, so a
-weight load always falls between two sample calls: a result is produced by one step's
-weights, and says which. The event loop stays free while a call runs: ``abort`` drops a
-request still waiting for its turn (a running one finishes: the synchronous engine cannot
-stop it), ``pause`` holds new samples until ``resume``, ``pid`` answers.
-The same holds for adapters, and one call samples with one adapter (or the base): base and
-adapter requests never share an engine batch. On a CPU engine with LoRA enabled, base requests
+``VllmEngine`` is vLLM's synchronous ``LLM``; ``sampler.py``'s ``VllmSampler`` runs it on a
+thread of its own, one call at a time, so a weight load always falls between two sample calls:
+a result is produced by one step's weights, and says which. The same holds for adapters,
+and one call samples with one adapter (or the base): base and adapter requests never share an
+engine batch. On a CPU engine with LoRA enabled, base requests
 go through ``lora_guard``: vLLM's CPU LoRA ops would otherwise give them the last adapter's.
 
 An error inside a call fails that call and nothing after it: what the call left in the engine
@@ -34,29 +31,25 @@ tensor travels as an argument of ``collective_rpc``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainctl.api import (
-    Completion,
     ConflictError,
     InternalError,
     InvalidRequestError,
     NotFoundError,
     NotReadyError,
-    PromptSamples,
     SampleRequest,
     SampleResult,
 )
-from trainctl.workers.sampler.backend import EngineBrokenError, Loaded, RequestAbortedError
+from trainctl.workers.sampler.backend import EngineBrokenError, Loaded
 from trainctl.workers.sampler.spec import PeftAdapter, SamplerSpec
 from trainctl.workers.sampler.transport import (
     Schema,
@@ -65,6 +58,7 @@ from trainctl.workers.sampler.transport import (
     schema_mismatch,
     schema_of,
 )
+from trainctl.workers.sampler.vllm_backend.outputs import prompt_samples
 from trainctl.workers.sampler.vllm_backend.rules import vllm_max_lora_rank
 
 
@@ -121,9 +115,10 @@ def _refresh_cpu_embedding_gemms(model: Any) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
-class _Engine:
-    """vLLM's synchronous ``LLM`` in this process, with the adapters and weights it serves.
-    Every method runs on the one thread ``VllmSampler`` gives it."""
+class VllmEngine:
+    """vLLM's synchronous ``LLM`` in this process, with the adapters and weights it serves. Every
+    method runs on the one thread ``VllmSampler`` gives it. Owns the ``LLM``, its adapters'
+    directory and ids, and the step and schema of the weights it holds."""
 
     def __init__(self, index: int, spec: SamplerSpec) -> None:
         import torch
@@ -352,125 +347,9 @@ class _Engine:
             outs = self._generate_then_score(prompts, params, lora)
         seconds = time.perf_counter() - t0
         return SampleResult(
-            samples=[_prompt_samples(o, req) for o in outs],
+            samples=[prompt_samples(o, req) for o in outs],
             step=step,
             adapter=req.adapter,
             sampler=self.index,
             seconds=seconds,
         )
-
-
-class VllmSampler:
-    """The ``SamplerEngine`` the pool drives: ``_Engine`` on a thread of its own, one call at
-    a time in arrival order, with an event loop that stays free to abort, pause and answer."""
-
-    def __init__(self, index: int, spec: SamplerSpec) -> None:
-        self.index = index
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"sampler-{index}")
-        self._engine = self._thread.submit(_Engine, index, spec).result()
-        self._turn = asyncio.Lock()
-        """Held by the engine call running; the others wait for it in arrival order."""
-        self._open = asyncio.Event()
-        """Set unless paused: a sample waits for it before taking its turn."""
-        self._open.set()
-        self._waiting: set[str] = set()
-        self._aborted: set[str] = set()
-
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        async with self._turn:
-            return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
-
-    async def pid(self) -> int:
-        """This engine's process (``info`` shows it; an operator can find it)."""
-        return os.getpid()
-
-    async def sample(self, request_id: str, req: SampleRequest) -> SampleResult:
-        self._waiting.add(request_id)
-        try:
-            await self._open.wait()
-            async with self._turn:
-                self._waiting.discard(request_id)
-                if request_id in self._aborted:
-                    raise RequestAbortedError(
-                        f"sampler {self.index}: request {request_id} was aborted before it ran"
-                    )
-                loop = asyncio.get_running_loop()
-                result: SampleResult = await loop.run_in_executor(
-                    self._thread, self._engine.sample, req
-                )
-                return result
-        finally:
-            self._waiting.discard(request_id)
-            self._aborted.discard(request_id)
-
-    async def abort(self, request_id: str) -> bool:
-        """Drop a request still waiting for its turn (True); one running finishes (False)."""
-        if request_id not in self._waiting:
-            return False
-        self._aborted.add(request_id)
-        return True
-
-    async def pause(self) -> None:
-        """Hold new samples; returns once the call running (if any) has finished."""
-        self._open.clear()
-        async with self._turn:
-            pass
-
-    async def resume(self) -> None:
-        self._open.set()
-
-    async def load_weights(self, shipment: Shipment) -> Loaded:
-        loaded: Loaded = await self._run(self._engine.load_weights, shipment)
-        return loaded
-
-    async def load_adapter(self, shipment: Shipment) -> Loaded:
-        loaded: Loaded = await self._run(self._engine.load_adapter, shipment)
-        return loaded
-
-    async def remove_adapter(self, name: str) -> None:
-        await self._run(self._engine.remove_adapter, name)
-
-
-def _chosen(entries: Any, tokens: Any) -> list[float | None]:
-    """The log-prob of each token actually there, from vLLM's per-position dictionaries."""
-    return [
-        None if d is None else float(d[t].logprob) for d, t in zip(entries, tokens, strict=True)
-    ]
-
-
-def _routes(c: Any, prompt_len: int) -> list[list[list[int]]]:
-    """A completion's routed experts as vLLM captured them (``[tokens, layers, top_k]``, one
-    row per token fed through the model), checked to cover exactly those tokens."""
-    import numpy as np
-
-    if c.routed_experts is None:
-        raise RuntimeError("return_routes: the sampler engine captured no routes")
-    routes = np.asarray(c.routed_experts)
-    fed = prompt_len + len(c.token_ids) - 1
-    if routes.ndim != 3 or routes.shape[0] != fed:
-        raise RuntimeError(
-            f"return_routes: the sampler captured routes of shape {routes.shape}, not "
-            f"[{fed}, layers, top_k]"
-        )
-    out: list[list[list[int]]] = routes.astype(np.int64).tolist()
-    return out
-
-
-def _prompt_samples(out: Any, req: SampleRequest) -> PromptSamples:
-    completions = []
-    for c in out.outputs:
-        tokens = [int(t) for t in c.token_ids]
-        lps = _chosen(c.logprobs, tokens) if req.logprobs else None
-        completions.append(
-            Completion(
-                tokens=tokens,
-                logprobs=None if lps is None else [float(x) for x in lps if x is not None],
-                finish_reason="stop" if c.finish_reason == "stop" else c.finish_reason or "length",
-                routed_experts=_routes(c, len(out.prompt_token_ids)) if req.return_routes else None,
-            )
-        )
-    prompt_lps = None
-    if req.prompt_logprobs:
-        prompt_lps = _chosen(out.prompt_logprobs, out.prompt_token_ids)
-        prompt_lps[0] = None
-    return PromptSamples(completions=completions, prompt_logprobs=prompt_lps)

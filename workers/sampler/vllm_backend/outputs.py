@@ -1,0 +1,55 @@
+"""vLLM's outputs as trainctl's results: the chosen tokens' log-probs, the routed experts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainctl.api import Completion, PromptSamples, SampleRequest
+
+
+def chosen_logprobs(entries: Any, tokens: Any) -> list[float | None]:
+    """The log-prob of each token actually there, from vLLM's per-position dictionaries."""
+    return [
+        None if d is None else float(d[t].logprob) for d, t in zip(entries, tokens, strict=True)
+    ]
+
+
+def routes_of(c: Any, prompt_len: int) -> list[list[list[int]]]:
+    """A completion's routed experts as vLLM captured them (``[tokens, layers, top_k]``, one
+    row per token fed through the model), checked to cover exactly those tokens."""
+    import numpy as np
+
+    if c.routed_experts is None:
+        raise RuntimeError("return_routes: the sampler engine captured no routes")
+    routes = np.asarray(c.routed_experts)
+    fed = prompt_len + len(c.token_ids) - 1
+    if routes.ndim != 3 or routes.shape[0] != fed:
+        raise RuntimeError(
+            f"return_routes: the sampler captured routes of shape {routes.shape}, not "
+            f"[{fed}, layers, top_k]"
+        )
+    out: list[list[list[int]]] = routes.astype(np.int64).tolist()
+    return out
+
+
+def prompt_samples(out: Any, req: SampleRequest) -> PromptSamples:
+    """One prompt's completions and log-probs, from vLLM's ``RequestOutput``."""
+    completions = []
+    for c in out.outputs:
+        tokens = [int(t) for t in c.token_ids]
+        lps = chosen_logprobs(c.logprobs, tokens) if req.logprobs else None
+        completions.append(
+            Completion(
+                tokens=tokens,
+                logprobs=None if lps is None else [float(x) for x in lps if x is not None],
+                finish_reason="stop" if c.finish_reason == "stop" else c.finish_reason or "length",
+                routed_experts=routes_of(c, len(out.prompt_token_ids))
+                if req.return_routes
+                else None,
+            )
+        )
+    prompt_lps = None
+    if req.prompt_logprobs:
+        prompt_lps = chosen_logprobs(out.prompt_logprobs, out.prompt_token_ids)
+        prompt_lps[0] = None
+    return PromptSamples(completions=completions, prompt_logprobs=prompt_lps)
