@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from test_helm_chart import docs, rayservice, serve_config
+from helpers.helm import docs, rayservice, serve_config
 
 
 def test_helm_test_checks_readiness_as_trainctl() -> None:

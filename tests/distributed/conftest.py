@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rankpool import RankPool
+from helpers.rankpool import RankPool
 
 IDLE_WINDOW_S = 3.0
 MAX_IDLE_THREADS = 32

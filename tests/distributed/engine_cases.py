@@ -5,102 +5,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
-import numpy as np
-
-LOSSES: tuple[tuple[str, str, dict[str, float]], ...] = (
-    ("cross_entropy", "token_mean", {}),
-    ("importance_sampling", "seq_mean_token_mean", {}),
-    ("ppo", "token_mean", {"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.05}),
-)
-"""(kind, normalisation, options) of every loss the engine tests run; the last one steps."""
-
-
-def ragged_batch(seed: int = 0, vocab: int = 512) -> list[dict[str, Any]]:
-    """Ragged sequences with prompt masks and RL inputs; one weighted, one with no target."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i, n in enumerate((37, 5, 64, 19, 2, 41, 12, 30)):
-        prompt = int(rng.integers(1, max(2, n // 2)))
-        seq: dict[str, Any] = {
-            "tokens": rng.integers(0, vocab, n).tolist(),
-            "loss_mask": [0] * prompt + [1] * (n - prompt),
-            "advantages": rng.normal(size=n).tolist(),
-            "old_logprobs": (-rng.uniform(4, 8, n)).tolist(),
-            "ref_logprobs": (-rng.uniform(4, 8, n)).tolist(),
-        }
-        if i == 3:
-            seq["weights"] = rng.uniform(0.5, 2.0, n).tolist()
-        if i == 4:
-            seq["loss_mask"] = [0] * n
-        out.append(seq)
-    return out
-
-
-def shared_batch(
-    seed: int = 0, vocab: int = 512, groups: tuple[str, ...] = ("grpo", "turns", "other")
-) -> list[dict[str, Any]]:
-    """Sequences that share prefixes, each with its own mask and RL inputs (so shared tokens
-    carry different advantages): a GRPO group of 4 responses to one prompt; multi-turn
-    siblings branching at several depths, one of them a prefix of another and one an identical
-    duplicate; and an unrelated sequence."""
-    rng = np.random.default_rng(seed)
-
-    def tok(n: int) -> list[int]:
-        return rng.integers(1, vocab, n).tolist()
-
-    seqs: list[tuple[list[int], int]] = []  # (tokens, prompt length)
-    if "grpo" in groups:
-        prompt = tok(20)
-        seqs += [(prompt + tok(n), 20) for n in (9, 14, 3, 11)]
-    if "turns" in groups:
-        t1, t2, t3 = tok(10), tok(7), tok(6)
-        seqs += [
-            (t1 + t2 + t3, 10),
-            (t1 + t2 + tok(8), 10),
-            (t1 + tok(5), 10),
-            (t1 + t2, 10),  # a prefix of the first two
-            (t1 + t2 + t3, 10),  # a duplicate of the first
-        ]
-    if "other" in groups:
-        seqs.append((tok(23), 4))
-    out = []
-    for tokens, prompt in seqs:
-        n = len(tokens)
-        out.append(
-            {
-                "tokens": tokens,
-                "loss_mask": [0] * prompt + [1] * (n - prompt),
-                "advantages": rng.normal(size=n).tolist(),
-                "old_logprobs": (-rng.uniform(4, 8, n)).tolist(),
-                "ref_logprobs": (-rng.uniform(4, 8, n)).tolist(),
-            }
-        )
-    out[1]["weights"] = rng.uniform(0.5, 2.0, len(out[1]["tokens"])).tolist()
-    return out
-
-
-def to_host(batch: list[dict[str, Any]]) -> list[Any]:
-    from trainctl.api import TokenSequence
-
-    def arr(s: dict[str, Any], k: str) -> np.ndarray | None:
-        return None if k not in s else np.asarray(s[k], np.float32)
-
-    return [
-        TokenSequence(
-            tokens=np.asarray(s["tokens"], np.int64),
-            loss_mask=np.asarray(s["loss_mask"], np.float32),
-            weights=arr(s, "weights"),
-            advantages=arr(s, "advantages"),
-            old_logprobs=arr(s, "old_logprobs"),
-            ref_logprobs=arr(s, "ref_logprobs"),
-            sampler_logprobs=arr(s, "sampler_logprobs"),
-        )
-        for s in batch
-    ]
-
-
-def numpy_shards(shards: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {k: v.float().numpy() for k, v in shards.items()}
+from helpers.batches import numpy_shards, ragged_batch, to_host
+from helpers.layouts import LOSSES
 
 
 def _count_expert_grads(eng: Any) -> tuple[dict[str, int], list[Any]]:
@@ -240,26 +146,6 @@ def _warm_adapter(eng: Any, adapter: dict[str, Any], packing: str) -> None:
     eng.adapters.activate(spec.name)
     plan = plan_step(to_host(ragged_batch(1)), eng.cfg, loss=LossConfig(), packing=packing)
     eng.train_batch(plan.microbatches[eng.coords.dp], LossConfig())
-
-
-def full_tensors(
-    results: list[dict[str, Any]], key: str, loss: str | None = None
-) -> dict[str, np.ndarray]:
-    """Merge the DP-replica-0 shards of every rank into full canonical tensors."""
-    import torch
-
-    from trainctl.workers.engine.weights import shard_rule
-
-    by_name: dict[str, dict[int, np.ndarray]] = {}
-    for r in results:
-        src = r["per_loss"][loss][key] if loss else r[key]
-        for name, shard in src.items():
-            by_name.setdefault(name, {})[r["coords"]["tp"]] = shard
-    out = {}
-    for name, shards in by_name.items():
-        ordered = [torch.from_numpy(shards[k]) for k in sorted(shards)]
-        out[name] = shard_rule(name).unshard(ordered).numpy()
-    return out
 
 
 def tied_embedding_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_cases import ragged_batch, to_host
+from helpers.batches import ragged_batch, to_host
 
 ADAPTERS = {
     "a": {"name": "a", "rank": 4, "alpha": 8.0, "targets": ("attn", "mlp", "unembed"), "seed": 1},

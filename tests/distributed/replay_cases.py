@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_cases import numpy_shards, to_host
+from helpers.batches import numpy_shards, to_host
 
 
 def random_routes(batch: list[dict[str, Any]], *, layers: int, experts: int, top_k: int,

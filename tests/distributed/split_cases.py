@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_cases import numpy_shards, ragged_batch, to_host
+from helpers.batches import numpy_shards, ragged_batch, to_host
 
 
 def split_step_case(

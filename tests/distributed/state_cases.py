@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_cases import ragged_batch, through_disk, to_host
+from engine_cases import through_disk
+from helpers.batches import ragged_batch, to_host
 
 
 def train_steps_case(cfg: dict[str, Any], steps: int) -> dict[str, Any]:

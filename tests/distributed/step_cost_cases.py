@@ -28,7 +28,7 @@ def _plan(eng: Any, lengths: list[int]) -> list[Any]:
     from trainctl.api.models import LossConfig
     from trainctl.workers.control.plan import plan_step
 
-    from engine_cases import to_host
+    from helpers.batches import to_host
 
     batch = _tokens(lengths, eng.cfg.model.vocab_size)
     for s in batch:
@@ -145,7 +145,7 @@ def norm_ops(cfg: dict[str, Any]) -> dict[str, Any]:
     from trainctl.workers.engine.config import EngineConfig
     from trainctl.workers.engine.shard import EngineShard
 
-    from engine_cases import numpy_shards
+    from helpers.batches import numpy_shards
 
     eng = EngineShard(EngineConfig.from_dict(cfg))
     eng.train_pass(_plan(eng, [40, 17, 64]), LossConfig())
@@ -178,7 +178,7 @@ def params_after_steps(cfg: dict[str, Any], steps: int, foreach: bool) -> dict[s
     from trainctl.workers.engine.optim_phase import inner_optimizers
     from trainctl.workers.engine.shard import EngineShard
 
-    from engine_cases import numpy_shards, ragged_batch, to_host
+    from helpers.batches import numpy_shards, ragged_batch, to_host
 
     eng = EngineShard(EngineConfig.from_dict(cfg))
     if foreach:
@@ -214,7 +214,7 @@ def grads_with_the_head_gradient(cfg: dict[str, Any], in_forward: bool) -> dict[
     from trainctl.workers.engine.config import EngineConfig
     from trainctl.workers.engine.shard import EngineShard
 
-    from engine_cases import numpy_shards, ragged_batch, to_host
+    from helpers.batches import numpy_shards, ragged_batch, to_host
 
     separable = schedule.TOKEN_SEPARABLE
     if not in_forward:

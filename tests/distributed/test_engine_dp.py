@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from trainctl.workers.control.plan import make_plan
 
-from engine_cases import ragged_batch, step_and_collect, to_host
-from rankpool import RankPool
-from test_engine_layouts import assert_same_step
+from engine_cases import step_and_collect
+from helpers.batches import ragged_batch, to_host
+from helpers.layouts import assert_same_step
+from helpers.rankpool import RankPool
 
 MODEL = {"max_seq_len": 64}
 
@@ -47,7 +48,7 @@ def test_dp2_with_dummy_equals_single_rank(pool1: RankPool, pool2: RankPool) -> 
 
 def test_single_rank_loss_matches_unpacked_reference(pool1: RankPool) -> None:
     """Packed forward + streamed log-prob kernel == per-sequence F.cross_entropy (float64)."""
-    from reference import reference_loss
+    from helpers.reference import reference_loss
 
     batch = ragged_batch(seed=3)
     for s in batch:  # the reference reads tokens, mask and weights only

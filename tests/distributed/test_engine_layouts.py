@@ -10,98 +10,28 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from engine_cases import (
+from engine_cases import logprobs_and_grads, recompute_case, step_and_collect, tied_embedding_case
+from helpers.batches import ragged_batch
+from helpers.layouts import (
+    LAYOUTS,
     LOSSES,
+    LR,
+    MODEL,
+    MOE,
+    RTOL,
+    STARVE_EP1,
+    assert_same_step,
+    engine_cfg,
     full_tensors,
-    logprobs_and_grads,
-    ragged_batch,
-    recompute_case,
-    step_and_collect,
-    tied_embedding_case,
+    layout_id,
+    world_size,
 )
-from rankpool import RankPool
-
-RTOL = 1e-5
-LR = 1e-3
-MODEL = {"num_layers": 4, "max_seq_len": 64, "num_attention_heads": 4, "num_query_groups": 2}
-
-
-def _cfg(*, sequence_parallel: str = "auto", **layout: int) -> dict:
-    return {
-        "layout": layout,
-        "max_tokens_per_microbatch": 96,
-        "model": MODEL,
-        "optimizer": {"clip_grad": 0.0, "eps": 1e-5},
-        "sequence_parallel": sequence_parallel,
-    }
-
-
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= RTOL * max(abs(a), abs(b))
+from helpers.rankpool import RankPool
 
 
 @pytest.fixture(scope="module")
 def reference(pools: Callable[[int], RankPool]) -> list[dict]:
-    return pools(1).run(step_and_collect, _cfg(), ragged_batch(), LOSSES)
-
-
-LAYOUTS = [
-    {"dp": 2},
-    {"cp": 2},
-    {"tp": 2},
-    {"pp": 2},
-    {"dp": 2, "cp": 2},
-    {"tp": 2, "pp": 2},
-    {"cp": 2, "tp": 2},
-    {"dp": 2, "cp": 2, "tp": 2},
-    {"pp": 2, "vp": 2},
-]
-
-
-def assert_same_step(
-    results: list[dict],
-    reference: list[dict],
-    losses: tuple[str, ...] = tuple(k for k, _, _ in LOSSES),
-    grad_floor: float = RTOL,
-) -> None:
-    """``grad_floor``: gradient elements are held to this fraction of their tensor's largest
-    element in absolute terms (besides 1e-5 relative)."""
-    (ref,) = reference
-    for kind in losses:
-        want = ref["per_loss"][kind]
-        for r in results:
-            got = r["per_loss"][kind]
-            if r["is_last_stage"]:
-                assert _close(got["loss"], want["loss"]), (kind, got["loss"], want["loss"])
-                assert _close(got["eval_loss"], want["eval_loss"]), kind
-            assert _close(got["grad_norm"], want["grad_norm"]), (
-                kind,
-                got["grad_norm"],
-                want["grad_norm"],
-            )
-        grads = full_tensors(results, "shard_grads", kind)
-        ref_grads = full_tensors(reference, "shard_grads", kind)
-        assert grads.keys() == ref_grads.keys()
-        for name, g in ref_grads.items():
-            # Elements near zero are held to 1e-5 of the tensor's largest one: fp32 sums in
-            # another order differ by ~1e-7 absolute, which is all of a tiny element.
-            atol = grad_floor * float(np.abs(g).max())
-            np.testing.assert_allclose(
-                grads[name], g, rtol=RTOL, atol=atol, err_msg=f"{kind} {name}"
-            )
-    params = full_tensors(results, "shard_params")
-    for name, p in full_tensors(reference, "shard_params").items():
-        # Adam's first step is about lr * g / (|g| + eps): near g = 0 a gradient difference d
-        # moves the step by lr * d / eps. The gradients above agree to ~1e-8 absolute, so
-        # eps = 1e-5 bounds that at 1e-6 (0.1% of a step); we ask for 1% of one step.
-        np.testing.assert_allclose(params[name], p, rtol=RTOL, atol=1e-2 * LR, err_msg=name)
-
-
-def _world(layout: dict) -> int:
-    world = 1
-    for axis in ("dp", "cp", "tp", "pp"):
-        world *= layout.get(axis, 1)
-    return world
+    return pools(1).run(step_and_collect, engine_cfg(), ragged_batch(), LOSSES)
 
 
 def assert_token_split(results: list[dict], layout: dict, *, sequence_parallel: bool) -> None:
@@ -113,37 +43,31 @@ def assert_token_split(results: list[dict], layout: dict, *, sequence_parallel: 
         assert r["norm_rows"] == [n // split for n in r["microbatch_tokens"]], r["coords"]
 
 
-def _ids(d: dict) -> str:
-    return "".join(f"{k}{v}" for k, v in d.items())
-
-
-@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_layout_matches_single_rank(
     pools: Callable[[int], RankPool], reference: list[dict], layout: dict
 ) -> None:
-    results = pools(_world(layout)).run(step_and_collect, _cfg(**layout), ragged_batch(), LOSSES)
+    results = pools(world_size(layout)).run(
+        step_and_collect, engine_cfg(**layout), ragged_batch(), LOSSES
+    )
     assert_same_step(results, reference)
     # Sequence parallelism is on wherever tp > 1 (the default).
     assert_token_split(results, layout, sequence_parallel=layout.get("tp", 1) > 1)
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"cp": 2, "tp": 2}], ids=_ids)
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"cp": 2, "tp": 2}], ids=layout_id)
 def test_tp_without_sequence_parallelism_matches_single_rank(
     pools: Callable[[int], RankPool], reference: list[dict], layout: dict
 ) -> None:
     """sequence_parallel off: every TP rank keeps all the tokens; the same numbers."""
-    cfg = _cfg(sequence_parallel="off", **layout)
-    results = pools(_world(layout)).run(step_and_collect, cfg, ragged_batch(), LOSSES)
+    cfg = engine_cfg(sequence_parallel="off", **layout)
+    results = pools(world_size(layout)).run(step_and_collect, cfg, ragged_batch(), LOSSES)
     assert_same_step(results, reference)
     assert_token_split(results, layout, sequence_parallel=False)
 
 
-MOE = {**MODEL, "num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 128}
-STARVE_EP1 = [0.0, 0.0, -1e4, -1e4]  # experts 2 and 3 (EP rank 1's) never chosen
-
-
 def _moe_cfg(**layout: int) -> dict:
-    return {**_cfg(**layout), "model": MOE}
+    return {**engine_cfg(**layout), "model": MOE}
 
 
 MOE_CASES = [
@@ -174,7 +98,7 @@ def moe_reference(pools: Callable[[int], RankPool]) -> Callable[[list[float] | N
 @pytest.mark.parametrize(
     ("layout", "offsets"),
     MOE_CASES,
-    ids=[_ids(lay) + ("-ep1-gets-no-tokens" if o else "") for lay, o in MOE_CASES],
+    ids=[layout_id(lay) + ("-ep1-gets-no-tokens" if o else "") for lay, o in MOE_CASES],
 )
 def test_moe_matches_single_rank(
     pools: Callable[[int], RankPool],
@@ -183,7 +107,7 @@ def test_moe_matches_single_rank(
     offsets: list[float] | None,
 ) -> None:
     reference = moe_reference(offsets)
-    results = pools(_world(layout)).run(
+    results = pools(world_size(layout)).run(
         step_and_collect, _moe_cfg(**layout), ragged_batch(), LOSSES, offsets
     )
     assert_same_step(results, reference)
@@ -243,7 +167,7 @@ def test_family_shapes_match_single_rank(pools: Callable[[int], RankPool], famil
     gradient is the sum of the first and the last stage's, counted once in the grad norm."""
 
     def cfg(**layout: int) -> dict:
-        return {**_cfg(**layout), "model": FAMILY_SHAPES[family]}
+        return {**engine_cfg(**layout), "model": FAMILY_SHAPES[family]}
 
     reference = pools(1).run(step_and_collect, cfg(), ragged_batch(), LOSSES)
     names = full_tensors(reference, "shard_params")
@@ -254,7 +178,9 @@ def test_family_shapes_match_single_rank(pools: Callable[[int], RankPool], famil
     for layout in FAMILY_LAYOUTS + moe:
         if family.startswith("qwen3_5") and layout.get("cp", 1) > 1:
             continue
-        results = pools(_world(layout)).run(step_and_collect, cfg(**layout), ragged_batch(), LOSSES)
+        results = pools(world_size(layout)).run(
+            step_and_collect, cfg(**layout), ragged_batch(), LOSSES
+        )
         assert_same_step(results, reference)
 
 
@@ -264,8 +190,8 @@ def test_tied_embeddings_at_pp2_live_once(pools: Callable[[int], RankPool]) -> N
     first stage's) and a load restores the last stage's copy from it; the parameter count
     equals pp1's. (The gradient and the grad norm against pp1: the family matrix above.)"""
     model = FAMILY_SHAPES["qwen2"]
-    one = pools(1).run(tied_embedding_case, {**_cfg(), "model": model}, ragged_batch())
-    two = pools(2).run(tied_embedding_case, {**_cfg(pp=2), "model": model}, ragged_batch())
+    one = pools(1).run(tied_embedding_case, {**engine_cfg(), "model": model}, ragged_batch())
+    two = pools(2).run(tied_embedding_case, {**engine_cfg(pp=2), "model": model}, ragged_batch())
     first, last = sorted(two, key=lambda r: r["pp"])
     assert len(first["after_step"]) == len(last["after_step"]) == 1
     np.testing.assert_array_equal(first["after_step"][0], last["after_step"][0])
@@ -287,8 +213,8 @@ def test_fused_lm_head_changes_no_logprob(pools: Callable[[int], RankPool], layo
     weight gradient sums the tokens chunk by chunk)."""
 
     def run(fused: bool) -> list[dict]:
-        cfg = {**_cfg(**layout), "fused_lm_head": fused, "logprob_chunk_size": 32}
-        return pools(_world(layout)).run(logprobs_and_grads, cfg, ragged_batch())
+        cfg = {**engine_cfg(**layout), "fused_lm_head": fused, "logprob_chunk_size": 32}
+        return pools(world_size(layout)).run(logprobs_and_grads, cfg, ragged_batch())
 
     fused, unfused = run(True), run(False)
     for key in ("logprobs", "entropy"):
@@ -316,8 +242,8 @@ def test_recomputation_changes_no_number(
     the run that keeps them, bit for bit; and the MLPs really ran again in backward."""
 
     def run(recompute: str) -> list[dict]:
-        cfg = {**_cfg(**layout), "recompute": recompute}
-        return pools(_world(layout)).run(recompute_case, cfg, ragged_batch())
+        cfg = {**engine_cfg(**layout), "recompute": recompute}
+        return pools(world_size(layout)).run(recompute_case, cfg, ragged_batch())
 
     got, want = run(mode), run("none")
     for g, w in zip(got, want, strict=True):

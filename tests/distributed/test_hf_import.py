@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.hf_models import FAMILIES, TIED, tiny_model
+from helpers.rankpool import RankPool
 from hf_cases import logprobs_from_hf
-from hf_models import FAMILIES, TIED, tiny_model
-from rankpool import RankPool
 
 LAYOUTS = [{}, {"tp": 2}, {"pp": 2}]
 # tp2 runs MoE under sequence parallelism, each TP rank routing its own slice of the tokens;

@@ -1,4 +1,4 @@
-"""The GPU tier's cases (``tests/device_cases.py``) on the CPU, through the in-process engine,
+"""The GPU tier's cases (``tests/helpers/device_cases.py``) on the CPU, through the in-process engine,
 in a rank-pool process: the code the GPU tier runs is run by every CI run. The bounds are the
 GPU tier's."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import device_cases as cases
-from rankpool import RankPool
+from helpers import device_cases as cases
+from helpers.rankpool import RankPool
 
 
 def test_fp32_and_bf16_logprobs_against_transformers(pool1: RankPool, tmp_path: Path) -> None:

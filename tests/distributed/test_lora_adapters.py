@@ -9,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from lora_cases import split_steps, train_adapters
 
-from rankpool import RankPool
+from helpers.rankpool import RankPool
+from lora_cases import split_steps, train_adapters
 
 MODEL = {"num_layers": 2, "max_seq_len": 64}
 

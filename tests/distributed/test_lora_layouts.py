@@ -11,17 +11,20 @@ from collections.abc import Callable
 
 import pytest
 
-from engine_cases import LOSSES, full_tensors, ragged_batch, shared_batch, step_and_collect
-from rankpool import RankPool
-from test_engine_layouts import (
+from engine_cases import step_and_collect
+from helpers.batches import ragged_batch, shared_batch
+from helpers.layouts import (
+    LOSSES,
     MODEL,
     MOE,
     STARVE_EP1,
-    _cfg,
-    _ids,
-    _world,
     assert_same_step,
+    engine_cfg,
+    full_tensors,
+    layout_id,
+    world_size,
 )
+from helpers.rankpool import RankPool
 
 ADAPTER = {"name": "a", "rank": 4, "alpha": 8.0, "targets": ["attn", "mlp", "unembed"], "seed": 7}
 """Rank 4 inside sites 8 wide: the padding must stay exactly zero."""
@@ -32,7 +35,7 @@ ONLY = (PPO[0][0],)
 
 
 def _lora_cfg(model: dict = MODEL, **layout: int) -> dict:
-    return {**_cfg(**layout), "model": model, "lora": LORA}
+    return {**engine_cfg(**layout), "model": model, "lora": LORA}
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +53,11 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_adapter_matches_single_rank(
     pools: Callable[[int], RankPool], reference: list[dict], layout: dict
 ) -> None:
-    results = pools(_world(layout)).run(
+    results = pools(world_size(layout)).run(
         step_and_collect, _lora_cfg(**layout), ragged_batch(), PPO, None, "flat", ADAPTER
     )
     assert_same_step(results, reference, losses=ONLY)
@@ -105,7 +108,7 @@ def test_moe_adapter_on_experts(
     ref = pools(1).run(
         step_and_collect, _lora_cfg(MOE), ragged_batch(), PPO, offsets, "flat", ADAPTER
     )
-    got = pools(_world(layout)).run(
+    got = pools(world_size(layout)).run(
         step_and_collect, _lora_cfg(MOE, **layout), ragged_batch(), PPO, offsets,
         "flat", ADAPTER,
     )  # fmt: skip

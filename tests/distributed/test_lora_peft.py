@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.hf_models import tiny_model
+from helpers.rankpool import RankPool
 from hf_cases import lora_from_hf
-from hf_models import tiny_model
-from rankpool import RankPool
 
 peft = pytest.importorskip("peft", reason="peft is in the dev extra")
 

@@ -10,9 +10,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from engine_cases import ragged_batch, shared_batch, step_and_collect
-from rankpool import RankPool
-from test_engine_layouts import _cfg, _ids, _world, assert_same_step
+from engine_cases import step_and_collect
+from helpers.batches import ragged_batch, shared_batch
+from helpers.layouts import assert_same_step, engine_cfg, layout_id, world_size
+from helpers.rankpool import RankPool
 
 NEW_LOSSES = (
     ("cispo", "token_mean", {"clip_low": 0.2, "clip_high": 0.28}),
@@ -41,23 +42,23 @@ KINDS = tuple(k for k, _, _ in NEW_LOSSES)
 
 @pytest.fixture(scope="module")
 def reference(pools: Callable[[int], RankPool]) -> list[dict]:
-    return pools(1).run(step_and_collect, _cfg(), with_sampler(ragged_batch()), NEW_LOSSES)
+    return pools(1).run(step_and_collect, engine_cfg(), with_sampler(ragged_batch()), NEW_LOSSES)
 
 
-@pytest.mark.parametrize("layout", [{"dp": 2, "cp": 2}, {"tp": 2, "pp": 2}], ids=_ids)
+@pytest.mark.parametrize("layout", [{"dp": 2, "cp": 2}, {"tp": 2, "pp": 2}], ids=layout_id)
 def test_new_losses_match_single_rank(
     pools: Callable[[int], RankPool], reference: list[dict], layout: dict
 ) -> None:
-    results = pools(_world(layout)).run(
-        step_and_collect, _cfg(**layout), with_sampler(ragged_batch()), NEW_LOSSES
+    results = pools(world_size(layout)).run(
+        step_and_collect, engine_cfg(**layout), with_sampler(ragged_batch()), NEW_LOSSES
     )
     assert_same_step(results, reference, KINDS)
 
 
 def test_new_losses_tree_equals_flat(pools: Callable[[int], RankPool]) -> None:
-    flat = pools(1).run(step_and_collect, _cfg(), with_sampler(shared_batch()), NEW_LOSSES)
+    flat = pools(1).run(step_and_collect, engine_cfg(), with_sampler(shared_batch()), NEW_LOSSES)
     tree = pools(2).run(
-        step_and_collect, _cfg(dp=2), with_sampler(shared_batch()), NEW_LOSSES, None, "tree"
+        step_and_collect, engine_cfg(dp=2), with_sampler(shared_batch()), NEW_LOSSES, None, "tree"
     )
     assert sum(r["tree_microbatches"] for r in tree) > 0
     assert_same_step(tree, flat, KINDS)

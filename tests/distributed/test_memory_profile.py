@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from engine_cases import ragged_batch
-from rankpool import RankPool
+from helpers.batches import ragged_batch
+from helpers.rankpool import RankPool
 from state_cases import profile_step
 
 

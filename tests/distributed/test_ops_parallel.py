@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from helpers.rankpool import RankPool
 from ops_cases import (
     aggregate_case,
     cp_loss_case,
@@ -21,7 +22,6 @@ from ops_cases import (
     zero_valid_shard_case,
 )
 from pp_cases import pp_broadcast_case, pp_broadcast_refused_case
-from rankpool import RankPool
 from stats_cases import ppl_uneven_case, scalar_mean_case, stats_case
 from sync_cases import dp_sync_dummy_case, grouped_ddp_case
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from rankpool import RankPool
+from helpers.rankpool import RankPool
 from state_cases import checkpoint_restore_case, train_steps_case
 
 MODEL = {"num_layers": 4, "max_seq_len": 64, "num_attention_heads": 4, "num_query_groups": 2}

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from engine_cases import ragged_batch
-from rankpool import RankPool
+from helpers.batches import ragged_batch
+from helpers.layouts import engine_cfg, layout_id, world_size
+from helpers.rankpool import RankPool
 from split_cases import policy_metrics_case
-from test_engine_layouts import _cfg, _ids, _world
 
 
 def _k3(d: np.ndarray) -> np.ndarray:
@@ -62,7 +62,7 @@ def _metrics(results: list[dict]) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def single(pools: Callable[[int], RankPool]) -> list[dict]:
-    return pools(1).run(policy_metrics_case, _cfg(), ragged_batch())
+    return pools(1).run(policy_metrics_case, engine_cfg(), ragged_batch())
 
 
 def test_metrics_equal_a_float64_reference(single: list[dict]) -> None:
@@ -76,12 +76,14 @@ def test_metrics_equal_a_float64_reference(single: list[dict]) -> None:
     assert 0 < got["clip_low_fraction:mean"] + got["clip_high_fraction:mean"] < 1
 
 
-@pytest.mark.parametrize("layout", [{"dp": 2}, {"cp": 2}, {"dp": 2, "cp": 2}], ids=_ids)
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"cp": 2}, {"dp": 2, "cp": 2}], ids=layout_id)
 def test_metrics_are_the_same_on_every_layout(
     pools: Callable[[int], RankPool], single: list[dict], layout: dict
 ) -> None:
     want = _metrics(single)
-    got = _metrics(pools(_world(layout)).run(policy_metrics_case, _cfg(**layout), ragged_batch()))
+    got = _metrics(
+        pools(world_size(layout)).run(policy_metrics_case, engine_cfg(**layout), ragged_batch())
+    )
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert abs(got[key] - value) <= 1e-6 * max(abs(value), 1.0), (key, got[key], value)

@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from replay_cases import random_routes, replay_case
 
-from engine_cases import full_tensors, ragged_batch, shared_batch
-from rankpool import RankPool
+from helpers.batches import ragged_batch, shared_batch
+from helpers.layouts import full_tensors
+from helpers.rankpool import RankPool
+from replay_cases import random_routes, replay_case
 
 MOE = {
     "num_layers": 2,

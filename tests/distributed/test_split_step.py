@@ -11,10 +11,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from engine_cases import full_tensors, ragged_batch, step_and_collect
-from rankpool import RankPool
+from engine_cases import step_and_collect
+from helpers.batches import ragged_batch
+from helpers.layouts import LR, RTOL, engine_cfg, full_tensors
+from helpers.rankpool import RankPool
 from split_cases import rollback_twice_case, split_step_case
-from test_engine_layouts import LR, RTOL, _cfg
 
 CASES = [
     ("cross_entropy", "token_mean", {}),
@@ -28,7 +29,7 @@ def test_parts_then_one_step_equal_one_train_batch(
     pools: Callable[[int], RankPool], loss: tuple
 ) -> None:
     batch = ragged_batch()
-    cfg = _cfg()
+    cfg = engine_cfg()
     if loss[1] == "sum":
         # Unnormalised, the gradients (and their fp32 rounding) are ~N = 190 loss tokens
         # larger; Adam's step near g = 0 moves by lr * dg / eps, so eps grows with them to
@@ -36,7 +37,7 @@ def test_parts_then_one_step_equal_one_train_batch(
         cfg["optimizer"] = {**cfg["optimizer"], "eps": 2e-3}
     union = pools(1).run(step_and_collect, cfg, batch, (loss,))
     parts = [batch[:3], batch[3:]]
-    split_cfg = {**_cfg(dp=2, cp=2), "optimizer": cfg["optimizer"]}
+    split_cfg = {**engine_cfg(dp=2, cp=2), "optimizer": cfg["optimizer"]}
     split = pools(4).run(split_step_case, split_cfg, parts, loss)
     (ref,) = union
     want = ref["per_loss"][loss[0]]
@@ -69,5 +70,5 @@ def test_parts_then_one_step_equal_one_train_batch(
 def test_a_part_undone_twice_leaves_the_window_as_before_it(
     pools: Callable[[int], RankPool],
 ) -> None:
-    for r in pools(2).run(rollback_twice_case, _cfg(dp=2)):
+    for r in pools(2).run(rollback_twice_case, engine_cfg(dp=2)):
         assert r == {"same": True, "parts": 1, "nonzero": True}

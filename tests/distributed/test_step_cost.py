@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-import step_cost_cases as cases
 
-from engine_cases import full_tensors
-from rankpool import RankPool
+import step_cost_cases as cases
+from helpers.layouts import full_tensors
+from helpers.rankpool import RankPool
 
 
 def test_attention_backward_bytes_are_linear_in_the_tokens(

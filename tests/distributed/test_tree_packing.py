@@ -11,17 +11,26 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from engine_cases import LOSSES, logprobs_and_grads, shared_batch, step_and_collect
-from rankpool import RankPool
-from test_engine_layouts import LAYOUTS, MOE, _cfg, _ids, _world, assert_same_step
+from engine_cases import logprobs_and_grads, step_and_collect
+from helpers.batches import shared_batch
+from helpers.layouts import (
+    LAYOUTS,
+    LOSSES,
+    MOE,
+    assert_same_step,
+    engine_cfg,
+    layout_id,
+    world_size,
+)
+from helpers.rankpool import RankPool
 
 # The engine's layout matrix up to 4 ranks, and one rank.
-TREE_LAYOUTS = [{}, *(layout for layout in LAYOUTS if _world(layout) <= 4)]
+TREE_LAYOUTS = [{}, *(layout for layout in LAYOUTS if world_size(layout) <= 4)]
 
 
 @pytest.fixture(scope="module")
 def flat_reference(pools: Callable[[int], RankPool]) -> list[dict]:
-    return pools(1).run(step_and_collect, _cfg(), shared_batch(), LOSSES)
+    return pools(1).run(step_and_collect, engine_cfg(), shared_batch(), LOSSES)
 
 
 def _tree(results: list[dict]) -> None:
@@ -31,12 +40,12 @@ def _tree(results: list[dict]) -> None:
     assert 0 < r["computed_tokens"] < r["flat_tokens"]
 
 
-@pytest.mark.parametrize("layout", TREE_LAYOUTS, ids=lambda d: _ids(d) or "dp1")
+@pytest.mark.parametrize("layout", TREE_LAYOUTS, ids=lambda d: layout_id(d) or "dp1")
 def test_tree_equals_flat(
     pools: Callable[[int], RankPool], flat_reference: list[dict], layout: dict
 ) -> None:
-    results = pools(_world(layout)).run(
-        step_and_collect, _cfg(**layout), shared_batch(), LOSSES, None, "tree"
+    results = pools(world_size(layout)).run(
+        step_and_collect, engine_cfg(**layout), shared_batch(), LOSSES, None, "tree"
     )
     _tree(results)
     assert_same_step(results, flat_reference)
@@ -44,10 +53,10 @@ def test_tree_equals_flat(
 
 def test_tree_equals_flat_for_moe(pools: Callable[[int], RankPool]) -> None:
     """Routing is per token: experts see each shared token once, and the step is the same."""
-    cfg = {**_cfg(), "model": MOE}
+    cfg = {**engine_cfg(), "model": MOE}
     want = pools(1).run(step_and_collect, cfg, shared_batch(), LOSSES)
     for layout in ({"dp": 2, "ep": 2}, {"tp": 2}):
-        cfg = {**_cfg(**layout), "model": MOE}
+        cfg = {**engine_cfg(**layout), "model": MOE}
         got = pools(2).run(step_and_collect, cfg, shared_batch(), LOSSES, None, "tree")
         _tree(got)
         assert_same_step(got, want)
@@ -60,9 +69,11 @@ def test_a_rank_with_only_dummies(pools: Callable[[int], RankPool], moe: bool) -
     over every rank) are those of the real tokens."""
     batch = shared_batch(groups=("grpo",))
     extra = {"model": MOE} if moe else {}
-    want = pools(1).run(step_and_collect, {**_cfg(), **extra}, batch, LOSSES)
+    want = pools(1).run(step_and_collect, {**engine_cfg(), **extra}, batch, LOSSES)
     layout = {"dp": 2, "ep": 2} if moe else {"dp": 2}
-    got = pools(2).run(step_and_collect, {**_cfg(**layout), **extra}, batch, LOSSES, None, "tree")
+    got = pools(2).run(
+        step_and_collect, {**engine_cfg(**layout), **extra}, batch, LOSSES, None, "tree"
+    )
     assert sorted(r["real_microbatches"] for r in got) == [0, 1]
     _tree(got)
     assert_same_step(got, want)
@@ -79,9 +90,9 @@ def test_a_rank_with_only_dummies(pools: Callable[[int], RankPool], moe: bool) -
 )
 def test_tree_logprobs_equal_flat(pools: Callable[[int], RankPool], layout: dict) -> None:
     batch = shared_batch()
-    world = _world(layout)
-    flat = pools(world).run(logprobs_and_grads, _cfg(**layout), batch)
-    tree = pools(world).run(logprobs_and_grads, _cfg(**layout), batch, "tree")
+    world = world_size(layout)
+    flat = pools(world).run(logprobs_and_grads, engine_cfg(**layout), batch)
+    tree = pools(world).run(logprobs_and_grads, engine_cfg(**layout), batch, "tree")
     for key in ("logprobs", "entropy"):
         got = {i: v for r in tree for i, v in r[key].items()}
         want = {i: v for r in flat for i, v in r[key].items()}

@@ -1,6 +1,6 @@
 """The engine on one CUDA device, in process (``workers/control/inprocess.py``): log-prob
 parity with transformers, a memory snapshot round trip, a falling loss, and prefix tries on
-FlexAttention equal to flat packing. The cases live in ``tests/device_cases.py``; the
+FlexAttention equal to flat packing. The cases live in ``tests/helpers/device_cases.py``; the
 distributed tier runs them on the CPU too."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-import device_cases as cases
+from helpers import device_cases as cases
 
 # Qwen3-0.6B's attention shape (head_dim 128, 2 query heads per key/value head, tied
 # embeddings), fewer and narrower layers: random weights, a few seconds per case.

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from parity import SAMPLER_TIMEOUT_S
-from servicekit import Service, running_service
 
-from hf_models import tiny_model
+from helpers.hf_models import tiny_model
+from helpers.parity import SAMPLER_TIMEOUT_S
+from helpers.servicekit import Service, running_service
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,11 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 import tinker
-from parity import PARITY, PROMPTS, gap, prompt_scores
-from servicekit import Service
 from tinker import types
 
 from trainctl.api import ConflictError, NotFoundError
+
+from helpers.parity import PARITY, PROMPTS, gap, prompt_scores
+from helpers.servicekit import Service
 
 PROBE = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
 APART = 1e-2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from servicekit import Service
+from helpers.servicekit import Service
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:

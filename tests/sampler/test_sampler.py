@@ -17,8 +17,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from parity import PARITY, PROMPTS, gap, prompt_scores
-from servicekit import START_TIMEOUT_S, Service, fresh_home
 
 from trainctl.api import (
     ConflictError,
@@ -26,6 +24,9 @@ from trainctl.api import (
     NotReadyError,
 )
 from trainctl.clients._base import RetryPolicy
+
+from helpers.parity import PARITY, PROMPTS, gap, prompt_scores
+from helpers.servicekit import START_TIMEOUT_S, Service, fresh_home
 
 
 def test_sampler_logprobs_equal_the_trainers(sampled: Service) -> None:

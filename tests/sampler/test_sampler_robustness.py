@@ -10,8 +10,9 @@ import time
 
 import httpx
 import numpy as np
-from parity import PARITY, PROMPTS, SAMPLER_TIMEOUT_S, gap, prompt_scores
-from servicekit import Service
+
+from helpers.parity import PARITY, PROMPTS, SAMPLER_TIMEOUT_S, gap, prompt_scores
+from helpers.servicekit import Service
 
 
 def test_an_unsigned_64_bit_overflow_seed_is_a_422_and_the_engine_keeps_serving(

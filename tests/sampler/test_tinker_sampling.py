@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 import tinker
-from servicekit import Service
 from tinker import types
+
+from helpers.servicekit import Service
 
 BASE = "trainctl-tiny"
 PARITY = 1e-4

@@ -11,14 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from servicekit import (  # noqa: F401  (re-exported to the tier's test modules)
-    RAY_AUTH_VARS,
-    START_TIMEOUT_S,
-    Service,
-    digest,
-    fresh_home,
-    running_service,
-)
+
+from helpers.servicekit import Service, running_service
 
 
 @pytest.fixture(scope="session")

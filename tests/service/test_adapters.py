@@ -17,7 +17,7 @@ import torch
 
 from trainctl.api import ConflictError, InvalidRequestError, NotFoundError
 
-from conftest import Service, running_service
+from helpers.servicekit import Service, running_service
 
 BATCH_A = [{"tokens": [5, 17, 3, 9, 22, 41, 7, 8, 30, 2, 11] * 2}, {"tokens": [1, 2, 3, 4, 5]}]
 BATCH_B = [{"tokens": [40, 41, 42, 43, 44, 45, 46, 47] * 3}]

@@ -12,9 +12,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from servicekit import fresh_home
-
 from trainctl.service.cluster import live_processes
+
+from helpers.servicekit import fresh_home
 
 STARTER = textwrap.dedent(
     """

@@ -16,9 +16,9 @@ import pytest
 
 from trainctl.api import InvalidRequestError
 
-from conftest import running_service
-from hf_models import TIED, tiny_model
-from test_service import ragged_batch
+from helpers.batches import sft_batch
+from helpers.hf_models import TIED, tiny_model
+from helpers.servicekit import running_service
 
 WEIGHTS = "model.safetensors"
 
@@ -42,7 +42,7 @@ def test_export_restarts_with_the_same_eval_loss(tmp_path: Path, family: str) ->
     tiny_model(family, source)
     engine = tmp_path / "engine.json"
     engine.write_text(json.dumps({"layout": LAYOUTS[family]}))
-    batch = ragged_batch(seed=31, vocab=256)
+    batch = sft_batch(seed=31, vocab=256)
     with running_service(tmp_path / "a", f"--init-hf={source}", f"--engine-config={engine}") as a:
         c = a.client()
         assert c.info().model_name == "source"  # the HF directory's name: Tinker's base_model

@@ -18,7 +18,7 @@ import pytest
 
 from trainctl.clients import ConflictError
 
-from conftest import Service, digest
+from helpers.servicekit import Service, digest
 
 MUTATING = r"train_batch|forward_backward|optim_step|checkpoints|export|memory_profile"
 

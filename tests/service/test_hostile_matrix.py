@@ -22,9 +22,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import zstandard
-from servicekit import Service, served_routes
 
 from trainctl.api import wire
+
+from helpers.servicekit import Service, served_routes
 
 AUTH = {"x-api-key": "tml-matrix"}
 """The session's service has no token: the native routes are open, Tinker's take any key."""

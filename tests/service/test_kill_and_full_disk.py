@@ -24,11 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from servicekit import fresh_home
 
 from trainctl.api import TrainctlError
 from trainctl.clients import TrainctlClient
 from trainctl.service.local import LocalService
+
+from helpers.servicekit import fresh_home
 
 KILL_POINTS = int(os.environ.get("TRAINCTL_KILL_POINTS", "2"))
 CASES = [

@@ -6,40 +6,21 @@ prefixes (a GRPO group, multi-turn siblings), so the tree services compute fewer
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from trainctl.service.launch import engine_config
-from trainctl.service.settings import Settings
+from helpers.batches import sft_shared_batch
+from helpers.servicekit import Service, running_service
+from helpers.single_process import close, single_process
 
-from conftest import Service, running_service
-from test_service import ragged_batch
-
-REFERENCE = Path(__file__).parents[1] / "reference.py"
 LAYOUTS: dict[str, dict[str, Any]] = {
     "dp2cp2-tree": {"dp": 2, "cp": 2, "packing": "tree"},
     "tp2pp2-flat": {"dp": 1, "tp": 2, "pp": 2, "packing": "flat"},
     "dp2-tree": {"dp": 2, "packing": "tree"},
 }
-
-
-def shared_batch(seed: int, vocab: int = 512) -> list[dict]:
-    """``ragged_batch`` plus sequences that share prefixes, with their own masks."""
-    rng = np.random.default_rng(100 + seed)
-    prompt = rng.integers(1, vocab, 17).tolist()
-    turn = rng.integers(1, vocab, 9).tolist()
-    shared = [prompt + rng.integers(1, vocab, n).tolist() for n in (6, 11, 4, 8)]
-    shared += [prompt + turn, prompt + turn + rng.integers(1, vocab, 5).tolist()]
-    return ragged_batch(seed) + [
-        {"tokens": s, "loss_mask": [0] * 17 + [1] * (len(s) - 17)} for s in shared
-    ]
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -51,32 +32,15 @@ def layout_service(
         yield request.param, svc
 
 
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-5 * max(abs(a), abs(b))
-
-
-def _reference(mode: str, batch: list[dict]) -> Any:
-    cfg = engine_config(Settings(dp=1, cp=1, tp=1, pp=1)).to_dict()
-    ref = subprocess.run(
-        [sys.executable, str(REFERENCE)],
-        input=json.dumps({"mode": mode, "sequences": batch, "engine": cfg}),
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    return json.loads(ref.stdout.strip().splitlines()[-1])
-
-
 def test_logprobs_match_a_single_process_computation(layout_service: tuple[str, Service]) -> None:
     """Put back together from CP shards and DP ranks, in the caller's order (run first: the
     reference is the untrained model)."""
     name, svc = layout_service
     client = svc.client()
     assert client.info().step == 0
-    batch = shared_batch(seed=6)
+    batch = sft_shared_batch(seed=6)
     got = client.logprobs(batch, entropy=True)
-    want = _reference("logprobs", batch)
+    want = single_process("logprobs", batch)
     assert [len(x) for x in got.logprobs] == [len(s["tokens"]) for s in batch]
     for g, w in zip(got.logprobs, want, strict=True):
         assert np.allclose(g, w, rtol=1e-5, atol=1e-5), (g, w)
@@ -100,16 +64,16 @@ def test_train_step_matches_single_rank(layout_service: tuple[str, Service]) -> 
     layout = {k: v for k, v in LAYOUTS[name].items() if k != "packing"}
     assert info.world_size == int(np.prod(list(layout.values())))
     assert all(info.layout[k] == v for k, v in layout.items())
-    batch = shared_batch(seed=5)
+    batch = sft_shared_batch(seed=5)
     before = client.eval_batch(batch).loss
     step = client.train_batch(batch)
     after = client.eval_batch(batch).loss
 
-    want = _reference("step", batch)
-    assert _close(before, want["eval_before"]), (before, want)
-    assert _close(step.loss, want["loss"]), (step.loss, want)
-    assert _close(step.metrics["grad_norm:value"], want["grad_norm"]), (step.metrics, want)
-    assert _close(after, want["eval_after"]), (after, want)
+    want = single_process("step", batch)
+    assert close(before, want["eval_before"]), (before, want)
+    assert close(step.loss, want["loss"]), (step.loss, want)
+    assert close(step.metrics["grad_norm:value"], want["grad_norm"]), (step.metrics, want)
+    assert close(after, want["eval_after"]), (after, want)
     _check_packing(name, step.metrics)
 
 
@@ -121,7 +85,7 @@ def test_a_request_chooses_its_packing(layout_service: tuple[str, Service]) -> N
 
     _, svc = layout_service
     client = svc.client()
-    batch = shared_batch(seed=7)
+    batch = sft_shared_batch(seed=7)
     step = client.info().step
     bad = httpx.post(
         f"{svc.url}/v1/train_batch", json={"sequences": batch, "packing": "trie"}, timeout=60
@@ -129,7 +93,7 @@ def test_a_request_chooses_its_packing(layout_service: tuple[str, Service]) -> N
     assert bad.status_code == 422 and "packing" in bad.json()["message"], bad.text
     assert client.info().step == step
     tree, flat = (client.eval_batch(batch, packing=p) for p in ("tree", "flat"))
-    assert _close(tree.loss, flat.loss), (tree.loss, flat.loss)
+    assert close(tree.loss, flat.loss), (tree.loss, flat.loss)
     _check_packing("tree", tree.metrics)
     _check_packing("flat", flat.metrics)
     a, b = (client.logprobs(batch, packing=p) for p in ("tree", "flat"))

@@ -15,9 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from test_layouts import _close, _reference, shared_batch
 
-from conftest import Service, running_service
+from helpers.batches import sft_shared_batch
+from helpers.servicekit import Service, running_service
+from helpers.single_process import close, single_process
 
 SLOTS_PER_NODE = 2
 
@@ -60,13 +61,13 @@ def test_tp_groups_stay_on_a_node_and_a_step_equals_one_rank(
         groups = _tp_groups(info)
         assert len(groups) == 2 and all(len(nodes) == 1 for nodes in groups.values()), groups
         assert len({n for nodes in groups.values() for n in nodes}) == 2  # both nodes used
-        batch = shared_batch(seed=5)
+        batch = sft_shared_batch(seed=5)
         before = client.eval_batch(batch).loss
         step = client.train_batch(batch)
-        want = _reference("step", batch)
-        assert _close(before, want["eval_before"]), (before, want)
-        assert _close(step.loss, want["loss"]), (step.loss, want)
-        assert _close(step.metrics["grad_norm:value"], want["grad_norm"]), (step.metrics, want)
+        want = single_process("step", batch)
+        assert close(before, want["eval_before"]), (before, want)
+        assert close(step.loss, want["loss"]), (step.loss, want)
+        assert close(step.metrics["grad_norm:value"], want["grad_norm"]), (step.metrics, want)
 
 
 @pytest.mark.parametrize(
@@ -108,7 +109,7 @@ def test_a_lost_node_is_waited_for_and_a_retried_step_applies_once(
     flags = ("--tp=2", "--dp=2", "--rank-num-cpus=1", "--checkpoint-every-steps=1")
     with running_service(data, f"--ray-address={cluster.address}", *flags) as svc:
         client = svc.client()
-        batch = shared_batch(seed=7)
+        batch = sft_shared_batch(seed=7)
         client.train_batch(batch)
         before = client.info()
         assert before.step == 1

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from trainctl.service import cluster
 
-from conftest import fresh_home
+from helpers.servicekit import fresh_home
 
 CHILD = """
 import socket, sys

@@ -22,8 +22,8 @@ from trainctl.clients import (
     TrainctlClient,
 )
 
-from conftest import Service, digest, running_service
-from test_service import ragged_batch
+from helpers.batches import sft_batch
+from helpers.servicekit import Service, digest, running_service
 
 TOKEN = "tok-" + "x" * 24
 
@@ -65,7 +65,7 @@ def test_auth_matrix(svc: Service) -> None:
     assert r.status_code == 401 and r.json()["type"] == "unauthorized"
     r = httpx.get(svc.url + "/v1/info", headers={"authorization": "Bearer wrong"})
     assert r.status_code == 403 and TOKEN not in r.text and "wrong" not in r.text
-    r = httpx.post(svc.url + "/v1/train_batch", json={"sequences": ragged_batch(seed=1)})
+    r = httpx.post(svc.url + "/v1/train_batch", json={"sequences": sft_batch(seed=1)})
     assert r.status_code == 401
     assert client(svc).info().step == 0
 
@@ -75,7 +75,7 @@ def test_step_metrics_are_written_to_tensorboard(svc: Service) -> None:
     own reader at the step the service reports."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    result = client(svc).train_batch(ragged_batch(seed=5))
+    result = client(svc).train_batch(sft_batch(seed=5))
     deadline = time.monotonic() + 30
     while True:
         events = EventAccumulator(str(svc.data_dir / "tb"))
@@ -106,7 +106,7 @@ def test_an_oversize_body_is_413_and_changes_nothing(svc: Service) -> None:
 
 def test_checkpoint_round_trip_is_bit_for_bit(svc: Service) -> None:
     c = client(svc)
-    batch = ragged_batch(seed=21)
+    batch = sft_batch(seed=21)
     c.train_batch(batch)
     saved = c.save_checkpoint()
     assert saved.step == c.info().step and saved.checkpoint_id in {
@@ -132,7 +132,7 @@ def test_a_failing_rank_applies_nothing_on_any_rank(svc: Service) -> None:
     before = c.info()
     once = _arm_fault(svc, rank=1, phase="accumulate_end")
     with pytest.raises(ServerError) as e:
-        once.train_batch(ragged_batch(seed=22), idempotency_key="fault-1")
+        once.train_batch(sft_batch(seed=22), idempotency_key="fault-1")
     assert e.value.status == 500 and e.value.type == "worker_error"
     assert "rank 1" in e.value.message and "injected fault" in e.value.message
     after = c.info()
@@ -141,7 +141,7 @@ def test_a_failing_rank_applies_nothing_on_any_rank(svc: Service) -> None:
         digest(rk.weights_digest) for rk in before.ranks
     ]
     # The failure applied nothing, so the same key may run again, and succeeds.
-    assert c.train_batch(ragged_batch(seed=22), idempotency_key="fault-1").step == before.step + 1
+    assert c.train_batch(sft_batch(seed=22), idempotency_key="fault-1").step == before.step + 1
 
 
 def test_a_forward_backward_part_failing_on_one_rank_is_taken_back_on_all(
@@ -151,7 +151,7 @@ def test_a_forward_backward_part_failing_on_one_rank_is_taken_back_on_all(
     back, so the window holds the first part only - the optim_step's loss is the first batch's
     eval loss at the same weights - and the part may be sent again."""
     c = client(svc)
-    a, b = ragged_batch(seed=31), ragged_batch(seed=32)
+    a, b = sft_batch(seed=31), sft_batch(seed=32)
     step = c.info().step
     want_a, want_ab = c.eval_batch(a).loss, c.eval_batch(a + b).loss
     c.forward_backward(a)
@@ -177,12 +177,12 @@ def test_a_rank_failing_in_the_optimizer_update_rolls_back_to_the_checkpoint(
     the collective timeout), and the restore leaves both at the checkpoint."""
     c = client(svc)
     saved = c.save_checkpoint()
-    stepped = c.train_batch(ragged_batch(seed=27))
+    stepped = c.train_batch(sft_batch(seed=27))
     assert "parameter_gather_max_s" in stepped.timings  # the ZeRO-1 path
     once = _arm_fault(svc, rank=1, phase="optimizer")
     t0 = time.monotonic()
     with pytest.raises(NotReadyError, match="rank 1 failed in apply"):
-        once.train_batch(ragged_batch(seed=28))
+        once.train_batch(sft_batch(seed=28))
     assert time.monotonic() - t0 < 30  # the collective timeout is 120 s
     c.wait_ready(timeout=180)
     info = c.info()
@@ -197,7 +197,7 @@ def test_export_loads_in_transformers_and_imports_back(svc: Service, tmp_path: P
     from transformers import LlamaForCausalLM
 
     c = client(svc)
-    batch = ragged_batch(seed=23)
+    batch = sft_batch(seed=23)
     exported = c.export_hf()
     assert set(exported.files) == {"config.json", "model.safetensors"}
     ours = c.logprobs(batch).logprobs
@@ -217,12 +217,12 @@ def test_export_loads_in_transformers_and_imports_back(svc: Service, tmp_path: P
 def test_a_killed_rank_is_replaced_and_the_latest_checkpoint_restored(svc: Service) -> None:
     c = client(svc)
     saved = c.save_checkpoint()
-    c.train_batch(ragged_batch(seed=24))  # a step after the checkpoint: it will be lost
+    c.train_batch(sft_batch(seed=24))  # a step after the checkpoint: it will be lost
     victim = c.info().ranks[1].pid
     assert victim is not None
     # Distinct sequences (copies of one would share their prefixes: tree packing would
     # compute them once, and the step could finish before the kill lands).
-    op = c.submit("train_batch", [s for k in range(100) for s in ragged_batch(seed=1000 + k)])
+    op = c.submit("train_batch", [s for k in range(100) for s in sft_batch(seed=1000 + k)])
     while c.operation(op.id).status.value == "queued":
         time.sleep(0.05)
     t_kill = time.monotonic()
@@ -235,7 +235,7 @@ def test_a_killed_rank_is_replaced_and_the_latest_checkpoint_restored(svc: Servi
     # While the workers are rebuilt, calls get a retryable 503 with Retry-After.
     r = httpx.post(
         f"{svc.url}/v1/eval_batch",
-        json={"sequences": ragged_batch(seed=25)},
+        json={"sequences": sft_batch(seed=25)},
         headers={"authorization": f"Bearer {TOKEN}"},
     )
     assert r.status_code == 503 and "retry-after" in r.headers, r.text
@@ -245,4 +245,4 @@ def test_a_killed_rank_is_replaced_and_the_latest_checkpoint_restored(svc: Servi
     assert info.step == saved.step and info.steps_lost >= 1
     assert digest(info.weights_digest) == digest(saved.weights_digest)
     assert all(rk.pid != victim for rk in info.ranks)
-    assert c.train_batch(ragged_batch(seed=26)).step == saved.step + 1
+    assert c.train_batch(sft_batch(seed=26)).step == saved.step + 1

@@ -16,23 +16,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from servicekit import Squatter
 
 from trainctl.clients import ConflictError, InvalidRequestError, TrainctlClient
 
-from conftest import RAY_AUTH_VARS, Service, digest
-
-REFERENCE = Path(__file__).parents[1] / "reference.py"
-
-
-def ragged_batch(seed: int, vocab: int = 512) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for n in (23, 7, 48, 3, 31):
-        tokens = rng.integers(0, vocab, n).tolist()
-        prompt = int(rng.integers(1, n))
-        out.append({"tokens": tokens, "loss_mask": [0] * prompt + [1] * (n - prompt)})
-    return out
+from helpers.batches import sft_batch
+from helpers.servicekit import RAY_AUTH_VARS, Service, Squatter, digest
+from helpers.single_process import single_process
 
 
 def test_started_as_on_a_fresh_machine(service: Service) -> None:
@@ -79,17 +68,9 @@ def test_info_describes_the_dp2_service(service: Service) -> None:
 def test_eval_equals_single_process_reference(service: Service) -> None:
     client = service.client()
     assert client.info().step == 0, "this test needs the untrained model; it must run first"
-    batch = ragged_batch(seed=1)
+    batch = sft_batch(seed=1)
     got = client.eval_batch(batch).loss
-    ref = subprocess.run(
-        [sys.executable, str(REFERENCE)],
-        input=json.dumps({"sequences": batch}),
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    want = json.loads(ref.stdout.strip().splitlines()[-1])["loss"]
+    want = single_process("eval", batch)["loss"]
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
@@ -142,7 +123,7 @@ def test_sampling_without_samplers_is_refused_saying_how_to_start_them(
 
 def test_five_train_batches_lower_the_loss(service: Service) -> None:
     client = service.client()
-    batch = ragged_batch(seed=2)
+    batch = sft_batch(seed=2)
     start = client.info().step
     results = [client.train_batch(batch) for _ in range(5)]
     losses = [r.loss for r in results]
@@ -162,7 +143,7 @@ def test_five_train_batches_lower_the_loss(service: Service) -> None:
 def test_memory_profile_round_trip(service: Service) -> None:
     client = service.client()
     started = client.start_memory_profile(max_entries=1000)
-    client.train_batch(ragged_batch(seed=4))
+    client.train_batch(sft_batch(seed=4))
     result = client.stop_memory_profile()
     assert result.profile_id == started.profile_id
     assert sorted(f.rank for f in result.files) == [0, 1]
@@ -208,7 +189,7 @@ def test_profile_paths_cannot_leave_the_profile_root(service: Service, path: str
 def test_three_retries_with_one_key_step_once(service: Service) -> None:
     client = service.client()
     before = client.info()
-    batch = ragged_batch(seed=7)
+    batch = sft_batch(seed=7)
     results = [client.train_batch(batch, idempotency_key="retry-me") for _ in range(3)]
     after = client.info()
     assert after.step == before.step + 1
@@ -222,7 +203,7 @@ def test_three_retries_with_one_key_step_once(service: Service) -> None:
 def test_a_retry_while_the_first_call_runs_joins_it(service: Service) -> None:
     client = service.client()
     start = client.info().step
-    batch = ragged_batch(seed=8)
+    batch = sft_batch(seed=8)
     first = client.submit("train_batch", batch, idempotency_key="in-flight")
     second = client.submit("train_batch", batch, idempotency_key="in-flight")
     assert second.id == first.id
@@ -234,7 +215,7 @@ def test_eight_concurrent_callers_are_served_in_order(service: Service) -> None:
 
     client = service.client()
     start = client.info().step
-    batch = ragged_batch(seed=9)
+    batch = sft_batch(seed=9)
 
     def call(_: int) -> int:
         with service.client() as c:
@@ -249,7 +230,7 @@ def test_eight_concurrent_callers_are_served_in_order(service: Service) -> None:
 def test_respond_async_operation_is_polled_to_completion(service: Service) -> None:
     r = httpx.post(
         f"{service.url}/v1/train_batch",
-        json={"sequences": ragged_batch(seed=10)},
+        json={"sequences": sft_batch(seed=10)},
         headers={"Prefer": "respond-async"},
         timeout=60,
     )
@@ -268,9 +249,9 @@ def test_expected_step_guards_against_stale_updates(service: Service) -> None:
     client = service.client()
     step = client.info().step
     with pytest.raises(ConflictError, match=f"model is at step {step}"):
-        client.train_batch(ragged_batch(seed=11), expected_step=step - 1)
+        client.train_batch(sft_batch(seed=11), expected_step=step - 1)
     assert client.info().step == step
-    assert client.train_batch(ragged_batch(seed=11), expected_step=step).step == step + 1
+    assert client.train_batch(sft_batch(seed=11), expected_step=step).step == step + 1
 
 
 def test_split_step_parts_then_one_optim_step(service: Service) -> None:
@@ -279,7 +260,7 @@ def test_split_step_parts_then_one_optim_step(service: Service) -> None:
     /v1/logprobs's; nothing else can step the model while parts wait, and a second
     optim_step finds nothing to apply."""
     client = service.client()
-    a, b = ragged_batch(seed=21), ragged_batch(seed=22)
+    a, b = sft_batch(seed=21), sft_batch(seed=22)
     with pytest.raises(ConflictError, match="call forward_backward first"):
         client.optim_step()
     step = client.info().step
@@ -313,7 +294,7 @@ def test_split_step_parts_then_one_optim_step(service: Service) -> None:
 
 
 def test_binary_and_json_give_the_same_eval(service: Service) -> None:
-    batch = ragged_batch(seed=12)
+    batch = sft_batch(seed=12)
     with service.client() as binary, TrainctlClient(service.url, binary=False) as plain:
         assert binary.eval_batch(batch).loss == plain.eval_batch(batch).loss
         a, b = binary.logprobs(batch), plain.logprobs(batch)
@@ -344,7 +325,7 @@ def test_metrics_report_steps_tokens_latency_and_errors(service: Service) -> Non
 
 
 def test_every_log_line_of_an_operation_carries_its_id(service: Service) -> None:
-    op = service.client().submit("eval_batch", ragged_batch(seed=13))
+    op = service.client().submit("eval_batch", sft_batch(seed=13))
     service.client().wait(op)
     deadline = time.monotonic() + 30  # actor logs reach the driver's output in batches
     while True:

@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 
 tinker = pytest.importorskip("tinker", reason="the dev extra installs tinker (Python >= 3.11)")
-from servicekit import DroppingProxy  # noqa: E402
 from tinker import types  # noqa: E402
 
-from conftest import Service, digest, running_service  # noqa: E402
+from helpers.servicekit import DroppingProxy, Service, digest, running_service  # noqa: E402
 
 TOKEN = "tinker-test-token"
 KEY = f"tml-{TOKEN}"

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
-from servicekit import served_routes
 
 from trainctl.service.app import create_app
 from trainctl.service.auth import Access
 
-from fakes import FakeController
+from helpers.fakes import FakeController
+from helpers.servicekit import served_routes
 
 TOKEN = "s3cret-token"
 OPEN_PATHS = {

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servicekit import Squatter
 
 from trainctl.service.app import create_app
 from trainctl.service.cluster import free_port
 
-from conftest import served
-from fakes import FakeController
+from helpers.fakes import FakeController
+from helpers.loopback import served
+from helpers.servicekit import Squatter
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from trainctl.clients import (
     TrainctlClient,
 )
 
-from fakes import FakeController
+from helpers.fakes import FakeController
 
 
 @pytest.fixture

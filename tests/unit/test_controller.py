@@ -25,7 +25,7 @@ from trainctl.api.batch import SequenceBatch
 from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.steps import Window
 
-from fake_ranks import controller
+from helpers.fake_ranks import controller
 
 
 def _gradients(c: object) -> None:

@@ -21,8 +21,8 @@ from trainctl.api import PayloadTooLargeError, wire
 from trainctl.api.batch import SequenceBatch
 from trainctl.service.app import create_app
 
-from conftest import served
-from fakes import FakeController
+from helpers.fakes import FakeController
+from helpers.loopback import served
 
 LIMIT = 1 << 20
 TINKER = {"x-api-key": "tml-any"}

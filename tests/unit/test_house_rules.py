@@ -7,6 +7,7 @@ block (stubs of a host's methods) and no annotation-only attribute that neither 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,6 +85,21 @@ def test_no_class_declares_what_it_does_not_own() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_every_class_with_state_says_what_it_owns() -> None:
+    """The reviewer's gate that replaced the line count: a class that builds state in its
+    ``__init__`` says in its docstring what it owns (``Owns ...``), so a second concern shows
+    up as a second thing owned. Exceptions are exempt."""
+    problems = []
+    for path, cls in _classes():
+        if any(ast.unparse(b).endswith(("Error", "Exception")) for b in cls.bases):
+            continue
+        if _assigned_in_init(cls) and not re.search(
+            r"\bown(s|ed)?\b", ast.get_docstring(cls) or "", re.I
+        ):
+            problems.append(f"{path.relative_to(ROOT)}: {cls.name} does not say what it owns")
+    assert not problems, "\n".join(problems)
+
+
 def test_test_modules_have_names_of_their_own() -> None:
     """pytest imports every test directory's modules into one namespace: two helpers named
     alike (``engine_cases.py`` in two tiers) made one tier import the other's, and failed every
@@ -94,6 +110,38 @@ def test_test_modules_have_names_of_their_own() -> None:
             seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not clashes, clashes
+
+
+def _test_imports() -> list[tuple[Path, str, list[str]]]:
+    """Every import in ``tests/`` of a module that lives in ``tests/``: (importer, module,
+    names)."""
+    tests = ROOT / "tests"
+    local = {p.stem for p in tests.rglob("*.py")} | {"helpers"}
+    out = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module.split(".")[0] in local:
+                    out.append((path, node.module, [a.name for a in node.names]))
+            elif isinstance(node, ast.Import):
+                out += [(path, a.name, []) for a in node.names if a.name.split(".")[0] in local]
+    return out
+
+
+def test_tests_share_through_helpers_only() -> None:
+    """A test module takes what it shares from ``tests/helpers/`` (or from ``*_cases.py``
+    beside it, whose functions its rank processes run), never from another test module or a
+    conftest, and never a private name: the names another module reached into were renamed
+    under it, and a conftest's imports are pytest's, not a module's."""
+    problems = []
+    for path, module, names in _test_imports():
+        where = path.relative_to(ROOT)
+        first = module.split(".")[0]
+        beside = (path.parent / f"{first}.py").exists() and first.endswith("_cases")
+        if first != "helpers" and not beside:
+            problems.append(f"{where}: imports {module}")
+        problems += [f"{where}: imports the private {module}.{n}" for n in names if n[0] == "_"]
+    assert not problems, "\n".join(problems)
 
 
 DOORS = {

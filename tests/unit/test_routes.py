@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from fakes import FakeController
+from helpers.fakes import FakeController
 
 GOOD = {"sequences": [{"tokens": [1, 2, 3, 4]}, {"tokens": [5, 6], "loss_mask": [0, 1]}]}
 

@@ -15,7 +15,7 @@ from trainctl.api import OperationKind, OptimStepRequest, StepResult
 from trainctl.api.models import Normalization
 from trainctl.workers.control.steps import Window
 
-from fake_ranks import controller
+from helpers.fake_ranks import controller
 
 
 def _two_steps(tmp_path: Path, metrics_log: str) -> list[StepResult]:

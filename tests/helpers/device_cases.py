@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hf_models import tiny_model
+from helpers.hf_models import tiny_model
 
 GRPO_PROMPT, GRPO_RESPONSES = 40, (24, 31, 9, 17)
 
