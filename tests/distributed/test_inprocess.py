@@ -1,6 +1,6 @@
-"""The GPU tier's cases (``tests/helpers/device_cases.py``) on the CPU, through the in-process engine,
-in a rank-pool process: the code the GPU tier runs is run by every CI run. The bounds are the
-GPU tier's."""
+"""The GPU tier's cases (``tests/helpers/device_cases.py``) on the CPU, through the in-process
+engine, in a rank-pool process: the code the GPU tier runs is run by every CI run. The bounds
+are the GPU tier's."""
 
 from __future__ import annotations
 

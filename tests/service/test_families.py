@@ -1,8 +1,9 @@
 """Each model family end to end through the service: started from a checkpoint transformers
 wrote (on a layout that splits what the family adds), trained a step, exported. The export has
-the input's tensor names and dtypes (a tied model: no ``lm_head.weight``), and a second service
-started from it gives the same eval loss. The MoE family also replays given routes over HTTP,
-and a dense one refuses them; Qwen3.5 first takes five steps from the ``tinker`` SDK."""
+the input's tensor names and dtypes (a tied model: no ``lm_head.weight``), and an engine
+started from it as a service starts one gives the same eval loss. The MoE family also replays
+given routes over HTTP, and a dense one refuses them; Qwen3.5 first takes five steps from the
+``tinker`` SDK."""
 
 from __future__ import annotations
 
@@ -61,9 +62,26 @@ def test_export_restarts_with_the_same_eval_loss(tmp_path: Path, family: str) ->
     assert {k: v.dtype for k, v in written.items()} == {k: v.dtype for k, v in given.items()}
     assert ("lm_head.weight" in written) == (family not in TIED)
 
-    with running_service(tmp_path / "b", "--dp=1", f"--init-hf={exported.path}") as b:
-        got = b.client().eval_batch(batch).loss
+    got = _restarted_eval(Path(exported.path), batch)
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def _restarted_eval(exported: Path, batch: list[dict]) -> float:
+    """The eval loss of a one-rank engine started from ``exported`` the way ``trainctl serve
+    --dp=1 --init-hf=<exported>`` starts one (``launch.engine_config``, then the rank's build),
+    in this process: the service's own start from a family's checkpoint is the first half of
+    the test, and a restart from an export through a service is
+    ``test_reliability.py``'s; a second service per family cost CI 5 starts."""
+    from trainctl.api import EvalBatchRequest
+    from trainctl.service.launch import engine_config
+    from trainctl.service.settings import Settings
+    from trainctl.workers.control.inprocess import InProcessEngine
+
+    engine = InProcessEngine(engine_config(Settings(dp=1, init_hf=exported)), num_threads=2)
+    try:
+        return engine.eval_batch(EvalBatchRequest(sequences=batch)).loss
+    finally:
+        engine.close()
 
 
 def _routes_over_http(url: str, c: Any, batch: list[dict], config: dict) -> None:
