@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,15 @@ def test_sampler_logprobs_equal_the_trainers(sampled: Service) -> None:
         assert [c.tokens for s in again.samples for c in s.completions] == [
             c.tokens for s in r.samples for c in s.completions
         ], "equal seeds must give equal samples"
+
+
+def test_the_engines_leave_the_home_directory_empty(sampled: Service) -> None:
+    """The engines started, loaded weights and sampled; what they cache (vLLM keeps its model
+    inspection under ``XDG_CACHE_HOME``) went under the data directory, not the fresh HOME."""
+    with sampled.client() as tc:
+        tc.sample(PROMPTS[:1], max_tokens=2)
+    home = Path(str(sampled.env["HOME"]))
+    assert sorted(p.relative_to(home).as_posix() for p in home.rglob("*")) == []
 
 
 def test_a_step_reaches_the_samplers_tagged_with_its_step(sampled: Service) -> None:

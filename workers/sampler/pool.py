@@ -78,6 +78,9 @@ class PoolOptions:
     stopped and recreated."""
     start_timeout_s: float = 900.0
     """The longest an engine may take to start (and load the current weights)."""
+    cache_dir: str | None = None
+    """The engines' ``XDG_CACHE_HOME`` (the service's data directory), so that what an engine
+    caches (vLLM's model inspection, compiled kernels) never lands in the home directory."""
 
 
 class SamplerPool:
@@ -101,6 +104,8 @@ class SamplerPool:
     def _spawn(self, e: _Engine) -> None:
         o = self.options
         env = self.backend.env(o.num_gpus > 0, o.threads, self.spec.return_routes)
+        if o.cache_dir is not None:
+            env = {**env, "XDG_CACHE_HOME": o.cache_dir}
         kept = any(SAMPLER_NODE_RESOURCE in n.get("Resources", {}) for n in ray.nodes())
         if self._actor_class is None:
             self._actor_class = ray.remote(self.backend.engine_class())
