@@ -8,6 +8,8 @@ given routes over HTTP, and a dense one refuses them; Qwen3.5 first takes five s
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -69,19 +71,32 @@ def test_export_restarts_with_the_same_eval_loss(tmp_path: Path, family: str) ->
 def _restarted_eval(exported: Path, batch: list[dict]) -> float:
     """The eval loss of a one-rank engine started from ``exported`` the way ``trainctl serve
     --dp=1 --init-hf=<exported>`` starts one (``launch.engine_config``, then the rank's build),
-    in this process: the service's own start from a family's checkpoint is the first half of
-    the test, and a restart from an export through a service is
-    ``test_reliability.py``'s; a second service per family cost CI 5 starts."""
-    from trainctl.api import EvalBatchRequest
-    from trainctl.service.launch import engine_config
-    from trainctl.service.settings import Settings
-    from trainctl.workers.control.inprocess import InProcessEngine
+    in a fresh interpreter (an engine leaves a process group and megatron's state behind): the
+    service's own start from a family's checkpoint is the first half of the test, and a restart
+    from an export through a service is ``test_reliability.py``'s; a second service per family
+    cost CI 5 starts."""
+    out = subprocess.run(
+        [sys.executable, "-c", _RESTART, str(exported)],
+        input=json.dumps(batch),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
 
-    engine = InProcessEngine(engine_config(Settings(dp=1, init_hf=exported)), num_threads=2)
-    try:
-        return engine.eval_batch(EvalBatchRequest(sequences=batch)).loss
-    finally:
-        engine.close()
+
+_RESTART = """
+import json, sys
+from pathlib import Path
+from trainctl.api import EvalBatchRequest
+from trainctl.service.launch import engine_config
+from trainctl.service.settings import Settings
+from trainctl.workers.control.inprocess import InProcessEngine
+
+engine = InProcessEngine(engine_config(Settings(dp=1, init_hf=Path(sys.argv[1]))), num_threads=2)
+print(engine.eval_batch(EvalBatchRequest(sequences=json.load(sys.stdin))).loss)
+"""
 
 
 def _routes_over_http(url: str, c: Any, batch: list[dict], config: dict) -> None:
