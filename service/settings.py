@@ -268,6 +268,18 @@ class Settings(BaseSettings):
         "weight load) before it is taken for stopped: it is recreated with the current "
         "weights, and the call answers 503.",
     )
+    sampler_max_queued: int = Field(
+        256,
+        ge=1,
+        description="Sample requests the samplers hold at once, waiting or running; past it a "
+        "sample answers 429 with Retry-After instead of waiting behind the others.",
+    )
+    sampler_max_queued_tokens: int = Field(
+        1 << 24,
+        ge=1,
+        description="Tokens those requests ask for at once (per request: n x the prompts' "
+        "lengths plus max_tokens each); past it, 429, and a single request above it, 422.",
+    )
     sampler_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="The samplers' weights and activations; 'auto': float32 on CPUs (sampler "

@@ -362,7 +362,8 @@ async def asample(request: Request) -> dict[str, Any]:
 
     async def work() -> bytes:
         try:
-            result = await controller.sample(native)
+            # The client holds a future already: past the samplers' bound it waits its turn.
+            result = await controller.sample(native, True)
         except ConflictError as e:
             served = (e.details or {}).get("step")
             if isinstance(served, int) and served != step:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers.hf_models import tiny_model
-from helpers.parity import SAMPLER_TIMEOUT_S
+from helpers.parity import MAX_QUEUED, MAX_QUEUED_TOKENS, SAMPLER_TIMEOUT_S
 from helpers.servicekit import Service, running_service
 
 
@@ -52,10 +52,12 @@ def qwen3_manual(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 @pytest.fixture(scope="session")
 def lora_sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """The embedded default with room for four adapters and one sampler engine, synced after
-    every step, with a short call deadline: the LoRA sampling tests and the robustness tests
-    share it (one service start fewer)."""
+    every step, with a short call deadline and a small admission bound: the LoRA sampling tests
+    and the robustness tests share it (one service start fewer)."""
     data = tmp_path_factory.mktemp("lora-sampled")
     flags = ("--max-adapters", "4", "--lora-max-rank", "8", "--samplers", "1",
-             "--sampler-timeout-s", str(SAMPLER_TIMEOUT_S))  # fmt: skip
+             "--sampler-timeout-s", str(SAMPLER_TIMEOUT_S),
+             "--sampler-max-queued", str(MAX_QUEUED),
+             "--sampler-max-queued-tokens", str(MAX_QUEUED_TOKENS))  # fmt: skip
     with running_service(data, *flags) as svc:
         yield svc

@@ -4,6 +4,7 @@ LoRA enabled, a short call deadline)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -11,7 +12,15 @@ import time
 import httpx
 import numpy as np
 
-from helpers.parity import PARITY, PROMPTS, SAMPLER_TIMEOUT_S, gap, prompt_scores
+from helpers.parity import (
+    MAX_QUEUED,
+    MAX_QUEUED_TOKENS,
+    PARITY,
+    PROMPTS,
+    SAMPLER_TIMEOUT_S,
+    gap,
+    prompt_scores,
+)
 from helpers.servicekit import Service
 
 
@@ -103,3 +112,39 @@ def test_an_engine_that_stops_answering_is_replaced(lora_sampled: Service) -> No
         result = tc.sample(PROMPTS, n=2, max_tokens=4, seed=2)
         assert gap(tc, result, PROMPTS) <= PARITY
         assert tc.sync_weights().samplers == 1
+
+
+def test_samples_past_the_bound_answer_429_at_once_and_the_engine_keeps_serving(
+    lora_sampled: Service,
+) -> None:
+    """40 samples sent together over plain HTTP (no SDK retries) to samplers that hold
+    ``MAX_QUEUED``: the ones past the bound answer 429 with Retry-After without waiting, the
+    rest 200. A request that alone asks for more than ``MAX_QUEUED_TOKENS`` is a 422 naming
+    ``prompts``. Then a sample and a sync answer as before."""
+    body = {"prompts": [[1, 2, 3], [4, 5, 6]], "n": 4, "max_tokens": 16}
+
+    async def burst() -> list[tuple[int, float, httpx.Headers, str]]:
+        async with httpx.AsyncClient(base_url=lora_sampled.url, timeout=300) as http:
+
+            async def one() -> tuple[int, float, httpx.Headers, str]:
+                t0 = time.monotonic()
+                r = await http.post("/v1/sample", json=body)
+                return r.status_code, time.monotonic() - t0, r.headers, r.text
+
+            return await asyncio.gather(*(one() for _ in range(40)))
+
+    answers = asyncio.run(burst())
+    codes = sorted({code for code, *_ in answers})
+    limited = [(s, h, t) for code, s, h, t in answers if code == 429]
+    assert codes == [200, 429], [(c, t[:200]) for c, _, _, t in answers if c not in (200, 429)]
+    assert len(limited) >= 40 - 2 * MAX_QUEUED, len(limited)
+    for seconds, headers, text in limited:
+        assert seconds < 5 and "retry-after" in headers and "bound" in text, (seconds, text)
+
+    big = {"prompts": [[1, 2, 3]] * 50, "n": 16, "max_tokens": 64}  # 16 x 50 x 67 tokens
+    r = httpx.post(f"{lora_sampled.url}/v1/sample", json=big, timeout=60)
+    assert r.status_code == 422 and "prompts" in r.text, r.text
+    assert str(MAX_QUEUED_TOKENS) in r.text, r.text
+    with lora_sampled.client() as tc:
+        assert tc.sample([[1, 2, 3]], max_tokens=2).samples
+        tc.sync_weights()

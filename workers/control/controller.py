@@ -388,8 +388,8 @@ class Controller:
         """The sampler engines counted by status (None: no samplers)."""
         return None if self.samplers.pool is None else self.samplers.pool.statuses()
 
-    async def sample(self, req: SampleRequest) -> SampleResult:
-        return await self.samplers.sample(req)
+    async def sample(self, req: SampleRequest, queue: bool = False) -> SampleResult:
+        return await self.samplers.sample(req, queue)
 
     async def model_limits(self) -> ModelLimits:
         return self.limits

@@ -219,7 +219,8 @@ class Samplers:
 
         return deleted
 
-    async def sample(self, req: SampleRequest) -> SampleResult:
+    async def sample(self, req: SampleRequest, queue: bool = False) -> SampleResult:
+        """``queue``: wait for room past the samplers' admission bound instead of a 429."""
         self.serving.check()
         if self.pool is None:
             raise ConflictError(_NO_SAMPLERS)
@@ -235,7 +236,7 @@ class Samplers:
         t0 = time.perf_counter()
         if req.adapter is not None:
             self.adapters.state(req.adapter)  # a 404 naming it, or the 422 of a base service
-        result = await self.pool.sample(req)
+        result = await self.pool.sample(req, queue=queue)
         self.metrics.sample_seconds.observe(time.perf_counter() - t0)
         self.metrics.sampled_tokens.inc(
             sum(len(c.tokens) for s in result.samples for c in s.completions)

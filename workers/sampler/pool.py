@@ -34,6 +34,7 @@ import ray
 from trainctl.api import (
     InternalError,
     NotReadyError,
+    RateLimitedError,
     SampleRequest,
     SampleResult,
     SamplerInfo,
@@ -41,6 +42,7 @@ from trainctl.api import (
     SyncResult,
     TrainctlError,
 )
+from trainctl.api.errors import field_error
 from trainctl.workers.sampler import backend
 from trainctl.workers.sampler.backend import EngineBrokenError, Loaded
 from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE, SamplerSpec
@@ -78,6 +80,12 @@ class PoolOptions:
     stopped and recreated."""
     start_timeout_s: float = 900.0
     """The longest an engine may take to start (and load the current weights)."""
+    max_queued: int = 256
+    """Sample requests the pool holds at once, waiting or running; past it a sample answers
+    429 (``RateLimitedError``) instead of waiting behind the others."""
+    max_queued_tokens: int = 1 << 24
+    """Tokens those requests ask the engines to process at once: for each request, ``n`` times
+    every prompt's length plus ``max_tokens``. Past it, 429; one request above it alone, 422."""
     cache_dir: str | None = None
     """The engines' ``XDG_CACHE_HOME`` (the service's data directory), so that what an engine
     caches (vLLM's model inspection, compiled kernels) never lands in the home directory."""
@@ -98,6 +106,8 @@ class SamplerPool:
         """Each adapter served, by name."""
         self.last_sync: SyncResult | None = None
         self._restarts: set[asyncio.Task[None]] = set()
+        self.queued_tokens = 0
+        """The tokens of the requests admitted and not yet answered (``max_queued_tokens``)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -240,10 +250,46 @@ class SamplerPool:
             raise NotReadyError("every sampler engine is being recreated; retry shortly")
         return min(ready, key=lambda e: (e.in_flight, e.index))
 
-    async def sample(self, req: SampleRequest) -> SampleResult:
+    def _admit(self, req: SampleRequest) -> int:
+        """The tokens ``req`` asks for, if the pool takes it now; otherwise a 429 (or a 422
+        for a request that alone asks for more than the pool ever holds)."""
+        o = self.options
+        tokens = req.n * (sum(len(p) for p in req.prompts) + req.max_tokens * len(req.prompts))
+        if tokens > o.max_queued_tokens:
+            raise field_error(
+                "prompts",
+                f"{len(req.prompts)} prompts x n {req.n} with max_tokens {req.max_tokens} ask "
+                f"for {tokens} tokens, more than the samplers hold at once "
+                f"(--sampler-max-queued-tokens {o.max_queued_tokens}): split the request",
+            )
+        queued = sum(e.in_flight for e in self.engines)
+        if queued >= o.max_queued or self.queued_tokens + tokens > o.max_queued_tokens:
+            err = RateLimitedError(
+                f"the samplers hold {queued} requests ({self.queued_tokens} tokens); the "
+                f"bound is {o.max_queued} requests and {o.max_queued_tokens} tokens: retry "
+                "after the Retry-After seconds",
+                details={"queued": queued, "queued_tokens": self.queued_tokens},
+            )
+            err.retry_after_s = 1.0
+            raise err
+        return tokens
+
+    async def sample(self, req: SampleRequest, *, queue: bool = False) -> SampleResult:
+        """``req`` on the least busy engine. Past the admission bound it is a 429 at once, or
+        with ``queue`` (a caller that already answered its client, as Tinker's ``asample``
+        does with a future) it waits for room."""
+        while True:
+            try:
+                tokens = self._admit(req)
+                break
+            except RateLimitedError:
+                if not queue:
+                    raise
+                await asyncio.sleep(0.05)
         e = self._pick()
         request_id = uuid.uuid4().hex
         e.in_flight += 1
+        self.queued_tokens += tokens
         try:
             ref = e.actor.sample.remote(request_id, req)
             result: SampleResult = await self._call(e, ref, "a sample")
@@ -254,6 +300,7 @@ class SamplerPool:
             raise
         finally:
             e.in_flight -= 1
+            self.queued_tokens -= tokens
 
     # -- failures ----------------------------------------------------------------------------
 
