@@ -1,5 +1,6 @@
-"""Rank pools live for the whole session: starting torch and megatron-core costs seconds per
-process, so every test module shares one pool per world size."""
+"""Rank pools live for the whole tier: starting torch and megatron-core costs seconds per
+process, so every test module shares one pool per world size; they close when the run leaves
+this folder (``helpers/tiers.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from helpers.rankpool import RankPool
+from helpers.tiers import close_with_tier
 
 IDLE_WINDOW_S = 3.0
 MAX_IDLE_THREADS = 32
@@ -71,15 +73,22 @@ def pools() -> Iterator[Callable[[int], RankPool]]:
             started[world_size] = RankPool(world_size)
         return started[world_size]
 
+    def finish() -> None:
+        if not started:
+            return
+        # A pool whose last case left groups alive would have been replaced before its next
+        # case: replace it now, so what is measured is what an idle pool keeps between cases.
+        for pool in started.values():
+            pool.restart_if_dirty()
+        crowded = _report_idle(started)
+        for pool in started.values():
+            pool.close()
+        started.clear()
+        assert not crowded, f"pool workers kept more than {MAX_IDLE_THREADS} threads: {crowded}"
+
+    close_with_tier("distributed", finish)  # the pools end with the tier, not the session
     yield get
-    # A pool whose last case left groups alive would have been replaced before its next case:
-    # replace it now, so what is measured is what an idle pool keeps between cases.
-    for pool in started.values():
-        pool.restart_if_dirty()
-    crowded = _report_idle(started)
-    assert not crowded, f"pool workers kept more than {MAX_IDLE_THREADS} threads: {crowded}"
-    for pool in started.values():
-        pool.close()
+    finish()
 
 
 @pytest.fixture

@@ -13,10 +13,12 @@ from collections.abc import Iterator
 import pytest
 
 from helpers.servicekit import Service, running_service
+from helpers.tiers import until_tier_ends
 
 
 @pytest.fixture(scope="session")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """The embedded default: dp=2."""
-    with running_service(tmp_path_factory.mktemp("trainctl-data")) as svc:
+    data = tmp_path_factory.mktemp("trainctl-data")
+    with until_tier_ends("service", running_service(data)) as svc:
         yield svc
