@@ -9,7 +9,8 @@
   adapter.
 - **Dispatch**: a sample request goes to the ready engine with the fewest requests in
   flight, under a request id. Its result carries the step of the engine's weights. A caller
-  that gives up (cancelled, or past the deadline) aborts its request on the engine.
+  that gives up (its call cancelled) aborts its request on the engine; a call past the
+  deadline has the engine recreated instead.
 - **Recreate**: an engine that dies fails its in-flight requests with a retryable 503, and is
   rebuilt in the background with the weights of the step the others serve. So is one that
   does not answer a call within ``call_timeout_s`` (a sample, a load: nothing waits on a sick
