@@ -10,6 +10,7 @@ says, q/k/v biases (Qwen2), q/k norms (Qwen3), experts (Qwen3-MoE), and tied emb
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -345,3 +346,18 @@ def build_optimizer(cfg: EngineConfig, chunks: list[DistributedDataParallel], *,
     # the same update in a few launches (workers/engine/optim_phase.py).
     use_fused_adamw(optimizer)
     return optimizer
+
+
+def drop_forward_state(chunks: Sequence[torch.nn.Module]) -> None:
+    """Forget the tensors megatron's MoE token dispatchers keep from their last forward (the
+    routing probabilities, with their autograd graph). That graph holds the parameters and
+    DDP's gradient hooks from C++, so the model, and every process group it names, stays alive
+    after the shard is dropped (measured: 48 gloo threads per MoE shard, never freed)."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            dispatcher = getattr(module, "token_dispatcher", None)
+            if dispatcher is None:
+                continue
+            for name, value in list(vars(dispatcher).items()):
+                if isinstance(value, torch.Tensor):
+                    setattr(dispatcher, name, None)

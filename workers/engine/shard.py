@@ -43,6 +43,7 @@ from trainctl.workers.engine.inputs import StageInputs
 from trainctl.workers.engine.model import (
     build_gpt,
     build_optimizer,
+    drop_forward_state,
     lm_head_weight,
     transformer_config,
     wrap_ddp,
@@ -161,11 +162,14 @@ class EngineShard:
     def close(self) -> None:
         """Drop the model and the optimizer; the shard is unusable afterwards.
 
-        Under ZeRO, megatron's distributed optimizer ends up in a reference cycle that Python's
-        collector cannot see through (it runs through tensors held by C++), so a dropped shard
-        would keep its memory and its process groups' threads alive until the process exits.
-        A process that builds shards more than once (the test rank pools) closes each one.
+        Two reference cycles run through objects held by C++, which Python's collector cannot
+        see through, so a dropped shard would keep its memory and its process groups' threads
+        alive until the process exits: megatron's distributed optimizer under ZeRO, and an MoE
+        token dispatcher's tensors of the last forward, whose autograd graph reaches the
+        parameters and DDP's gradient hooks (``drop_forward_state``). A process that builds
+        shards more than once (the test rank pools) closes each one.
         """
+        drop_forward_state(self.chunks)
         self.optim.optimizer = None
         self.chunks = []
         self.schedule = None  # type: ignore[assignment]
