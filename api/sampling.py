@@ -18,6 +18,8 @@ from trainctl.api.training import ModelLimits
 
 MAX_SAMPLES_PER_PROMPT = 64
 """The most completions one prompt may ask for (``n``)."""
+MAX_QUEUE_TIMEOUT_S = 86400.0
+"""The longest wait a sample request may ask for (``queue_timeout_s``): a day."""
 
 TokenId = Annotated[int, Field(ge=-(2**31), lt=2**31)]
 """A token id as JSON carries it: an int32 (``check_limits`` holds it to the vocabulary)."""
@@ -93,6 +95,15 @@ class SampleRequest(SamplingParams):
         description="Also return the experts the sampler routed each token to "
         "(`routed_experts` of each completion), to replay in training; needs a service "
         "started with --sampler-routes.",
+    )
+    queue_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_QUEUE_TIMEOUT_S,
+        allow_inf_nan=False,
+        description="The longest this request waits for a sampler engine's turn; past it it "
+        "never runs and answers a retryable 503. At most the service's "
+        "--sampler-queue-timeout-s, which is the default.",
     )
 
     def check_limits(self, limits: ModelLimits) -> None:

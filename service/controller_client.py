@@ -47,6 +47,11 @@ class ControllerAPI(Protocol):
         """``queue``: past the samplers' admission bound, wait for room (not a 429)."""
         ...
 
+    async def check_sample_room(self, req: SampleRequest) -> None:
+        """A 429 if the samplers hold as much as their bound now (Tinker's ``asample`` asks
+        before it answers a future); a 422 if ``req`` alone is above it."""
+        ...
+
 
 class RayController:
     """Proxy to the controller actor; unwraps Ray's error wrapper into trainctl's errors.

@@ -106,7 +106,7 @@ def sampler_settings(s: Settings) -> SamplerSettings:
         dtype = "bfloat16" if gpus else "float32"
     pool = PoolOptions(
         num_samplers=s.samplers, num_cpus=s.sampler_num_cpus, num_gpus=gpus, sync=s.sampler_sync,
-        call_timeout_s=s.sampler_timeout_s,
+        call_timeout_s=s.sampler_timeout_s, queue_timeout_s=s.sampler_queue_timeout_s,
         max_queued=s.sampler_max_queued, max_queued_tokens=s.sampler_max_queued_tokens,
         cache_dir=str(s.data_dir.resolve() / "cache" / "samplers"),
     )  # fmt: skip

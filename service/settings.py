@@ -264,9 +264,17 @@ class Settings(BaseSettings):
     sampler_timeout_s: float = Field(
         300.0,
         gt=0,
-        description="The longest a sampler engine may take to answer one call (a sample, a "
-        "weight load) before it is taken for stopped: it is recreated with the current "
+        description="The longest one call may run on a sampler engine (a sample once its turn "
+        "came, a weight load); each time a call has waited this long the engine is pinged, "
+        "and one that does not answer is taken for stopped: it is recreated with the current "
         "weights, and the call answers 503.",
+    )
+    sampler_queue_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="The longest a sample waits for its engine's turn; past it the request "
+        "never runs and answers a retryable 503. Weight and adapter loads wait for no sample "
+        "but the one running.",
     )
     sampler_max_queued: int = Field(
         256,

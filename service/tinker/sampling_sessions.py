@@ -359,10 +359,13 @@ async def asample(request: Request) -> dict[str, Any]:
     native = native_request(req, None if inflight else step, adapter)
     native.check_limits(await get_limits(request, _controller(request)))
     controller = _controller(request)
+    # Past the samplers' bound, a 429 now (the SDK retries it) rather than a future that waits.
+    await controller.check_sample_room(native)
 
     async def work() -> bytes:
         try:
-            # The client holds a future already: past the samplers' bound it waits its turn.
+            # The client holds a future already: if the samplers filled up since the check
+            # above, it waits for room and for its turn.
             result = await controller.sample(native, True)
         except ConflictError as e:
             served = (e.details or {}).get("step")

@@ -148,3 +148,90 @@ def test_samples_past_the_bound_answer_429_at_once_and_the_engine_keeps_serving(
     with lora_sampled.client() as tc:
         assert tc.sample([[1, 2, 3]], max_tokens=2).samples
         tc.sync_weights()
+
+
+def test_a_sync_goes_ahead_of_waiting_samples_and_one_past_its_queue_timeout_never_runs(
+    lora_sampled: Service,
+) -> None:
+    """Eight long samples sent together hold the one engine; a sync sent once they all wait
+    completes before all but the one or two that had the engine already (one call at a time in
+    arrival order, a sync would wait for all eight). Then a sample asking to wait at most
+    0.2 s, sent behind three long ones, answers a retryable 503 saying it did not run, and
+    the engine serves the next sample."""
+    long = {"prompts": [[1, 2, 3, 4, 5, 6, 7, 8]] * 4, "n": 4, "max_tokens": 150}
+
+    async def in_flight(http: httpx.AsyncClient) -> int:
+        info = (await http.get("/v1/info")).json()
+        return int(info["samplers"]["engines"][0]["in_flight"])
+
+    async def main() -> tuple[float, list[tuple[float, int]], httpx.Response]:
+        async with httpx.AsyncClient(base_url=lora_sampled.url, timeout=300) as http:
+            ended: list[tuple[float, int]] = []
+
+            async def one(seed: int) -> None:
+                r = await http.post("/v1/sample", json={**long, "seed": seed})
+                ended.append((time.monotonic(), r.status_code))
+
+            samples = [asyncio.create_task(one(i)) for i in range(8)]
+            deadline = time.monotonic() + 60
+            while await in_flight(http) < 8:
+                assert time.monotonic() < deadline and not any(t.done() for t in samples)
+                await asyncio.sleep(0.01)
+            with lora_sampled.client() as tc:
+                await asyncio.to_thread(tc.sync_weights)
+            synced = time.monotonic()
+            await asyncio.gather(*samples)
+
+            ahead = [asyncio.create_task(one(10 + i)) for i in range(3)]
+            while await in_flight(http) < 3:
+                await asyncio.sleep(0.01)
+            short = {"prompts": [[1, 2, 3]], "max_tokens": 2, "queue_timeout_s": 0.2}
+            late = await http.post("/v1/sample", json=short)
+            await asyncio.gather(*ahead)
+            return synced, ended, late
+
+    synced, ended, late = asyncio.run(main())
+    assert [code for _, code in ended] == [200] * 11, ended
+    before = sum(t < synced for t, _ in ended[:8])
+    assert before <= 2, f"the sync waited for {before} of the 8 samples queued before it"
+    assert late.status_code == 503 and "did not run" in late.text, late.text
+    with lora_sampled.client() as tc:
+        assert tc.sample([[1, 2, 3]], max_tokens=2).samples
+
+
+def test_a_tinker_asample_past_the_bound_is_a_429_at_the_call(lora_sampled: Service) -> None:
+    """While the samplers hold ``MAX_QUEUED`` samples, Tinker's ``asample`` answers 429 with
+    Retry-After at once (the SDK retries it), instead of a future that waits; once they are
+    done it answers a future again."""
+    long = {"prompts": [[1, 2, 3, 4, 5, 6, 7, 8]] * 4, "n": 4, "max_tokens": 150}
+
+    async def main() -> tuple[httpx.Response, float, httpx.Response]:
+        async with httpx.AsyncClient(base_url=lora_sampled.url, timeout=300) as http:
+            name = (await http.get("/v1/info")).json()["model_name"]
+            tinker = {
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+                "sampling_params": {"max_tokens": 2}, "base_model": name,
+            }  # fmt: skip
+            key = {"x-api-key": "tml-bound"}
+            held = [
+                asyncio.create_task(http.post("/v1/sample", json={**long, "seed": i}))
+                for i in range(MAX_QUEUED)
+            ]
+            deadline = time.monotonic() + 60
+            while True:
+                info = (await http.get("/v1/info")).json()
+                if info["samplers"]["engines"][0]["in_flight"] >= MAX_QUEUED:
+                    break
+                assert time.monotonic() < deadline and not any(t.done() for t in held)
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            full = await http.post("/api/v1/asample", json=tinker, headers=key)
+            waited = time.monotonic() - t0
+            assert [r.status_code for r in await asyncio.gather(*held)] == [200] * MAX_QUEUED
+            again = await http.post("/api/v1/asample", json=tinker, headers=key)
+            return full, waited, again
+
+    full, waited, again = asyncio.run(main())
+    assert full.status_code == 429 and "retry-after" in full.headers, full.text
+    assert waited < 5 and "bound" in full.text, (waited, full.text)
+    assert again.status_code == 200 and "sample_sequence_ids" in again.json(), again.text

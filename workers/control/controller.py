@@ -391,6 +391,9 @@ class Controller:
     async def sample(self, req: SampleRequest, queue: bool = False) -> SampleResult:
         return await self.samplers.sample(req, queue)
 
+    async def check_sample_room(self, req: SampleRequest) -> None:
+        self.samplers.check_room(req)
+
     async def model_limits(self) -> ModelLimits:
         return self.limits
 

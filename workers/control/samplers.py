@@ -219,6 +219,13 @@ class Samplers:
 
         return deleted
 
+    def check_room(self, req: SampleRequest) -> None:
+        """A 429 if the samplers hold as much as their admission bound now (nothing is
+        reserved: a caller that then queues waits for room as it would)."""
+        if self.pool is None:
+            raise ConflictError(_NO_SAMPLERS)
+        self.pool.admit(req)
+
     async def sample(self, req: SampleRequest, queue: bool = False) -> SampleResult:
         """``queue``: wait for room past the samplers' admission bound instead of a 429."""
         self.serving.check()

@@ -4,8 +4,11 @@
 asynchronous from the start, so that an engine that serves many requests at once (vLLM's
 ``AsyncLLM``) fits it as well as one that serves one call at a time:
 
-- ``sample`` is a coroutine with a request id; ``abort(request_id)`` drops it (a request still
-  waiting for the engine is dropped at once; whether a running one stops is the engine's);
+- ``sample`` is a coroutine with a request id and a queue timeout: a request that waits longer
+  for the engine answers a retryable 503 (``QueueTimeoutError``) and never runs;
+  ``abort(request_id)`` drops it (a request still waiting for the engine is dropped at once;
+  whether a running one stops is the engine's); a weight or adapter load waits for no sample
+  but the one running;
 - ``pause`` lets the running work finish and holds new samples until ``resume`` (a weight
   update between two versions); loads still run while paused;
 - weights and adapters arrive as a ``Shipment`` (``transport.py``) naming their version, and
@@ -25,7 +28,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Protocol, cast
 
-from trainctl.api import ConflictError, InternalError, SampleRequest, SampleResult
+from trainctl.api import ConflictError, InternalError, NotReadyError, SampleRequest, SampleResult
 from trainctl.workers.sampler.transport import Shipment
 
 BACKENDS: dict[str, str] = {"vllm": "trainctl.workers.sampler.vllm_backend"}
@@ -47,6 +50,11 @@ class EngineBrokenError(InternalError):
 
 class RequestAbortedError(ConflictError):
     """The request was aborted (by its caller, or past its deadline) before it ran."""
+
+
+class QueueTimeoutError(NotReadyError):
+    """The request waited longer than its queue timeout for the engine, and never ran (503:
+    the client may retry, on this engine or another)."""
 
 
 class UnsupportedError(ValueError):
@@ -72,7 +80,9 @@ class SamplerNeeds:
 class SamplerEngine(Protocol):
     async def pid(self) -> int: ...
 
-    async def sample(self, request_id: str, req: SampleRequest) -> SampleResult: ...
+    async def sample(
+        self, request_id: str, req: SampleRequest, queue_timeout_s: float | None = None
+    ) -> SampleResult: ...
 
     async def abort(self, request_id: str) -> bool:
         """Drop the request; True if it will not produce a result."""

@@ -13,8 +13,10 @@
   deadline has the engine recreated instead.
 - **Recreate**: an engine that dies fails its in-flight requests with a retryable 503, and is
   rebuilt in the background with the weights of the step the others serve. So is one that
-  does not answer a call within ``call_timeout_s`` (a sample, a load: nothing waits on a sick
-  engine for good), and one that answers ``EngineBrokenError``. ``info`` (and ``ready``) show
+  answers neither a call within ``call_timeout_s`` nor a ping then (a sample, a load: nothing
+  waits on a sick engine for good), and one that answers ``EngineBrokenError``. A busy engine
+  answers the ping: a sample waiting its turn is bounded by its queue timeout instead
+  (``turns.py``). ``info`` (and ``ready``) show
   it ``restarting`` meanwhile.
 - **Refuse**: weights an engine refuses (their names, shapes or dtypes are not the ones it
   serves) leave it serving the step it had; if every live engine refused them, the pool keeps
@@ -56,6 +58,14 @@ ACTOR_CONCURRENCY = 1000
 orders its own work (``sample`` waits its turn, ``abort`` and ``pause`` never wait)."""
 
 
+PING_TIMEOUT_S = 5.0
+"""How long a busy engine's event loop may take to answer a ping."""
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
+
+
 @dataclass
 class _Engine:
     index: int
@@ -77,8 +87,11 @@ class PoolOptions:
     sync: Literal["after_step", "manual"] = "after_step"
     """'after_step': every applied optimizer step is synced; 'manual': on POST /v1/weights/sync."""
     call_timeout_s: float = 300.0
-    """The longest an engine may take to answer a sample or a load before it is taken for
-    stopped and recreated."""
+    """The longest one call may run on an engine (a sample once its turn came, a load) before
+    the engine is taken for stopped and recreated."""
+    queue_timeout_s: float = 60.0
+    """The longest a sample waits for its engine's turn: past it, a retryable 503 and the
+    request never runs. A load waits for no sample but the one running."""
     start_timeout_s: float = 900.0
     """The longest an engine may take to start (and load the current weights)."""
     max_queued: int = 256
@@ -195,15 +208,17 @@ class SamplerPool:
         )
         return self.last_sync
 
-    async def _call(self, e: _Engine, ref: Any, what: str) -> Any:
-        """``e``'s answer to the call ``ref``, within ``call_timeout_s``. An engine that died,
-        stopped answering or reports itself broken is recreated (``_lost``), and the call fails
-        with a retryable 503; the engine's own refusals (``TrainctlError``) pass through."""
-        timeout = self.options.call_timeout_s
+    async def _call(self, e: _Engine, ref: Any, what: str, wait_s: float | None) -> Any:
+        """``e``'s answer to the call ``ref``, within ``wait_s`` (what the call may wait for its
+        turn; None: as long as it takes) plus ``call_timeout_s``. Every ``call_timeout_s`` of
+        waiting the engine is pinged: one that answers is busy, one that does not has stopped.
+        An engine that died, stopped answering or reports itself broken is recreated
+        (``_lost``), and the call fails with a retryable 503; the engine's own refusals
+        (``TrainctlError``) pass through."""
         try:
-            return await asyncio.wait_for(ref, timeout)
-        except TimeoutError:
-            cause = f"sampler {e.index} did not answer {what} within {timeout:g} s"
+            return await self._answer(e, ref, wait_s)
+        except TimeoutError as err:
+            cause = f"sampler {e.index} did not answer {what}: {err}"
             self._lost(e, TimeoutError(cause))
         except ray.exceptions.RayActorError as err:
             self._lost(e, err)
@@ -218,12 +233,39 @@ class SamplerPool:
             cause = error.message
         raise NotReadyError(f"{cause}; it is being recreated with the current weights: retry")
 
+    async def _answer(self, e: _Engine, ref: Any, wait_s: float | None) -> Any:
+        every = self.options.call_timeout_s
+        deadline = None if wait_s is None else time.monotonic() + wait_s + every
+        answer = asyncio.ensure_future(_awaited(ref))
+        try:
+            while True:
+                left = every if deadline is None else min(every, deadline - time.monotonic())
+                done, _ = await asyncio.wait({answer}, timeout=max(left, 0.0))
+                if done:
+                    return answer.result()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no answer within {wait_s:g} + {every:g} s")
+                if not await self._answers_ping(e):
+                    raise TimeoutError(f"no answer within {every:g} s, nor to a ping")
+        finally:
+            answer.cancel()
+
+    async def _answers_ping(self, e: _Engine) -> bool:
+        """Whether ``e``'s event loop answers (a busy engine does; a hung process does not)."""
+        try:
+            await asyncio.wait_for(e.actor.pid.remote(), PING_TIMEOUT_S)
+            return True
+        except (TimeoutError, ray.exceptions.RayActorError):
+            return False
+
     async def _load(self, e: _Engine, shipment: Shipment) -> Loaded:
         if shipment.adapter is None:
             ref = e.actor.load_weights.remote(shipment)
         else:
             ref = e.actor.load_adapter.remote(shipment)
-        loaded: Loaded = await self._call(e, ref, f"the load of step {shipment.version}")
+        loaded: Loaded = await self._call(
+            e, ref, f"the load of step {shipment.version}", wait_s=self.options.call_timeout_s
+        )  # a load waits for the sample running, at most
         if shipment.adapter is None:
             e.step = loaded.step
         return loaded
@@ -233,7 +275,8 @@ class SamplerPool:
         self.adapters.pop(name, None)
         live = [e for e in self.engines if e.status == "ready"]
         await asyncio.gather(
-            *(self._call(e, e.actor.remove_adapter.remote(name), "an adapter's removal")
+            *(self._call(e, e.actor.remove_adapter.remote(name), "an adapter's removal",
+                         wait_s=self.options.call_timeout_s)
               for e in live),
             return_exceptions=True,
         )  # fmt: skip
@@ -251,7 +294,7 @@ class SamplerPool:
             raise NotReadyError("every sampler engine is being recreated; retry shortly")
         return min(ready, key=lambda e: (e.in_flight, e.index))
 
-    def _admit(self, req: SampleRequest) -> int:
+    def admit(self, req: SampleRequest) -> int:
         """The tokens ``req`` asks for, if the pool takes it now; otherwise a 429 (or a 422
         for a request that alone asks for more than the pool ever holds)."""
         o = self.options
@@ -276,12 +319,13 @@ class SamplerPool:
         return tokens
 
     async def sample(self, req: SampleRequest, *, queue: bool = False) -> SampleResult:
-        """``req`` on the least busy engine. Past the admission bound it is a 429 at once, or
-        with ``queue`` (a caller that already answered its client, as Tinker's ``asample``
-        does with a future) it waits for room."""
+        """``req`` on the least busy engine. Past the admission bound it is a 429 at once, and
+        past ``queue_timeout_s`` waiting for the engine's turn a 503; with ``queue`` (a caller
+        that already answered its client, as Tinker's ``asample`` does with a future) it waits
+        for room and for its turn."""
         while True:
             try:
-                tokens = self._admit(req)
+                tokens = self.admit(req)
                 break
             except RateLimitedError:
                 if not queue:
@@ -292,8 +336,13 @@ class SamplerPool:
         e.in_flight += 1
         self.queued_tokens += tokens
         try:
-            ref = e.actor.sample.remote(request_id, req)
-            result: SampleResult = await self._call(e, ref, "a sample")
+            # A queued caller (Tinker's asample) holds a future already: it waits its turn. A
+            # request's own queue_timeout_s may shorten the service's, never lengthen it.
+            queue_timeout = None if queue else self.options.queue_timeout_s
+            if queue_timeout is not None and req.queue_timeout_s is not None:
+                queue_timeout = min(queue_timeout, req.queue_timeout_s)
+            ref = e.actor.sample.remote(request_id, req, queue_timeout)
+            result: SampleResult = await self._call(e, ref, "a sample", queue_timeout)
             return result
         except asyncio.CancelledError:  # its caller gave up: nothing waits for the result
             if e.actor is not None and e.status == "ready":

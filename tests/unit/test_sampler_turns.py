@@ -1,0 +1,130 @@
+"""The order of calls on a one-call-at-a-time sampler engine (``workers/sampler/turns.py``):
+a load goes next after the call running, ahead of every waiting sample; samples go in
+arrival order; a waiting sample can be aborted or time out, and neither runs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from trainctl.workers.sampler.backend import QueueTimeoutError, RequestAbortedError
+from trainctl.workers.sampler.turns import Turns
+
+
+class _Engine:
+    """Records the calls that got a turn, in order; each holds its turn until released."""
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+        self.release: dict[str, asyncio.Event] = {}
+
+    async def sample(self, turns: Turns, name: str, timeout: float | None = None) -> str:
+        async with turns.sample(name, timeout):
+            return await self._run(name)
+
+    async def load(self, turns: Turns, name: str) -> str:
+        async with turns.load():
+            return await self._run(name)
+
+    async def _run(self, name: str) -> str:
+        self.ran.append(name)
+        await self.release.setdefault(name, asyncio.Event()).wait()
+        return name
+
+    def done(self, name: str) -> None:
+        self.release.setdefault(name, asyncio.Event()).set()
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_load_goes_next_ahead_of_every_waiting_sample() -> None:
+    async def main() -> list[str]:
+        turns, engine = Turns(), _Engine()
+        running = asyncio.create_task(engine.sample(turns, "s0"))
+        await _settle()
+        waiting = [asyncio.create_task(engine.sample(turns, f"s{i}")) for i in range(1, 6)]
+        await _settle()
+        load = asyncio.create_task(engine.load(turns, "load"))
+        await _settle()
+        assert turns.waiting == 6
+        for name in ["s0", "load", *(f"s{i}" for i in range(1, 6))]:
+            engine.done(name)
+            await _settle()
+        await asyncio.gather(running, load, *waiting)
+        return engine.ran
+
+    assert asyncio.run(main()) == ["s0", "load", "s1", "s2", "s3", "s4", "s5"]
+
+
+def test_an_aborted_or_timed_out_sample_never_runs_and_the_next_one_does() -> None:
+    async def main() -> tuple[list[str], BaseException | None, BaseException | None]:
+        turns, engine = Turns(), _Engine()
+        running = asyncio.create_task(engine.sample(turns, "s0"))
+        await _settle()
+        aborted = asyncio.create_task(engine.sample(turns, "s1"))
+        late = asyncio.create_task(engine.sample(turns, "s2", timeout=0.05))
+        after = asyncio.create_task(engine.sample(turns, "s3"))
+        await _settle()
+        assert await turns.abort("s1") is True
+        assert await turns.abort("s0") is False  # it holds its turn: it finishes
+        await asyncio.sleep(0.2)  # s2's queue timeout passes while s0 still runs
+        for name in ("s0", "s2", "s3"):  # s2 too: were it to run, it would end, and fail below
+            engine.done(name)
+        await asyncio.gather(running, after)
+        a, t = await asyncio.gather(aborted, late, return_exceptions=True)
+        return (
+            engine.ran,
+            a if isinstance(a, BaseException) else None,
+            (t if isinstance(t, BaseException) else None),
+        )
+
+    ran, aborted, late = asyncio.run(main())
+    assert ran == ["s0", "s3"]
+    assert isinstance(aborted, RequestAbortedError), aborted
+    assert isinstance(late, QueueTimeoutError) and late.status == 503, late
+    assert "waited 0.05 s" in str(late) and "did not run" in str(late)
+
+
+def test_pause_holds_samples_but_not_loads() -> None:
+    async def main() -> list[str]:
+        turns, engine = Turns(), _Engine()
+        await turns.pause()
+        sample = asyncio.create_task(engine.sample(turns, "s0"))
+        load = asyncio.create_task(engine.load(turns, "load"))
+        await _settle()
+        assert engine.ran == ["load"]
+        engine.done("load")
+        await load
+        await _settle()
+        assert engine.ran == ["load"], "a paused engine ran a sample"
+        await turns.resume()
+        engine.done("s0")
+        await sample
+        return engine.ran
+
+    assert asyncio.run(main()) == ["load", "s0"]
+
+
+def test_a_cancelled_waiter_leaves_the_queue() -> None:
+    async def main() -> list[str]:
+        turns, engine = Turns(), _Engine()
+        running = asyncio.create_task(engine.sample(turns, "s0"))
+        await _settle()
+        gone = asyncio.create_task(engine.sample(turns, "s1"))
+        nxt = asyncio.create_task(engine.sample(turns, "s2"))
+        await _settle()
+        gone.cancel()
+        await _settle()
+        assert turns.waiting == 1
+        engine.done("s0")
+        engine.done("s2")
+        await asyncio.gather(running, nxt)
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        return engine.ran
+
+    assert asyncio.run(main()) == ["s0", "s2"]
