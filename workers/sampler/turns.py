@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from trainctl.workers.sampler.backend import QueueTimeoutError, RequestAbortedError
 
@@ -70,10 +71,8 @@ class Turns:
                 self._samples.popleft()
                 self._busy = True
         except BaseException:
-            if request_id in self._samples:
-                self._samples.remove(request_id)
             self._aborted.discard(request_id)
-            await self._notify()
+            await self._leave(self._samples, request_id)
             raise
         try:
             yield
@@ -92,9 +91,7 @@ class Turns:
                 self._loads.popleft()
                 self._busy = True
         except BaseException:
-            if me in self._loads:
-                self._loads.remove(me)
-            await self._notify()
+            await self._leave(self._loads, me)
             raise
         try:
             yield
@@ -118,6 +115,12 @@ class Turns:
 
     async def resume(self) -> None:
         self._open = True
+        await self._notify()
+
+    async def _leave(self, queue: deque[Any], item: object) -> None:
+        """``item`` gives up its place in ``queue`` (it timed out, was aborted or cancelled)."""
+        if item in queue:
+            queue.remove(item)
         await self._notify()
 
     async def _release(self) -> None:
