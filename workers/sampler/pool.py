@@ -9,15 +9,14 @@
   adapter.
 - **Dispatch**: a sample request goes to the ready engine with the fewest requests in
   flight, under a request id. Its result carries the step of the engine's weights. A caller
-  that gives up (its call cancelled) aborts its request on the engine; a call past the
-  deadline has the engine recreated instead.
+  that gives up (its call cancelled) aborts its request on the engine; a sample that waits
+  for the engine's turn past its queue timeout leaves unrun with a retryable 503.
 - **Recreate**: an engine that dies fails its in-flight requests with a retryable 503, and is
   rebuilt in the background with the weights of the step the others serve. So is one that
   answers neither a call within ``call_timeout_s`` nor a ping then (a sample, a load: nothing
   waits on a sick engine for good), and one that answers ``EngineBrokenError``. A busy engine
   answers the ping: a sample waiting its turn is bounded by its queue timeout instead
-  (``turns.py``). ``info`` (and ``ready``) show
-  it ``restarting`` meanwhile.
+  (``turns.py``). ``info`` (and ``ready``) show it ``restarting`` meanwhile.
 - **Refuse**: weights an engine refuses (their names, shapes or dtypes are not the ones it
   serves) leave it serving the step it had; if every live engine refused them, the pool keeps
   the previous step's reference, so a recreated engine loads that one too.
