@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,15 @@ def test_bad_sampling_parameters_are_422_naming_the_field(
         assert after.samples == ref.samples and after.step == ref.step
 
 
+def _engine_folders() -> set[Path]:
+    """The sampler engines' folders on this machine: config (temp dir), adapters (memory)."""
+    roots = (Path(tempfile.gettempdir()), Path("/dev/shm"))
+    return {p for r in roots for p in r.glob("trainctl-*") if p.name.startswith(_ENGINE_DIRS)}
+
+
+_ENGINE_DIRS = ("trainctl-sampler-", "trainctl-adapters-")
+
+
 def test_a_killed_sampler_is_recreated_with_the_current_weights(sampled: Service) -> None:
     """SIGKILL an engine while it serves: that request fails with a retryable 503, ``info``
     shows the engine restarting, and it comes back holding the step the service is at."""
@@ -132,6 +142,7 @@ def test_a_killed_sampler_is_recreated_with_the_current_weights(sampled: Service
             busy = next((e for e in engines if e.in_flight), None)
             time.sleep(0.1)
         assert busy is not None and busy.pid is not None
+        folders = _engine_folders()
         os.kill(busy.pid, signal.SIGKILL)
         t.join(120)
         assert len(errors) == 1 and isinstance(errors[0], NotReadyError), errors
@@ -146,6 +157,9 @@ def test_a_killed_sampler_is_recreated_with_the_current_weights(sampled: Service
             time.sleep(1)
         assert engine.status == "ready" and engine.restarts == 1 and engine.step == step
         assert engine.pid != busy.pid
+        # The killed engine's folders (its config; its adapter files, in memory) are gone.
+        gone = folders - _engine_folders()
+        assert len(gone) == 2 and all(str(busy.pid) in p.name for p in gone), gone
         # Both engines serve the current weights: sample until the recreated one answered.
         seen = set()
         for _ in range(8):

@@ -75,6 +75,25 @@ def _memory_dir() -> str | None:
     return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
+CONFIG_DIR_PREFIX = "trainctl-sampler-"
+"""An engine's folder for its ``config.json`` (in the temporary directory): prefix, pid, -."""
+ADAPTER_DIR_PREFIX = "trainctl-adapters-"
+"""An engine's folder for adapter files (in ``_memory_dir``): prefix, pid, -."""
+
+
+def sweep_left_behind() -> None:
+    """Remove the folders of engines that no longer run. The pool ends an engine with a kill,
+    which no finalizer survives: each recreated engine left its two folders behind, one of
+    them in memory (``/dev/shm``). A folder whose pid still runs is left alone."""
+    roots = ((tempfile.gettempdir(), CONFIG_DIR_PREFIX),
+             (_memory_dir() or tempfile.gettempdir(), ADAPTER_DIR_PREFIX))  # fmt: skip
+    for root, prefix in roots:
+        for folder in Path(root).glob(f"{prefix}*"):
+            pid = folder.name[len(prefix) :].split("-", 1)[0]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+
+
 @dataclass(frozen=True)
 class _Reloaded:
     schema: Schema
@@ -127,7 +146,8 @@ class VllmEngine:
         cuda = torch.cuda.is_available()
         if not cuda:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
-        self._dir = tempfile.TemporaryDirectory(prefix="trainctl-sampler-")
+        sweep_left_behind()
+        self._dir = tempfile.TemporaryDirectory(prefix=f"{CONFIG_DIR_PREFIX}{os.getpid()}-")
         config = {**spec.hf_config, "torch_dtype": spec.dtype, "dtype": spec.dtype}
         Path(self._dir.name, "config.json").write_text(json.dumps(config))
 
@@ -151,7 +171,7 @@ class VllmEngine:
         if spec.return_routes:  # vLLM keeps the routes with its prefix cache's blocks
             kwargs |= {"enable_return_routed_experts": True, "enable_prefix_caching": True}
         self._adapters_dir = tempfile.TemporaryDirectory(
-            prefix="trainctl-adapters-", dir=_memory_dir()
+            prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=_memory_dir()
         )
         self.adapters: dict[str, _Served] = {}
         self.adapters_enabled = bool(spec.max_adapters)
