@@ -26,6 +26,7 @@ from trainctl.api import (
     NotReadyError,
 )
 from trainctl.clients._base import RetryPolicy
+from trainctl.workers.sampler.vllm_backend.engine import ADAPTER_DIR_PREFIX, CONFIG_DIR_PREFIX
 
 from helpers.parity import PARITY, PROMPTS, gap, prompt_scores
 from helpers.servicekit import START_TIMEOUT_S, Service, fresh_home
@@ -111,10 +112,8 @@ def test_bad_sampling_parameters_are_422_naming_the_field(
 def _engine_folders() -> set[Path]:
     """The sampler engines' folders on this machine: config (temp dir), adapters (memory)."""
     roots = (Path(tempfile.gettempdir()), Path("/dev/shm"))
-    return {p for r in roots for p in r.glob("trainctl-*") if p.name.startswith(_ENGINE_DIRS)}
-
-
-_ENGINE_DIRS = ("trainctl-sampler-", "trainctl-adapters-")
+    prefixes = (CONFIG_DIR_PREFIX, ADAPTER_DIR_PREFIX)
+    return {p for r in roots for p in r.glob("trainctl-*") if p.name.startswith(prefixes)}
 
 
 def test_a_killed_sampler_is_recreated_with_the_current_weights(sampled: Service) -> None:
