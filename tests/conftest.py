@@ -7,7 +7,8 @@ its folder (``helpers/tiers.py``).
 runs on one worker, in one piece (``group_of``): a tier whose session fixtures all its modules
 share (the rank pools of ``distributed/``, the sampler services of ``sampler/``), the modules
 that use the service tier's one shared ``service``, and each other module with its module
-fixtures. The heavy tiers come first, so that the many small unit modules fill the end."""
+fixtures. The longest groups are handed out first, so that the many small unit modules fill
+the end; ``helpers/clock.py`` prints where each group ran and for how long."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from helpers.clock import GroupClock
 from helpers.tiers import end_tier
 
 _TIERS = ("unit", "distributed", "service", "sampler", "gpu")
@@ -26,9 +28,23 @@ SHARED_SERVICE_MODULES = ("test_service.py", "test_fuzz.py", "test_hostile_matri
 """The service tier's modules that use its one session ``service``
 (``tests/service/conftest.py``); collection fails if another module uses it unlisted."""
 _ORDER = ("distributed", "service", "sampler", "gpu", "deploy", "unit")
-"""The longest group first (the distributed tier, about a third of the run), the unit tier's
-small modules last, to fill the end. The sampler tier runs after the service tier: beside the
-distributed tier its engines slowed that tier from 17 to 22 minutes in a CI run."""
+"""Folders in the order their groups are handed out, after ``_LONGEST_FIRST``: the unit tier's
+small modules last, to fill the end."""
+_LONGEST_FIRST = (
+    "distributed",
+    "tests/service/test_families.py",
+    "sampler",
+    "tests/service/test_layouts.py",
+    "service/shared",
+    "tests/service/test_multinode.py",
+    "tests/service/test_reliability.py",
+    "tests/service/test_kill_and_full_disk.py",
+    "tests/service/test_tinker_sdk.py",
+)
+"""The groups that take minutes, longest first (each worker takes the next group when it runs
+dry), so that the run ends on small groups. The figures are the CI run's "time by scheduling
+group" table (``helpers/clock.py``); in the run that measured them the sampler tier, handed out
+after the whole service tier, ran its 7 minutes alone at the end."""
 
 
 def group_of(nodeid: str) -> str:
@@ -43,13 +59,20 @@ def group_of(nodeid: str) -> str:
     return path
 
 
+def _hand_out_rank(nodeid: str) -> tuple[int, int]:
+    group = group_of(nodeid)
+    if group in _LONGEST_FIRST:
+        return (0, _LONGEST_FIRST.index(group))
+    folder = Path(nodeid.split("::", 1)[0]).parent.name
+    return (1, _ORDER.index(folder) if folder in _ORDER else len(_ORDER))
+
+
 def _folder(item: pytest.Item) -> str:
     return Path(str(item.fspath)).parent.name
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {folder: i for i, folder in enumerate(_ORDER)}
-    items.sort(key=lambda item: rank.get(_folder(item), len(_ORDER)))  # stable: within a tier
+    items.sort(key=lambda item: _hand_out_rank(item.nodeid))  # stable: in-group order stays
     for item in items:
         folder = _folder(item)
         tier = _MARKS.get(folder, folder)
@@ -61,6 +84,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 f"{item.nodeid} uses the shared `service`: add its module to "
                 "SHARED_SERVICE_MODULES in tests/conftest.py (one xdist worker runs them all)"
             )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the process that reports: xdist's controller
+        config.pluginmanager.register(GroupClock(group_of), "trainctl-group-clock")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -79,7 +107,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     result = yield
-    folder = _folder(item)
-    if nextitem is None or _folder(nextitem) != folder:
-        end_tier(folder)
+    if nextitem is None or group_of(nextitem.nodeid) != group_of(item.nodeid):
+        end_tier(_folder(item))  # a tier's shared resources serve one group: end with it
     return result
