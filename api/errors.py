@@ -10,6 +10,8 @@ Every error body is ``{"type": ..., "message": ..., "details": ...}``; ``type`` 
     ├── ForbiddenError          403
     ├── NotFoundError           404
     ├── ConflictError           409  idempotency key reused, stale expected_step, ...
+    ├── GoneError               410  it was served, and is no longer kept (a weights step
+    │                                past the samplers' window)
     ├── RequestTimeoutError     408  the body did not arrive in time
     ├── PayloadTooLargeError    413
     ├── UnsupportedMediaTypeError 415
@@ -35,6 +37,8 @@ class ErrorType(str, Enum):
     FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
     CONFLICT = "conflict"
+    GONE = "gone"
+    """What was asked for existed and is no longer kept (a step past the samplers' window)."""
     REQUEST_TIMEOUT = "request_timeout"
     """The request body did not arrive within the gateway's deadline."""
     PAYLOAD_TOO_LARGE = "payload_too_large"
@@ -54,6 +58,7 @@ STATUS_OF: dict[ErrorType, int] = {
     ErrorType.FORBIDDEN: 403,
     ErrorType.NOT_FOUND: 404,
     ErrorType.CONFLICT: 409,
+    ErrorType.GONE: 410,
     ErrorType.REQUEST_TIMEOUT: 408,
     ErrorType.PAYLOAD_TOO_LARGE: 413,
     ErrorType.UNSUPPORTED_MEDIA_TYPE: 415,
@@ -120,6 +125,10 @@ class ConflictError(TrainctlError):
     type = ErrorType.CONFLICT
 
 
+class GoneError(TrainctlError):
+    type = ErrorType.GONE
+
+
 class PayloadTooLargeError(TrainctlError):
     type = ErrorType.PAYLOAD_TOO_LARGE
 
@@ -174,6 +183,7 @@ ERROR_CLASSES: dict[ErrorType, type[TrainctlError]] = {
     c.type: c
     for c in (
         InvalidRequestError, UnauthorizedError, ForbiddenError, NotFoundError, ConflictError,
+        GoneError,
         PayloadTooLargeError, RequestTimeoutError, UnsupportedMediaTypeError,
         RateLimitedError, NotReadyError,
         WorkerError, InternalError,

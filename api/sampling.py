@@ -82,13 +82,22 @@ class SampleRequest(SamplingParams):
         ge=0,
         lt=2**63,
         description="Sample only with the weights of this optimizer step (the adapter's step "
-        "with `adapter`): 409 if the samplers hold another (a client pinned to a snapshot).",
+        "with `adapter`): 409 if the version sampled (the newest, or `step`) is another.",
     )
     adapter: str | None = Field(
         None,
         pattern=ADAPTER_NAME,
         description="Sample with this LoRA adapter on the base (its newest synced step); "
         "none: the base model.",
+    )
+    step: int | None = Field(
+        None,
+        ge=0,
+        lt=2**63,
+        description="Sample with the weights of this step (the adapter's step with `adapter`): "
+        "one of the versions the samplers keep (`info.samplers.versions`, "
+        "--sampler-versions). 410 once it has left that window, 409 before it is synced; "
+        "none: the newest.",
     )
     return_routes: bool = Field(
         False,
@@ -231,7 +240,10 @@ class SyncResult(BaseModel):
 class SamplerInfo(BaseModel):
     index: int
     status: Literal["starting", "ready", "restarting", "failed"]
-    step: int | None = Field(description="The step of the weights it serves (null: none yet).")
+    step: int | None = Field(
+        description="The base's step its engine holds now (null: none yet); it loads another "
+        "version of the window when a request asks for it."
+    )
     restarts: int = Field(description="Times it was recreated after dying.")
     in_flight: int = Field(description="Sample requests it is working on.")
     last_error: str | None = None
@@ -242,9 +254,22 @@ class SamplersInfo(BaseModel):
     """The sampler engines, in ``GET /v1/info``."""
 
     sync: Literal["after_step", "manual"]
-    step: int | None = Field(description="The step the samplers serve (null before a sync).")
+    step: int | None = Field(description="The newest step the samplers serve (null before a sync).")
     adapters: dict[str, int] = Field(
-        default_factory=dict, description="Each adapter the samplers serve, and its step."
+        default_factory=dict, description="Each adapter the samplers serve, and its newest step."
+    )
+    window: int = Field(
+        1,
+        description="Versions kept servable of the base and of each adapter (--sampler-versions).",
+    )
+    versions: list[int] = Field(
+        default_factory=list, description="The base's steps the samplers serve, oldest first."
+    )
+    adapter_versions: dict[str, list[int]] = Field(
+        default_factory=dict, description="Each adapter's steps the samplers serve, oldest first."
+    )
+    window_bytes: int = Field(
+        0, description="Host memory the kept versions take (in Ray's object store)."
     )
     engines: list[SamplerInfo]
     last_sync: SyncResult | None = None

@@ -3,6 +3,7 @@
 from trainctl.api.errors import (
     ConflictError,
     ForbiddenError,
+    GoneError,
     InternalError,
     InvalidRequestError,
     NotFoundError,
@@ -25,6 +26,7 @@ __all__ = [
     "AsyncTrainctlClient",
     "ConflictError",
     "ForbiddenError",
+    "GoneError",
     "InternalError",
     "InvalidRequestError",
     "NotFoundError",

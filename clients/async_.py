@@ -283,18 +283,21 @@ class AsyncTrainctlClient:
         expected_step: int | None = None,
         adapter: str | None = None,
         return_routes: bool = False,
+        step: int | None = None,
     ) -> SampleResult:
         """``n`` completions of each token-id prompt from the service's sampler engines, with
         the sampler's log-prob of each generated token (and, ``prompt_logprobs``, of each
         prompt token). ``result.step`` is the optimizer step of the weights that produced
-        them (``adapter``'s step with an adapter); ``expected_step`` refuses
-        (``ConflictError``) any other; ``return_routes`` adds each completion's
-        ``routed_experts`` (``--sampler-routes``). Needs ``--samplers``."""
+        them (``adapter``'s step with an adapter): the newest synced, or ``step``, one of the
+        versions the samplers keep (``info().samplers.versions``; ``GoneError`` once it has
+        left that window). ``expected_step`` refuses (``ConflictError``) any other;
+        ``return_routes`` adds each completion's ``routed_experts`` (``--sampler-routes``).
+        Needs ``--samplers``."""
         call = self._req.sample(
             prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, stop_token_ids=list(stop_token_ids), logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, expected_step=expected_step, adapter=adapter,
-            return_routes=return_routes,
+            return_routes=return_routes, step=step,
         )  # fmt: skip
         return await self._send(call)
 

@@ -261,6 +261,15 @@ class Settings(BaseSettings):
         description="When the samplers get new weights: after every applied optimizer step "
         "(and every checkpoint load), or only on POST /v1/weights/sync.",
     )
+    sampler_versions: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Versions of the weights the samplers keep servable: the newest this many "
+        "syncs of the base and of each adapter. A client pinned to a step (Tinker's snapshot "
+        "sampling clients, POST /v1/sample with `step`) samples it until it leaves this "
+        "window, then gets a 410. Each version is a copy of the weights in Ray's object store.",
+    )
     sampler_timeout_s: float = Field(
         300.0,
         gt=0,

@@ -2,10 +2,12 @@
 
 A sampling session is pinned to the weights of one optimizer step, the step its weights
 were saved at (``save_weights_and_get_sampling_client``, a ``save_weights_for_sampler``
-path, a ``save_state`` path, or the base model: step 0). trainctl's samplers hold one step,
-the newest synced; a session whose step they no longer serve is **refused** with a message
-saying so (a 409, Tinker category ``user``), never answered with other weights. So a
-sampling client made at step k samples step-k weights, or fails clearly.
+path, a ``save_state`` path, or the base model: step 0). trainctl's samplers keep a window
+of versions (``--sampler-versions``: the newest K syncs), so a ``snapshot`` client made at
+step k samples exactly step k while training moves on, for as long as k is in the window;
+past it, it is **refused** with a 410 that names k and the oldest step served (Tinker
+category ``user``), never answered with other weights. An ``inflight`` client samples the
+newest version, which is step k or newer.
 
 A LoRA model's session samples with its adapter (on a service with ``--max-adapters``): the
 step is the adapter's, and the samplers serve each adapter's newest synced step.
@@ -15,7 +17,9 @@ step is the adapter's, and the samplers serve each adapter's newest synced step.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +29,7 @@ from pydantic import Field
 
 from trainctl.api import (
     ConflictError,
+    GoneError,
     Info,
     InvalidRequestError,
     NotFoundError,
@@ -215,24 +220,46 @@ async def _pinned(
 
 
 def _check_served(step: int, adapter: str | None, info: Info) -> None:
+    """A 410 if the samplers' window no longer holds ``step`` (404: the adapter, at all)."""
     samplers = info.samplers
-    served = None if samplers is None else samplers.step
-    if adapter is not None and samplers is not None:
-        served = samplers.adapters.get(adapter)
-        if served is None:
+    if samplers is None:
+        return
+    served = samplers.versions
+    if adapter is not None:
+        served = samplers.adapter_versions.get(adapter, [])
+        if not served:
             raise NotFoundError(
                 f"model_path: the samplers serve no adapter {adapter!r} (deleted, or never "
                 "synced); save_weights_and_get_sampling_client syncs it"
             )
-    if served is not None and served != step:
-        raise ConflictError(_stale(step, served), details={"step": served})
+    if served and step not in served and step < served[-1]:
+        raise GoneError(_gone(step, served[0], samplers.window), details={"served": served})
+
+
+def _gone(step: int, oldest: int, window: int) -> str:
+    return (
+        f"this sampling client samples the weights of step {step}, which have left the "
+        f"samplers' window of {window} versions (the oldest served is step {oldest}): make a "
+        "new sampling client (save_weights_and_get_sampling_client)"
+    )
+
+
+@contextlib.asynccontextmanager
+async def _in_tinker_words(controller: ControllerAPI, step: int) -> AsyncIterator[None]:
+    """A 410 of the samplers' window, said to a sampling client pinned to ``step``."""
+    try:
+        yield
+    except GoneError as e:
+        served = (e.details or {}).get("served") or [step]
+        window = (await controller.info()).samplers
+        size = window.window if window is not None else len(served)
+        raise GoneError(_gone(step, served[0], size), details=e.details) from None
 
 
 def _stale(step: int, served: int) -> str:
     return (
-        f"this sampling client samples the weights of step {step}, and the samplers now "
-        f"serve step {served}: trainctl samples only the newest synced weights, so make a "
-        "new sampling client (save_weights_and_get_sampling_client)"
+        f"this inflight sampling client samples step {step} or newer, and the samplers serve "
+        f"step {served}: make a new sampling client (save_weights_and_get_sampling_client)"
     )
 
 
@@ -287,7 +314,7 @@ def native_request(
         stop_token_ids=[int(t) for t in stop or []],
         logprobs=True,
         prompt_logprobs=bool(req.prompt_logprobs),
-        expected_step=step,
+        step=step,
         adapter=adapter,
         **extra,
     )
@@ -359,19 +386,16 @@ async def asample(request: Request) -> dict[str, Any]:
     native = native_request(req, None if inflight else step, adapter)
     native.check_limits(await get_limits(request, _controller(request)))
     controller = _controller(request)
-    # Past the samplers' bound, a 429 now (the SDK retries it) rather than a future that waits.
-    await controller.check_sample_room(native)
+    # Past the samplers' bound, a 429 now (the SDK retries it) rather than a future that
+    # waits; past the window, a 410 now.
+    async with _in_tinker_words(controller, step):
+        await controller.check_sample_room(native)
 
     async def work() -> bytes:
-        try:
-            # The client holds a future already: if the samplers filled up since the check
-            # above, it waits for room and for its turn.
+        # The client holds a future already: if the samplers filled up since the check
+        # above, it waits for room and for its turn.
+        async with _in_tinker_words(controller, step):
             result = await controller.sample(native, True)
-        except ConflictError as e:
-            served = (e.details or {}).get("step")
-            if isinstance(served, int) and served != step:
-                raise ConflictError(_stale(step, served), details=e.details) from None
-            raise
         if result.step < step:  # inflight: this step or newer, never older
             raise ConflictError(_stale(step, result.step), details={"step": result.step})
         return sample_response(result)

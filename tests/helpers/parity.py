@@ -56,8 +56,10 @@ def gap(
 
 
 def prompt_scores(
-    tc: TrainctlClient, seqs: list[list[int]], adapter: str | None = None
+    tc: TrainctlClient, seqs: list[list[int]], adapter: str | None = None, step: int | None = None
 ) -> np.ndarray:
-    """The sampler's log-probs of given sequences (prompt_logprobs: scoring, no sampling)."""
-    r = tc.sample(seqs, max_tokens=1, prompt_logprobs=True, adapter=adapter)
+    """The sampler's log-probs of given sequences (prompt_logprobs: scoring, no sampling),
+    with the weights of ``step`` (None: the newest synced)."""
+    r = tc.sample(seqs, max_tokens=1, prompt_logprobs=True, adapter=adapter, step=step)
+    assert step is None or r.step == step
     return np.concatenate([np.asarray(s.prompt_logprobs[1:], float) for s in r.samples])

@@ -48,17 +48,18 @@ async def _jam_then_refused_load() -> dict[str, Any]:
 
     engine = _engine()
     weights = _hf_weights(0)
-    await engine.load_weights(LocalTransport.ship(1, weights))
+    v1 = LocalTransport.ship(1, weights)
+    await engine.load_weights(v1)
     ok = SampleRequest(prompts=[[1, 2, 3], [4, 5]], n=2, max_tokens=5, seed=5)
-    ref = (await engine.sample("ref", ok)).samples
+    ref = (await engine.sample("ref", ok, v1)).samples
     out: dict[str, Any] = {}
     bad = SampleRequest.model_construct(**{**ok.model_dump(), "seed": 2**64})
     try:
-        await engine.sample("bad", bad)
+        await engine.sample("bad", bad, v1)
         out["bad_seed"] = "answered"
     except TrainctlError as e:
         out["bad_seed"] = (e.status, e.message)
-    out["after_bad_seed"] = (await engine.sample("again", ok)).samples == ref
+    out["after_bad_seed"] = (await engine.sample("again", ok, v1)).samples == ref
     wrong = dict(weights)
     name = "model.layers.1.mlp.down_proj.weight"
     wrong[name] = wrong[name][:, :-1].clone()
@@ -68,16 +69,20 @@ async def _jam_then_refused_load() -> dict[str, Any]:
     except TrainctlError as e:
         out["wrong_shape"] = (e.status, e.message)
     out["step_after_refusal"] = engine._engine.step
-    out["after_refusal"] = (await engine.sample("after", ok)).samples == ref
-    await engine.load_weights(LocalTransport.ship(3, _hf_weights(1)))
-    out["after_a_good_load"] = (await engine.sample("changed", ok)).samples != ref
+    out["after_refusal"] = (await engine.sample("after", ok, v1)).samples == ref
+    v3 = LocalTransport.ship(3, _hf_weights(1))
+    await engine.load_weights(v3)
+    out["after_a_good_load"] = (await engine.sample("changed", ok, v3)).samples != ref
+    # A request naming the version the engine no longer holds gets that version (a swap).
+    back = await engine.sample("back", ok, v1)
+    out["swapped_back"] = (back.step, back.samples == ref, engine._engine.step)
     return out
 
 
 def abort_and_pause() -> dict[str, Any]:
     """The protocol's ordering: a request aborted while it waits for its turn is dropped, one
     running finishes; a paused engine holds new samples, still loads weights, and the held
-    sample runs on resume with the weights loaded meanwhile."""
+    sample runs on resume, with the version it named (not the one loaded meanwhile)."""
     return asyncio.run(_abort_and_pause())
 
 
@@ -86,13 +91,14 @@ async def _abort_and_pause() -> dict[str, Any]:
     from trainctl.workers.sampler.transport import LocalTransport
 
     engine = _engine()
-    await engine.load_weights(LocalTransport.ship(1, _hf_weights(0)))
+    v1 = LocalTransport.ship(1, _hf_weights(0))
+    await engine.load_weights(v1)
     long = SampleRequest(prompts=[[1, 2, 3]] * 8, n=4, max_tokens=200, seed=1)
     short = SampleRequest(prompts=[[4, 5]], max_tokens=3, seed=1)
     out: dict[str, Any] = {}
-    running = asyncio.create_task(engine.sample("running", long))
+    running = asyncio.create_task(engine.sample("running", long, v1))
     await asyncio.sleep(0.2)
-    queued = asyncio.create_task(engine.sample("queued", short))
+    queued = asyncio.create_task(engine.sample("queued", short, v1))
     await asyncio.sleep(0.05)
     out["abort_queued"] = await engine.abort("queued")
     out["abort_running"] = await engine.abort("running")
@@ -105,10 +111,11 @@ async def _abort_and_pause() -> dict[str, Any]:
     out["running_tokens"] = sum(len(c.tokens) for s in (await running).samples
                                 for c in s.completions)  # fmt: skip
     await engine.pause()
-    held = asyncio.create_task(engine.sample("held", short))
+    held = asyncio.create_task(engine.sample("held", short, v1))
     await asyncio.sleep(1.0)
     out["held_while_paused"] = not held.done()
     await engine.load_weights(LocalTransport.ship(2, _hf_weights(1)))
+    out["step_while_paused"] = engine._engine.step
     await engine.resume()
     out["held_step"] = (await asyncio.wait_for(held, 60)).step
     return out

@@ -3,7 +3,8 @@
 A request that raises inside vLLM fails alone (the engine was left holding it, and every
 later call waited on it for good), and a weight set whose shapes differ from the served one is
 refused before any tensor is copied. A request aborted while it waits is dropped; a paused
-engine holds samples but loads weights."""
+engine holds samples but loads weights. A request gets the version it names: an engine that
+holds another loads it in the request's turn."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def test_a_failing_request_and_a_misshapen_load_leave_the_engine_serving() -> No
     assert status == 500 and "down_proj" in message and "refused" in message, out
     assert out["step_after_refusal"] == 1 and out["after_refusal"], out
     assert out["after_a_good_load"], "a later good load must still take effect"
+    assert out["swapped_back"] == (1, True, 1), out
 
 
 def test_abort_drops_a_waiting_request_and_pause_holds_samples_but_not_loads() -> None:
@@ -38,4 +40,5 @@ def test_abort_drops_a_waiting_request_and_pause_holds_samples_but_not_loads() -
     assert status == 409 and "aborted before it ran" in message, out
     assert out["running_tokens"] > 0, out
     assert out["held_while_paused"], out
-    assert out["held_step"] == 2, out
+    assert out["step_while_paused"] == 2, out  # a load runs while samples are held
+    assert out["held_step"] == 1, out  # the held sample gets the version it named

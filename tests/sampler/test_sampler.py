@@ -22,6 +22,7 @@ import pytest
 
 from trainctl.api import (
     ConflictError,
+    GoneError,
     InvalidRequestError,
     NotReadyError,
 )
@@ -170,7 +171,9 @@ def test_a_killed_sampler_is_recreated_with_the_current_weights(sampled: Service
 
 def test_manual_sync_and_a_family_at_tp2(qwen3_manual: Service) -> None:
     """Qwen3 (tied embeddings, wide heads) from two TP shards: parity at the start; after a
-    step the samplers keep the old weights until ``sync_weights``, and say so."""
+    step the samplers keep the old weights until ``sync_weights``, and say so. Then the window
+    of two versions on one engine: a request for the older step gets it (swapped in), the
+    next for the newest gets that, and once the older step leaves the window it is a 410."""
     prompts = [[1, 2, 3, 4, 5], [100, 101, 7]]
     with qwen3_manual.client() as tc:
         r0 = tc.sample(prompts, n=2, max_tokens=10, seed=5, prompt_logprobs=True)
@@ -189,7 +192,17 @@ def test_manual_sync_and_a_family_at_tp2(qwen3_manual: Service) -> None:
         assert synced.step == 1 and synced.samplers == 1 and synced.bytes > 0
         r1 = tc.sample(prompts, n=2, max_tokens=10, seed=5, prompt_logprobs=True, expected_step=1)
         assert r1.step == 1 and gap(tc, r1, prompts) <= PARITY
-        assert np.abs(prompt_scores(tc, prompts) - old).max() > 1e-3
+        new = prompt_scores(tc, prompts)
+        assert np.abs(new - old).max() > 1e-3
+        for _ in range(2):
+            assert np.abs(prompt_scores(tc, prompts, step=0) - old).max() <= PARITY
+            assert np.abs(prompt_scores(tc, prompts) - new).max() <= PARITY
+        served = tc.info().samplers
+        assert served is not None and served.versions == [0, 1], served
+        assert tc.train_batch(batch).step == 2 and tc.sync_weights().step == 2
+        with pytest.raises(GoneError, match=r"step 0 .* oldest served is step 1"):
+            tc.sample(prompts, max_tokens=2, step=0)
+        assert np.abs(prompt_scores(tc, prompts, step=1) - new).max() <= PARITY
 
 
 def test_sampling_refuses_what_the_sampler_cannot_do_and_changes_nothing(

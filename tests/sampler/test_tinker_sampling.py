@@ -1,8 +1,10 @@
 """The real ``tinker`` SDK (0.38, unpatched) samples from trainctl's samplers.
 
-A sampling client is pinned to the step its weights were saved at, and trainctl's samplers
-hold the newest synced step only: a client whose step they no longer serve is refused with a
-message that says so, never answered with other weights.
+A sampling client is pinned to the step its weights were saved at (Tinker's ``snapshot``),
+and trainctl's samplers keep the newest two synced versions (``--sampler-versions``'s
+default): a client made at step k samples exactly step k after the next step too, on either
+of the two engines, and once k leaves the window it is refused with a 410 that says so, never
+answered with other weights.
 """
 
 from __future__ import annotations
@@ -54,18 +56,32 @@ def test_tinker_sampling_clients_sample_their_step(sampled: Service) -> None:
             assert lps[0] is None
             assert np.abs(np.asarray(lps[1:]) - np.asarray(trainer[1:])).max() <= PARITY
 
-            tc.forward_backward([_datum(scored)], "cross_entropy").result()
-            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-            with pytest.raises(Exception, match="samples the weights of step 0"):
-                sampler.sample(
-                    types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=2)
-                ).result()
+            def step() -> None:
+                tc.forward_backward([_datum(scored)], "cross_entropy").result()
+                tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 
+            step()  # synced after the step: steps 0 and 1 are served
             fresh = tc.save_weights_and_get_sampling_client().result()
             after = fresh.compute_logprobs(types.ModelInput.from_ints(scored)).result()
             trainer = native.logprobs([scored]).logprobs[0]
             assert np.abs(np.asarray(after[1:]) - np.asarray(trainer[1:])).max() <= PARITY
             assert np.abs(np.asarray(after[1:]) - np.asarray(lps[1:])).max() > 1e-3
+            # The step-0 client still samples step 0, however the two engines are picked:
+            # each request swaps in the version it names.
+            for _ in range(3):
+                for client, want in ((sampler, lps), (fresh, after)):
+                    got = client.compute_logprobs(types.ModelInput.from_ints(scored)).result()
+                    assert np.abs(np.asarray(got[1:]) - np.asarray(want[1:])).max() <= PARITY
+            served = native.info().samplers
+            assert served is not None and (served.versions, served.window) == ([0, 1], 2), served
+
+            step()  # step 2: step 0 leaves the window
+            with pytest.raises(Exception, match="step 0, which have left the samplers' window"):
+                sampler.sample(
+                    types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=2)
+                ).result()
+            kept = fresh.compute_logprobs(types.ModelInput.from_ints(scored)).result()
+            assert np.abs(np.asarray(kept[1:]) - np.asarray(after[1:])).max() <= PARITY
 
             path = tc.save_weights_for_sampler("tinker-sampled").result().path
             assert path.endswith("/sampler_weights/tinker-sampled")

@@ -112,6 +112,7 @@ class Samplers:
             seed=self.cfg.model.seed,
             max_adapters=self.cfg.lora.max_adapters,
             max_lora_rank=self.cfg.lora.max_rank,
+            versions=s.pool.versions,
             return_routes=s.routes,
         )
         pool = self.pool = SamplerPool(spec, s.pool)
@@ -120,7 +121,7 @@ class Samplers:
             restarts=lambda: float(sum(e.restarts for e in pool.engines)),
         )
         await pool.start()
-        await self.sync()
+        check_window(s.pool.versions, (await self.sync()).bytes, pool.object_store_bytes())
         for name in self.adapters.entries:  # resumed from a checkpoint that holds adapters
             await self.sync(adapter=name)
 
@@ -131,8 +132,11 @@ class Samplers:
             self.adapters.state(req.adapter)  # 404 now, not once queued
         return lambda h: self.sync(h, req.adapter)
 
-    async def sync(self, h: Handle | None = None, adapter: str | None = None) -> SyncResult:
-        """Every sampler engine loads the ranks' current weights, or ``adapter``'s."""
+    async def sync(
+        self, h: Handle | None = None, adapter: str | None = None, new_line: bool = False
+    ) -> SyncResult:
+        """Every sampler engine loads the ranks' current weights, or ``adapter``'s, published
+        as the newest version (``new_line``: after a load, which empties the window first)."""
         assert self.pool is not None
         if h is not None:
             h.set_phase("gathering weights")
@@ -142,7 +146,7 @@ class Samplers:
         if h is not None:
             h.set_phase("loading weights into the samplers")
         gather_s = time.perf_counter() - t0
-        result = await self.pool.sync(shipment, gather_s)
+        result = await self.pool.sync(shipment, gather_s, new_line)
         self.metrics.sync_seconds.observe(result.gather_s + result.load_s)
         log.info(
             "synced %s step %d to %d sampler(s): gather %.3fs, load %.3fs",
@@ -166,14 +170,21 @@ class Samplers:
             )  # fmt: skip
         return weights, int(await g.fetch(size, "gathering the weights for the samplers"))
 
-    async def sync_after_change(self, adapter: str | None = None) -> str | None:
+    async def sync_after_change(
+        self, adapter: str | None = None, new_line: bool = False
+    ) -> str | None:
         """After an applied step (of the base or of ``adapter``) or an adapter's creation
-        (``sync: after_step``): sync it, and report a failure as a warning (the step stands)."""
-        if self.pool is None or self.settings.pool.sync != "after_step":
+        (``sync: after_step``): sync it, and report a failure as a warning (the step stands).
+        ``new_line``: after a load, whose steps may name other weights than the window's."""
+        if self.pool is None:
+            return None
+        if self.settings.pool.sync != "after_step":
+            if new_line:  # the window's versions are another line's: none is served now
+                self.pool.window.restart(adapter)
             return None
         what = "" if adapter is None else f"adapter {adapter!r}'s "
         try:
-            r = await self.sync(adapter=adapter)
+            r = await self.sync(adapter=adapter, new_line=new_line)
         except Exception as e:
             log.exception("sync of %sstep failed", what)
             return f"{what}step stands, but the samplers could not load it: {e}"
@@ -192,8 +203,10 @@ class Samplers:
             return None
         for name in set(self.pool.adapters) - set(self.adapters.entries):
             await self.pool.remove_adapter(name)
-        warnings = [await self.sync_after_change()]
-        warnings += [await self.sync_after_change(name) for name in self.adapters.entries]
+        warnings = [await self.sync_after_change(new_line=True)]
+        warnings += [
+            await self.sync_after_change(name, new_line=True) for name in self.adapters.entries
+        ]
         return "; ".join(w for w in warnings if w) or None
 
     def create_adapter_op(self, req: CreateAdapterRequest) -> Runner:
@@ -220,10 +233,12 @@ class Samplers:
         return deleted
 
     def check_room(self, req: SampleRequest) -> None:
-        """A 429 if the samplers hold as much as their admission bound now (nothing is
-        reserved: a caller that then queues waits for room as it would)."""
+        """A 410 if the version ``req`` names has left the window, and a 429 if the samplers
+        hold as much as their admission bound now (nothing is reserved: a caller that then
+        queues waits for room as it would)."""
         if self.pool is None:
             raise ConflictError(_NO_SAMPLERS)
+        self.pool.version_of(req)
         self.pool.admit(req)
 
     async def sample(self, req: SampleRequest, queue: bool = False) -> SampleResult:
@@ -252,6 +267,17 @@ class Samplers:
 
 
 _NO_SAMPLERS = "this service has no samplers: start it with --samplers N"
+
+
+def check_window(versions: int, nbytes: int, capacity: float) -> None:
+    """A ConfigError if ``versions`` copies of the weights (``nbytes`` each) cannot fit in
+    Ray's object store (``capacity`` bytes; 0: unknown), where the window keeps them."""
+    if capacity and versions * nbytes > capacity:
+        raise ConfigError(
+            f"sampler_versions: {versions} versions of the weights ({nbytes / 2**30:.2f} GiB "
+            f"each) do not fit in Ray's object store ({capacity / 2**30:.2f} GiB): lower "
+            "--sampler-versions, or give Ray more object store memory"
+        )
 
 
 def check_engines(cfg: EngineConfig, s: SamplerSettings) -> None:

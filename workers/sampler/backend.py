@@ -14,7 +14,12 @@ asynchronous from the start, so that an engine that serves many requests at once
 - weights and adapters arrive as a ``Shipment`` (``transport.py``) naming their version, and
   a result says which version produced it: ``SampleResult.step``, and per token
   ``Completion.weight_steps`` where the version changed inside a request;
-- ``load_adapter``/``remove_adapter``, and ``pid`` for ``info``.
+- a sample names its version: the ``Shipment`` of the base's (or its adapter's) step to
+  sample, one of the pool's window (``window.py``). An engine that holds another loads it
+  first, in the request's turn; a result is never another version's;
+- ``load_adapter(shipment, keep)`` adds one version of an adapter and drops that adapter's
+  versions whose steps are not in ``keep``; ``remove_adapter`` drops them all; ``pid`` for
+  ``info``.
 
 A backend is a package beside this module that exposes ``engine_class()`` (the class the
 pool makes an actor of; imported only when a pool is built), ``env(cuda, threads, routes)``
@@ -25,6 +30,7 @@ engine starts). ``BACKENDS`` names them; ``--sampler-backend`` picks one.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -81,7 +87,11 @@ class SamplerEngine(Protocol):
     async def pid(self) -> int: ...
 
     async def sample(
-        self, request_id: str, req: SampleRequest, queue_timeout_s: float | None = None
+        self,
+        request_id: str,
+        req: SampleRequest,
+        version: Shipment,
+        queue_timeout_s: float | None = None,
     ) -> SampleResult: ...
 
     async def abort(self, request_id: str) -> bool:
@@ -94,7 +104,7 @@ class SamplerEngine(Protocol):
 
     async def load_weights(self, shipment: Shipment) -> Loaded: ...
 
-    async def load_adapter(self, shipment: Shipment) -> Loaded: ...
+    async def load_adapter(self, shipment: Shipment, keep: Sequence[int]) -> Loaded: ...
 
     async def remove_adapter(self, name: str) -> None: ...
 

@@ -4,13 +4,18 @@
   ``SamplerEngine`` protocol; ``--sampler-backend`` picks the backend), an asynchronous
   actor that orders its own calls.
 - **Sync**: the controller hands over a ``Shipment`` of a step's HF-named tensors
-  (``transport.py``); every engine loads it. The shipment is kept, so an engine recreated
-  later loads the same step. An adapter's sync is the same with its PEFT tensors, kept per
-  adapter.
-- **Dispatch**: a sample request goes to the ready engine with the fewest requests in
-  flight, under a request id. Its result carries the step of the engine's weights. A caller
-  that gives up (its call cancelled) aborts its request on the engine; a sample that waits
-  for the engine's turn past its queue timeout leaves unrun with a retryable 503.
+  (``transport.py``); every engine loads it. It is published in the window of versions
+  (``window.py``: the newest ``--sampler-versions`` of the base and of each adapter), so a
+  client pinned to a step keeps sampling it, and an engine recreated later loads the newest.
+  An adapter's sync is the same with its PEFT tensors; each version of an adapter is its own
+  adapter in the engines.
+- **Dispatch**: a sample request names a version (the newest, or its ``step``; past the
+  window a 410), which travels with it: an engine that holds another version of the base
+  loads it in the request's turn (a swap), so a result is always the version asked for. It
+  goes to the ready engine with the fewest requests in flight, one holding that version
+  counting one request fewer, under a request id. A caller that gives up (its call
+  cancelled) aborts its request on the engine; a sample that waits for the engine's turn
+  past its queue timeout leaves unrun with a retryable 503.
 - **Recreate**: an engine that dies fails its in-flight requests with a retryable 503, and is
   rebuilt in the background with the weights of the step the others serve. So is one that
   answers neither a call within ``call_timeout_s`` nor a ping then (a sample, a load: nothing
@@ -34,6 +39,7 @@ from typing import Any, Literal
 import ray
 
 from trainctl.api import (
+    ConflictError,
     InternalError,
     NotReadyError,
     RateLimitedError,
@@ -49,6 +55,7 @@ from trainctl.workers.sampler import backend
 from trainctl.workers.sampler.backend import EngineBrokenError, Loaded
 from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE, SamplerSpec
 from trainctl.workers.sampler.transport import Shipment
+from trainctl.workers.sampler.window import Window
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +66,10 @@ orders its own work (``sample`` waits its turn, ``abort`` and ``pause`` never wa
 
 PING_TIMEOUT_S = 5.0
 """How long a busy engine's event loop may take to answer a ping."""
+
+SWAP_COST = 1
+"""What an engine that must load another version of the base for a request counts as, in
+requests in flight, when the pool picks one."""
 
 
 async def _awaited(ref: Any) -> Any:
@@ -85,6 +96,9 @@ class PoolOptions:
     threads: int = 1
     sync: Literal["after_step", "manual"] = "after_step"
     """'after_step': every applied optimizer step is synced; 'manual': on POST /v1/weights/sync."""
+    versions: int = 2
+    """Versions kept servable of the base and of each adapter (``--sampler-versions``): the
+    newest that many syncs, so that one step off-policy works with the default."""
     call_timeout_s: float = 300.0
     """The longest one call may run on an engine (a sample once its turn came, a load) before
     the engine is taken for stopped and recreated."""
@@ -105,22 +119,29 @@ class PoolOptions:
 
 
 class SamplerPool:
-    """The sampler engines. Owns their actors, the weights and adapters last shipped to them (to
-    recreate one), the last sync's report and the restart count."""
+    """The sampler engines. Owns their actors, the window of versions shipped to them (to serve
+    a pinned step, and to recreate an engine), the last sync's report and the restart count."""
 
     def __init__(self, spec: SamplerSpec, options: PoolOptions) -> None:
         self.spec, self.options = spec, options
         self.backend = backend.load(spec.backend)
         self._actor_class: Any = None
         self.engines = [_Engine(i) for i in range(options.num_samplers)]
-        self.weights: Shipment | None = None
-        """The base's weights the samplers serve (their step: ``weights.version``)."""
-        self.adapters: dict[str, Shipment] = {}
-        """Each adapter served, by name."""
+        self.window = Window(options.versions)
         self.last_sync: SyncResult | None = None
         self._restarts: set[asyncio.Task[None]] = set()
         self.queued_tokens = 0
         """The tokens of the requests admitted and not yet answered (``max_queued_tokens``)."""
+
+    @property
+    def weights(self) -> Shipment | None:
+        """The base's newest version (its step: ``weights.version``)."""
+        return self.window.newest(None)
+
+    @property
+    def adapters(self) -> dict[str, Shipment]:
+        """Each adapter served, by name: its newest version."""
+        return {k: s for k in self.window.versions if k is not None if (s := self.window.newest(k))}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -153,6 +174,11 @@ class SamplerPool:
             e.status, e.pid = "ready", pid
         log.info("%d sampler engine(s) built in %.1fs", len(self.engines), time.perf_counter() - t0)
 
+    @staticmethod
+    def object_store_bytes() -> float:
+        """The Ray cluster's object store, where the window keeps its versions (0: unknown)."""
+        return float(ray.cluster_resources().get("object_store_memory", 0.0))
+
     def kill(self) -> None:
         for t in self._restarts:
             t.cancel()
@@ -170,15 +196,14 @@ class SamplerPool:
 
     # -- sync --------------------------------------------------------------------------------
 
-    async def sync(self, shipment: Shipment, gather_s: float) -> SyncResult:
-        """Every live engine loads ``shipment``: the base's weights, or an adapter's. An
-        engine finishes the request it is serving first: one call at a time."""
+    async def sync(self, shipment: Shipment, gather_s: float, new_line: bool = False) -> SyncResult:
+        """Publish ``shipment`` (the base's weights, or an adapter's) as its newest version,
+        and have every live engine load it. An engine finishes the request it is serving
+        first: one call at a time. ``new_line``: after a checkpoint load or a recovery, whose
+        steps name other weights than the window's (it is emptied first)."""
         adapter = shipment.adapter
-        previous = self.weights if adapter is None else self.adapters.get(adapter)
-        if adapter is None:
-            self.weights = shipment
-        else:
-            self.adapters[adapter] = shipment
+        previous = self.window.newest(adapter)
+        self.window.publish(shipment, new_line)
         for e in self.engines:
             if e.status == "failed":  # its last recreation failed: try again, with this step
                 self._lost(e, RuntimeError(e.last_error or "failed"))
@@ -189,13 +214,10 @@ class SamplerPool:
         refused = [
             g for g in got if isinstance(g, InternalError) and not isinstance(g, EngineBrokenError)
         ]
-        if live and not loaded and len(refused) == len(live) and previous is not None:
+        if live and not loaded and len(refused) == len(live):
             # Every engine refused them and serves the previous step still: so will a
             # recreated one.
-            if adapter is None:
-                self.weights = previous
-            else:
-                self.adapters[adapter] = previous
+            self.window.withdraw(shipment, previous)
         self.last_sync = SyncResult(
             step=shipment.version,
             adapter=adapter,
@@ -261,7 +283,8 @@ class SamplerPool:
         if shipment.adapter is None:
             ref = e.actor.load_weights.remote(shipment)
         else:
-            ref = e.actor.load_adapter.remote(shipment)
+            keep = self.window.steps(shipment.adapter)
+            ref = e.actor.load_adapter.remote(shipment, keep)
         loaded: Loaded = await self._call(
             e, ref, f"the load of step {shipment.version}", wait_s=self.options.call_timeout_s
         )  # a load waits for the sample running, at most
@@ -271,7 +294,7 @@ class SamplerPool:
 
     async def remove_adapter(self, name: str) -> None:
         """Every engine forgets ``name`` (a deleted adapter is never sampled again)."""
-        self.adapters.pop(name, None)
+        self.window.restart(name)
         live = [e for e in self.engines if e.status == "ready"]
         await asyncio.gather(
             *(self._call(e, e.actor.remove_adapter.remote(name), "an adapter's removal",
@@ -282,16 +305,31 @@ class SamplerPool:
 
     # -- sampling ----------------------------------------------------------------------------
 
-    def _pick(self) -> _Engine:
+    def _pick(self, base: int | None) -> _Engine:
+        """The engine for a request: the fewest in flight, counting ``SWAP_COST`` more for one
+        that holds another step of the base than ``base`` (None: any will do)."""
         ready = [e for e in self.engines if e.status == "ready" and e.step is not None]
         if not ready:
-            if self.weights is None:
-                raise NotReadyError(
-                    "the samplers have no weights yet: POST /v1/weights/sync (or take a step "
-                    "with sync after_step)"
-                )
             raise NotReadyError("every sampler engine is being recreated; retry shortly")
-        return min(ready, key=lambda e: (e.in_flight, e.index))
+
+        def load(e: _Engine) -> tuple[int, int]:
+            swap = SWAP_COST if base is not None and e.step != base else 0
+            return (e.in_flight + swap, e.index)
+
+        return min(ready, key=load)
+
+    def version_of(self, req: SampleRequest) -> Shipment:
+        """The version ``req`` samples: the newest of its adapter (or the base), or its
+        ``step`` (410 past the window); 409 if ``expected_step`` names another."""
+        shipment = self.window.get(req.adapter, req.step)
+        if req.expected_step is not None and req.expected_step != shipment.version:
+            whose = "" if req.adapter is None else f" of adapter {req.adapter!r}"
+            raise ConflictError(
+                f"expected_step: the samplers serve the weights{whose} of step "
+                f"{shipment.version}, not {req.expected_step}",
+                details={"field": "expected_step", "step": shipment.version},
+            )
+        return shipment
 
     def admit(self, req: SampleRequest) -> int:
         """The tokens ``req`` asks for, if the pool takes it now; otherwise a 429 (or a 422
@@ -322,6 +360,7 @@ class SamplerPool:
         past ``queue_timeout_s`` waiting for the engine's turn a 503; with ``queue`` (a caller
         that already answered its client, as Tinker's ``asample`` does with a future) it waits
         for room and for its turn."""
+        version = self.version_of(req)  # a 410, 409 or 404 before waiting for anything
         while True:
             try:
                 tokens = self.admit(req)
@@ -330,7 +369,7 @@ class SamplerPool:
                 if not queue:
                     raise
                 await asyncio.sleep(0.05)
-        e = self._pick()
+        e = self._pick(version.version if version.adapter is None else None)
         request_id = uuid.uuid4().hex
         e.in_flight += 1
         self.queued_tokens += tokens
@@ -340,8 +379,10 @@ class SamplerPool:
             queue_timeout = None if queue else self.options.queue_timeout_s
             if queue_timeout is not None and req.queue_timeout_s is not None:
                 queue_timeout = min(queue_timeout, req.queue_timeout_s)
-            ref = e.actor.sample.remote(request_id, req, queue_timeout)
+            ref = e.actor.sample.remote(request_id, req, version, queue_timeout)
             result: SampleResult = await self._call(e, ref, "a sample", queue_timeout)
+            if version.adapter is None:
+                e.step = result.step  # the engine holds this version now
             return result
         except asyncio.CancelledError:  # its caller gave up: nothing waits for the result
             if e.actor is not None and e.status == "ready":
@@ -371,11 +412,11 @@ class SamplerPool:
             e.status = "restarting"
             async with asyncio.timeout(self.options.start_timeout_s):
                 e.pid = await e.actor.pid.remote()
-                if self.weights is not None:
-                    loaded: Loaded = await e.actor.load_weights.remote(self.weights)
+                if (weights := self.weights) is not None:
+                    loaded: Loaded = await e.actor.load_weights.remote(weights)
                     e.step = loaded.step
-                for shipment in list(self.adapters.values()):
-                    await e.actor.load_adapter.remote(shipment)
+                for name, shipment in self.adapters.items():  # older versions: on demand
+                    await e.actor.load_adapter.remote(shipment, self.window.steps(name))
             e.restarts += 1
             e.status = "ready"
             log.info("sampler %d recreated (step %s)", e.index, e.step)
@@ -392,10 +433,15 @@ class SamplerPool:
         return out
 
     def info(self) -> SamplersInfo:
+        adapters = sorted(k for k in self.window.versions if k is not None)
         return SamplersInfo(
             sync=self.options.sync,
             step=None if self.weights is None else self.weights.version,
             adapters={name: s.version for name, s in self.adapters.items()},
+            window=self.window.size,
+            versions=self.window.steps(None),
+            adapter_versions={k: self.window.steps(k) for k in adapters},
+            window_bytes=self.window.nbytes(),
             engines=[
                 SamplerInfo(
                     index=e.index,

@@ -33,6 +33,8 @@ class SamplerSpec:
     """LoRA adapters an engine keeps loaded (the service's ``--max-adapters``); 0: no LoRA."""
     max_lora_rank: int = 0
     """The largest adapter rank (``--lora-max-rank``)."""
+    versions: int = 2
+    """Versions of each adapter an engine may hold at once (``--sampler-versions``)."""
     return_routes: bool = False
     """Capture the experts each token is routed to (``--sampler-routes``; GPU engines)."""
 

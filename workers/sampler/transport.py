@@ -17,7 +17,8 @@ GPU-to-GPU transport (NCCL between the ranks and the engines) plugs in beside it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 Schema = dict[str, tuple[tuple[int, ...], str]]
@@ -36,6 +37,9 @@ class Shipment:
     nbytes: int
     handle: Any
     """The transport's own: for ``object_store`` a Ray object reference."""
+    id: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False)
+    """This shipment's own: a step names one version only within one line of training (a
+    checkpoint load may bring the same step back with other weights)."""
 
 
 class WeightSource(Protocol):

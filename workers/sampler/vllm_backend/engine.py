@@ -7,10 +7,15 @@ through vLLM's own loading path (its worker's ``reload_weights``, reached with
 processing the platform applies after loading. No file of weights is written or read.
 
 LoRA adapters (a service with ``--max-adapters``) are served with vLLM's LoRA support: the
-engine is built with ``enable_lora``, and ``load_adapter`` hands vLLM an adapter in PEFT's
-format, replacing the one of that name in place. vLLM reads an adapter from a directory, so
+engine is built with ``enable_lora``, and ``load_adapter`` hands vLLM one version of an
+adapter in PEFT's format, as its own vLLM adapter (``name@step``), and drops the versions of
+that adapter the pool's window no longer keeps. vLLM reads an adapter from a directory, so
 its two files are written to a memory-backed one (``/dev/shm`` where it exists): a few MB per
-adapter, never the base.
+adapter version, never the base.
+
+The engine holds one version of the base. A sample names the version it wants (a
+``Shipment`` of the pool's window); one that the engine does not hold is loaded first, in the
+sample's own call (a swap), and so is a version of an adapter it does not hold.
 
 ``VllmEngine`` is vLLM's synchronous ``LLM``; ``sampler.py``'s ``VllmSampler`` runs it on a
 thread of its own, one call at a time, so a weight load always falls between two sample calls:
@@ -36,15 +41,14 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainctl.api import (
-    ConflictError,
     InternalError,
     InvalidRequestError,
-    NotFoundError,
     NotReadyError,
     SampleRequest,
     SampleResult,
@@ -68,6 +72,13 @@ class _Served:
     step: int
     path: Path
     schema: Schema
+    shipment: str
+    """The id of the shipment it was loaded from."""
+
+    def request(self, name: str) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"{name}@{self.step}", self.lora_id, str(self.path))
 
 
 def _memory_dir() -> str | None:
@@ -165,7 +176,7 @@ class VllmEngine:
             kwargs |= {
                 "enable_lora": True,
                 "max_loras": 1,  # one call samples with one adapter
-                "max_cpu_loras": spec.max_adapters,
+                "max_cpu_loras": spec.max_adapters * spec.versions,  # each version its own
                 "max_lora_rank": vllm_max_lora_rank(spec.max_lora_rank),
             }
         if spec.return_routes:  # vLLM keeps the routes with its prefix cache's blocks
@@ -173,7 +184,8 @@ class VllmEngine:
         self._adapters_dir = tempfile.TemporaryDirectory(
             prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=_memory_dir()
         )
-        self.adapters: dict[str, _Served] = {}
+        self.adapters: dict[tuple[str, int], _Served] = {}
+        """Each adapter version held, by name and step."""
         self.adapters_enabled = bool(spec.max_adapters)
         self._next_lora_id = 1
         self.llm = LLM(
@@ -191,6 +203,8 @@ class VllmEngine:
         self.build_s = time.perf_counter() - t0
         self.step: int | None = None
         """The optimizer step of the weights loaded (None: placeholders only)."""
+        self.shipment: str | None = None
+        """The id of the shipment they were loaded from."""
         self.schema: Schema | None = None
         """The names, shapes and dtypes of the weights loaded (what the next load must have)."""
 
@@ -228,7 +242,7 @@ class VllmEngine:
                 f"sampler {self.index} loaded step {step}'s weights with {len(empty)} "
                 f"parameter(s) left empty ({', '.join(empty[:3])}); it is being recreated"
             )
-        self.step, self.schema = step, per_worker[0].schema
+        self.step, self.schema, self.shipment = step, per_worker[0].schema, shipment.id
         return Loaded(step=step, seconds=time.perf_counter() - t0)
 
     def _recover(self) -> None:
@@ -256,8 +270,12 @@ class VllmEngine:
                 "serves the next one"
             ) from None
 
-    def load_adapter(self, shipment: Shipment) -> Loaded:
-        """Load (or replace in place) the shipment's adapter, at its step."""
+    def _versions_of(self, name: str) -> list[_Served]:
+        return [v for (n, _), v in self.adapters.items() if n == name]
+
+    def load_adapter(self, shipment: Shipment, keep: Sequence[int] = ()) -> Loaded:
+        """Load the shipment's version of its adapter (replacing one of the same step in
+        place), then drop that adapter's versions whose steps are not in ``keep``."""
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
@@ -265,35 +283,45 @@ class VllmEngine:
         assert shipment.adapter is not None
         name, step = shipment.adapter, shipment.version
         adapter: PeftAdapter = open_shipment(shipment)
-        old = self.adapters.get(name)
-        if old is not None and (problem := schema_mismatch(schema_of(adapter.tensors), old.schema)):
+        held = self._versions_of(name)
+        if held and (problem := schema_mismatch(schema_of(adapter.tensors), held[0].schema)):
             raise InternalError(
                 f"sampler {self.index} refused adapter {name!r} at step {step}, whose tensors "
-                f"do not match the version it serves (step {old.step}): {problem}"
+                f"do not match the version it serves (step {held[0].step}): {problem}"
             )
+        old = self.adapters.get((name, step))
         lora_id = old.lora_id if old is not None else self._next_lora_id
         # A new directory per load: vLLM may re-read an evicted adapter from its path later.
         path = Path(self._adapters_dir.name, f"{name}.{step}.{time.monotonic_ns()}")
         path.mkdir()
         (path / "adapter_config.json").write_text(json.dumps(adapter.config))
         save_file(adapter.tensors, str(path / "adapter_model.safetensors"))
+        vllm_name = f"{name}@{step}"
         if not self.llm.llm_engine.add_lora(
-            LoRARequest(name, lora_id, str(path), load_inplace=True)
+            LoRARequest(vllm_name, lora_id, str(path), load_inplace=True)
         ):
             shutil.rmtree(path, ignore_errors=True)
-            raise RuntimeError(f"vLLM did not load adapter {name!r}")
+            raise RuntimeError(f"vLLM did not load adapter {vllm_name!r}")
         if old is None:
             self._next_lora_id += 1
         else:
-            shutil.rmtree(old.path, ignore_errors=True)  # the version it replaced
-        self.adapters[name] = _Served(lora_id, step, path, schema_of(adapter.tensors))
+            shutil.rmtree(old.path, ignore_errors=True)  # the copy it replaced
+        served = _Served(lora_id, step, path, schema_of(adapter.tensors), shipment.id)
+        self.adapters[(name, step)] = served
+        for v in self._versions_of(name):
+            if v.step != step and v.step not in keep:
+                self._drop(name, v.step)
         return Loaded(step=step, seconds=time.perf_counter() - t0)
 
+    def _drop(self, name: str, step: int) -> None:
+        served = self.adapters.pop((name, step))
+        self.llm.llm_engine.remove_lora(served.lora_id)
+        shutil.rmtree(served.path, ignore_errors=True)
+
     def remove_adapter(self, name: str) -> None:
-        served = self.adapters.pop(name, None)
-        if served is not None:
-            self.llm.llm_engine.remove_lora(served.lora_id)
-            shutil.rmtree(served.path, ignore_errors=True)
+        """Drop every version of ``name``."""
+        for v in self._versions_of(name):
+            self._drop(name, v.step)
 
     def _generate_then_score(self, prompts: list[Any], params: Any, lora: Any) -> list[Any]:
         """Prompt log-probs on an engine with LoRA enabled, one prompt per engine step.
@@ -311,34 +339,27 @@ class VllmEngine:
             out.prompt_logprobs = scored[0].prompt_logprobs
         return outs
 
-    def _served_step(self, req: SampleRequest) -> tuple[int, Any]:
-        """The step ``req`` would sample (the base's or its adapter's), and vLLM's LoRA
-        request for it (None: the base)."""
+    def _hold(self, version: Shipment) -> Any:
+        """Make ``version`` (of the base, or of an adapter) the one this call samples, loading
+        it if this engine holds another: vLLM's LoRA request for it (None: the base)."""
         if self.step is None:
             raise NotReadyError("the sampler has no weights yet: they arrive with the first sync")
-        if req.adapter is None:
-            return self.step, None
-        served = self.adapters.get(req.adapter)
-        if served is None:
-            raise NotFoundError(
-                f"adapter: the samplers serve no adapter {req.adapter!r} (it is synced when "
-                'created, after its steps, or with POST /v1/weights/sync {"adapter": ...})',
-                details={"field": "adapter"},
-            )
-        from vllm.lora.request import LoRARequest
+        if version.adapter is None:
+            if self.shipment != version.id:
+                self.load_weights(version)  # a swap: another version of the window
+            return None
+        served = self.adapters.get((version.adapter, version.version))
+        if served is None or served.shipment != version.id:
+            held = [v.step for v in self._versions_of(version.adapter)]
+            self.load_adapter(version, keep=held)
+            served = self.adapters[(version.adapter, version.version)]
+        return served.request(version.adapter)
 
-        return served.step, LoRARequest(req.adapter, served.lora_id, str(served.path))
-
-    def sample(self, req: SampleRequest) -> SampleResult:
-        """Generate from every prompt with the loaded step's weights (and adapter)."""
-        step, lora = self._served_step(req)
-        if req.expected_step is not None and req.expected_step != step:
-            whose = "" if req.adapter is None else f" of adapter {req.adapter!r}"
-            raise ConflictError(
-                f"expected_step: the samplers serve the weights{whose} of step {step}, not "
-                f"{req.expected_step}",
-                details={"field": "expected_step", "step": step},
-            )
+    def sample(self, req: SampleRequest, version: Shipment) -> SampleResult:
+        """Generate from every prompt with ``version``'s weights (the base's, or those of
+        ``req.adapter``): the pool's choice, which checked ``step`` and ``expected_step``."""
+        lora = self._hold(version)
+        step = version.version
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

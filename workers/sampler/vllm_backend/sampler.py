@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -46,10 +47,14 @@ class VllmSampler:
         return os.getpid()
 
     async def sample(
-        self, request_id: str, req: SampleRequest, queue_timeout_s: float | None = None
+        self,
+        request_id: str,
+        req: SampleRequest,
+        version: Shipment,
+        queue_timeout_s: float | None = None,
     ) -> SampleResult:
         async with self._turns.sample(request_id, queue_timeout_s):
-            result: SampleResult = await self._on_thread(self._engine.sample, req)
+            result: SampleResult = await self._on_thread(self._engine.sample, req, version)
             return result
 
     async def abort(self, request_id: str) -> bool:
@@ -67,8 +72,8 @@ class VllmSampler:
         loaded: Loaded = await self._load(self._engine.load_weights, shipment)
         return loaded
 
-    async def load_adapter(self, shipment: Shipment) -> Loaded:
-        loaded: Loaded = await self._load(self._engine.load_adapter, shipment)
+    async def load_adapter(self, shipment: Shipment, keep: Sequence[int]) -> Loaded:
+        loaded: Loaded = await self._load(self._engine.load_adapter, shipment, keep)
         return loaded
 
     async def remove_adapter(self, name: str) -> None:
