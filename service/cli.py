@@ -212,7 +212,10 @@ def _serve(s: Settings) -> int:
             )
             _start_head(head)
         _handle_signals(_on_signal)
-        controller = launch.create_controller(s, cfg, detached=False)
+        try:
+            controller = launch.create_controller(s, cfg, detached=False)
+        except ConfigError as e:
+            raise StartupError(f"invalid configuration: {_first_line(e)}") from None
         log.info("building %d rank(s): %s", cfg.layout.world_size, cfg.layout.describe())
         try:
             info: Info = ray.get(controller.start.remote())

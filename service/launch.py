@@ -66,9 +66,11 @@ def controller_options(s: Settings, *, rank_num_gpus: float) -> ControllerOption
 
 def create_controller(s: Settings, cfg: EngineConfig, *, detached: bool) -> Any:
     """The named controller actor (on a connected Ray). ``detached`` (Serve): it outlives the
-    application's builder, and a redeploy finds and reuses it."""
+    application's builder, and a redeploy finds and reuses it. A ``ConfigError`` if the
+    sampler engines cannot serve this model as asked, before anything starts."""
 
     from trainctl.workers.control.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
+    from trainctl.workers.control.samplers import check_engines
 
     gpus = _gpus_per_actor(s.rank_num_gpus)
     env = {
@@ -90,8 +92,11 @@ def create_controller(s: Settings, cfg: EngineConfig, *, detached: bool) -> Any:
     }
     if detached:
         options.update(lifetime="detached", get_if_exists=True)
+    samplers = sampler_settings(s)
+    if samplers.pool.num_samplers:
+        check_engines(cfg, samplers)  # what the engines cannot do: said before any rank starts
     return ControllerActor.options(**options).remote(
-        cfg, controller_options(s, rank_num_gpus=gpus), sampler_settings(s)
+        cfg, controller_options(s, rank_num_gpus=gpus), samplers
     )
 
 
@@ -106,6 +111,7 @@ def sampler_settings(s: Settings) -> SamplerSettings:
         dtype = "bfloat16" if gpus else "float32"
     pool = PoolOptions(
         num_samplers=s.samplers, num_cpus=s.sampler_num_cpus, num_gpus=gpus, sync=s.sampler_sync,
+        versions=s.sampler_versions,
         call_timeout_s=s.sampler_timeout_s, queue_timeout_s=s.sampler_queue_timeout_s,
         max_queued=s.sampler_max_queued, max_queued_tokens=s.sampler_max_queued_tokens,
         cache_dir=str(s.data_dir.resolve() / "cache" / "samplers"),

@@ -221,8 +221,9 @@ def test_routes_from_cpu_samplers_are_refused_at_start_saying_why(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """vLLM captures routed experts only in its Model Runner V2, which needs Triton; its CPU
-    build has none. A MoE service asked for them on CPU samplers stops, saying so (measured
-    without the check: vLLM's own start-up fails with "Model Runner V2 requires Triton")."""
+    build has none. A MoE service asked for them on CPU samplers stops, saying so, before it
+    builds a rank (measured without the check: vLLM's own start-up fails with "Model Runner V2
+    requires Triton")."""
     data = tmp_path_factory.mktemp("routes-on-cpu")
     engine = data / "engine.json"
     engine.write_text(json.dumps({"model": {"family": "qwen3_moe", "num_experts": 4}}))
@@ -233,3 +234,4 @@ def test_routes_from_cpu_samplers_are_refused_at_start_saying_why(
     assert "sampler_routes: vLLM captures routes only in its Model Runner V2" in svc.log(), (
         svc.log()[-2000:]
     )
+    assert "rank(s):" not in svc.log(), "the ranks were built before the refusal"
