@@ -245,14 +245,14 @@ def _gone(step: int, oldest: int, window: int) -> str:
 
 
 @contextlib.asynccontextmanager
-async def _in_tinker_words(controller: ControllerAPI, step: int) -> AsyncIterator[None]:
+async def _in_tinker_words(step: int) -> AsyncIterator[None]:
     """A 410 of the samplers' window, said to a sampling client pinned to ``step``."""
     try:
         yield
     except GoneError as e:
-        served = (e.details or {}).get("served") or [step]
-        window = (await controller.info()).samplers
-        size = window.window if window is not None else len(served)
+        details = e.details or {}
+        served = details.get("served") or [step]
+        size = details.get("window", len(served))
         raise GoneError(_gone(step, served[0], size), details=e.details) from None
 
 
@@ -388,13 +388,13 @@ async def asample(request: Request) -> dict[str, Any]:
     controller = _controller(request)
     # Past the samplers' bound, a 429 now (the SDK retries it) rather than a future that
     # waits; past the window, a 410 now.
-    async with _in_tinker_words(controller, step):
+    async with _in_tinker_words(step):
         await controller.check_sample_room(native)
 
     async def work() -> bytes:
         # The client holds a future already: if the samplers filled up since the check
         # above, it waits for room and for its turn.
-        async with _in_tinker_words(controller, step):
+        async with _in_tinker_words(step):
             result = await controller.sample(native, True)
         if result.step < step:  # inflight: this step or newer, never older
             raise ConflictError(_stale(step, result.step), details={"step": result.step})

@@ -90,7 +90,7 @@ class Window:
         if step in kept:
             return kept[step]
         served = sorted(kept)
-        details = {"field": "step", "step": step, "served": served}
+        details = {"field": "step", "step": step, "served": served, "window": self.size}
         if step > served[-1]:
             raise ConflictError(
                 f"step: the samplers serve {_whose(key)} up to step {served[-1]}; step {step} "
