@@ -73,6 +73,14 @@ PER_TOKEN_FIELDS: tuple[TokenField, ...] = (
         loss_input=True,
     ),
     TokenField(
+        "sequence_ratio_mask",
+        FieldKind.MASK,
+        "0/1 per token, read by the gspo loss only: the tokens whose log-ratios make their "
+        "sequence's ratio (its geometric mean). Default: the loss tokens. Every sequence needs "
+        "at least one.",
+        loss_input=True,
+    ),
+    TokenField(
         "routed_experts",
         FieldKind.ROUTES,
         "MoE routing replay: per token, [layers, top_k] expert ids the sampler routed it "

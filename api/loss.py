@@ -28,6 +28,11 @@ class LossKind(str, Enum):
     DRO = "dro"
     """``-(lp * A - beta / 2 * (lp - old_lp)^2)``: policy gradient with a quadratic penalty on
     the drift from the sampler's log-probs (``old_logprobs``)."""
+    GSPO = "gspo"
+    """GSPO-token (Zheng et al. 2025, as Tinker defines it): PPO's clipped term, with every
+    token's ratio taking its sequence's value ``s = exp(mean(lp - old_lp))`` over the tokens
+    ``sequence_ratio_mask`` marks (default: the loss tokens) and its own log-prob's gradient:
+    ``s_t = sg(s) * p_t / sg(p_t)``. A sequence split over ranks gets the same ``s``."""
 
 
 class Normalization(str, Enum):
@@ -39,6 +44,12 @@ class Normalization(str, Enum):
     """Mean over sequences (with a loss token) of each sequence's token mean."""
     SUM = "sum"
     """No division."""
+
+
+_CORRECTIONS = (
+    "tis_cap", "seq_tis_cap", "seq_mis_low", "seq_mis_high", "geo_mask_low", "geo_mask_high"
+)  # fmt: skip
+"""The behaviour corrections, each off when None."""
 
 
 class LossConfig(BaseModel):
@@ -62,11 +73,77 @@ class LossConfig(BaseModel):
         "mismatch (needs sampler_logprobs; not for cross_entropy).",
     )
 
+    seq_tis_cap: float | None = Field(
+        default=None,
+        gt=0,
+        description="Sequence-level truncated importance sampling: each sequence's policy terms "
+        "times min(exp(sum over its loss tokens of old_logprobs - sampler_logprobs), "
+        "seq_tis_cap) (needs sampler_logprobs).",
+    )
+    seq_mis_low: float | None = Field(
+        default=None,
+        ge=0,
+        description="Sequence-level masked importance sampling: a sequence whose ratio "
+        "exp(sum of old_logprobs - sampler_logprobs) is below this is left out of the loss; "
+        "the others are weighted by it (default 0 when seq_mis_high is set).",
+    )
+    seq_mis_high: float | None = Field(
+        default=None,
+        gt=0,
+        description="Sequence-level masked importance sampling: a sequence whose ratio is "
+        "above this is left out of the loss (default: no upper bound when seq_mis_low is set).",
+    )
+    geo_mask_low: float | None = Field(
+        default=None,
+        ge=0,
+        description="Geometric-mean masking: a sequence whose geometric-mean ratio "
+        "exp(mean of old_logprobs - sampler_logprobs) over its loss tokens is below this is "
+        "left out of the loss (unweighted otherwise).",
+    )
+    geo_mask_high: float | None = Field(
+        default=None,
+        gt=0,
+        description="Geometric-mean masking: a sequence whose geometric-mean ratio is above "
+        "this is left out of the loss.",
+    )
+
     @model_validator(mode="after")
-    def _tis_needs_a_policy_loss(self) -> LossConfig:
-        if self.tis_cap is not None and self.kind is LossKind.CROSS_ENTROPY:
-            raise ValueError("tis_cap corrects a policy loss; cross_entropy has no ratio to cap")
+    def _corrections_need_a_policy_loss(self) -> LossConfig:
+        corrections = [k for k in _CORRECTIONS if getattr(self, k) is not None]
+        if corrections and self.kind is LossKind.CROSS_ENTROPY:
+            raise ValueError(
+                f"{corrections[0]} corrects a policy loss; cross_entropy has no ratio to correct"
+            )
+        weighting = [k for k in ("tis_cap", "seq_tis_cap", "seq_mis") if self._on(k)]
+        if len(weighting) > 1:
+            raise ValueError(
+                f"{weighting[0]} and {weighting[1]} both reweight by the behaviour ratio: choose "
+                "one (geo_mask_low / geo_mask_high combine with either)"
+            )
+        for name in ("seq_mis", "geo_mask"):
+            low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
+            if low is not None and high is not None and not low < high:
+                raise ValueError(f"{name}_low ({low}) must be below {name}_high ({high})")
         return self
+
+    def _on(self, name: str) -> bool:
+        if name in ("seq_mis", "geo_mask"):
+            return any(getattr(self, f"{name}_{end}") is not None for end in ("low", "high"))
+        return getattr(self, name) is not None
+
+    def band(self, name: str) -> tuple[float, float] | None:
+        """``(low, high)`` of ``seq_mis`` or ``geo_mask`` (None when off; an open end is 0 or
+        ``inf``)."""
+        if not self._on(name):
+            return None
+        low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
+        return (low or 0.0, float("inf") if high is None else high)
+
+    @property
+    def sequence_correction(self) -> bool:
+        """Whether a sequence-level behaviour correction (seq-TIS, seq-MIS, geometric-mean
+        masking) is on."""
+        return self.seq_tis_cap is not None or self._on("seq_mis") or self._on("geo_mask")
 
     def required_inputs(self) -> tuple[str, ...]:
         out: tuple[str, ...] = ()
@@ -74,7 +151,7 @@ class LossConfig(BaseModel):
             out += ("advantages", "old_logprobs")
         if self.kl_coef > 0:
             out += ("ref_logprobs",)
-        if self.tis_cap is not None:
+        if self.tis_cap is not None or self.sequence_correction:
             out += ("sampler_logprobs",)
         return out
 

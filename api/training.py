@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainctl.api.adapters import ADAPTER_DOC, ADAPTER_NAME
 from trainctl.api.batch import SequenceBatch
 from trainctl.api.errors import ConflictError, field_error
-from trainctl.api.loss import LossConfig
+from trainctl.api.loss import LossConfig, LossKind
 
 
 class ModelLimits(BaseModel):
@@ -89,6 +90,22 @@ class _BatchRequest(_SequencesRequest):
                 raise ValueError(
                     f"sequences[0].{k} is required by the {self.loss.kind.value} loss"
                     + (" with kl_coef > 0" if k == "ref_logprobs" else "")
+                )
+        ratio_mask = self.sequences.column("sequence_ratio_mask")
+        if ratio_mask is not None:
+            if self.loss.kind is not LossKind.GSPO:
+                raise ValueError(
+                    f"sequences[0].sequence_ratio_mask is read by the gspo loss only, not by "
+                    f"{self.loss.kind.value}"
+                )
+            # Position 0 predicts nothing: a mask there is no ratio token.
+            counts = np.add.reduceat(ratio_mask.astype(np.int64), self.sequences.offsets[:-1])
+            counts -= ratio_mask[self.sequences.offsets[:-1]]
+            empty = np.flatnonzero(counts == 0)
+            if empty.size:
+                raise ValueError(
+                    f"sequences[{int(empty[0])}].sequence_ratio_mask marks no token after the "
+                    "first: gspo's sequence ratio is a mean over at least one token"
                 )
         return self
 

@@ -14,10 +14,14 @@ one, a 2-D (CSR) tensor, or an image or audio chunk is refused, naming the datum
     logprobs (the sampler's) -> old_logprobs,  advantages -> advantages,
     sampler_logprobs -> sampler_logprobs (with tis_cap),  ref_logprobs (with kl_coef).
 
-Without ``weights`` every target counts. ``loss_fn_config``: ``clip_low_threshold`` and
+``sequence_ratio_mask`` (gspo: the tokens of the sequence ratio, Tinker's ``!= 0``) keeps its
+name. Without ``weights`` every target counts. ``loss_fn_config``: ``clip_low_threshold`` and
 ``clip_high_threshold`` are *ratio bounds* (Tinker's ppo and cispo pages: the ratio is clamped
 to ``[low, high]``, default 0.8 and 1.2), i.e. trainctl's ``clip_low = 1 - low`` and
-``clip_high = high - 1``; ``beta`` (dro), ``tis_cap`` and ``kl_coef`` are trainctl's own.
+``clip_high = high - 1`` (gspo clips its sequence ratio the same way); ``beta`` (dro),
+``tis_cap``, ``kl_coef`` and the sequence-level corrections (``seq_tis_cap``, ``seq_mis_low`` /
+``_high``, ``geo_mask_low`` / ``_high``) are trainctl's own. ``stable_reinforce`` is refused:
+its objective is not published.
 """
 
 from __future__ import annotations
@@ -47,18 +51,29 @@ LOSS_KEYS: dict[str, str] = {
     "advantages": "advantages",
     "sampler_logprobs": "sampler_logprobs",
     "ref_logprobs": "ref_logprobs",
+    "sequence_ratio_mask": "sequence_ratio_mask",
 }
 """Tinker's ``loss_fn_inputs`` key -> trainctl's per-token field."""
 
-_POLICY_CONFIG = ("tis_cap", "kl_coef")
+_CORRECTIONS = ("seq_tis_cap", "seq_mis_low", "seq_mis_high", "geo_mask_low", "geo_mask_high")
+_POLICY_CONFIG = ("tis_cap", "kl_coef", *_CORRECTIONS)
+_CLIPS = ("clip_low_threshold", "clip_high_threshold")
 CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "cross_entropy": (),
     "importance_sampling": _POLICY_CONFIG,
-    "ppo": ("clip_low_threshold", "clip_high_threshold", *_POLICY_CONFIG),
-    "cispo": ("clip_low_threshold", "clip_high_threshold", *_POLICY_CONFIG),
+    "ppo": (*_CLIPS, *_POLICY_CONFIG),
+    "cispo": (*_CLIPS, *_POLICY_CONFIG),
     "dro": ("beta", *_POLICY_CONFIG),
+    "gspo": (*_CLIPS, *_POLICY_CONFIG),
 }
 """The ``loss_fn_config`` keys each loss reads."""
+
+UNPUBLISHED = {
+    "stable_reinforce": "its objective is not published, so trainctl cannot compute it as "
+    "Tinker does; the nearest losses trainctl computes are 'gspo' (a clipped sequence-level "
+    "ratio) and 'importance_sampling'",
+}
+"""Tinker loss names trainctl refuses on purpose, with the reason."""
 
 TINKER_REDUCTIONS = ("mean", "sum", "min", "max", "slack", "hash2", "unique")
 _REDUCTION = {"mean": "mean", "sum": "sum", "min": "min", "max": "max", "value": "mean"}
@@ -71,6 +86,8 @@ def _refuse(where: str, problem: str) -> InvalidRequestError:
 
 def loss_config(loss_fn: str, config: dict[str, float | str]) -> LossConfig:
     """The ``LossConfig`` of a Tinker loss name and its ``loss_fn_config``."""
+    if loss_fn in UNPUBLISHED:
+        raise _refuse("loss_fn", f"{loss_fn!r}: {UNPUBLISHED[loss_fn]}")
     if loss_fn not in CONFIG_KEYS:
         known = ", ".join(CONFIG_KEYS)
         raise _refuse("loss_fn", f"{loss_fn!r} is not a loss trainctl computes ({known})")
@@ -99,6 +116,7 @@ def loss_config(loss_fn: str, config: dict[str, float | str]) -> LossConfig:
         beta=numbers.get("beta", 0.0),
         kl_coef=numbers.get("kl_coef", 0.0),
         tis_cap=numbers.get("tis_cap"),
+        **{k: numbers[k] for k in _CORRECTIONS if k in numbers},
     )
 
 
@@ -150,6 +168,8 @@ def datum_to_sequence(i: int, datum: Any, loss: LossConfig) -> dict[str, np.ndar
     optional = {"weights"}
     if loss.kind is not LossKind.CROSS_ENTROPY:
         optional |= {"logprobs", "advantages", "sampler_logprobs", "ref_logprobs"}
+    if loss.kind is LossKind.GSPO:
+        optional.add("sequence_ratio_mask")
     for key in inputs:
         if key not in needed | optional:
             accepted = ", ".join(sorted(needed | optional))
@@ -174,7 +194,10 @@ def datum_to_sequence(i: int, datum: Any, loss: LossConfig) -> dict[str, np.ndar
         if key == "target_tokens" or key not in inputs:
             continue
         values = _tensor(f"data[{i}].loss_fn_inputs.{key}", inputs[key], n)
-        seq[field] = np.concatenate([[0.0], values.astype(np.float64)])
+        if field == "sequence_ratio_mask":  # a 0/1 mask: Tinker's "!= 0"
+            seq[field] = np.concatenate([[0], values != 0]).astype(np.uint8)
+        else:
+            seq[field] = np.concatenate([[0.0], values.astype(np.float64)])
     mask = np.ones(n + 1, np.uint8)
     if "weights" in seq:
         mask = (seq["weights"] != 0).astype(np.uint8)

@@ -71,6 +71,24 @@ def shared_batch(
     return out
 
 
+def with_sampler(batch: list[dict[str, Any]], seed: int = 3) -> list[dict[str, Any]]:
+    """The batch plus the inference engine's log-probs, off the behaviour log-probs, and a
+    ratio mask (gspo's) on about two thirds of each sequence's loss tokens."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            **s,
+            "sampler_logprobs": (
+                np.asarray(s["old_logprobs"]) + rng.normal(0, 0.3, len(s["tokens"]))
+            ).tolist(),
+            "sequence_ratio_mask": (
+                np.asarray(s["loss_mask"]) * (rng.random(len(s["tokens"])) < 0.7)
+            ).tolist(),
+        }
+        for s in batch
+    ]
+
+
 def to_host(batch: list[dict[str, Any]]) -> list[Any]:
     from trainctl.api import TokenSequence
 
@@ -86,6 +104,7 @@ def to_host(batch: list[dict[str, Any]]) -> list[Any]:
             old_logprobs=arr(s, "old_logprobs"),
             ref_logprobs=arr(s, "ref_logprobs"),
             sampler_logprobs=arr(s, "sampler_logprobs"),
+            sequence_ratio_mask=arr(s, "sequence_ratio_mask"),
         )
         for s in batch
     ]

@@ -205,7 +205,8 @@ def _dpo(ref: list[np.ndarray], beta: float = 0.5) -> Any:
     import torch
 
     def loss(data: list[Any], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
-        gain = [lp.sum() - float(r.sum()) for lp, r in zip(logprobs, ref, strict=True)]
+        # float64: the same float32 log-probs then give a margin of exactly 0
+        gain = [lp.double().sum() - float(r.sum()) for lp, r in zip(logprobs, ref, strict=True)]
         margins = torch.stack([gain[i] - gain[i + 1] for i in range(0, len(gain), 2)])
         value = -torch.nn.functional.logsigmoid(beta * margins).mean()
         return value, {"dpo:mean": float(value)}
@@ -259,6 +260,72 @@ def test_forward_backward_custom_equals_the_same_loss_from_native_parts(
     # Log-probs of magnitude ~10 after a step taken two ways: held to their own precision,
     # a few fp32 ulps (one ulp at 8 is 9.5e-7), not to an absolute 1e-6 (1.9e-6 was seen).
     for a, b in zip(after_sdk, after_native, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _gspo_custom(q: list[np.ndarray], adv: list[np.ndarray], masks: list[np.ndarray]) -> Any:
+    """Tinker's GSPO (its loss page), written as a ``forward_backward_custom`` loss: per
+    datum, the mean log-ratio over the ``sequence_ratio_mask`` tokens, carried by every token
+    with its own log-prob's gradient, PPO's clip to [0.95, 1.05]; summed."""
+    import torch
+
+    def loss(data: list[Any], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+        total = torch.zeros((), dtype=logprobs[0].dtype)
+        for lp, qi, ai, mi in zip(logprobs, q, adv, masks, strict=True):
+            in_ratio = torch.from_numpy(mi) != 0
+            log_ratio = (lp.detach() - torch.from_numpy(qi).to(lp.dtype))[in_ratio].mean()
+            ratio = torch.exp(log_ratio + lp - lp.detach())
+            a = torch.from_numpy(ai).to(lp.dtype)
+            clipped = torch.clamp(ratio, 0.95, 1.05)
+            total = total - torch.minimum(ratio * a, clipped * a).sum()
+        return total, {"gspo:sum": float(total)}
+
+    return loss
+
+
+def test_native_gspo_equals_tinkers_gspo_as_a_custom_loss(
+    svc: Service, service_client: Any, training: Any
+) -> None:
+    """The same GSPO step two ways from one saved state: the SDK's ``forward_backward_custom``
+    with Tinker's formula, and trainctl's native ``gspo`` through ``forward_backward``. Equal
+    losses and gradient norms, and the same weights after (1e-6). Every layout, prefix tries,
+    and the per-sequence all-reduce: tests/distributed/test_sequence_losses.py."""
+    rng = np.random.default_rng(11)
+    seqs = [rng.integers(0, 500, n).tolist() for n in (9, 12, 7, 10, 14, 8)]
+    plain = [_datum(t, weights=np.ones(len(t) - 1)) for t in seqs]
+    forward = training.forward(plain, "cross_entropy").result()
+    lp = [o["logprobs"].to_numpy().astype(np.float64) for o in forward.loss_fn_outputs]
+    q = [(x + rng.normal(0, 0.3, x.size)).astype(np.float32) for x in lp]
+    adv = [rng.normal(0, 1, x.size).astype(np.float32) for x in lp]
+    masks = [(rng.random(x.size) < 0.7).astype(np.float32) for x in lp]
+    for m in masks:
+        m[-1] = 1.0  # every datum has a ratio token
+    s = [np.exp(np.mean((x - qi)[m != 0])) for x, qi, m in zip(lp, q, masks, strict=True)]
+    assert any(abs(v - 1) > 0.05 for v in s) and any(abs(v - 1) < 0.05 for v in s), s
+    saved = training.save_state(f"gspo-{time.time_ns()}").result()
+    adam = types.AdamParams(learning_rate=1e-2)
+
+    custom = training.forward_backward_custom(plain, _gspo_custom(q, adv, masks)).result()
+    via_custom = training.optim_step(adam).result()
+    with svc.client(api_token=TOKEN) as tc:
+        after_custom = tc.logprobs(seqs).logprobs
+    restored = service_client.create_training_client_from_state_with_optimizer(saved.path)
+    client = restored.result()
+    data = [
+        _datum(t, logprobs=qi, advantages=ai, sequence_ratio_mask=m)
+        for t, qi, ai, m in zip(seqs, q, adv, masks, strict=True)
+    ]
+    clip = {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}
+    native = client.forward_backward(data, "gspo", loss_fn_config=clip).result()
+    via_native = client.optim_step(adam).result()
+    with svc.client(api_token=TOKEN) as tc:
+        after_native = tc.logprobs(seqs).logprobs
+    assert native.metrics["loss:sum"] == pytest.approx(custom.metrics["gspo:sum"], rel=1e-6)
+    assert {"gspo_ratio:mean", "gspo_ratio:min", "gspo_ratio:max"} <= set(native.metrics)
+    norm = via_custom.metrics["grad_norm:mean"]
+    assert norm > 0
+    assert via_native.metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-6, abs=1e-6)
+    for a, b in zip(after_custom, after_native, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 

@@ -95,7 +95,7 @@ def test_loss_terms_match_their_formulas() -> None:
     assert spec.required_inputs() == (
         "advantages", "old_logprobs", "ref_logprobs", "sampler_logprobs",
     )  # fmt: skip
-    with pytest.raises(ValueError, match="no ratio to cap"):
+    with pytest.raises(ValueError, match="no ratio to correct"):
         LossConfig(tis_cap=2.0)
     spec = LossConfig(kind=LossKind.PPO)
     assert spec.required_inputs() == ("advantages", "old_logprobs")
@@ -193,5 +193,9 @@ def test_the_loss_table_is_the_wire_enum() -> None:
     assert len(LOSS_KINDS) == len(set(LOSS_KINDS))
     x = _inputs()
     for kind in LossKind:
-        terms = per_token_terms(**x, **LossConfig(kind=kind).options())
+        # gspo's per-token ratio needs the whole sequence: here one sequence of all positions
+        extra = (
+            {"seq_log_ratio": x["logprobs"] - x["old_logprobs"]} if kind is LossKind.GSPO else {}
+        )
+        terms = per_token_terms(**x, **LossConfig(kind=kind).options(), **extra)
         assert terms.shape == x["logprobs"].shape and torch.isfinite(terms).all(), kind

@@ -182,6 +182,35 @@ def test_rl_loss_reaches_controller(http: TestClient, fake: FakeController) -> N
             {"sequences": [_rl(3, advantages=[1.0, "inf", 2.0])], "loss": {"kind": "ppo"}},
             "sequences[0].advantages: must be finite",
         ),
+        (
+            {"sequences": [_rl(3, sequence_ratio_mask=[0, 1])], "loss": {"kind": "gspo"}},
+            "sequences[0].sequence_ratio_mask: has 2 entries but tokens has 3",
+        ),
+        (
+            {
+                "sequences": [
+                    _rl(3, sequence_ratio_mask=[0, 1, 0]),
+                    _rl(3, sequence_ratio_mask=[1, 0, 0]),  # position 0 predicts nothing
+                ],
+                "loss": {"kind": "gspo"},
+            },
+            "sequences[1].sequence_ratio_mask marks no token after the first",
+        ),
+        (
+            {"sequences": [_rl(3, sequence_ratio_mask=[0, 1, 1])], "loss": {"kind": "ppo"}},
+            "sequence_ratio_mask is read by the gspo loss only, not by ppo",
+        ),
+        (
+            {
+                "sequences": [_rl(3, sampler_logprobs=[-1.0] * 3)],
+                "loss": {"kind": "gspo", "seq_tis_cap": -1},
+            },
+            "loss.seq_tis_cap:",
+        ),
+        (
+            {"sequences": [_rl(3)], "loss": {"kind": "ppo", "geo_mask_high": 1.1}},
+            "sequences[0].sampler_logprobs is required by the ppo loss",
+        ),
     ],
 )
 def test_rl_loss_validation(http: TestClient, fake: FakeController, body: dict, words: str) -> None:

@@ -380,3 +380,53 @@ def test_evictions_are_counted_on_metrics(fake: Any) -> None:
         text = http.get("/metrics").text
     assert 'trainctl_gateway_evictions{table="tinker_sessions"} 3.0' in text, text
     assert text.count("# HELP trainctl_gateway_evictions ") == 1
+
+
+def _gspo(ratio_mask: list[float], inputs: dict[str, Any] | None = None, **config: float) -> Any:
+    msg = _request(
+        [4, 5, 6, 7], [5, 6, 7, 8], logprobs=[-1.0] * 4, advantages=[1.0] * 4,
+        sequence_ratio_mask=ratio_mask, **(inputs or {}),
+    )  # fmt: skip
+    msg.loss_fn = "gspo"
+    for k, v in config.items():
+        msg.loss_fn_config[k] = v
+    return msg
+
+
+def test_gspo_takes_its_ratio_mask_and_clip_thresholds() -> None:
+    req = convert.forward_backward_request(
+        _gspo([0.0, 0.5, 1.0, 0.0], clip_low_threshold=0.9, clip_high_threshold=1.1)
+    )
+    assert req.loss.kind is LossKind.GSPO
+    assert req.loss.clip_low == pytest.approx(0.1) and req.loss.clip_high == pytest.approx(0.1)
+    # Tinker's "!= 0", on trainctl's positions (token t + 1)
+    assert req.sequences[0].sequence_ratio_mask.tolist() == [0, 0, 1, 1, 0]
+    sampler = {"sampler_logprobs": [-1.1] * 4}
+    geo = convert.forward_backward_request(_gspo([1.0] * 4, sampler, geo_mask_high=1.2))
+    assert geo.loss.band("geo_mask") == (0.0, 1.2)
+
+
+def test_bad_gspo_input_is_refused_naming_the_field() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"sequences\[0\].sequence_ratio_mask marks no"):
+        convert.forward_backward_request(_gspo([0.0] * 4))
+    with pytest.raises(InvalidRequestError, match=r"sequence_ratio_mask: must be 1-D with one"):
+        convert.forward_backward_request(_gspo([1.0] * 3))
+    with pytest.raises(ValidationError, match="seq_tis_cap") as e:
+        convert.forward_backward_request(
+            _gspo([1.0] * 4, {"sampler_logprobs": [-1.1] * 4}, seq_tis_cap=-1.0)
+        )
+    assert "greater than 0" in str(e.value)
+    msg = _request([4, 5], [5, 6], sequence_ratio_mask=[1.0, 1.0])
+    msg.loss_fn = "ppo"
+    with pytest.raises(InvalidRequestError, match="sequence_ratio_mask: not an input of ppo"):
+        convert.forward_backward_request(msg)
+
+
+def test_stable_reinforce_is_refused_in_one_line_naming_the_nearest_losses() -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        convert.loss_config("stable_reinforce", {})
+    text = str(e.value)
+    assert "\n" not in text and "not published" in text
+    assert "'gspo'" in text and "'importance_sampling'" in text

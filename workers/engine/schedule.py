@@ -37,6 +37,7 @@ from trainctl.workers.engine import megatron_cpu
 from trainctl.workers.engine.attention import rope_tables
 from trainctl.workers.engine.boundary import PackedMicroBatch
 from trainctl.workers.engine.inputs import RankMicroBatch, StageInputs
+from trainctl.workers.engine.loss_inputs import LossInputs, sequence_metric_keys
 from trainctl.workers.engine.model import lm_head_weight
 from trainctl.workers.engine.parallel import ParallelDims
 from trainctl.workers.engine.replay import RouteReplay, given_routes, router_rows
@@ -179,6 +180,7 @@ class Schedule:
         if "old_logprobs" in mbs[0].loss_inputs:
             with_ref = "ref_logprobs" in mbs[0].loss_inputs
             run.policy_keys = policy_metric_keys(with_ref=with_ref, with_entropy=True)
+            run.policy_keys += sequence_metric_keys(run.loss)
         iters: Any = [iter(tensors) for _ in self.chunks] if len(self.chunks) > 1 else iter(tensors)
         for c in self.chunks:
             c.train(not forward_only)
@@ -282,17 +284,15 @@ class Schedule:
         return hidden
 
     def _loss_in_forward(
-        self, hidden: Tensor, weight: Tensor, mb: RankMicroBatch, run: _Pass
+        self, hidden: Tensor, weight: Tensor, mb: RankMicroBatch, run: _Pass, inputs: LossInputs
     ) -> tuple[Tensor, Tensor, Any]:
         """``(loss share, log-probs, entropy function)`` with the head's gradient taken in the
         forward pass (``fused_head_loss``): a flat micro-batch of a training pass whose loss is
         token-separable. The share is the sum of each chunk's ``sum(term * scale)``."""
         b, loss = mb.batch, run.loss
         assert b.labels is not None and b.loss_mask is not None
-        per_token: dict[str, Any] = {
-            k: v[0] for k, v in b.loss_inputs.items() if k not in ("loss_scale", "seq_id")
-        }
-        scale, mask, options = b.loss_inputs["loss_scale"][0], b.loss_mask[0], loss.options()
+        per_token: dict[str, Any] = {**inputs.per_token, **inputs.before_head()}
+        scale, mask, options = inputs.scale, b.loss_mask[0], loss.options()
 
         def share_of(lp: Tensor, a: int, c: int) -> Tensor:
             inputs = {k: v[a:c] for k, v in per_token.items()}
@@ -327,36 +327,39 @@ class Schedule:
         b, loss, outputs = mb.batch, run.loss, run.outputs
         assert weight is not None, "the loss function runs on the last stage"
         assert b.labels is not None and b.loss_mask is not None and b.cu_seqlens is not None
+        inputs = None if mb.is_dummy else LossInputs.of(mb, loss, self.dims.cp_group)
         in_forward = (
-            self.fused and run.backward and b.rows is None and not mb.is_dummy
+            self.fused and run.backward and b.rows is None and inputs is not None
             and loss.kind.value in TOKEN_SEPARABLE
         )  # fmt: skip
         share: Tensor | None = None
         scaled: Tensor | None = None
         if in_forward:
-            share, lp, entropy = self._loss_in_forward(hidden[0], weight, mb, run)
+            assert inputs is not None
+            share, lp, entropy = self._loss_in_forward(hidden[0], weight, mb, run, inputs)
         elif b.rows is None:
             lp, entropy = self._head(hidden[0], weight, b.labels[0], None)
         else:
             lp, entropy = self._tree_head(hidden[0], weight, b.labels[0], b.rows[0])
-        if mb.is_dummy:
-            # Through the log-probs, the zero reaches the output layer and every parameter
-            # below it.
+        if inputs is None:
+            # A dummy: through the log-probs, the zero reaches the output layer and every
+            # parameter below it.
             share, n = connected_zero(lp), torch.zeros((), dtype=torch.int, device=lp.device)
             scaled = torch.zeros_like(lp)
         else:
-            per_token: dict[str, Any] = {k: v[0] for k, v in b.loss_inputs.items()}
-            scale = per_token.pop("loss_scale")
-            seq_id = per_token.pop("seq_id").long()
+            per_token: dict[str, Any] = {**inputs.per_token, **inputs.after_head(lp)}
+            scale = inputs.scale
             if run.policy_keys:
                 with torch.no_grad():
                     record_policy_metrics(
                         run.stats, lp, loss_mask=b.loss_mask[0],
-                        old_logprobs=per_token["old_logprobs"], seq_id=seq_id,
+                        old_logprobs=per_token["old_logprobs"], seq_id=inputs.seqs.seq_id,
                         num_seqs=mb.num_sequences, cp_group=self.dims.cp_group,
                         clip_low=loss.clip_low, clip_high=loss.clip_high,
                         ref_logprobs=per_token.get("ref_logprobs"), entropy=entropy(),
                     )  # fmt: skip
+                    if inputs.sequence is not None:
+                        inputs.sequence.record(run.stats)
             # The target count stays on the device: megatron only adds it up (and the finalize
             # step ignores it: the loss is pre-normalised), so no read stalls the host here.
             n = torch.count_nonzero(b.loss_mask).int()

@@ -14,11 +14,17 @@ Terms, with ``lp`` the current log-prob of the target and ``r = exp(lp - old_lp)
     cispo                ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * lp * A`` (the clipped
                          ratio is a constant weight on the log-prob's gradient)
     dro                  ``-(lp * A - beta / 2 * (lp - old_lp)^2)`` (old_lp: the sampler's)
+    gspo                 PPO's term with GSPO-token's ratio ``exp(s + lp - sg(lp))``, ``s`` the
+                         sequence's mean log-ratio (``sequence_loss.gspo_log_ratio``: it needs
+                         the whole sequence, so the caller computes it and passes
+                         ``seq_log_ratio``)
     + kl_coef * k3       ``exp(ref - lp) - (ref - lp) - 1`` (an unbiased, positive KL estimate)
 
 Truncated importance sampling (``tis_cap``): the policy term (not the KL) is multiplied by
 ``min(exp(old_lp - sampler_lp), tis_cap)``, the capped ratio of the trainer's behaviour
-log-probs to the inference engine's, a constant per token (no gradient through it).
+log-probs to the inference engine's, a constant per token (no gradient through it). Its
+sequence-level forms (``sequence_loss.behaviour_weights``) arrive as ``seq_weight``, one constant
+per sequence on each of its tokens, multiplying the policy term the same way.
 """
 
 from __future__ import annotations
@@ -79,11 +85,17 @@ def dro(t: PolicyTerms) -> Tensor:
     return -(t.logprobs * t.advantages - 0.5 * t.beta * t.delta * t.delta)
 
 
+def gspo(t: PolicyTerms) -> Tensor:
+    """PPO's clipped term; ``t.ratio`` is GSPO-token's (``per_token_terms`` builds it)."""
+    return ppo(t)
+
+
 POLICY_LOSSES: dict[str, Callable[[PolicyTerms], Tensor]] = {
     "importance_sampling": importance_sampling,
     "ppo": ppo,
     "cispo": cispo,
     "dro": dro,
+    "gspo": gspo,
 }
 """Every policy loss by its wire name (``api.LossKind``): one function each. Adding a kind
 is one function here, one row in this table and its member in ``api.LossKind``."""
@@ -91,7 +103,10 @@ is one function here, one row in this table and its member in ``api.LossKind``."
 LOSS_KINDS = ("cross_entropy", *POLICY_LOSSES)
 """Every loss kind: supervised ``cross_entropy`` (``-lp``) and the policy losses."""
 
-TOKEN_SEPARABLE = frozenset(LOSS_KINDS)
+SEQUENCE_LEVEL = frozenset({"gspo"})
+"""The kinds whose term of a token reads its whole sequence's log-probs."""
+
+TOKEN_SEPARABLE = frozenset(LOSS_KINDS) - SEQUENCE_LEVEL
 """The kinds whose term of a token reads only that token's log-prob (and per-token
 constants): the LM head may take their gradient in its forward pass
 (``workers/ops/fused_head.py``, ``fused_head_loss``). A sequence-level loss, whose term reads a
@@ -112,20 +127,29 @@ def per_token_terms(
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     sampler_logprobs: Tensor | None = None,
+    seq_log_ratio: Tensor | None = None,
+    seq_weight: Tensor | None = None,
 ) -> Tensor:
     """Loss term of every token ``[T]`` (0 where the mask is 0).
 
     ``kind``: ``cross_entropy`` or a policy loss of ``POLICY_LOSSES`` (``clip_low`` /
     ``clip_high``: the ratio's clip distances from 1; ``beta``: ``dro``'s quadratic penalty);
     ``tis_cap`` truncates importance sampling against the sampler; ``kl_coef`` adds the k3
-    estimate of the KL to the reference policy."""
+    estimate of the KL to the reference policy. ``seq_log_ratio`` (gspo's ratio, per token) and
+    ``seq_weight`` (a sequence-level behaviour correction, per token) come from
+    ``workers/ops/sequence_loss.py``."""
     if kind == "cross_entropy":
         terms = -logprobs
     elif kind in POLICY_LOSSES:
         if advantages is None or old_logprobs is None:
             raise ValueError(f"{kind} loss needs advantages and old_logprobs")
         delta = _masked(logprobs - old_logprobs, loss_mask)
-        ratio = delta.clamp(max=_MAX_LOG_RATIO).exp()
+        if kind in SEQUENCE_LEVEL:
+            if seq_log_ratio is None:
+                raise ValueError(f"{kind} loss needs seq_log_ratio (sequence_loss.gspo_log_ratio)")
+            ratio = _masked(seq_log_ratio, loss_mask).clamp(max=_MAX_LOG_RATIO).exp()
+        else:
+            ratio = delta.clamp(max=_MAX_LOG_RATIO).exp()
         policy = PolicyTerms(logprobs, advantages, delta, ratio, clip_low, clip_high, beta)
         terms = POLICY_LOSSES[kind](policy)
     else:
@@ -137,6 +161,10 @@ def per_token_terms(
             raise ValueError("tis_cap needs old_logprobs and sampler_logprobs")
         behaviour = _masked(old_logprobs - sampler_logprobs, loss_mask).clamp(max=_MAX_LOG_RATIO)
         terms = terms * behaviour.exp().clamp(max=tis_cap).detach()
+    if seq_weight is not None:
+        if kind == "cross_entropy":
+            raise ValueError("a sequence-level correction weights a policy loss, not cross_entropy")
+        terms = terms * seq_weight.detach()
     if kl_coef:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
