@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class LossKind(str, Enum):
@@ -33,6 +33,14 @@ class LossKind(str, Enum):
     token's ratio taking its sequence's value ``s = exp(mean(lp - old_lp))`` over the tokens
     ``sequence_ratio_mask`` marks (default: the loss tokens) and its own log-prob's gradient:
     ``s_t = sg(s) * p_t / sg(p_t)``. A sequence split over ranks gets the same ``s``."""
+
+
+UNPUBLISHED_LOSSES = {
+    "stable_reinforce": "its objective is not published, so trainctl cannot compute it as "
+    "Tinker does; the nearest losses trainctl computes are 'gspo' (a clipped sequence-level "
+    "ratio) and 'importance_sampling'",
+}
+"""Loss names other services use that trainctl refuses on purpose, with the reason."""
 
 
 class Normalization(str, Enum):
@@ -106,6 +114,13 @@ class LossConfig(BaseModel):
         description="Geometric-mean masking: a sequence whose geometric-mean ratio is above "
         "this is left out of the loss.",
     )
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _not_unpublished(cls, kind: Any) -> Any:
+        if isinstance(kind, str) and kind in UNPUBLISHED_LOSSES:
+            raise ValueError(f"{kind!r}: {UNPUBLISHED_LOSSES[kind]}")
+        return kind
 
     @model_validator(mode="after")
     def _corrections_need_a_policy_loss(self) -> LossConfig:

@@ -42,6 +42,7 @@ from trainctl.api import (
     StepResult,
 )
 from trainctl.api.batch import SequenceBatch
+from trainctl.api.loss import UNPUBLISHED_LOSSES
 from trainctl.service.tinker import proto
 
 LOSS_KEYS: dict[str, str] = {
@@ -68,12 +69,6 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
 }
 """The ``loss_fn_config`` keys each loss reads."""
 
-UNPUBLISHED = {
-    "stable_reinforce": "its objective is not published, so trainctl cannot compute it as "
-    "Tinker does; the nearest losses trainctl computes are 'gspo' (a clipped sequence-level "
-    "ratio) and 'importance_sampling'",
-}
-"""Tinker loss names trainctl refuses on purpose, with the reason."""
 
 TINKER_REDUCTIONS = ("mean", "sum", "min", "max", "slack", "hash2", "unique")
 _REDUCTION = {"mean": "mean", "sum": "sum", "min": "min", "max": "max", "value": "mean"}
@@ -86,8 +81,8 @@ def _refuse(where: str, problem: str) -> InvalidRequestError:
 
 def loss_config(loss_fn: str, config: dict[str, float | str]) -> LossConfig:
     """The ``LossConfig`` of a Tinker loss name and its ``loss_fn_config``."""
-    if loss_fn in UNPUBLISHED:
-        raise _refuse("loss_fn", f"{loss_fn!r}: {UNPUBLISHED[loss_fn]}")
+    if loss_fn in UNPUBLISHED_LOSSES:
+        raise _refuse("loss_fn", f"{loss_fn!r}: {UNPUBLISHED_LOSSES[loss_fn]}")
     if loss_fn not in CONFIG_KEYS:
         known = ", ".join(CONFIG_KEYS)
         raise _refuse("loss_fn", f"{loss_fn!r} is not a loss trainctl computes ({known})")

@@ -177,6 +177,10 @@ def test_rl_loss_reaches_controller(http: TestClient, fake: FakeController) -> N
             "sequences[1] carries no per-token loss inputs",
         ),
         ({"sequences": [_rl(3)], "loss": {"kind": "grpo"}}, "loss.kind:"),
+        (
+            {"sequences": [_rl(3)], "loss": {"kind": "stable_reinforce"}},
+            "its objective is not published",
+        ),
         ({"sequences": [_rl(3)], "loss": {"kind": "ppo", "clip_low": 2}}, "loss.clip_low:"),
         (
             {"sequences": [_rl(3, advantages=[1.0, "inf", 2.0])], "loss": {"kind": "ppo"}},
