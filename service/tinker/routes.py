@@ -388,4 +388,4 @@ def install(app: FastAPI, order_timeout_s: float = 60.0) -> None:
     app.state.tinker = TinkerState(order_timeout_s=order_timeout_s)
     app.state.tinker_long_poll_s = LONG_POLL_S
     app.include_router(router)
-    sampling_sessions.install(app, app.state.tinker.evicted)
+    sampling_sessions.install(app, app.state.tinker)

@@ -7,7 +7,9 @@ of versions (``--sampler-versions``: the newest K syncs), so a ``snapshot`` clie
 step k samples exactly step k while training moves on, for as long as k is in the window;
 past it, it is **refused** with a 410 that names k and the oldest step served (Tinker
 category ``user``), never answered with other weights. An ``inflight`` client samples the
-newest version, which is step k or newer.
+newest version, which is step k or newer. A restart forgets every sampling client and empties
+the window: a client made before it gets a 410 saying so (session ids carry the gateway's
+start, ``TinkerState.epoch``), an id this start never issued a 404.
 
 A LoRA model's session samples with its adapter (on a service with ``--max-adapters``): the
 step is the adapter's, and the samplers serve each adapter's newest synced step.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,8 +75,15 @@ class SamplingSession:
 class SamplingSessions:
     """Sampling sessions, and the step of every sampler-weights path this gateway issued."""
 
-    def __init__(self, evicted: dict[str, int], limit: int = MAX_SAMPLING_SESSIONS) -> None:
+    def __init__(
+        self,
+        evicted: dict[str, int],
+        limit: int = MAX_SAMPLING_SESSIONS,
+        issued_before: Callable[[str], bool] = lambda _: False,
+    ) -> None:
         self.limit, self.evicted = limit, evicted
+        self.issued_before = issued_before
+        """Whether a Tinker session id came from an earlier start of the gateway."""
         self.evicted.setdefault("tinker_sampling_sessions", 0)
         self.sessions: OrderedDict[str, SamplingSession] = OrderedDict()
         self.sampler_paths: OrderedDict[str, tuple[str | None, int]] = OrderedDict()
@@ -91,6 +100,14 @@ class SamplingSessions:
 
     def get(self, sampling_session_id: str) -> SamplingSession:
         s = self.sessions.get(sampling_session_id)
+        if s is None and self.issued_before(sampling_session_id.split(":", 1)[0]):
+            raise GoneError(
+                f"sampling session {sampling_session_id!r} was made before the service "
+                "restarted: a restart forgets sampling clients and empties the samplers' "
+                "window of weight versions, so the weights it sampled are no longer served; "
+                "create a sampling client again",
+                details={"sampling_session_id": sampling_session_id, "restarted": True},
+            )
         if s is None:
             raise NotFoundError(
                 f"sampling session {sampling_session_id!r} is unknown or has expired: create "
@@ -406,6 +423,8 @@ async def asample(request: Request) -> dict[str, Any]:
     return {**future_of(f), "sample_sequence_ids": ids}
 
 
-def install(app: Any, evicted: dict[str, int]) -> None:
-    app.state.tinker_sampling = SamplingSessions(evicted)
+def install(app: Any, state: TinkerState) -> None:
+    app.state.tinker_sampling = SamplingSessions(
+        state.evicted, issued_before=state.issued_before_this_start
+    )
     app.include_router(router)

@@ -134,6 +134,10 @@ MAX_MODELS_PER_SESSION = 256
 """Model handles one session may make; a client that needs more starts another session."""
 
 
+EPOCH_CHARS = 6
+"""Hex characters of a session id that name the gateway's start (16.7 M starts apart)."""
+
+
 class TinkerState:
     def __init__(
         self,
@@ -161,6 +165,8 @@ class TinkerState:
         """(session_id, model_seq_id) -> (fingerprint, future id) of the model's creation."""
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
+        self.epoch = uuid.uuid4().hex[:EPOCH_CHARS]
+        """This start of the gateway: the first characters of every session id it issues."""
 
     # -- sessions and models -------------------------------------------------------------------
 
@@ -168,9 +174,18 @@ class TinkerState:
         self.expire_sessions()
         while len(self.sessions) >= self.max_sessions:  # the longest silent goes first
             self._drop_session(min(self.sessions.values(), key=lambda s: s.last_seen))
-        session_id = uuid.uuid4().hex[:16]
+        session_id = self.epoch + uuid.uuid4().hex[: 16 - EPOCH_CHARS]
         self.sessions[session_id] = Session(session_id)
         return session_id
+
+    def issued_before_this_start(self, session_id: str) -> bool:
+        """Whether ``session_id`` has the shape of one this gateway issues but another start
+        of it issued (a restart forgets every session and empties the samplers' window)."""
+        return (
+            len(session_id) == 16
+            and all(c in "0123456789abcdef" for c in session_id)
+            and not session_id.startswith(self.epoch)
+        )
 
     def session(self, session_id: str) -> Session:
         s = self.sessions.get(session_id)

@@ -430,3 +430,30 @@ def test_stable_reinforce_is_refused_in_one_line_naming_the_nearest_losses() -> 
     text = str(e.value)
     assert "\n" not in text and "not published" in text
     assert "'gspo'" in text and "'importance_sampling'" in text
+
+
+def test_a_sampling_client_from_before_a_restart_is_gone_not_unknown() -> None:
+    """Session ids carry the gateway's start: after a restart (a new ``TinkerState``), a
+    sampling client made before it gets a 410 that says the restart emptied the window; an
+    id this start could have issued but did not is a 404."""
+    from fastapi import FastAPI
+
+    from trainctl.api import GoneError, NotFoundError
+    from trainctl.service.tinker import routes
+
+    before, after = FastAPI(), FastAPI()
+    routes.install(before)
+    routes.install(after)
+    old = before.state.tinker.create_session()
+    new = after.state.tinker.create_session()
+    assert len(old) == len(new) == 16 and old[:6] != new[:6]
+    sessions = after.state.tinker_sampling
+    with pytest.raises(GoneError, match="made before the service restarted") as e:
+        sessions.get(f"{old}:sample:0")
+    assert e.value.status == 410 and e.value.details["restarted"] is True
+    with pytest.raises(GoneError):
+        sessions.get(f"{old}:train:0:sample:3")  # a LoRA model's sampling client
+    with pytest.raises(NotFoundError):
+        sessions.get(f"{new}:sample:0")
+    with pytest.raises(NotFoundError):
+        sessions.get("not-one-of-ours:sample:0")
