@@ -85,6 +85,9 @@ class SaveForSampler(ModelCall):
     sampling_session_seq_id: int | None = Field(default=None, ge=0)
     """Set (and ``path`` not) by ``save_weights_and_get_sampling_client``."""
     kind: str = "snapshot"
+    ttl_seconds: int | None = Field(default=None, ge=1)
+    """How long the saved weights stay servable; past it, their sampling clients get a
+    410. None: for as long as the samplers' window holds their step."""
 
 
 def adapter_name(model_id: str) -> str:

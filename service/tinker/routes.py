@@ -325,7 +325,7 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
 
     def exported(result: Any) -> dict[str, Any]:
         step = ExportResult.model_validate(result).step
-        sampling_sessions.remember_path(request, str(path), model.adapter, step)
+        sampling_sessions.remember_path(request, str(path), req, model.adapter, step)
         return {"path": str(path), "type": "save_weights_for_sampler"}
 
     return _in_order(

@@ -20,6 +20,7 @@ step is the adapter's, and the samplers serve each adapter's newest synced step.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -70,6 +71,39 @@ class SamplingSession:
     inflight: bool = False
     """Tinker's ``inflight`` kind: this step or any newer one (the samplers follow training
     with ``--sampler-sync after_step``); a snapshot samples exactly ``step``."""
+    expiry: Expiry | None = None
+    """When the weights were saved with ``ttl_seconds``: when they stop being served."""
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """Weights saved with Tinker's ``ttl_seconds``: servable until ``at`` (``time.time()``)."""
+
+    at: float
+    ttl_seconds: int
+
+    @classmethod
+    def after(cls, ttl_seconds: int | None) -> Expiry | None:
+        return None if ttl_seconds is None else cls(time.time() + ttl_seconds, ttl_seconds)
+
+    def check(self, what: str) -> None:
+        """A 410 once the time is up."""
+        if time.time() > self.at:
+            raise GoneError(
+                f"{what} were saved with ttl_seconds={self.ttl_seconds}, which have passed: "
+                "they are no longer served; save the weights again for a new sampling client",
+                details={"ttl_seconds": self.ttl_seconds, "expired": True},
+            )
+
+
+@dataclass(frozen=True)
+class PinnedWeights:
+    """What a ``save_weights_for_sampler`` path holds: its adapter (None: a full model), its
+    step, and its expiry."""
+
+    adapter: str | None
+    step: int
+    expiry: Expiry | None = None
 
 
 class SamplingSessions:
@@ -86,9 +120,8 @@ class SamplingSessions:
         """Whether a Tinker session id came from an earlier start of the gateway."""
         self.evicted.setdefault("tinker_sampling_sessions", 0)
         self.sessions: OrderedDict[str, SamplingSession] = OrderedDict()
-        self.sampler_paths: OrderedDict[str, tuple[str | None, int]] = OrderedDict()
-        """Each ``save_weights_for_sampler`` path: the adapter it holds (None: a full model)
-        and its step."""
+        self.sampler_paths: OrderedDict[str, PinnedWeights] = OrderedDict()
+        """Each ``save_weights_for_sampler`` path this start of the gateway issued."""
 
     def add(self, s: SamplingSession) -> SamplingSession:
         self.sessions[s.sampling_session_id] = s
@@ -113,10 +146,12 @@ class SamplingSessions:
                 f"sampling session {sampling_session_id!r} is unknown or has expired: create "
                 "a sampling client again"
             )
+        if s.expiry is not None:
+            s.expiry.check(f"the weights of step {s.step} this sampling client samples")
         return s
 
-    def remember_path(self, path: str, adapter: str | None, step: int) -> None:
-        self.sampler_paths[path] = (adapter, step)
+    def remember_path(self, path: str, weights: PinnedWeights) -> None:
+        self.sampler_paths[path] = weights
         while len(self.sampler_paths) > self.limit:
             self.sampler_paths.popitem(last=False)
 
@@ -181,13 +216,17 @@ def session_for(request: Request, req: SaveForSampler, result: Any) -> dict[str,
             step=synced.step,
             adapter=synced.adapter,
             inflight=req.kind == "inflight",
+            expiry=Expiry.after(req.ttl_seconds),
         )
     )
     return {"type": "save_weights_for_sampler", "sampling_session_id": s.sampling_session_id}
 
 
-def remember_path(request: Request, path: str, adapter: str | None, step: int) -> None:
-    _sessions(request).remember_path(path, adapter, step)
+def remember_path(
+    request: Request, path: str, req: SaveForSampler, adapter: str | None, step: int
+) -> None:
+    weights = PinnedWeights(adapter, step, Expiry.after(req.ttl_seconds))
+    _sessions(request).remember_path(path, weights)
 
 
 def _sessions(request: Request) -> SamplingSessions:
@@ -200,9 +239,9 @@ def _controller(request: Request) -> ControllerAPI:
 
 async def _pinned(
     request: Request, info: Info, model_path: str | None, base_model: str | None
-) -> tuple[str | None, int]:
-    """The adapter (None: the base) and step of the weights a sampling client asks for;
-    404/422 if there are none."""
+) -> PinnedWeights:
+    """The adapter (None: the base), step and expiry of the weights a sampling client asks
+    for; 404/422 if there are none, 410 if they expired."""
     if info.samplers is None:
         raise ConflictError(
             "this service has no samplers: start it with --samplers N to sample through Tinker"
@@ -212,7 +251,7 @@ async def _pinned(
             raise InvalidRequestError(
                 f"base_model: this service serves {info.model_name!r}, not {base_model!r}"
             )
-        return None, 0
+        return PinnedWeights(None, 0)
     path = TinkerPath.parse(model_path, "model_path")
     if path.kind == "sampler_weights":
         pinned = _sessions(request).sampler_paths.get(str(path))
@@ -221,6 +260,8 @@ async def _pinned(
                 f"model_path: {model_path!r} was not saved through this gateway since it "
                 "started (save_weights_for_sampler)"
             )
+        if pinned.expiry is not None:
+            pinned.expiry.check(f"the weights of {model_path!r}")
         return pinned
     if path.kind == "weights":
         if (await _controller(request).list_adapters()).max_adapters:
@@ -231,7 +272,7 @@ async def _pinned(
             )
         for c in (await _controller(request).list_checkpoints()).checkpoints:
             if c.checkpoint_id == path.name:
-                return None, c.step
+                return PinnedWeights(None, c.step)
         raise NotFoundError(f"model_path: no checkpoint {path.name!r}")
     raise InvalidRequestError(f"model_path: {model_path!r} names no weights")
 
@@ -365,15 +406,16 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
     state: TinkerState = request.app.state.tinker
     state.session(req.session_id)
     info = await _controller(request).info()
-    adapter, step = await _pinned(request, info, req.model_path, req.base_model)
-    _check_served(step, adapter, info)
+    pinned = await _pinned(request, info, req.model_path, req.base_model)
+    _check_served(pinned.step, pinned.adapter, info)
     s = _sessions(request).add(
         SamplingSession(
             sampling_session_id=f"{req.session_id}:sample:{req.sampling_session_seq_id}",
             base_model=info.model_name,
             model_path=req.model_path,
-            step=step,
-            adapter=adapter,
+            step=pinned.step,
+            adapter=pinned.adapter,
+            expiry=pinned.expiry,
         )
     )
     return {"type": "create_sampling_session", "sampling_session_id": s.sampling_session_id}
@@ -399,7 +441,8 @@ async def asample(request: Request) -> dict[str, Any]:
         adapter, step, inflight = session.adapter, session.step, session.inflight
     else:
         info = await _controller(request).info()
-        adapter, step = await _pinned(request, info, req.model_path, req.base_model)
+        pinned = await _pinned(request, info, req.model_path, req.base_model)
+        adapter, step = pinned.adapter, pinned.step
     native = native_request(req, None if inflight else step, adapter)
     native.check_limits(await get_limits(request, _controller(request)))
     controller = _controller(request)

@@ -87,15 +87,43 @@ def test_a_token_id_beyond_int32_is_a_422_not_an_overflow() -> None:
 
 def test_sampling_sessions_are_bounded_and_their_evictions_counted() -> None:
     from trainctl.api import NotFoundError
-    from trainctl.service.tinker.sampling_sessions import SamplingSession, SamplingSessions
+    from trainctl.service.tinker.sampling_sessions import (
+        PinnedWeights,
+        SamplingSession,
+        SamplingSessions,
+    )
 
     evicted: dict[str, int] = {}
     table = SamplingSessions(evicted, limit=8)
     for i in range(20):
         table.add(SamplingSession(f"s:sample:{i}", "m", None, step=i))
-        table.remember_path(f"tinker://m/sampler_weights/{i}", None, i)
+        table.remember_path(f"tinker://m/sampler_weights/{i}", PinnedWeights(None, i))
     assert len(table.sessions) == 8 and len(table.sampler_paths) == 8
     assert evicted["tinker_sampling_sessions"] == 12
     assert table.get("s:sample:19").step == 19
     with pytest.raises(NotFoundError, match="unknown or has expired"):
         table.get("s:sample:0")
+
+
+def test_weights_saved_with_a_ttl_are_gone_once_it_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tinker's ``ttl_seconds``: a sampling client of weights saved with one samples until it
+    passes, then gets a 410 naming it; one saved without keeps sampling."""
+    import time
+
+    from trainctl.api import GoneError
+    from trainctl.service.tinker import sampling_sessions as ss
+
+    table = ss.SamplingSessions({})
+    now = time.time()
+    monkeypatch.setattr(ss.time, "time", lambda: now)
+    table.add(ss.SamplingSession("a:sample:0", "m", None, step=3, expiry=ss.Expiry.after(60)))
+    table.add(ss.SamplingSession("a:sample:1", "m", None, step=3))
+    assert table.get("a:sample:0").step == 3
+    monkeypatch.setattr(ss.time, "time", lambda: now + 61)
+    with pytest.raises(GoneError, match="ttl_seconds=60, which have passed") as e:
+        table.get("a:sample:0")
+    assert e.value.status == 410
+    assert table.get("a:sample:1").step == 3
+    assert ss.Expiry.after(None) is None
