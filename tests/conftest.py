@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from helpers.clock import GroupClock
-from helpers.tiers import end_tier
+from helpers.tiers import end_tier, end_uses, record_last_uses
 
 _TIERS = ("unit", "distributed", "service", "sampler", "gpu")
 _MARKS = {"deploy": "unit"}  # chart tests: fast, offline, no Ray
@@ -59,12 +59,30 @@ def group_of(nodeid: str) -> str:
     return path
 
 
-def _hand_out_rank(nodeid: str) -> tuple[int, int]:
+_IN_GROUP_ORDER = {
+    "sampler": (
+        "test_engine.py",
+        "test_lora_sampling.py",  # `lora_sampled`: these two, then it closes
+        "test_sampler_robustness.py",
+        "test_rl_loop.py",  # `sampled` (and `qwen3_manual`, within test_sampler.py)
+        "test_sampler.py",
+        "test_tinker_sampling.py",
+    ),
+}
+"""Module order inside a group whose modules share session services: each service's users
+run together, so that it closes after its last one (``helpers/tiers.until_last_use``)
+instead of idling beside the next service's tests. Modules not listed run after these."""
+
+
+def _hand_out_rank(nodeid: str) -> tuple[int, int, int]:
     group = group_of(nodeid)
+    order = _IN_GROUP_ORDER.get(group, ())
+    module = Path(nodeid.split("::", 1)[0]).name
+    inside = order.index(module) if module in order else len(order)
     if group in _LONGEST_FIRST:
-        return (0, _LONGEST_FIRST.index(group))
+        return (0, _LONGEST_FIRST.index(group), inside)
     folder = Path(nodeid.split("::", 1)[0]).parent.name
-    return (1, _ORDER.index(folder) if folder in _ORDER else len(_ORDER))
+    return (1, _ORDER.index(folder) if folder in _ORDER else len(_ORDER), inside)
 
 
 def _folder(item: pytest.Item) -> str:
@@ -73,6 +91,7 @@ def _folder(item: pytest.Item) -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: _hand_out_rank(item.nodeid))  # stable: in-group order stays
+    record_last_uses(items)  # after the sort: run order (-k and -m deselect before this)
     for item in items:
         folder = _folder(item)
         tier = _MARKS.get(folder, folder)
@@ -107,6 +126,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     result = yield
+    end_uses(item.nodeid)  # a fixture whose last user this was (helpers/tiers.py)
     if nextitem is None or group_of(nextitem.nodeid) != group_of(item.nodeid):
         end_tier(_folder(item))  # a tier's shared resources serve one group: end with it
     return result

@@ -15,7 +15,7 @@ import pytest
 from helpers.hf_models import tiny_model
 from helpers.parity import MAX_QUEUED, MAX_QUEUED_TOKENS, SAMPLER_TIMEOUT_S
 from helpers.servicekit import Service, running_service
-from helpers.tiers import until_tier_ends
+from helpers.tiers import until_last_use
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -32,7 +32,8 @@ def sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     untrained weights are saved as the checkpoint ``untrained``, which a test may load to
     start again from the base model (Tinker's ``create_model`` wants one)."""
     data = tmp_path_factory.mktemp("sampled")
-    with until_tier_ends("sampler", running_service(data, "--dp", "2", "--samplers", "2")) as svc:
+    service = running_service(data, "--dp", "2", "--samplers", "2")
+    with until_last_use("sampled", "sampler", service) as svc:
         with svc.client() as tc:
             tc.save_checkpoint("untrained")
         yield svc
@@ -46,7 +47,7 @@ def qwen3_manual(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     tiny_model("qwen3", Path(root / "hf"))
     flags = ("--init-hf", str(root / "hf"), "--tp", "2", "--dp", "1", "--samplers", "1",
              "--sampler-sync", "manual")  # fmt: skip
-    with until_tier_ends("sampler", running_service(root / "data", *flags)) as svc:
+    with until_last_use("qwen3_manual", "sampler", running_service(root / "data", *flags)) as svc:
         yield svc
 
 
@@ -60,5 +61,5 @@ def lora_sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
              "--sampler-timeout-s", str(SAMPLER_TIMEOUT_S),
              "--sampler-max-queued", str(MAX_QUEUED),
              "--sampler-max-queued-tokens", str(MAX_QUEUED_TOKENS))  # fmt: skip
-    with until_tier_ends("sampler", running_service(data, *flags)) as svc:
+    with until_last_use("lora_sampled", "sampler", running_service(data, *flags)) as svc:
         yield svc
