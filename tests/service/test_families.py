@@ -2,7 +2,7 @@
 wrote (on a layout that splits what the family adds), trained a step, exported. The export has
 the input's tensor names and dtypes (a tied model: no ``lm_head.weight``), and an engine
 started from it as a service starts one gives the same eval loss. The MoE family also replays
-given routes over HTTP, and a dense one refuses them; Qwen3.5 first takes five steps from the
+given routes over HTTP, and a dense one refuses them; Qwen3.5 first takes three steps from the
 ``tinker`` SDK."""
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _routes_over_http(url: str, c: Any, batch: list[dict], config: dict) -> None
 
 
 def _tinker_steps_lower_the_loss(url: str, batch: list[dict]) -> None:
-    """Five ``cross_entropy`` steps of the real ``tinker`` SDK (full fine-tuning: rank 0)."""
+    """Three ``cross_entropy`` steps of the real ``tinker`` SDK (full fine-tuning: rank 0)."""
     tinker = pytest.importorskip("tinker", reason="the dev extra installs tinker")
     from tinker import types
 
@@ -149,7 +149,7 @@ def _tinker_steps_lower_the_loss(url: str, batch: list[dict]) -> None:
     training = sc.create_lora_training_client(base_model="source", rank=0).result()
     data = [datum(s["tokens"]) for s in batch[:4]]
     losses = []
-    for _ in range(5):
+    for _ in range(3):
         fb = training.forward_backward(data, "cross_entropy").result()
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         losses.append(fb.metrics["loss:sum"])
