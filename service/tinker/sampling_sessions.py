@@ -20,10 +20,7 @@ step is the adapter's, and the samplers serve each adapter's newest synced step.
 from __future__ import annotations
 
 import contextlib
-import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -50,110 +47,16 @@ from trainctl.service.tinker import proto
 from trainctl.service.tinker.bodies import Body, SaveForSampler, json_object, validated
 from trainctl.service.tinker.convert import TinkerPath
 from trainctl.service.tinker.native import future_of
+from trainctl.service.tinker.sampling_table import (
+    Expiry,
+    PinnedWeights,
+    SamplingSession,
+    SamplingSessions,
+)
 from trainctl.service.tinker.state import TinkerState
 
 STOP_REASON = {"stop": 0, "length": 1}
 """Tinker's ``StopReason`` enum; vLLM's 'abort' never reaches a finished result."""
-
-MAX_SAMPLING_SESSIONS = 4096
-"""Sampling sessions (and remembered sampler-weight paths) kept; the oldest go first."""
-
-
-@dataclass(frozen=True)
-class SamplingSession:
-    sampling_session_id: str
-    base_model: str
-    model_path: str | None
-    step: int
-    """The optimizer step of the weights this session samples (its adapter's, with one)."""
-    adapter: str | None = None
-    """The LoRA adapter it samples with; None: the base model."""
-    inflight: bool = False
-    """Tinker's ``inflight`` kind: this step or any newer one (the samplers follow training
-    with ``--sampler-sync after_step``); a snapshot samples exactly ``step``."""
-    expiry: Expiry | None = None
-    """When the weights were saved with ``ttl_seconds``: when they stop being served."""
-
-
-@dataclass(frozen=True)
-class Expiry:
-    """Weights saved with Tinker's ``ttl_seconds``: servable until ``at`` (``time.time()``)."""
-
-    at: float
-    ttl_seconds: int
-
-    @classmethod
-    def after(cls, ttl_seconds: int | None) -> Expiry | None:
-        return None if ttl_seconds is None else cls(time.time() + ttl_seconds, ttl_seconds)
-
-    def check(self, what: str) -> None:
-        """A 410 once the time is up."""
-        if time.time() > self.at:
-            raise GoneError(
-                f"{what} were saved with ttl_seconds={self.ttl_seconds}, which have passed: "
-                "they are no longer served; save the weights again for a new sampling client",
-                details={"ttl_seconds": self.ttl_seconds, "expired": True},
-            )
-
-
-@dataclass(frozen=True)
-class PinnedWeights:
-    """What a ``save_weights_for_sampler`` path holds: its adapter (None: a full model), its
-    step, and its expiry."""
-
-    adapter: str | None
-    step: int
-    expiry: Expiry | None = None
-
-
-class SamplingSessions:
-    """Sampling sessions, and the step of every sampler-weights path this gateway issued."""
-
-    def __init__(
-        self,
-        evicted: dict[str, int],
-        limit: int = MAX_SAMPLING_SESSIONS,
-        issued_before: Callable[[str], bool] = lambda _: False,
-    ) -> None:
-        self.limit, self.evicted = limit, evicted
-        self.issued_before = issued_before
-        """Whether a Tinker session id came from an earlier start of the gateway."""
-        self.evicted.setdefault("tinker_sampling_sessions", 0)
-        self.sessions: OrderedDict[str, SamplingSession] = OrderedDict()
-        self.sampler_paths: OrderedDict[str, PinnedWeights] = OrderedDict()
-        """Each ``save_weights_for_sampler`` path this start of the gateway issued."""
-
-    def add(self, s: SamplingSession) -> SamplingSession:
-        self.sessions[s.sampling_session_id] = s
-        self.sessions.move_to_end(s.sampling_session_id)
-        while len(self.sessions) > self.limit:
-            self.sessions.popitem(last=False)
-            self.evicted["tinker_sampling_sessions"] += 1
-        return s
-
-    def get(self, sampling_session_id: str) -> SamplingSession:
-        s = self.sessions.get(sampling_session_id)
-        if s is None and self.issued_before(sampling_session_id.split(":", 1)[0]):
-            raise GoneError(
-                f"sampling session {sampling_session_id!r} was made before the service "
-                "restarted: a restart forgets sampling clients and empties the samplers' "
-                "window of weight versions, so the weights it sampled are no longer served; "
-                "create a sampling client again",
-                details={"sampling_session_id": sampling_session_id, "restarted": True},
-            )
-        if s is None:
-            raise NotFoundError(
-                f"sampling session {sampling_session_id!r} is unknown or has expired: create "
-                "a sampling client again"
-            )
-        if s.expiry is not None:
-            s.expiry.check(f"the weights of step {s.step} this sampling client samples")
-        return s
-
-    def remember_path(self, path: str, weights: PinnedWeights) -> None:
-        self.sampler_paths[path] = weights
-        while len(self.sampler_paths) > self.limit:
-            self.sampler_paths.popitem(last=False)
 
 
 class CreateSamplingSession(Body):
@@ -254,15 +157,7 @@ async def _pinned(
         return PinnedWeights(None, 0)
     path = TinkerPath.parse(model_path, "model_path")
     if path.kind == "sampler_weights":
-        pinned = _sessions(request).sampler_paths.get(str(path))
-        if pinned is None:
-            raise NotFoundError(
-                f"model_path: {model_path!r} was not saved through this gateway since it "
-                "started (save_weights_for_sampler)"
-            )
-        if pinned.expiry is not None:
-            pinned.expiry.check(f"the weights of {model_path!r}")
-        return pinned
+        return _sessions(request).pinned(str(path))
     if path.kind == "weights":
         if (await _controller(request).list_adapters()).max_adapters:
             raise InvalidRequestError(

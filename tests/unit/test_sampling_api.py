@@ -87,7 +87,7 @@ def test_a_token_id_beyond_int32_is_a_422_not_an_overflow() -> None:
 
 def test_sampling_sessions_are_bounded_and_their_evictions_counted() -> None:
     from trainctl.api import NotFoundError
-    from trainctl.service.tinker.sampling_sessions import (
+    from trainctl.service.tinker.sampling_table import (
         PinnedWeights,
         SamplingSession,
         SamplingSessions,
@@ -113,15 +113,19 @@ def test_weights_saved_with_a_ttl_are_gone_once_it_passes(
     import time
 
     from trainctl.api import GoneError
-    from trainctl.service.tinker import sampling_sessions as ss
+    from trainctl.service.tinker import sampling_table as ss
 
     table = ss.SamplingSessions({})
     now = time.time()
     monkeypatch.setattr(ss.time, "time", lambda: now)
     table.add(ss.SamplingSession("a:sample:0", "m", None, step=3, expiry=ss.Expiry.after(60)))
     table.add(ss.SamplingSession("a:sample:1", "m", None, step=3))
-    assert table.get("a:sample:0").step == 3
+    path = "tinker://a:train:0/sampler_weights/final"
+    table.remember_path(path, ss.PinnedWeights(None, 3, ss.Expiry.after(60)))
+    assert table.get("a:sample:0").step == 3 and table.pinned(path).step == 3
     monkeypatch.setattr(ss.time, "time", lambda: now + 61)
+    with pytest.raises(GoneError, match="ttl_seconds=60"):
+        table.pinned(path)  # a client made from the path after its TTL
     with pytest.raises(GoneError, match="ttl_seconds=60, which have passed") as e:
         table.get("a:sample:0")
     assert e.value.status == 410

@@ -1,0 +1,126 @@
+"""The gateway's table of Tinker sampling clients: each client's pinned weights (the step,
+the adapter, an expiry from ``ttl_seconds``), and the step of every sampler-weights path this
+start of the gateway issued. Bounded: the oldest entries go first, and their evictions are
+counted. The routes that fill and read it: ``sampling_sessions.py``."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from trainctl.api import GoneError, NotFoundError
+
+MAX_SAMPLING_SESSIONS = 4096
+"""Sampling sessions (and remembered sampler-weight paths) kept; the oldest go first."""
+
+
+@dataclass(frozen=True)
+class SamplingSession:
+    sampling_session_id: str
+    base_model: str
+    model_path: str | None
+    step: int
+    """The optimizer step of the weights this session samples (its adapter's, with one)."""
+    adapter: str | None = None
+    """The LoRA adapter it samples with; None: the base model."""
+    inflight: bool = False
+    """Tinker's ``inflight`` kind: this step or any newer one (the samplers follow training
+    with ``--sampler-sync after_step``); a snapshot samples exactly ``step``."""
+    expiry: Expiry | None = None
+    """When the weights were saved with ``ttl_seconds``: when they stop being served."""
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """Weights saved with Tinker's ``ttl_seconds``: servable until ``at`` (``time.time()``)."""
+
+    at: float
+    ttl_seconds: int
+
+    @classmethod
+    def after(cls, ttl_seconds: int | None) -> Expiry | None:
+        return None if ttl_seconds is None else cls(time.time() + ttl_seconds, ttl_seconds)
+
+    def check(self, what: str) -> None:
+        """A 410 once the time is up."""
+        if time.time() > self.at:
+            raise GoneError(
+                f"{what} were saved with ttl_seconds={self.ttl_seconds}, which have passed: "
+                "they are no longer served; save the weights again for a new sampling client",
+                details={"ttl_seconds": self.ttl_seconds, "expired": True},
+            )
+
+
+@dataclass(frozen=True)
+class PinnedWeights:
+    """What a ``save_weights_for_sampler`` path holds: its adapter (None: a full model), its
+    step, and its expiry."""
+
+    adapter: str | None
+    step: int
+    expiry: Expiry | None = None
+
+
+class SamplingSessions:
+    """Sampling sessions, and the step of every sampler-weights path this gateway issued."""
+
+    def __init__(
+        self,
+        evicted: dict[str, int],
+        limit: int = MAX_SAMPLING_SESSIONS,
+        issued_before: Callable[[str], bool] = lambda _: False,
+    ) -> None:
+        self.limit, self.evicted = limit, evicted
+        self.issued_before = issued_before
+        """Whether a Tinker session id came from an earlier start of the gateway."""
+        self.evicted.setdefault("tinker_sampling_sessions", 0)
+        self.sessions: OrderedDict[str, SamplingSession] = OrderedDict()
+        self.sampler_paths: OrderedDict[str, PinnedWeights] = OrderedDict()
+        """Each ``save_weights_for_sampler`` path this start of the gateway issued."""
+
+    def add(self, s: SamplingSession) -> SamplingSession:
+        self.sessions[s.sampling_session_id] = s
+        self.sessions.move_to_end(s.sampling_session_id)
+        while len(self.sessions) > self.limit:
+            self.sessions.popitem(last=False)
+            self.evicted["tinker_sampling_sessions"] += 1
+        return s
+
+    def get(self, sampling_session_id: str) -> SamplingSession:
+        s = self.sessions.get(sampling_session_id)
+        if s is None and self.issued_before(sampling_session_id.split(":", 1)[0]):
+            raise GoneError(
+                f"sampling session {sampling_session_id!r} was made before the service "
+                "restarted: a restart forgets sampling clients and empties the samplers' "
+                "window of weight versions, so the weights it sampled are no longer served; "
+                "create a sampling client again",
+                details={"sampling_session_id": sampling_session_id, "restarted": True},
+            )
+        if s is None:
+            raise NotFoundError(
+                f"sampling session {sampling_session_id!r} is unknown or has expired: create "
+                "a sampling client again"
+            )
+        if s.expiry is not None:
+            s.expiry.check(f"the weights of step {s.step} this sampling client samples")
+        return s
+
+    def pinned(self, path: str) -> PinnedWeights:
+        """The weights a ``save_weights_for_sampler`` path holds: 404 if this start of the
+        gateway never issued it, 410 once its ``ttl_seconds`` passed."""
+        pinned = self.sampler_paths.get(path)
+        if pinned is None:
+            raise NotFoundError(
+                f"model_path: {path!r} was not saved through this gateway since it started "
+                "(save_weights_for_sampler)"
+            )
+        if pinned.expiry is not None:
+            pinned.expiry.check(f"the weights of {path!r}")
+        return pinned
+
+    def remember_path(self, path: str, weights: PinnedWeights) -> None:
+        self.sampler_paths[path] = weights
+        while len(self.sampler_paths) > self.limit:
+            self.sampler_paths.popitem(last=False)
