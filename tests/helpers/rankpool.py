@@ -11,7 +11,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -21,13 +22,7 @@ from typing import Any
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
+def _serve(rank: int, world: int, store_file: str, inbox: Any, outbox: Any) -> None:
     import warnings
 
     import torch
@@ -37,7 +32,7 @@ def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{store_file}",  # no port to race other processes for
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
@@ -145,19 +140,22 @@ class RankPool:
     def __init__(self, world_size: int, timeout_s: float = 300.0) -> None:
         self.world_size, self.timeout_s = world_size, timeout_s
         self.restarts = 0
+        self._store_dir = tempfile.mkdtemp(prefix="trainctl-rankpool-")
+        self._starts = 0
         self._start()
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         world_size = self.world_size
         self._dirty = False
-        port = _free_port()
+        self._starts += 1
+        store_file = os.path.join(self._store_dir, f"store-{self._starts}")
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         self._outbox = ctx.Queue()
         self._procs = [
             ctx.Process(
                 target=_serve,
-                args=(r, world_size, port, self._inboxes[r], self._outbox),
+                args=(r, world_size, store_file, self._inboxes[r], self._outbox),
                 daemon=True,
             )
             for r in range(world_size)
@@ -173,7 +171,7 @@ class RankPool:
     def restart_if_dirty(self) -> None:
         """Replace the ranks if the last case left process groups alive."""
         if self._dirty:
-            self.close()
+            self._stop()
             self._start()
             self.restarts += 1
 
@@ -211,6 +209,10 @@ class RankPool:
         return [p.pid for p in self._procs if p.pid is not None]
 
     def close(self) -> None:
+        self._stop()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+
+    def _stop(self) -> None:
         for box in self._inboxes:
             box.put(None)
         for p in self._procs:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import warnings
 from typing import Any
@@ -64,10 +63,10 @@ def _single_rank_engine(engine_cfg: dict[str, Any] | None) -> Any:
     from trainctl.workers.engine.shard import EngineShard
 
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        # A world of one needs no rendezvous: an in-process store, no port to race for.
+        from torch._C._distributed_c10d import HashStore
+
+        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
     return EngineShard(EngineConfig.from_dict(engine_cfg or {}))
 
 
