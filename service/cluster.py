@@ -28,21 +28,15 @@ keep, yet wait out timeouts of their own (about 15 s measured) before exiting, s
 grace only delays every stop (it was 3 s: the whole of it, every time)."""
 
 
+DEFAULT_WORKER_PORTS = "10002-19999"
+"""The local Ray head's worker port range unless ``--ray-worker-ports`` says otherwise."""
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now (another process may still take it first)."""
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on loopback now: all bound at once, then released."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """A TCP port free now, outside the kernel's ephemeral range and the default Ray worker
+    ports (see :func:`quiet_ports`): for a server a caller starts a moment later."""
+    low, high = DEFAULT_WORKER_PORTS.split("-")
+    return quiet_ports(1, avoid=(int(low), int(high)))[0]
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -104,7 +98,7 @@ class LocalRayHead:
     """``with LocalRayHead(num_cpus, log_path) as address: ray.init(address=address)``."""
 
     def __init__(
-        self, *, num_cpus: int | None, log_path: Path, worker_ports: str = "10002-19999"
+        self, *, num_cpus: int | None, log_path: Path, worker_ports: str = DEFAULT_WORKER_PORTS
     ) -> None:
         self.num_cpus = num_cpus
         self.log_path = log_path

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trainctl.service.cluster import DEFAULT_WORKER_PORTS
 from trainctl.workers.engine.config import EngineConfig
 
 _ENGINE = EngineConfig()
@@ -333,7 +334,7 @@ class Settings(BaseSettings):
         "process is killed before it can stop the service.",
     )
     ray_worker_ports: str = Field(
-        "10002-19999",
+        DEFAULT_WORKER_PORTS,
         pattern=r"^\d+-\d+$",
         description="Port range of the local Ray head's worker processes (ignored when "
         "joining a cluster); every other port of the head is picked by trainctl.",
