@@ -17,6 +17,10 @@ from typing import Any
 
 import pytest
 
+# Installs megatron_jit's hook before any test module imports megatron-core, so this process
+# runs megatron's fused functions as the ranks do (eagerly, without CUDA).
+import trainctl.workers.engine  # noqa: F401
+
 from helpers.clock import GroupClock
 from helpers.tiers import end_tier, end_uses, record_last_uses
 

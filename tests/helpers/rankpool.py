@@ -28,6 +28,8 @@ def _serve(rank: int, world: int, store_file: str, inbox: Any, outbox: Any) -> N
     import torch
     import torch.distributed as dist
 
+    import trainctl.workers.engine  # noqa: F401  (megatron_jit's hook, before any case's imports)
+
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group(
