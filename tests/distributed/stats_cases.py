@@ -8,7 +8,8 @@ import torch.distributed as dist
 from trainctl.workers.control.plan import pack
 from trainctl.workers.engine.inputs import packed_tokens
 from trainctl.workers.ops.cp import split_for_cp
-from trainctl.workers.ops.metrics import Reduction, StatsTracker, sequence_log_ppl
+from trainctl.workers.ops.metrics import Reduction, StatsTracker
+from trainctl.workers.ops.sequence_loss import SequenceIndex
 
 from ops_cases import V, grid, rl_sequences
 
@@ -39,12 +40,10 @@ def stats_case() -> dict[str, float]:
     )
     tracker.stat(denominator="n_valid_tokens", reduction=Reduction.MIN, vocab_min=x.min(-1).values)
     tracker.stat(denominator="n_valid_tokens", reduction=Reduction.MAX, vocab_max=x.max(-1).values)
-    log_ppl, has = sequence_log_ppl(
-        nll, t["loss_mask"], t["seq_id"], len(seqs), cp_group=g.groups["cp"]
-    )
+    total, counts = SequenceIndex(t["seq_id"], len(seqs), g.groups["cp"]).sums(nll, t["loss_mask"])
     for i in range(len(seqs)):
-        if has[i]:
-            tracker.scalar(f"log_ppl_seq{i}", float(log_ppl[i]), Reduction.MAX)
+        if counts[i] > 0:
+            tracker.scalar(f"log_ppl_seq{i}", float(total[i] / counts[i]), Reduction.MAX)
     return tracker.export(group=g.groups["cp"])
 
 
@@ -58,10 +57,10 @@ def ppl_uneven_case() -> float:
         else torch.tensor([0.3, 0.3], dtype=torch.float64)
     )
     mask = torch.tensor([1.0, 0.0]) if r == 0 else torch.tensor([1.0, 1.0])
-    log_ppl, _ = sequence_log_ppl(
-        nll, mask, torch.zeros(2, dtype=torch.long), 1, cp_group=g.groups["cp"]
+    total, counts = SequenceIndex(torch.zeros(2, dtype=torch.long), 1, g.groups["cp"]).sums(
+        nll, mask
     )
-    return float(torch.exp(log_ppl[0]))
+    return float(torch.exp(total[0] / counts[0]))
 
 
 def scalar_mean_case() -> float:

@@ -9,7 +9,8 @@ from torch import nn
 
 from trainctl.api.models import LossConfig, LossKind
 from trainctl.workers.ops.loss import LOSS_KINDS, connected_zero, local_loss, per_token_terms
-from trainctl.workers.ops.metrics import Reduction, StatsTracker, sequence_log_ppl
+from trainctl.workers.ops.metrics import Reduction, StatsTracker
+from trainctl.workers.ops.sequence_loss import SequenceIndex
 
 
 def _model() -> nn.Module:
@@ -163,13 +164,13 @@ def test_t1_12_single_key_export() -> None:
     assert t.export() == {"valid:sum": 2.0}  # the other key is still there, the first is gone
 
 
-def test_sequence_log_ppl_single_rank() -> None:
+def test_per_sequence_sums_single_rank() -> None:
     nll = torch.tensor([0.9, 0.3, 0.3, 2.0])
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
     seq_id = torch.tensor([0, 0, 0, 1])
-    log_ppl, has = sequence_log_ppl(nll, mask, seq_id, 2, cp_group=None)
-    assert has.tolist() == [True, False]
-    assert abs(float(log_ppl[0]) - 0.5) < 1e-12
+    total, counts = SequenceIndex(seq_id, 2, None).sums(nll, mask)
+    assert counts.tolist() == [3.0, 0.0]
+    assert abs(float(total[0] / counts[0]) - 0.5) < 1e-12 and float(total[1]) == 0.0
 
 
 def test_ensure_adds_identities_and_keeps_what_was_recorded() -> None:

@@ -35,7 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-_MAX_LOG_RATIO = 20.0  # keeps exp() finite (e^20 ~ 5e8) when a token's log-ratio explodes
+MAX_LOG_RATIO = 20.0
+"""A log-ratio is capped here before ``exp`` (e^20 ~ 5e8), so a ratio stays finite when a
+token's (or a sequence's) log-ratio explodes. Every ratio of the losses and metrics uses it."""
 
 
 def connected_zero(output: Tensor) -> Tensor:
@@ -147,9 +149,9 @@ def per_token_terms(
         if kind in SEQUENCE_LEVEL:
             if seq_log_ratio is None:
                 raise ValueError(f"{kind} loss needs seq_log_ratio (sequence_loss.gspo_log_ratio)")
-            ratio = _masked(seq_log_ratio, loss_mask).clamp(max=_MAX_LOG_RATIO).exp()
+            ratio = _masked(seq_log_ratio, loss_mask).clamp(max=MAX_LOG_RATIO).exp()
         else:
-            ratio = delta.clamp(max=_MAX_LOG_RATIO).exp()
+            ratio = delta.clamp(max=MAX_LOG_RATIO).exp()
         policy = PolicyTerms(logprobs, advantages, delta, ratio, clip_low, clip_high, beta)
         terms = POLICY_LOSSES[kind](policy)
     else:
@@ -159,7 +161,7 @@ def per_token_terms(
             raise ValueError("tis_cap corrects a policy loss, not cross_entropy")
         if sampler_logprobs is None or old_logprobs is None:
             raise ValueError("tis_cap needs old_logprobs and sampler_logprobs")
-        behaviour = _masked(old_logprobs - sampler_logprobs, loss_mask).clamp(max=_MAX_LOG_RATIO)
+        behaviour = _masked(old_logprobs - sampler_logprobs, loss_mask).clamp(max=MAX_LOG_RATIO)
         terms = terms * behaviour.exp().clamp(max=tis_cap).detach()
     if seq_weight is not None:
         if kind == "cross_entropy":
@@ -168,7 +170,7 @@ def per_token_terms(
     if kl_coef:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        d = _masked(ref_logprobs - logprobs, loss_mask).clamp(max=_MAX_LOG_RATIO)
+        d = _masked(ref_logprobs - logprobs, loss_mask).clamp(max=MAX_LOG_RATIO)
         terms = terms + kl_coef * (d.exp() - d - 1.0)
     return _masked(terms, loss_mask)
 

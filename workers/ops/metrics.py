@@ -148,21 +148,3 @@ class StatsTracker:
         if key is None:
             self._denominators.clear()
         return out
-
-
-def sequence_log_ppl(
-    nll: Tensor, mask: Tensor, seq_id: Tensor, num_seqs: int, *, cp_group: ProcessGroup | None
-) -> tuple[Tensor, Tensor]:
-    """Per-sequence mean NLL (log-perplexity) ``[num_seqs]`` and a has-tokens mask.
-
-    Partial sums over this rank's tokens are all-reduced over the CP group *before* dividing:
-    a sequence split unevenly over CP ranks gets its true mean, not a mean of rank means.
-    """
-    w = mask.double()
-    zeros = torch.zeros(num_seqs, dtype=torch.float64, device=nll.device)
-    sums = zeros.index_add(0, seq_id, nll.double() * w)
-    counts = zeros.index_add(0, seq_id, w)
-    _all_reduce(sums, dist.ReduceOp.SUM, cp_group)
-    _all_reduce(counts, dist.ReduceOp.SUM, cp_group)
-    has = counts > 0
-    return torch.where(has, sums / counts.clamp(min=1), 0.0), has

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from trainctl.workers.ops.metrics import Reduction, StatsTracker, sequence_log_ppl
-
-_MAX_LOG_RATIO = 20.0
+from trainctl.workers.ops.loss import MAX_LOG_RATIO
+from trainctl.workers.ops.metrics import Reduction, StatsTracker
+from trainctl.workers.ops.sequence_loss import SequenceIndex
 
 
 def policy_metric_keys(*, with_ref: bool, with_entropy: bool) -> list[tuple[str, Reduction]]:
@@ -64,7 +64,7 @@ def record_policy_metrics(
     lp = logprobs.detach().double()
     mask = loss_mask > 0
     delta = torch.where(mask, lp - old_logprobs.double(), torch.zeros_like(lp))
-    ratio = delta.clamp(max=_MAX_LOG_RATIO).exp()
+    ratio = delta.clamp(max=MAX_LOG_RATIO).exp()
     tracker.denominator(loss_tokens=mask)
     tracker.stat(denominator="loss_tokens", ratio=ratio)
     tracker.stat(denominator="loss_tokens", reduction=Reduction.MIN, ratio=ratio)
@@ -82,16 +82,13 @@ def record_policy_metrics(
         tracker.stat(denominator="loss_tokens", kl_ref=_k3(d))
     if entropy is not None:
         tracker.stat(denominator="loss_tokens", entropy=entropy)
-    # Sequence level: sum(lp - old) per sequence, summed over CP before exp. sequence_log_ppl
-    # gives the per-sequence *mean*; times the token count it is the sum.
-    mean, has = sequence_log_ppl(delta, mask, seq_id, num_seqs, cp_group=cp_group)
-    counts = torch.zeros(num_seqs, dtype=torch.float64, device=mask.device)
-    counts.index_add_(0, seq_id, mask.double())
-    if cp_group is not None and torch.distributed.get_world_size(cp_group) > 1:
-        torch.distributed.all_reduce(counts, group=cp_group)
-    seq_ratio = (mean * counts).clamp(max=_MAX_LOG_RATIO).exp()
+    # Sequence level: sum(lp - old) per sequence, summed over CP before exp.
+    index = SequenceIndex(seq_id, num_seqs, cp_group)
+    total, counts = index.sums(delta, mask)
+    has = counts > 0
+    seq_ratio = total.clamp(max=MAX_LOG_RATIO).exp()
     # Each CP rank holds every sequence's reduced value: count it on CP rank 0 only.
-    first = cp_group is None or torch.distributed.get_rank(cp_group) == 0
+    first = index.first_holder()
     seqs = has & first
     tracker.denominator(loss_sequences=seqs)
     tracker.stat(denominator="loss_sequences", sequence_ratio=seq_ratio)
@@ -100,5 +97,5 @@ def record_policy_metrics(
 
 def _k3(d: Tensor) -> Tensor:
     """``e^d - d - 1`` with ``d = log(q / p)``: an unbiased, non-negative KL(p || q) estimate."""
-    d = d.clamp(max=_MAX_LOG_RATIO)
+    d = d.clamp(max=MAX_LOG_RATIO)
     return d.exp() - d - 1.0

@@ -28,8 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-MAX_LOG_RATIO = 20.0
-"""A log-ratio is capped here before ``exp`` (e^20 ~ 5e8) so a ratio stays finite."""
+from trainctl.workers.ops.loss import MAX_LOG_RATIO
 
 
 @dataclass(frozen=True)
