@@ -11,6 +11,9 @@ from typing import Any
 
 REFERENCE = Path(__file__).with_name("reference.py")
 RTOL = 1e-5
+_ANSWERS: dict[str, Any] = {}
+"""``reference.py``'s answers in this test process, by their input: a pure function of it (the
+layout and multinode tests ask the same questions on every layout)."""
 
 
 def close(a: float, b: float, rtol: float = RTOL) -> bool:
@@ -25,12 +28,15 @@ def single_process(mode: str, batch: list[dict[str, Any]]) -> Any:
     from trainctl.service.settings import Settings
 
     engine = engine_config(Settings(dp=1, cp=1, tp=1, pp=1)).to_dict()
-    ref = subprocess.run(
-        [sys.executable, str(REFERENCE)],
-        input=json.dumps({"mode": mode, "sequences": batch, "engine": engine}),
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    return json.loads(ref.stdout.strip().splitlines()[-1])
+    question = json.dumps({"mode": mode, "sequences": batch, "engine": engine})
+    if question not in _ANSWERS:
+        ref = subprocess.run(
+            [sys.executable, str(REFERENCE)],
+            input=question,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=300,
+        )
+        _ANSWERS[question] = ref.stdout.strip().splitlines()[-1]
+    return json.loads(_ANSWERS[question])  # a fresh copy: callers may change it

@@ -28,7 +28,8 @@ MODULE = "megatron.core.jit"
 
 
 class _AfterExec(importlib.abc.Loader):
-    """``loader``, then ``megatron.core.jit.disable_jit_fuser()`` when there is no CUDA."""
+    """``loader``, then ``megatron.core.jit.disable_jit_fuser()`` when there is no CUDA. Owns
+    the loader it wraps."""
 
     def __init__(self, loader: importlib.abc.Loader) -> None:
         self._loader = loader
