@@ -6,6 +6,7 @@ uses ``RayController``, a thin proxy to the named controller actor.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 
 from trainctl.api import (
@@ -76,8 +77,13 @@ class RayController:
     async def _call(self, method: str, *args: Any) -> Any:
         import ray
 
+        ref = getattr(self._actor(), method).remote(*args)
         try:
-            return await getattr(self._actor(), method).remote(*args)
+            return await ref
+        except asyncio.CancelledError:
+            if method in _STOPPED_WITH_THEIR_CALLER:  # the HTTP client left: so does its work
+                ray.cancel(ref)
+            raise
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, TrainctlError):
@@ -98,3 +104,7 @@ class RayController:
 
 
 _METHODS = frozenset(name for name in dir(ControllerAPI) if not name.startswith("_"))
+_STOPPED_WITH_THEIR_CALLER = frozenset({"sample"})
+"""Calls cancelled in the controller when their caller is (Serve cancels a request whose HTTP
+client disconnected): a sample then leaves its engine within a step. Training operations are
+not: they finish, and a retry with the same key gets their result."""

@@ -122,6 +122,7 @@ def sampler_settings(s: Settings) -> SamplerSettings:
         dtype=dtype,
         kv_cache_gib=s.sampler_kv_cache_gib,
         routes=s.sampler_routes,
+        concurrency=s.sampler_concurrency,
     )
 
 

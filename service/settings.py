@@ -284,7 +284,14 @@ class Settings(BaseSettings):
         gt=0,
         description="The longest a sample waits for its engine's turn; past it the request "
         "never runs and answers a retryable 503. Weight and adapter loads wait for no sample "
-        "but the one running.",
+        "but those running.",
+    )
+    sampler_concurrency: int = Field(
+        64,
+        ge=1,
+        description="Sample requests of one weight version an engine runs at once (their "
+        "sequences share its steps, up to vLLM's max_num_seqs); the others wait their turn. A "
+        "request of another version, or a weight load, waits until those running are done.",
     )
     sampler_max_queued: int = Field(
         256,

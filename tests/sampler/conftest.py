@@ -60,6 +60,7 @@ def lora_sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     flags = ("--max-adapters", "4", "--lora-max-rank", "8", "--samplers", "1",
              "--sampler-timeout-s", str(SAMPLER_TIMEOUT_S),
              "--sampler-max-queued", str(MAX_QUEUED),
+             "--sampler-concurrency", "2",  # two at once: the others wait (the order tests)
              "--sampler-max-queued-tokens", str(MAX_QUEUED_TOKENS))  # fmt: skip
     with until_last_use("lora_sampled", "sampler", running_service(data, *flags)) as svc:
         yield svc

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 CONFIG = {
@@ -25,14 +26,15 @@ def _hf_weights(seed: int) -> dict[str, Any]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _engine() -> Any:
+def _engine(concurrency: int = 64) -> Any:
     from trainctl.workers.sampler.vllm_backend.rules import env
 
     os.environ.update(env(False, 1))
     from trainctl.workers.sampler.spec import SamplerSpec
     from trainctl.workers.sampler.vllm_backend.sampler import VllmSampler
 
-    return VllmSampler(0, SamplerSpec(hf_config=CONFIG, max_model_len=256, max_num_seqs=8))
+    spec = SamplerSpec(hf_config=CONFIG, max_model_len=256, max_num_seqs=8, concurrency=concurrency)
+    return VllmSampler(0, spec)
 
 
 def jam_then_refused_load() -> dict[str, Any]:
@@ -81,8 +83,9 @@ async def _jam_then_refused_load() -> dict[str, Any]:
 
 def abort_and_pause() -> dict[str, Any]:
     """The protocol's ordering: a request aborted while it waits for its turn is dropped, one
-    running finishes; a paused engine holds new samples, still loads weights, and the held
-    sample runs on resume, with the version it named (not the one loaded meanwhile)."""
+    running is stopped at the engine's next step (and the engine serves the next); a paused
+    engine holds new samples, still loads weights, and the held sample runs on resume, with the
+    version it named (not the one loaded meanwhile)."""
     return asyncio.run(_abort_and_pause())
 
 
@@ -90,7 +93,7 @@ async def _abort_and_pause() -> dict[str, Any]:
     from trainctl.api import SampleRequest, TrainctlError
     from trainctl.workers.sampler.transport import LocalTransport
 
-    engine = _engine()
+    engine = _engine(concurrency=1)  # one at a time: the short request waits
     v1 = LocalTransport.ship(1, _hf_weights(0))
     await engine.load_weights(v1)
     long = SampleRequest(prompts=[[1, 2, 3]] * 8, n=4, max_tokens=200, seed=1)
@@ -101,15 +104,18 @@ async def _abort_and_pause() -> dict[str, Any]:
     queued = asyncio.create_task(engine.sample("queued", short, v1))
     await asyncio.sleep(0.05)
     out["abort_queued"] = await engine.abort("queued")
+    t0 = time.monotonic()
     out["abort_running"] = await engine.abort("running")
     out["abort_unknown"] = await engine.abort("never-sent")
-    try:
-        await queued
-        out["queued"] = "answered"
-    except TrainctlError as e:
-        out["queued"] = (e.status, e.message)
-    out["running_tokens"] = sum(len(c.tokens) for s in (await running).samples
-                                for c in s.completions)  # fmt: skip
+    for name, task in (("queued", queued), ("running", running)):
+        try:
+            await task
+            out[name] = "answered"
+        except TrainctlError as e:
+            out[name] = (e.status, e.message)
+        if name == "running":
+            out["running_gone_after_s"] = time.monotonic() - t0
+    out["after_abort"] = len((await engine.sample("after", short, v1)).samples)
     await engine.pause()
     held = asyncio.create_task(engine.sample("held", short, v1))
     await asyncio.sleep(1.0)
@@ -119,3 +125,56 @@ async def _abort_and_pause() -> dict[str, Any]:
     await engine.resume()
     out["held_step"] = (await asyncio.wait_for(held, 60)).step
     return out
+
+
+def concurrent_equals_alone() -> dict[str, Any]:
+    """16 requests at once on one engine (different prompts, seeds, ``n`` and lengths, prompt
+    log-probs on), then each alone: their tokens and log-probs, and how many ran at once."""
+    return asyncio.run(_concurrent_equals_alone())
+
+
+async def _concurrent_equals_alone() -> dict[str, Any]:
+    import numpy as np
+
+    from trainctl.api import SampleRequest
+    from trainctl.workers.sampler.transport import LocalTransport
+
+    engine = _engine()
+    v1 = LocalTransport.ship(1, _hf_weights(0))
+    await engine.load_weights(v1)
+    rng = np.random.default_rng(3)
+    reqs = [
+        SampleRequest(
+            prompts=[rng.integers(0, 512, int(rng.integers(2, 12))).tolist() for _ in range(2)],
+            n=1 + i % 3, max_tokens=4 + i % 7, seed=i, prompt_logprobs=True,
+        )
+        for i in range(16)
+    ]  # fmt: skip
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, len(engine._turns.running))
+            await asyncio.sleep(0.001)
+
+    watcher = asyncio.create_task(watch())
+    together = await asyncio.gather(*(engine.sample(f"c{i}", r, v1) for i, r in enumerate(reqs)))
+    watcher.cancel()
+    alone = [await engine.sample(f"a{i}", r, v1) for i, r in enumerate(reqs)]
+
+    def flat(res: Any) -> tuple[list[list[int]], list[float]]:
+        tokens = [c.tokens for s in res.samples for c in s.completions]
+        lps = [x for s in res.samples for c in s.completions for x in c.logprobs or []]
+        lps += [x for s in res.samples for x in s.prompt_logprobs or [] if x is not None]
+        return tokens, lps
+
+    pairs = [(flat(t), flat(a)) for t, a in zip(together, alone, strict=True)]
+    return {
+        "peak": peak,
+        "same_tokens": all(t[0] == a[0] for t, a in pairs),
+        "logprob_values": sum(len(a[1]) for _, a in pairs),
+        "max_diff": max(
+            (abs(x - y) for t, a in pairs for x, y in zip(t[1], a[1], strict=True)), default=None
+        ),
+    }

@@ -2,9 +2,10 @@
 
 A request that raises inside vLLM fails alone (the engine was left holding it, and every
 later call waited on it for good), and a weight set whose shapes differ from the served one is
-refused before any tensor is copied. A request aborted while it waits is dropped; a paused
-engine holds samples but loads weights. A request gets the version it names: an engine that
-holds another loads it in the request's turn."""
+refused before any tensor is copied. A request aborted while it waits is dropped, one aborted
+while it runs stops within a second; a paused engine holds samples but loads weights. Requests
+of one version run at once, and each gets what it gets alone. A request gets the version it
+names: an engine that holds another loads it in the request's turn."""
 
 from __future__ import annotations
 
@@ -35,10 +36,20 @@ def test_a_failing_request_and_a_misshapen_load_leave_the_engine_serving() -> No
 
 def test_abort_drops_a_waiting_request_and_pause_holds_samples_but_not_loads() -> None:
     out = _in_own_process(cases.abort_and_pause)
-    assert (out["abort_queued"], out["abort_running"], out["abort_unknown"]) == (True, False, False)
+    assert (out["abort_queued"], out["abort_running"], out["abort_unknown"]) == (True, True, False)
     status, message = out["queued"]
     assert status == 409 and "aborted before it ran" in message, out
-    assert out["running_tokens"] > 0, out
+    status, message = out["running"]
+    assert status == 409 and "aborted while it ran" in message, out
+    assert out["running_gone_after_s"] < 1.0, out
+    assert out["after_abort"] == 1, out
     assert out["held_while_paused"], out
     assert out["step_while_paused"] == 2, out  # a load runs while samples are held
     assert out["held_step"] == 1, out  # the held sample gets the version it named
+
+
+def test_sixteen_requests_at_once_equal_each_alone() -> None:
+    out = _in_own_process(cases.concurrent_equals_alone)
+    assert out["peak"] >= 8, out  # they did run together
+    assert out["same_tokens"] and out["logprob_values"] > 200, out
+    assert out["max_diff"] <= 1e-4, out

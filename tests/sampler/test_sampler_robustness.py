@@ -5,12 +5,14 @@ LoRA enabled, a short call deadline)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 
 import httpx
 import numpy as np
+import pytest
 
 from helpers.parity import (
     MAX_QUEUED,
@@ -153,11 +155,11 @@ def test_samples_past_the_bound_answer_429_at_once_and_the_engine_keeps_serving(
 def test_a_sync_goes_ahead_of_waiting_samples_and_one_past_its_queue_timeout_never_runs(
     lora_sampled: Service,
 ) -> None:
-    """Eight long samples sent together hold the one engine; a sync sent once they all wait
-    completes before all but the one or two that had the engine already (one call at a time in
-    arrival order, a sync would wait for all eight). Then a sample asking to wait at most
-    0.2 s, sent behind three long ones, answers a retryable 503 saying it did not run, and
-    the engine serves the next sample."""
+    """Eight long samples sent together hold the one engine (two run at once: the fixture's
+    ``--sampler-concurrency``); a sync sent once they are all in completes before all but the
+    two that had the engine already (in arrival order, a sync would wait for all eight). Then a
+    sample asking to wait at most 0.2 s, sent behind three long ones, answers a retryable 503
+    saying it did not run, and the engine serves the next sample."""
     long = {"prompts": [[1, 2, 3, 4, 5, 6, 7, 8]] * 4, "n": 4, "max_tokens": 150}
 
     async def in_flight(http: httpx.AsyncClient) -> int:
@@ -235,3 +237,26 @@ def test_a_tinker_asample_past_the_bound_is_a_429_at_the_call(lora_sampled: Serv
     assert full.status_code == 429 and "retry-after" in full.headers, full.text
     assert waited < 5 and "bound" in full.text, (waited, full.text)
     assert again.status_code == 200 and "sample_sequence_ids" in again.json(), again.text
+
+
+def test_a_sample_whose_client_leaves_is_stopped_in_the_engine(lora_sampled: Service) -> None:
+    """A big sample (40 prompts x 16 completions x 60 tokens: seconds of engine work) whose
+    HTTP client gives up after 1 s: the engine drops it, so a request that must have the engine
+    to itself (prompt log-probs on a LoRA engine) sent right after answers at once instead of
+    waiting for it to finish; the engine then samples as before."""
+    body = {"prompts": [[1, 2, 3]] * 40, "n": 16, "max_tokens": 60, "seed": 1}
+    with lora_sampled.client() as tc:
+        ref = tc.sample([[1, 2, 3]], max_tokens=4, seed=11, prompt_logprobs=True)
+        t0 = time.monotonic()
+        full = httpx.post(f"{lora_sampled.url}/v1/sample", json=body, timeout=120)
+        whole_s = time.monotonic() - t0  # what the client would have waited for
+        assert full.status_code == 200, full.text
+        with contextlib.suppress(httpx.ReadTimeout):
+            httpx.post(f"{lora_sampled.url}/v1/sample", json=body, timeout=1.0)
+            pytest.fail("the big sample answered within a second: it proves nothing")
+        t0 = time.monotonic()
+        alone = tc.sample([[1, 2, 3]], max_tokens=4, seed=11, prompt_logprobs=True)
+        alone_s = time.monotonic() - t0
+        print(f"big sample {whole_s:.1f} s; one alone after its client left {alone_s:.2f} s")
+        assert alone_s < min(3.0, whole_s / 2), (alone_s, whole_s)
+        assert alone.samples == ref.samples

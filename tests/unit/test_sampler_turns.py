@@ -1,6 +1,7 @@
-"""The order of calls on a one-call-at-a-time sampler engine (``workers/sampler/turns.py``):
-a load goes next after the call running, ahead of every waiting sample; samples go in
-arrival order; a waiting sample can be aborted or time out, and neither runs."""
+"""The order of calls on a sampler engine (``workers/sampler/turns.py``): a load goes next
+after the samples running, ahead of every waiting sample; samples go in arrival order, those of
+one lane together (up to the capacity), a sample of another lane after them and no sample
+behind it before it; a waiting sample can be aborted or time out, and neither runs."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ class _Engine:
         self.ran: list[str] = []
         self.release: dict[str, asyncio.Event] = {}
 
-    async def sample(self, turns: Turns, name: str, timeout: float | None = None) -> str:
-        async with turns.sample(name, timeout):
+    async def sample(
+        self, turns: Turns, name: str, timeout: float | None = None, lane: str | None = None
+    ) -> str:
+        async with turns.sample(name, timeout, lane=lane):
             return await self._run(name)
 
     async def load(self, turns: Turns, name: str) -> str:
@@ -128,3 +131,63 @@ def test_a_cancelled_waiter_leaves_the_queue() -> None:
         return engine.ran
 
     assert asyncio.run(main()) == ["s0", "s2"]
+
+
+def test_samples_of_one_lane_run_together_and_another_lane_waits_its_turn() -> None:
+    """a1, a2 (lane a) run at once; b1 (lane b) waits for both, and a3 (lane a, behind b1)
+    waits for b1: a lane never jumps the queue. The capacity bounds a lane."""
+
+    async def main() -> list[list[str]]:
+        turns, engine = Turns(capacity=2), _Engine()
+        seen = []
+        tasks = [
+            asyncio.create_task(engine.sample(turns, name, lane=name[0]))
+            for name in ("a1", "a2", "a3", "b1", "a4")
+        ]
+        await _settle()
+        seen.append(sorted(turns.running))  # a1, a2: a3 is past the capacity
+        engine.done("a1")
+        await _settle()
+        seen.append(sorted(turns.running))  # a3 joins a2; b1 waits
+        engine.done("a2")
+        engine.done("a3")
+        await _settle()
+        seen.append(sorted(turns.running))  # b1 alone; a4 behind it waits
+        engine.done("b1")
+        await _settle()
+        seen.append(sorted(turns.running))
+        engine.done("a4")
+        await asyncio.gather(*tasks)
+        return seen
+
+    assert asyncio.run(main()) == [["a1", "a2"], ["a2", "a3"], ["b1"], ["a4"]]
+
+
+def test_a_load_waits_for_every_running_sample_and_a_laneless_sample_runs_alone() -> None:
+    async def main() -> list[list[str]]:
+        turns, engine = Turns(capacity=8), _Engine()
+        seen = []
+        a = [asyncio.create_task(engine.sample(turns, f"a{i}", lane="a")) for i in range(2)]
+        await _settle()
+        load = asyncio.create_task(engine.load(turns, "load"))
+        late = asyncio.create_task(engine.sample(turns, "a2", lane="a"))
+        await _settle()
+        seen.append(sorted(turns.running))  # the load waits; a2 waits behind it
+        engine.done("a0")
+        engine.done("a1")
+        await _settle()
+        seen.append(list(engine.ran))
+        alone = asyncio.create_task(engine.sample(turns, "x"))  # no lane: alone
+        engine.done("load")
+        await _settle()
+        seen.append(sorted(turns.running))
+        engine.done("a2")
+        await _settle()
+        seen.append(sorted(turns.running))
+        engine.done("x")
+        await asyncio.gather(*a, load, late, alone)
+        return seen
+
+    assert asyncio.run(main()) == [
+        ["a0", "a1"], ["a0", "a1", "load"], ["a2"], ["x"],
+    ]  # fmt: skip

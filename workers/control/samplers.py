@@ -60,6 +60,8 @@ class SamplerSettings:
     kv_cache_gib: int = 1
     routes: bool = False
     """``--sampler-routes``: the engines capture the experts each token was routed to."""
+    concurrency: int = 64
+    """``--sampler-concurrency``: requests of one version an engine runs at once."""
 
 
 class Samplers:
@@ -114,6 +116,7 @@ class Samplers:
             max_lora_rank=self.cfg.lora.max_rank,
             versions=s.pool.versions,
             return_routes=s.routes,
+            concurrency=s.concurrency,
         )
         pool = self.pool = SamplerPool(spec, s.pool)
         self.metrics.watch_samplers(

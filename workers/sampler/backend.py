@@ -1,14 +1,14 @@
 """The seam between the sampler pool and an inference engine.
 
 ``SamplerEngine`` is what the pool asks of one engine replica (through its Ray actor). It is
-asynchronous from the start, so that an engine that serves many requests at once (vLLM's
-``AsyncLLM``) fits it as well as one that serves one call at a time:
+asynchronous: an engine serves many requests at once (vLLM's, stepped by
+``vllm_backend/sampler.py``), and one that serves a call at a time fits it as well:
 
 - ``sample`` is a coroutine with a request id and a queue timeout: a request that waits longer
   for the engine answers a retryable 503 (``QueueTimeoutError``) and never runs;
   ``abort(request_id)`` drops it (a request still waiting for the engine is dropped at once;
-  whether a running one stops is the engine's); a weight or adapter load waits for no sample
-  but the one running;
+  a running one stops at the engine's next step); a weight or adapter load waits for no
+  sample but those running;
 - ``pause`` lets the running work finish and holds new samples until ``resume`` (a weight
   update between two versions); loads still run while paused;
 - weights and adapters arrive as a ``Shipment`` (``transport.py``) naming their version, and

@@ -198,8 +198,8 @@ class SamplerPool:
 
     async def sync(self, shipment: Shipment, gather_s: float, new_line: bool = False) -> SyncResult:
         """Publish ``shipment`` (the base's weights, or an adapter's) as its newest version,
-        and have every live engine load it. An engine finishes the request it is serving
-        first: one call at a time. ``new_line``: after a checkpoint load or a recovery, whose
+        and have every live engine load it. An engine finishes the requests it is running
+        first (never those waiting). ``new_line``: after a checkpoint load or a recovery, whose
         steps name other weights than the window's (it is emptied first)."""
         adapter = shipment.adapter
         previous = self.window.newest(adapter)

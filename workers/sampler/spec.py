@@ -37,6 +37,8 @@ class SamplerSpec:
     """Versions of each adapter an engine may hold at once (``--sampler-versions``)."""
     return_routes: bool = False
     """Capture the experts each token is routed to (``--sampler-routes``; GPU engines)."""
+    concurrency: int = 64
+    """Requests of one version an engine runs at once (``--sampler-concurrency``)."""
 
 
 @dataclass(frozen=True)

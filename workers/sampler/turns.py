@@ -1,11 +1,16 @@
-"""Whose turn it is on an engine that runs one call at a time.
+"""Whose turn it is on a sampler engine.
 
-A weight or adapter load goes next, ahead of every sample still waiting: a sync waits at most
-for the call running, never behind the queue (hundreds of samples can be waiting). Samples
-take their turns in arrival order. A waiting sample can be aborted, and one that has waited its
-queue timeout leaves the queue with a retryable 503 instead of running late; neither ever
-reaches the engine. ``pause`` holds samples (not loads) from their next turn until
-``resume``.
+Samples take their turns in arrival order. Samples of one *lane* (the same weights: one
+version of the base, or one version of an adapter) share the engine: the one at the head of
+the queue joins those running when it is of their lane and fewer than ``capacity`` run; a
+sample of another lane waits until they have finished, and so does every sample behind it (no
+lane starves another). A sample with no lane runs alone.
+
+A weight or adapter load goes next, ahead of every sample still waiting: a sync waits for the
+samples running, never behind the queue (thousands can be waiting). A waiting sample can be
+aborted, and one that has waited its queue timeout leaves the queue with a retryable 503
+instead of running late; neither ever reaches the engine. ``pause`` holds samples (not loads)
+from their turn until ``resume``.
 
 Backend-free: it orders coroutines, and knows nothing of what the turn runs.
 """
@@ -15,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,12 +28,17 @@ from trainctl.workers.sampler.backend import QueueTimeoutError, RequestAbortedEr
 
 
 class Turns:
-    """The order of calls on one engine. Owns the queue of waiting samples and loads, which
-    call holds the turn, the pause, and the aborted requests."""
+    """The order of calls on one engine. Owns the queue of waiting samples and loads, the
+    samples running and their lane, the load running, the pause, and the aborted requests."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 1) -> None:
+        self.capacity = capacity
+        """How many samples of one lane may run at once."""
         self._changed = asyncio.Condition()
-        self._busy = False
+        self._running: set[str] = set()
+        self._lane: Hashable | None = None
+        """The lane of the samples running (None: they run alone, or none runs)."""
+        self._loading = False
         self._open = True
         self._samples: deque[str] = deque()
         """Waiting samples' request ids, in arrival order."""
@@ -40,20 +50,32 @@ class Turns:
     def waiting(self) -> int:
         return len(self._samples) + len(self._loads)
 
+    @property
+    def running(self) -> frozenset[str]:
+        """The samples holding a turn now."""
+        return frozenset(self._running)
+
+    def _joins(self, lane: Hashable | None) -> bool:
+        """Whether a sample of ``lane`` may run beside the samples running now."""
+        if not self._running:
+            return not self._loading
+        return lane is not None and lane == self._lane and len(self._running) < self.capacity
+
     @asynccontextmanager
     async def sample(
-        self, request_id: str, queue_timeout_s: float | None = None
+        self, request_id: str, queue_timeout_s: float | None = None, lane: Hashable | None = None
     ) -> AsyncIterator[None]:
-        """Hold the turn for the sample ``request_id`` (after the loads and earlier samples);
-        past ``queue_timeout_s`` of waiting, ``QueueTimeoutError``."""
+        """Hold a turn for the sample ``request_id`` (after the loads and earlier samples;
+        beside running samples of its ``lane``); past ``queue_timeout_s`` of waiting,
+        ``QueueTimeoutError``."""
         deadline = None if queue_timeout_s is None else time.monotonic() + queue_timeout_s
         self._samples.append(request_id)
         try:
             async with self._changed:
                 while not (
                     request_id in self._aborted
-                    or (self._open and not self._busy and not self._loads
-                        and self._samples[0] == request_id)
+                    or (self._open and not self._loads and self._samples[0] == request_id
+                        and self._joins(lane))
                 ):  # fmt: skip
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
@@ -69,7 +91,8 @@ class Turns:
                 if request_id in self._aborted:
                     raise RequestAbortedError(f"request {request_id} was aborted before it ran")
                 self._samples.popleft()
-                self._busy = True
+                self._running.add(request_id)
+                self._lane = lane
         except BaseException:
             self._aborted.discard(request_id)
             await self._leave(self._samples, request_id)
@@ -77,29 +100,34 @@ class Turns:
         try:
             yield
         finally:
-            await self._release()
+            self._running.discard(request_id)
+            if not self._running:
+                self._lane = None
+            await self._notify()
 
     @asynccontextmanager
     async def load(self) -> AsyncIterator[None]:
-        """Hold the turn for a load: next after the call running, before any waiting sample."""
+        """Hold the turn for a load: next after the samples running, before any waiting one."""
         me = object()
         self._loads.append(me)
         try:
             async with self._changed:
-                while self._busy or self._loads[0] is not me:
+                while self._running or self._loading or self._loads[0] is not me:
                     await self._changed.wait()
                 self._loads.popleft()
-                self._busy = True
+                self._loading = True
         except BaseException:
             await self._leave(self._loads, me)
             raise
         try:
             yield
         finally:
-            await self._release()
+            self._loading = False
+            await self._notify()
 
     async def abort(self, request_id: str) -> bool:
-        """Drop a sample still waiting (True); one that holds its turn finishes (False)."""
+        """Drop a sample still waiting (True); one that holds its turn is the engine's to stop
+        (False)."""
         if request_id not in self._samples:
             return False
         self._aborted.add(request_id)
@@ -107,10 +135,10 @@ class Turns:
         return True
 
     async def pause(self) -> None:
-        """Hold samples from their next turn; returns once the call running has finished."""
+        """Hold samples from their turn; returns once the samples and load running finished."""
         self._open = False
         async with self._changed:
-            while self._busy:
+            while self._running or self._loading:
                 await self._changed.wait()
 
     async def resume(self) -> None:
@@ -121,10 +149,6 @@ class Turns:
         """``item`` gives up its place in ``queue`` (it timed out, was aborted or cancelled)."""
         if item in queue:
             queue.remove(item)
-        await self._notify()
-
-    async def _release(self) -> None:
-        self._busy = False
         await self._notify()
 
     async def _notify(self) -> None:

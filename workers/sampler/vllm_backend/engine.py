@@ -17,12 +17,13 @@ The engine holds one version of the base. A sample names the version it wants (a
 ``Shipment`` of the pool's window); one that the engine does not hold is loaded first, in the
 sample's own call (a swap), and so is a version of an adapter it does not hold.
 
-``VllmEngine`` is vLLM's synchronous ``LLM``; ``sampler.py``'s ``VllmSampler`` runs it on a
-thread of its own, one call at a time, so a weight load always falls between two sample calls:
-a result is produced by one step's weights, and says which. The same holds for adapters,
-and one call samples with one adapter (or the base): base and adapter requests never share an
-engine batch. On a CPU engine with LoRA enabled, base requests
-go through ``lora_guard``: vLLM's CPU LoRA ops would otherwise give them the last adapter's.
+``VllmEngine`` is vLLM's ``LLM`` (its ``LLMEngine`` runs in this process); ``sampler.py``'s
+``VllmSampler`` calls it from a thread of its own: ``admit`` adds a request's prompts,
+``advance`` takes one engine step of every request in it, ``cancel`` drops prompts. Requests
+of one version share the engine; a weight or adapter load runs when none is in it, so a result
+is produced by one step's weights, and says which. Base and adapter requests never share an
+engine batch. On a CPU engine with LoRA enabled, base requests go through ``lora_guard``:
+vLLM's CPU LoRA ops would otherwise give them the last adapter's.
 
 An error inside a call fails that call and nothing after it: what the call left in the engine
 is aborted before it answers (a request that raised in vLLM's step otherwise stayed scheduled,
@@ -146,7 +147,7 @@ def _refresh_cpu_embedding_gemms(model: Any) -> None:
 
 
 class VllmEngine:
-    """vLLM's synchronous ``LLM`` in this process, with the adapters and weights it serves. Every
+    """vLLM's ``LLM`` in this process, with the adapters and weights it serves. Every
     method runs on the one thread ``VllmSampler`` gives it. Owns the ``LLM``, its adapters'
     directory and ids, and the step and schema of the weights it holds."""
 
@@ -264,11 +265,16 @@ class VllmEngine:
         try:
             return self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)  # type: ignore[no-any-return]
         except Exception as e:
-            self._recover()
-            raise InternalError(
-                f"sampler {self.index} failed this request ({type(e).__name__}: {e}); it "
-                "serves the next one"
-            ) from None
+            raise self._cleared(e) from None
+
+    def _cleared(self, e: Exception) -> InternalError:
+        """After ``e`` inside vLLM: the engine cleared of what it holds (``_recover``), and the
+        500 for the requests that were in it."""
+        self._recover()
+        return InternalError(
+            f"sampler {self.index} failed this request ({type(e).__name__}: {e}); it serves "
+            "the next one"
+        )
 
     def _versions_of(self, name: str) -> list[_Served]:
         return [v for (n, _), v in self.adapters.items() if n == name]
@@ -355,16 +361,12 @@ class VllmEngine:
             served = self.adapters[(version.adapter, version.version)]
         return served.request(version.adapter)
 
-    def sample(self, req: SampleRequest, version: Shipment) -> SampleResult:
-        """Generate from every prompt with ``version``'s weights (the base's, or those of
-        ``req.adapter``): the pool's choice, which checked ``step`` and ``expected_step``."""
-        lora = self._hold(version)
-        step = version.version
+    def _params(self, req: SampleRequest) -> Any:
+        """vLLM's sampling parameters for ``req`` (its own checks: a 422)."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         try:
-            params = SamplingParams(
+            return SamplingParams(
                 n=req.n,
                 max_tokens=req.max_tokens,
                 temperature=req.temperature,
@@ -377,6 +379,20 @@ class VllmEngine:
             )
         except (ValueError, TypeError) as e:  # vLLM's own checks of the parameters
             raise InvalidRequestError(f"sampling parameters: {e}") from None
+
+    def runs_alone(self, req: SampleRequest) -> bool:
+        """Whether ``req`` must have the engine to itself: prompt log-probs on an engine with
+        LoRA enabled (see ``_generate_then_score``)."""
+        return bool(req.prompt_logprobs) and self.adapters_enabled
+
+    def sample(self, req: SampleRequest, version: Shipment) -> SampleResult:
+        """Generate from every prompt with ``version``'s weights (the base's, or those of
+        ``req.adapter``): the pool's choice, which checked ``step`` and ``expected_step``. The
+        whole request in one call, with the engine to itself."""
+        lora = self._hold(version)
+        params = self._params(req)
+        from vllm.inputs import TokensPrompt
+
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in req.prompts]
         t0 = time.perf_counter()
         if not req.prompt_logprobs:
@@ -386,7 +402,55 @@ class VllmEngine:
             outs = self._generate(prompts, params, lora)
         else:
             outs = self._generate_then_score(prompts, params, lora)
-        seconds = time.perf_counter() - t0
+        return self.result(req, outs, version.version, time.perf_counter() - t0)
+
+    def admit(self, request_id: str, req: SampleRequest, version: Shipment) -> list[str]:
+        """Add ``req``'s prompts to the engine, beside the requests it runs (of the same
+        version: the caller's ``Turns`` lane), without running them: ``advance`` does. Returns
+        their ids in vLLM, one per prompt, in order."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        lora = self._hold(version)
+        params = self._params(req)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # an output when a prompt is done
+        if req.prompt_logprobs:
+            params.prompt_logprobs = 0
+        ids: list[str] = []
+        try:
+            for i, p in enumerate(req.prompts):
+                ids.append(f"{request_id}/{i}")
+                self.llm.llm_engine.add_request(
+                    ids[-1], TokensPrompt(prompt_token_ids=list(p)), params, lora_request=lora
+                )
+        except (ValueError, TypeError) as e:  # vLLM's checks of a prompt (its length, ...)
+            self.cancel(ids)
+            raise InvalidRequestError(f"prompts: {e}") from None
+        except Exception as e:
+            self.cancel(ids)
+            raise InternalError(
+                f"sampler {self.index} could not add this request ({type(e).__name__}: {e})"
+            ) from None
+        return ids
+
+    def advance(self) -> list[Any]:
+        """One engine step of every request in the engine: the outputs of the prompts it
+        finished. An error inside vLLM fails the requests running (all of them are aborted, so
+        the next step starts clean) with a 500 that names it."""
+        try:
+            return self.llm.llm_engine.step()  # type: ignore[no-any-return]
+        except Exception as e:
+            raise self._cleared(e) from None
+
+    def cancel(self, ids: Sequence[str]) -> None:
+        """Drop these prompts from the engine, whether they wait or run."""
+        if ids:
+            self.llm.llm_engine.abort_request(list(ids))
+
+    def result(
+        self, req: SampleRequest, outs: list[Any], step: int, seconds: float
+    ) -> SampleResult:
+        """``req``'s answer from vLLM's outputs, one per prompt in order."""
         return SampleResult(
             samples=[prompt_samples(o, req) for o in outs],
             step=step,

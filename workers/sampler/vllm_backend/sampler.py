@@ -1,39 +1,70 @@
-"""vLLM's synchronous engine as an asynchronous ``SamplerEngine``.
+"""vLLM's engine as an asynchronous ``SamplerEngine``: many requests at once.
 
-``VllmSampler`` runs ``VllmEngine`` on a thread of its own, one call at a time, in the order
-``Turns`` gives (``workers/sampler/turns.py``): a load next after the call running, samples in
-arrival order. The event loop stays free while a call runs: ``abort`` drops a request still
-waiting for its turn (a running one finishes: the synchronous engine cannot stop it), a sample
-past its queue timeout leaves with a 503, ``pause`` holds new samples until ``resume``, ``pid``
-answers.
+``VllmSampler`` drives ``VllmEngine`` (vLLM's ``LLMEngine``, in this process) on a thread of
+its own, one engine step at a time: every request running advances by a token (or finishes its
+prompt) per step, and between two steps the thread adds the requests whose turn came and drops
+the aborted ones. ``Turns`` (``workers/sampler/turns.py``) says whose turn it is: requests of one
+version (of the base, or of one adapter) share the engine, up to ``SamplerSpec.concurrency``
+(vLLM schedules their prompts within its ``max_num_seqs``); a request of another version waits
+until they are done, and a load goes next after them, ahead of every waiting request. So a
+result is always one version's, and base and adapter requests never share an engine batch.
+
+The event loop stays free meanwhile: ``abort`` drops a waiting request at once and a running
+one at the next step boundary (a step takes milliseconds), a sample past its queue timeout
+leaves with a 503, ``pause`` holds new samples until ``resume``, ``pid`` answers.
+
+A request for prompt log-probs on an engine with LoRA enabled runs alone, as one call
+(``VllmEngine.sample``): vLLM 0.32's LoRA LM head fails prompt log-probs for several requests in
+one step (``engine.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from trainctl.api import SampleRequest, SampleResult
-from trainctl.workers.sampler.backend import Loaded
+from trainctl.workers.sampler.backend import Loaded, RequestAbortedError
 from trainctl.workers.sampler.spec import SamplerSpec
 from trainctl.workers.sampler.transport import Shipment
 from trainctl.workers.sampler.turns import Turns
 from trainctl.workers.sampler.vllm_backend.engine import VllmEngine
 
 
+@dataclass
+class _Running:
+    """One request's prompts in the engine, and their outputs as they finish."""
+
+    ids: list[str]
+    done: asyncio.Future[list[Any]]
+    outs: dict[str, Any] = field(default_factory=dict)
+
+    def finished(self, out: Any) -> None:
+        self.outs[out.request_id] = out
+        if len(self.outs) == len(self.ids) and not self.done.done():
+            self.done.set_result([self.outs[i] for i in self.ids])
+
+
 class VllmSampler:
-    """The ``SamplerEngine`` the pool drives: ``VllmEngine`` on a thread of its own, one call at
-    a time in ``Turns``' order, with an event loop that stays free to abort, pause and answer.
-    Owns the engine, its thread and the turns."""
+    """The ``SamplerEngine`` the pool drives: ``VllmEngine`` stepped on a thread of its own,
+    requests admitted in ``Turns``' order. Owns the engine, its thread, the turns, the requests
+    running and the task that steps them."""
 
     def __init__(self, index: int, spec: SamplerSpec) -> None:
         self.index = index
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"sampler-{index}")
         self._engine = self._thread.submit(VllmEngine, index, spec).result()
-        self._turns = Turns()
+        self._turns = Turns(capacity=spec.concurrency)
+        self._running: dict[str, _Running] = {}
+        """By request id."""
+        self._owner: dict[str, str] = {}
+        """The request id of each prompt in the engine, by its vLLM id."""
+        self._stepping: asyncio.Task[None] | None = None
 
     async def _on_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -53,16 +84,62 @@ class VllmSampler:
         version: Shipment,
         queue_timeout_s: float | None = None,
     ) -> SampleResult:
-        async with self._turns.sample(request_id, queue_timeout_s):
-            result: SampleResult = await self._on_thread(self._engine.sample, req, version)
-            return result
+        if self._engine.runs_alone(req):
+            async with self._turns.sample(request_id, queue_timeout_s):
+                alone: SampleResult = await self._on_thread(self._engine.sample, req, version)
+                return alone
+        async with self._turns.sample(request_id, queue_timeout_s, lane=version.id):
+            t0 = time.perf_counter()
+            ids = await self._on_thread(self._engine.admit, request_id, req, version)
+            run = _Running(ids, asyncio.get_running_loop().create_future())
+            self._running[request_id] = run
+            self._owner.update(dict.fromkeys(ids, request_id))
+            if self._stepping is None or self._stepping.done():
+                self._stepping = asyncio.create_task(self._step_while_running())
+            try:
+                outs = await run.done
+            except asyncio.CancelledError:  # nobody waits for it: free the engine of it
+                self._thread.submit(self._engine.cancel, ids)
+                raise
+            finally:
+                del self._running[request_id]
+                for i in ids:
+                    self._owner.pop(i, None)
+            return self._engine.result(req, outs, version.version, time.perf_counter() - t0)
+
+    async def _step_while_running(self) -> None:
+        """Step the engine while a request waits for outputs; hand each finished prompt's
+        output to its request. An error inside a step fails every request running."""
+        while any(not r.done.done() for r in self._running.values()):
+            try:
+                outs = await self._on_thread(self._engine.advance)
+            except Exception as e:
+                for r in self._running.values():
+                    if not r.done.done():
+                        r.done.set_exception(e)
+                continue
+            for out in outs:
+                owner = self._owner.get(out.request_id)
+                if owner is not None and owner in self._running:
+                    self._running[owner].finished(out)
 
     async def abort(self, request_id: str) -> bool:
-        """Drop a request still waiting for its turn (True); one running finishes (False)."""
-        return await self._turns.abort(request_id)
+        """Drop a request: one still waiting for its turn at once, one running at the next step
+        boundary. True if it will not produce a result."""
+        if await self._turns.abort(request_id):
+            return True
+        run = self._running.get(request_id)
+        if run is None or run.done.done():
+            return False
+        await self._on_thread(self._engine.cancel, run.ids)
+        if run.done.done():  # it finished in the step before the cancel
+            return False
+        aborted = RequestAbortedError(f"request {request_id} was aborted while it ran")
+        run.done.set_exception(aborted)
+        return True
 
     async def pause(self) -> None:
-        """Hold new samples; returns once the call running (if any) has finished."""
+        """Hold new samples; returns once the requests running have finished."""
         await self._turns.pause()
 
     async def resume(self) -> None:
