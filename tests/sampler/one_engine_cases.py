@@ -129,7 +129,8 @@ async def _abort_and_pause() -> dict[str, Any]:
 
 def concurrent_equals_alone() -> dict[str, Any]:
     """16 requests at once on one engine (different prompts, seeds, ``n`` and lengths, prompt
-    log-probs on), then each alone: their tokens and log-probs, and how many ran at once."""
+    log-probs on), the first eight naming step 1's weights and the rest step 2's, then each alone:
+    their tokens and log-probs, and how many ran at once."""
     return asyncio.run(_concurrent_equals_alone())
 
 
@@ -142,6 +143,7 @@ async def _concurrent_equals_alone() -> dict[str, Any]:
     engine = _engine()
     v1 = LocalTransport.ship(1, _hf_weights(0))
     await engine.load_weights(v1)
+    versions = [v1, LocalTransport.ship(2, _hf_weights(1))]  # two steps' weights, interleaved
     rng = np.random.default_rng(3)
     reqs = [
         SampleRequest(
@@ -159,9 +161,11 @@ async def _concurrent_equals_alone() -> dict[str, Any]:
             await asyncio.sleep(0.001)
 
     watcher = asyncio.create_task(watch())
-    together = await asyncio.gather(*(engine.sample(f"c{i}", r, v1) for i, r in enumerate(reqs)))
+    together = await asyncio.gather(
+        *(engine.sample(f"c{i}", r, versions[i // 8]) for i, r in enumerate(reqs))
+    )
     watcher.cancel()
-    alone = [await engine.sample(f"a{i}", r, v1) for i, r in enumerate(reqs)]
+    alone = [await engine.sample(f"a{i}", r, versions[i // 8]) for i, r in enumerate(reqs)]
 
     def flat(res: Any) -> tuple[list[list[int]], list[float]]:
         tokens = [c.tokens for s in res.samples for c in s.completions]
@@ -173,6 +177,7 @@ async def _concurrent_equals_alone() -> dict[str, Any]:
     return {
         "peak": peak,
         "same_tokens": all(t[0] == a[0] for t, a in pairs),
+        "steps": sorted({r.step for r in together}),
         "logprob_values": sum(len(a[1]) for _, a in pairs),
         "max_diff": max(
             (abs(x - y) for t, a in pairs for x, y in zip(t[1], a[1], strict=True)), default=None

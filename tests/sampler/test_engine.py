@@ -50,6 +50,6 @@ def test_abort_drops_a_waiting_request_and_pause_holds_samples_but_not_loads() -
 
 def test_sixteen_requests_at_once_equal_each_alone() -> None:
     out = _in_own_process(cases.concurrent_equals_alone)
-    assert out["peak"] >= 8, out  # they did run together
+    assert out["peak"] >= 4 and out["steps"] == [1, 2], out  # they did run together
     assert out["same_tokens"] and out["logprob_values"] > 200, out
     assert out["max_diff"] <= 1e-4, out

@@ -176,7 +176,9 @@ class VllmEngine:
                 lora_guard.install()
             kwargs |= {
                 "enable_lora": True,
-                "max_loras": 1,  # one call samples with one adapter
+                # The adapters' requests share the engine's batches (sampler.py's lanes): a
+                # step can hold each adapter once.
+                "max_loras": spec.max_adapters,
                 "max_cpu_loras": spec.max_adapters * spec.versions,  # each version its own
                 "max_lora_rank": vllm_max_lora_rank(spec.max_lora_rank),
             }

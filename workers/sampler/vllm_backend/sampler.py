@@ -4,10 +4,11 @@
 its own, one engine step at a time: every request running advances by a token (or finishes its
 prompt) per step, and between two steps the thread adds the requests whose turn came and drops
 the aborted ones. ``Turns`` (``workers/sampler/turns.py``) says whose turn it is: requests of one
-version (of the base, or of one adapter) share the engine, up to ``SamplerSpec.concurrency``
-(vLLM schedules their prompts within its ``max_num_seqs``); a request of another version waits
-until they are done, and a load goes next after them, ahead of every waiting request. So a
-result is always one version's, and base and adapter requests never share an engine batch.
+version of the base share the engine, and so do the requests of any adapters (each names its
+adapter's version, which vLLM applies per request), up to ``SamplerSpec.concurrency`` (vLLM
+schedules their prompts within its ``max_num_seqs``); a request of another lane waits until
+they are done, and a load goes next after them, ahead of every waiting request. So a result is
+always one version's, and base and adapter requests never share an engine batch.
 
 The event loop stays free meanwhile: ``abort`` drops a waiting request at once and a running
 one at the next step boundary (a step takes milliseconds), a sample past its queue timeout
@@ -50,6 +51,18 @@ class _Running:
             self.done.set_result([self.outs[i] for i in self.ids])
 
 
+ADAPTERS_LANE = "adapters"
+"""The lane of every adapter request: each names its adapter's version, which vLLM applies per
+request, over the one base an adapter service holds (its base is frozen)."""
+
+
+def _lane(version: Shipment) -> str:
+    """The requests that may share the engine's batches with this one: those of the same
+    version of the base, or (for an adapter's) those of any adapter. Base and adapter
+    requests never share a batch."""
+    return version.id if version.adapter is None else ADAPTERS_LANE
+
+
 class VllmSampler:
     """The ``SamplerEngine`` the pool drives: ``VllmEngine`` stepped on a thread of its own,
     requests admitted in ``Turns``' order. Owns the engine, its thread, the turns, the requests
@@ -88,7 +101,7 @@ class VllmSampler:
             async with self._turns.sample(request_id, queue_timeout_s):
                 alone: SampleResult = await self._on_thread(self._engine.sample, req, version)
                 return alone
-        async with self._turns.sample(request_id, queue_timeout_s, lane=version.id):
+        async with self._turns.sample(request_id, queue_timeout_s, lane=_lane(version)):
             t0 = time.perf_counter()
             ids = await self._on_thread(self._engine.admit, request_id, req, version)
             run = _Running(ids, asyncio.get_running_loop().create_future())
