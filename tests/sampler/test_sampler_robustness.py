@@ -258,7 +258,8 @@ def test_a_sample_whose_client_leaves_is_stopped_in_the_engine(lora_sampled: Ser
         alone = tc.sample([[1, 2, 3]], max_tokens=4, seed=11, prompt_logprobs=True)
         alone_s = time.monotonic() - t0
         print(f"big sample {whole_s:.1f} s; one alone after its client left {alone_s:.2f} s")
-        assert alone_s < min(3.0, whole_s / 2), (alone_s, whole_s)
+        # Not stopped, it would wait for the rest of the big one: ~0.85 of whole_s.
+        assert alone_s < whole_s / 3, (alone_s, whole_s)
         assert alone.samples == ref.samples
 
 
