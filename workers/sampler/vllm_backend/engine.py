@@ -20,10 +20,11 @@ sample's own call (a swap), and so is a version of an adapter it does not hold.
 ``VllmEngine`` is vLLM's ``LLM`` (its ``LLMEngine`` runs in this process); ``sampler.py``'s
 ``VllmSampler`` calls it from a thread of its own: ``admit`` adds a request's prompts,
 ``advance`` takes one engine step of every request in it, ``cancel`` drops prompts. Requests
-of one version share the engine; a weight or adapter load runs when none is in it, so a result
-is produced by one step's weights, and says which. Base and adapter requests never share an
-engine batch. On a CPU engine with LoRA enabled, base requests go through ``lora_guard``:
-vLLM's CPU LoRA ops would otherwise give them the last adapter's.
+of one version of the base share the engine, and so do adapter requests (each with its own
+adapter version); a weight load runs when none is in it, so a result is produced by one step's
+weights, and says which. Base and adapter requests never share an engine batch. On a CPU
+engine with LoRA enabled, base requests go through ``lora_guard``: vLLM's CPU LoRA ops would
+otherwise give them the last adapter's.
 
 An error inside a call fails that call and nothing after it: what the call left in the engine
 is aborted before it answers (a request that raised in vLLM's step otherwise stayed scheduled,
@@ -407,8 +408,8 @@ class VllmEngine:
         return self.result(req, outs, version.version, time.perf_counter() - t0)
 
     def admit(self, request_id: str, req: SampleRequest, version: Shipment) -> list[str]:
-        """Add ``req``'s prompts to the engine, beside the requests it runs (of the same
-        version: the caller's ``Turns`` lane), without running them: ``advance`` does. Returns
+        """Add ``req``'s prompts to the engine, beside the requests it runs (of the same lane:
+        the caller's ``Turns`` says so), without running them: ``advance`` does. Returns
         their ids in vLLM, one per prompt, in order."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
