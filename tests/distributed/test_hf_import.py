@@ -2,7 +2,9 @@
 log-probs equal transformers' own, so names, the fused QKV and gate/up layouts, RoPE (and its
 Llama 3 scaling), q/k/v biases, q/k norms, wider heads, tied embeddings, the router and the
 experts (and its top-k normalisation) and the norm epsilon all map correctly. The exporter
-writes back the family's own names and the same values, bit for bit."""
+writes back the family's own names and the same values, bit for bit; trained a step on a
+layout that splits what the family adds, the export gathered from the ranks starts an engine
+with the trained model's eval loss."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 
 from helpers.hf_models import FAMILIES, TIED, tiny_model
 from helpers.rankpool import RankPool
-from hf_cases import logprobs_from_hf
+from hf_cases import eval_from_hf, logprobs_from_hf, trained_export
 
 LAYOUTS = [{}, {"tp": 2}, {"pp": 2}]
 # tp2 runs MoE under sequence parallelism, each TP rank routing its own slice of the tokens;
@@ -76,6 +78,48 @@ def test_export_writes_the_family_back_bit_for_bit(tmp_path: Path, family: str) 
         assert written[name].dtype == t.dtype and torch.equal(written[name], t), name
     again = hf.model_config_from_hf(hf.read_config(tmp_path / "out"), ModelConfig())
     assert again == m
+
+
+# Tied embeddings split over two stages; wide heads, Gated DeltaNet heads and gated attention
+# over two TP ranks; experts over two EP ranks (at tp2 x ep2 with the shared expert over the
+# two TP ranks).
+EXPORT_LAYOUTS = {
+    "llama3": {"dp": 2},
+    "qwen2": {"pp": 2},
+    "qwen3": {"tp": 2},
+    "qwen3_moe": {"dp": 2, "ep": 2},
+    "qwen3_5": {"tp": 2},
+    "qwen3_5_moe": {"tp": 2, "ep": 2},
+}
+
+
+@pytest.mark.parametrize("family", sorted(EXPORT_LAYOUTS))
+def test_a_trained_model_exports_from_its_shards_and_restarts_with_its_eval_loss(
+    pools: Callable[[int], RankPool], tmp_path: Path, family: str
+) -> None:
+    """What ``export_hf`` does on a service of that layout, rank by rank: the trained model's
+    owned shards merged into the family's checkpoint (its tensor names and dtypes; a tied model
+    has no ``lm_head.weight``), which a one-rank engine starts from with the same eval loss."""
+    from safetensors.torch import load_file
+
+    from helpers.batches import sft_batch
+
+    layout = EXPORT_LAYOUTS[family]
+    tiny_model(family, tmp_path / "source")
+    batch = sft_batch(seed=31, vocab=256)
+    world = int(np.prod([layout.get(axis, 1) for axis in ("dp", "tp", "pp")]))
+    out = tmp_path / "export"
+    results = pools(world).run(trained_export, str(tmp_path / "source"), layout, batch, str(out))
+    (trained,) = {(r["before"], r["after"]) for r in results if r["last_stage"]}
+    assert trained[1] < trained[0], trained  # the step changed the weights that are exported
+
+    given, written = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "source", out))
+    assert {k: v.dtype for k, v in written.items()} == {k: v.dtype for k, v in given.items()}
+    assert ("lm_head.weight" in written) == (family not in TIED)
+    assert any(not torch.equal(written[k], given[k]) for k in given)
+
+    (restarted,) = pools(1).run(eval_from_hf, str(out), batch)
+    assert abs(restarted - trained[1]) <= 1e-5 * abs(trained[1]), (restarted, trained)
 
 
 def test_unsupported_options_are_refused_by_name() -> None:

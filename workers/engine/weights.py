@@ -24,12 +24,16 @@ import re
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from trainctl.workers.engine.config import ModelConfig
 from trainctl.workers.engine.families import FAMILIES
+
+if TYPE_CHECKING:
+    from trainctl.workers.engine.boundary import OwnedShards
 
 INIT_STD = 0.02
 """Normal init std of every matrix (GPT-2 / Llama convention)."""
@@ -72,6 +76,18 @@ class ShardRule:
         if self.kind != "replicated":
             shape[0 if self.kind == "glu" else self.dim] *= size
         return tuple(shape)
+
+
+def merge_owned(parts: Iterable[OwnedShards], tp: int) -> dict[str, Tensor]:
+    """One full copy of the model (or of an adapter), by canonical name, from what every rank
+    adds to it (``EngineShard.canonical_shards(owned=True)``): each name's TP shards put back
+    together; across pipeline stages and expert ranks the names are disjoint."""
+    got = list(parts)
+    full = {}
+    for name in sorted({n for g in got for n in g.shards}):
+        by_tp = {g.tp: g.shards[name] for g in got if name in g.shards}
+        full[name] = shard_rule(name).unshard_ranks(by_tp, tp)
+    return full
 
 
 def shard_rule(name: str) -> ShardRule:

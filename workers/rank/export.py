@@ -41,19 +41,13 @@ class Exporter:
         )
 
     def _merged(self, parts: list[Any]) -> dict[str, Any]:
-        """Every rank's ``canonical_shards`` merged into whole canonical tensors."""
+        """Every rank's ``canonical_shards`` (object refs) merged into whole canonical
+        tensors."""
         import ray
 
         from trainctl.workers.engine import weights
 
-        got: list[OwnedShards] = ray.get(parts)
-        names = {n for g in got for n in g.shards}
-        tp = self.engine.cfg.layout.tp
-        full = {}
-        for name in sorted(names):
-            by_tp = {g.tp: g.shards[name] for g in got if name in g.shards}
-            full[name] = weights.shard_rule(name).unshard_ranks(by_tp, tp)
-        return full
+        return weights.merge_owned(ray.get(parts), self.engine.cfg.layout.tp)
 
     def write_hf(
         self, parts: list[Any], directory: str, adapter: str | None = None, merged: bool = False
