@@ -117,6 +117,9 @@ class LocalRayHead:
         cmd = [
             sys.executable,
             "-m",
+            "trainctl.service.head_guard",  # kills the head at once if trainctl dies
+            sys.executable,
+            "-m",
             "ray.scripts.scripts",
             "start",
             "--head",
@@ -137,8 +140,7 @@ class LocalRayHead:
         with self.log_path.open("ab") as out:
             env = {**os.environ, "AUTOSCALER_METRIC_PORT": str(picked[-1])}
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                preexec_fn=_terminate_with_parent,
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )  # fmt: skip
         self.address = f"127.0.0.1:{port}"
         return self.address
@@ -184,17 +186,6 @@ class LocalRayHead:
             self.proc.wait(timeout=5)
         self.proc = None
         log.info("local Ray head stopped")
-
-
-def _terminate_with_parent() -> None:
-    """In the ``ray start`` child, before it runs: SIGTERM when trainctl dies, however it
-    dies. The head runs in its own session (a Ctrl-C reaches trainctl, which drains first),
-    so without this a SIGKILLed trainctl would leave an orphaned Ray cluster behind."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def live_processes(*, pgid: int | None = None, sid: int | None = None) -> list[str]:
