@@ -13,11 +13,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 echo "installing trainctl[$extras] into $VENV (log: $LOG)"
-# A newer pip than a fresh venv's (23.2), which installs without byte-compiling; then every
-# file is compiled on all cores at once (pip compiles one file at a time). The compiled files
-# matter: where PYTHONDONTWRITEBYTECODE is set (this machine sets it) Python never writes them
-# itself, and every process would compile torch, megatron-core and vLLM again on import.
-# Measured on a fresh venv here: 175 s -> about 100 s.
+# A newer pip than a fresh venv's (23.2). Nothing is byte-compiled at install time: pip
+# compiles one file at a time, and compiling all of site-packages on all cores still took
+# 61 s here (torch's and vLLM's thousands of modules, most never imported). Instead Python
+# writes each module's compiled file the first time any process imports it (about 16 CPU-s
+# for trainctl's imports, once). Where PYTHONDONTWRITEBYTECODE is set (this machine sets it)
+# that never happens, and every process would compile torch, megatron-core and vLLM again on
+# import; so the scripts that source this file run with it unset.
 {
   "$VENV/bin/pip" install --disable-pip-version-check -q "pip==26.3" &&
   "$VENV/bin/pip" install --disable-pip-version-check --no-compile -q "torch==2.13.0" &&
@@ -28,9 +30,6 @@ echo "installing trainctl[$extras] into $VENV (log: $LOG)"
     # `import vllm` beside the CPU torch; the sampler needs none of them.
     *,sampler,*) "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec ;;
   esac
-  # As pip would: a file that is not Python 3.11 (torch ships a few) is left uncompiled.
-  "$VENV/bin/python" -m compileall -q -j 0 \
-    "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-    >/dev/null 2>&1 || true
 } >"$LOG" 2>&1 || { grep -v "is ignored" "$LOG" | tail -40; echo "install failed" >&2; exit 1; }
 export PATH="$VENV/bin:$PATH"
+unset PYTHONDONTWRITEBYTECODE
