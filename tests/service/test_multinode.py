@@ -47,27 +47,31 @@ def _tp_groups(info: Any) -> dict[tuple[int, int, int], set[str]]:
     return groups
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2, "dp": 2}, {"tp": 2, "pp": 2}], ids=str)
-def test_tp_groups_stay_on_a_node_and_a_step_equals_one_rank(
-    cluster: Any, tmp_path_factory: pytest.TempPathFactory, layout: dict[str, int]
+def _placed_and_equal_to_one_rank(svc: Service) -> None:
+    """Each TP group on one node, both nodes used, and a train step (taken here) equal to the
+    single-rank engine's."""
+    client = svc.client()
+    groups = _tp_groups(client.info())
+    assert len(groups) == 2 and all(len(nodes) == 1 for nodes in groups.values()), groups
+    assert len({n for nodes in groups.values() for n in nodes}) == 2  # both nodes used
+    batch = sft_shared_batch(seed=5)
+    before = client.eval_batch(batch).loss
+    step = client.train_batch(batch)
+    want = single_process("step", batch)
+    assert close(before, want["eval_before"]), (before, want)
+    assert close(step.loss, want["loss"]), (step.loss, want)
+    assert close(step.metrics["grad_norm:value"], want["grad_norm"]), (step.metrics, want)
+
+
+def test_tp_groups_stay_on_a_node_and_a_step_equals_one_rank_at_tp2_pp2(
+    cluster: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    flags = [f"--{k}={v}" for k, v in {"dp": 1, **layout}.items()]
+    """Two pipeline stages, one per node (tp2 x dp2 is the lost-node test's layout, checked
+    the same way there)."""
     data = tmp_path_factory.mktemp("multinode")
-    with running_service(
-        data, f"--ray-address={cluster.address}", "--rank-num-cpus=1", "--packing=flat", *flags
-    ) as svc:
-        client = svc.client()
-        info = client.info()
-        groups = _tp_groups(info)
-        assert len(groups) == 2 and all(len(nodes) == 1 for nodes in groups.values()), groups
-        assert len({n for nodes in groups.values() for n in nodes}) == 2  # both nodes used
-        batch = sft_shared_batch(seed=5)
-        before = client.eval_batch(batch).loss
-        step = client.train_batch(batch)
-        want = single_process("step", batch)
-        assert close(before, want["eval_before"]), (before, want)
-        assert close(step.loss, want["loss"]), (step.loss, want)
-        assert close(step.metrics["grad_norm:value"], want["grad_norm"]), (step.metrics, want)
+    flags = ("--tp=2", "--pp=2", "--dp=1", "--rank-num-cpus=1", "--packing=flat")
+    with running_service(data, f"--ray-address={cluster.address}", *flags) as svc:
+        _placed_and_equal_to_one_rank(svc)
 
 
 @pytest.mark.parametrize(
@@ -97,8 +101,9 @@ def test_a_layout_the_nodes_cannot_hold_is_refused_at_start(
 def test_a_lost_node_is_waited_for_and_a_retried_step_applies_once(
     cluster: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """tp2 x dp2 on two nodes, a checkpoint every step. A node leaves: its ranks die, the
-    service says it waits for the slots, and ``ready`` is false. A node joins: the ranks are
+    """tp2 x dp2 on two nodes, a checkpoint every step: placed as asked, and its first step
+    equals one rank's. A node leaves: its ranks die, the service says it waits for the slots,
+    and ``ready`` is false. A node joins: the ranks are
     placed again and the checkpoint restored. A train call made through all of this, retried
     by the SDK with one idempotency key, applies exactly once."""
     import threading
@@ -106,11 +111,12 @@ def test_a_lost_node_is_waited_for_and_a_retried_step_applies_once(
     from trainctl.clients import RetryPolicy
 
     data = tmp_path_factory.mktemp("node-loss")
-    flags = ("--tp=2", "--dp=2", "--rank-num-cpus=1", "--checkpoint-every-steps=1")
+    flags = ("--tp=2", "--dp=2", "--rank-num-cpus=1", "--packing=flat")
+    flags += ("--checkpoint-every-steps=1",)
     with running_service(data, f"--ray-address={cluster.address}", *flags) as svc:
+        _placed_and_equal_to_one_rank(svc)
         client = svc.client()
         batch = sft_shared_batch(seed=7)
-        client.train_batch(batch)
         before = client.info()
         assert before.step == 1
         victim = next(n for n in cluster.worker_nodes if n.node_id[:12] in before.ranks[-1].node)

@@ -1,6 +1,8 @@
 """The spine end to end: real `trainctl serve` (dp=2), real Ray Serve, real HTTP, the SDK.
 
-Tests run in file order on one service; the reference comparison runs first, at step 0.
+Tests run in file order on one service; the reference comparisons run first, at step 0: the
+layout checks of ``test_layouts.py`` at dp2 with prefix tries (the default packing), then the
+service's first step.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 
 from trainctl.clients import ConflictError, InvalidRequestError, TrainctlClient
 
+from helpers import layout_checks
 from helpers.batches import sft_batch
 from helpers.servicekit import RAY_AUTH_VARS, Service, Squatter, digest
 from helpers.single_process import single_process
@@ -72,6 +75,18 @@ def test_eval_equals_single_process_reference(service: Service) -> None:
     got = client.eval_batch(batch).loss
     want = single_process("eval", batch)["loss"]
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_logprobs_at_dp2_match_a_single_process_computation(service: Service) -> None:
+    layout_checks.logprobs_match_a_single_process_computation(service, "tree")
+
+
+def test_the_first_step_at_dp2_matches_single_rank(service: Service) -> None:
+    layout_checks.train_step_matches_single_rank(service, {"dp": 2}, "tree")
+
+
+def test_a_request_chooses_its_packing(service: Service) -> None:
+    layout_checks.a_request_chooses_its_packing(service)
 
 
 ROUTED_TWICE = "sequences[0].routed_experts[1]"
