@@ -86,6 +86,8 @@ are fixed (8265, 10001, 44217, 52365) or taken at random later, and one of them 
 the port a caller picked for the gateway."""
 
 STARTED = b"Ray runtime started."
+HEAD_DAEMONS = frozenset({"gcs_server", "raylet"})
+"""The head's daemons by process name: one that exits before the node is up failed it."""
 """What ``ray start`` writes once the head node is up."""
 
 HEAD_ATTEMPTS = 3
@@ -149,12 +151,16 @@ class LocalRayHead:
         self.stop()
 
     def wait_started(self, timeout_s: float) -> bool:
-        """Wait until ``ray start`` reports the node up (True), or exits (False).
+        """Wait until ``ray start`` reports the node up (True), or the start fails (False):
+        ``ray start`` exits, or one of the head's daemons (``HEAD_DAEMONS``) exits before the
+        node is up.
 
         Joining a head whose daemon died on a taken port can hang ``ray.init`` for many
-        minutes; ``ray start`` itself gives up within about 30 s and says so by exiting.
+        minutes; ``ray start`` itself gives up about 30 s after its raylet died on one, and a
+        daemon that exited during start-up never comes back, so the start has failed then.
         """
         deadline = time.monotonic() + timeout_s
+        seen: set[str] = set()
         while time.monotonic() < deadline:
             with self.log_path.open("rb") as f:
                 f.seek(self._log_start)
@@ -162,6 +168,12 @@ class LocalRayHead:
                     return True
             if not self.running():
                 return False
+            assert self.proc is not None
+            alive = {p.split(":", 1)[1] for p in live_processes(pgid=self.proc.pid)}
+            if gone := sorted(seen - alive):
+                log.warning("the local Ray head's %s exited during start-up", ", ".join(gone))
+                return False
+            seen |= alive & HEAD_DAEMONS
             time.sleep(0.2)
         return self.running()
 
