@@ -176,11 +176,12 @@ class Completion(BaseModel):
     finish_reason: FinishReason = Field(
         description="'stop': a stop token ended it; 'length': max_tokens was reached."
     )
-    weight_steps: list[int] | None = Field(
+    token_steps: list[int] | None = Field(
         None,
-        description="The weights step each generated token was sampled with, where it varies "
-        "within the completion (an engine whose weights were updated while it generated); "
-        "null: every token by the result's `step`.",
+        description="The weights step each generated token was sampled with (the base's; with "
+        "an adapter, the adapter's), as the engine labelled its steps. A weight load waits for "
+        "the requests running, so today every token carries the result's `step`; an engine "
+        "updated in flight would say here where the version changed.",
     )
     routed_experts: list[list[list[int]]] | None = Field(
         None,

@@ -130,7 +130,7 @@ async def _abort_and_pause() -> dict[str, Any]:
 def concurrent_equals_alone() -> dict[str, Any]:
     """16 requests at once on one engine (different prompts, seeds, ``n`` and lengths, prompt
     log-probs on), the first eight naming step 1's weights and the rest step 2's, then each alone:
-    their tokens and log-probs, and how many ran at once."""
+    their tokens and log-probs, each token's step, and how many ran at once."""
     return asyncio.run(_concurrent_equals_alone())
 
 
@@ -174,8 +174,12 @@ async def _concurrent_equals_alone() -> dict[str, Any]:
         return tokens, lps
 
     pairs = [(flat(t), flat(a)) for t, a in zip(together, alone, strict=True)]
+    # Each token's step, from the engine's weight-version labels (set at each load).
+    completions = [(r.step, c) for r in together for p in r.samples for c in p.completions]
+    labelled = {(step, s) for step, c in completions for s in c.token_steps or [-1]}
     return {
         "peak": peak,
+        "token_steps": sorted(labelled),
         "same_tokens": all(t[0] == a[0] for t, a in pairs),
         "steps": sorted({r.step for r in together}),
         "logprob_values": sum(len(a[1]) for _, a in pairs),

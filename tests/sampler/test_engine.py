@@ -5,7 +5,8 @@ later call waited on it for good), and a weight set whose shapes differ from the
 refused before any tensor is copied. A request aborted while it waits is dropped, one aborted
 while it runs stops within a second; a paused engine holds samples but loads weights. Requests
 of one version run at once, and each gets what it gets alone. A request gets the version it
-names: an engine that holds another loads it in the request's turn."""
+names: an engine that holds another loads it in the request's turn, and labels each token
+with it."""
 
 from __future__ import annotations
 
@@ -51,5 +52,6 @@ def test_abort_drops_a_waiting_request_and_pause_holds_samples_but_not_loads() -
 def test_sixteen_requests_at_once_equal_each_alone() -> None:
     out = _in_own_process(cases.concurrent_equals_alone)
     assert out["peak"] >= 4 and out["steps"] == [1, 2], out  # they did run together
+    assert out["token_steps"] == [(1, 1), (2, 2)], out  # every token labelled with its step
     assert out["same_tokens"] and out["logprob_values"] > 200, out
     assert out["max_diff"] <= 1e-4, out

@@ -13,7 +13,7 @@ asynchronous: an engine serves many requests at once (vLLM's, stepped by
   update between two versions); loads still run while paused;
 - weights and adapters arrive as a ``Shipment`` (``transport.py``) naming their version, and
   a result says which version produced it: ``SampleResult.step``, and per token
-  ``Completion.weight_steps`` where the version changed inside a request;
+  ``Completion.token_steps`` (vLLM labels each engine step with its weight version);
 - a sample names its version: the ``Shipment`` of the base's (or its adapter's) step to
   sample, one of the pool's window (``window.py``). An engine that holds another loads it
   first, in the request's turn; a result is never another version's;

@@ -247,6 +247,9 @@ class VllmEngine:
                 f"parameter(s) left empty ({', '.join(empty[:3])}); it is being recreated"
             )
         self.step, self.schema, self.shipment = step, per_worker[0].schema, shipment.id
+        # vLLM labels every engine step from now on with this version: a completion's
+        # ``weight_versions`` spans give each token's step (``Completion.token_steps``).
+        self.llm.llm_engine.set_weight_version(str(step))
         return Loaded(step=step, seconds=time.perf_counter() - t0)
 
     def _recover(self) -> None:
@@ -455,7 +458,7 @@ class VllmEngine:
     ) -> SampleResult:
         """``req``'s answer from vLLM's outputs, one per prompt in order."""
         return SampleResult(
-            samples=[prompt_samples(o, req) for o in outs],
+            samples=[prompt_samples(o, req, step) for o in outs],
             step=step,
             adapter=req.adapter,
             sampler=self.index,

@@ -32,8 +32,28 @@ def routes_of(c: Any, prompt_len: int) -> list[list[list[int]]]:
     return out
 
 
-def prompt_samples(out: Any, req: SampleRequest) -> PromptSamples:
-    """One prompt's completions and log-probs, from vLLM's ``RequestOutput``."""
+def token_steps(c: Any, step: int, labelled: bool) -> list[int]:
+    """The step of each of a completion's tokens: from vLLM's weight-version spans where the
+    engine labels its steps with the base's step (``labelled``: a base request); otherwise,
+    or where vLLM reported no span, ``step`` (an adapter version is fixed for a request)."""
+    spans = getattr(c, "weight_versions", None) if labelled else None
+    if not spans:
+        return [step] * len(c.token_ids)
+    out: list[int] = []
+    for span in spans:
+        if not str(span.version).isdigit():  # the engine's label before its first load
+            raise RuntimeError(f"the sampler labelled tokens with weight version {span.version!r}")
+        out += [int(span.version)] * (span.end - span.start)
+    if len(out) != len(c.token_ids):
+        raise RuntimeError(
+            f"the sampler's weight-version spans cover {len(out)} tokens of {len(c.token_ids)}"
+        )
+    return out
+
+
+def prompt_samples(out: Any, req: SampleRequest, step: int) -> PromptSamples:
+    """One prompt's completions and log-probs, from vLLM's ``RequestOutput``; ``step``: the
+    version the request was admitted to (the base's, or its adapter's)."""
     completions = []
     for c in out.outputs:
         tokens = [int(t) for t in c.token_ids]
@@ -43,6 +63,7 @@ def prompt_samples(out: Any, req: SampleRequest) -> PromptSamples:
                 tokens=tokens,
                 logprobs=None if lps is None else [float(x) for x in lps if x is not None],
                 finish_reason="stop" if c.finish_reason == "stop" else c.finish_reason or "length",
+                token_steps=token_steps(c, step, labelled=req.adapter is None),
                 routed_experts=routes_of(c, len(out.prompt_token_ids))
                 if req.return_routes
                 else None,
