@@ -20,6 +20,9 @@ MAX_QUEUED = 12
 """``lora_sampled``'s --sampler-max-queued: more samples at once answer 429."""
 MAX_QUEUED_TOKENS = 50_000
 """``lora_sampled``'s --sampler-max-queued-tokens."""
+WINDOW = 3
+"""``sampled``'s and ``lora_sampled``'s --sampler-versions: a snapshot client made at step k
+samples step k until step k + 3."""
 
 
 def scored(result: SampleResult, prompts: list[list[int]]) -> tuple[list[Any], list[float]]:

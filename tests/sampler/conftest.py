@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers.hf_models import tiny_model
-from helpers.parity import MAX_QUEUED, MAX_QUEUED_TOKENS, SAMPLER_TIMEOUT_S
+from helpers.parity import MAX_QUEUED, MAX_QUEUED_TOKENS, SAMPLER_TIMEOUT_S, WINDOW
 from helpers.servicekit import Service, running_service
 from helpers.tiers import until_last_use
 
@@ -28,11 +28,13 @@ def _vllm_installed() -> None:
 
 @pytest.fixture(scope="session")
 def sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    """The embedded default at dp=2, with two sampler engines synced after every step. Its
-    untrained weights are saved as the checkpoint ``untrained``, which a test may load to
-    start again from the base model (Tinker's ``create_model`` wants one)."""
+    """The embedded default at dp=2, with two sampler engines synced after every step, keeping
+    ``WINDOW`` versions servable. Its untrained weights are saved as the checkpoint
+    ``untrained``, which a test may load to start again from the base model (Tinker's
+    ``create_model`` wants one)."""
     data = tmp_path_factory.mktemp("sampled")
-    service = running_service(data, "--dp", "2", "--samplers", "2")
+    flags = ("--dp", "2", "--samplers", "2", "--sampler-versions", str(WINDOW))
+    service = running_service(data, *flags)
     with until_last_use("sampled", "sampler", service) as svc:
         with svc.client() as tc:
             tc.save_checkpoint("untrained")
@@ -41,12 +43,13 @@ def sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 
 @pytest.fixture(scope="session")
 def qwen3_manual(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    """A tiny Qwen3 (transformers' own) at tp=2, one sampler engine, synced on demand: the
-    samplers get weights gathered from two TP shards and mapped to Qwen3's names."""
+    """A tiny Qwen3 (transformers' own) at tp=2, one sampler engine, synced on demand, keeping
+    ``WINDOW`` versions: the samplers get weights gathered from two TP shards and mapped to
+    Qwen3's names."""
     root = tmp_path_factory.mktemp("qwen3-sampled")
     tiny_model("qwen3", Path(root / "hf"))
     flags = ("--init-hf", str(root / "hf"), "--tp", "2", "--dp", "1", "--samplers", "1",
-             "--sampler-sync", "manual")  # fmt: skip
+             "--sampler-sync", "manual", "--sampler-versions", str(WINDOW))  # fmt: skip
     with until_last_use("qwen3_manual", "sampler", running_service(root / "data", *flags)) as svc:
         yield svc
 
@@ -54,10 +57,12 @@ def qwen3_manual(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 @pytest.fixture(scope="session")
 def lora_sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """The embedded default with room for four adapters and one sampler engine, synced after
-    every step, with a short call deadline and a small admission bound: the LoRA sampling tests
-    and the robustness tests share it (one service start fewer)."""
+    every step, keeping ``WINDOW`` versions servable, with a short call deadline and a small
+    admission bound: the LoRA sampling tests and the robustness tests share it (one service
+    start fewer)."""
     data = tmp_path_factory.mktemp("lora-sampled")
     flags = ("--max-adapters", "4", "--lora-max-rank", "8", "--samplers", "1",
+             "--sampler-versions", str(WINDOW),
              "--sampler-timeout-s", str(SAMPLER_TIMEOUT_S),
              "--sampler-max-queued", str(MAX_QUEUED),
              "--sampler-concurrency", "2",  # two at once: the others wait (the order tests)

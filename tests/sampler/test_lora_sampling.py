@@ -17,8 +17,9 @@ from tinker import types
 
 from trainctl.api import ConflictError, NotFoundError
 
-from helpers.parity import PARITY, PROMPTS, gap, prompt_scores
+from helpers.parity import PARITY, PROMPTS, WINDOW, gap, prompt_scores
 from helpers.servicekit import Service
+from helpers.snapshots import snapshots_hold_through_the_window
 
 PROBE = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
 APART = 1e-2
@@ -105,8 +106,9 @@ def test_base_and_adapter_requests_in_flight_together_keep_their_weights(
 
 def test_a_tinker_lora_client_samples_with_its_adapter(lora_sampled: Service) -> None:
     """The real SDK: a LoRA model's sampling client samples its adapter at the step it was
-    made at, a saved sampler path samples it, and it keeps doing so after the adapter's next
-    step (the window of two versions); after one more it is refused with a 410."""
+    made at, and a saved sampler path samples it. Made at step 3, it keeps doing so after
+    step 5, beside a client made then (the window of three versions); after step 6 it is
+    refused with a 410."""
     from trainctl.service.tinker.bodies import adapter_name
 
     sc = tinker.ServiceClient(base_url=lora_sampled.url, api_key="tml-local")
@@ -144,22 +146,9 @@ def test_a_tinker_lora_client_samples_with_its_adapter(lora_sampled: Service) ->
         again = by_path.compute_logprobs(types.ModelInput.from_ints(scored)).result()
         assert np.abs(np.asarray(again[1:]) - np.asarray(lps[1:])).max() <= PARITY
 
-        def step() -> None:
-            tc.forward_backward([datum], "cross_entropy").result()
-            tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-
-        step()  # step 4 is synced: steps 3 and 4 are served
-        newer = tc.save_weights_and_get_sampling_client().result()
-        moved = newer.compute_logprobs(types.ModelInput.from_ints(scored)).result()
-        kept = sampler.compute_logprobs(types.ModelInput.from_ints(scored)).result()
-        assert np.abs(np.asarray(kept[1:]) - np.asarray(lps[1:])).max() <= PARITY
-        assert np.abs(np.asarray(moved[1:]) - np.asarray(lps[1:])).max() > APART
-        step()  # step 5: step 3 leaves the window
-        with pytest.raises(Exception, match="step 3, which have left"):
-            sampler.sample(
-                types.ModelInput.from_ints(scored[:4]), 1, types.SamplingParams(max_tokens=2)
-            ).result()
-        again = newer.compute_logprobs(types.ModelInput.from_ints(scored)).result()
-        assert np.abs(np.asarray(again[1:]) - np.asarray(moved[1:])).max() <= PARITY
+        # Steps 3 and 5 of the adapter after its step 5; then step 3's 410.
+        with lora_sampled.client() as native:
+            out = snapshots_hold_through_the_window(tc, native, adapter, window=WINDOW)
+        assert out["steps"] == (3, 5), out
     finally:
         sc.close("success").result()

@@ -29,8 +29,9 @@ from trainctl.api import (
 from trainctl.clients._base import RetryPolicy
 from trainctl.workers.sampler.vllm_backend.engine import ADAPTER_DIR_PREFIX, CONFIG_DIR_PREFIX
 
-from helpers.parity import PARITY, PROMPTS, gap, prompt_scores
+from helpers.parity import PARITY, PROMPTS, WINDOW, gap, prompt_scores
 from helpers.servicekit import START_TIMEOUT_S, Service, fresh_home
+from helpers.snapshots import snapshots_hold_through_the_window
 
 
 def test_sampler_logprobs_equal_the_trainers(sampled: Service) -> None:
@@ -169,11 +170,34 @@ def test_a_killed_sampler_is_recreated_with_the_current_weights(sampled: Service
         assert busy.index in seen
 
 
+def test_a_tinker_snapshot_on_one_engine_gets_its_step_swapped_in(qwen3_manual: Service) -> None:
+    """Full fine-tuning through the real ``tinker`` SDK with one sampler engine (Qwen3 at
+    tp2): the engine holds one version at a time, so a request of the step-0 client loads step
+    0's weights from the window's host copies in its turn, and one of the step-2 client loads
+    step 2's back; each gets its own step's log-probs; after step 3, step 0's client gets the
+    410. The base is restored and synced after (the next test starts from it)."""
+    import tinker
+
+    with qwen3_manual.client() as native:
+        native.save_checkpoint("qwen3-base")
+        sc = tinker.ServiceClient(base_url=qwen3_manual.url, api_key="tml-local")
+        try:
+            training = sc.create_lora_training_client(
+                base_model=native.info().model_name, rank=0
+            ).result()
+            out = snapshots_hold_through_the_window(training, native, None, window=WINDOW)
+            assert out["steps"] == (0, 2), out
+        finally:
+            sc.close("success").result()
+            assert native.load_checkpoint("qwen3-base").step == 0
+            assert native.sync_weights().step == 0  # manual: a load serves nothing until then
+
+
 def test_manual_sync_and_a_family_at_tp2(qwen3_manual: Service) -> None:
     """Qwen3 (tied embeddings, wide heads) from two TP shards: parity at the start; after a
     step the samplers keep the old weights until ``sync_weights``, and say so. Then the window
-    of two versions on one engine: a request for the older step gets it (swapped in), the
-    next for the newest gets that, and once the older step leaves the window it is a 410."""
+    of versions on one engine: a request for the older step gets it (swapped in), the next for
+    the newest gets that, and once the older step leaves the window it is a 410."""
     prompts = [[1, 2, 3, 4, 5], [100, 101, 7]]
     with qwen3_manual.client() as tc:
         r0 = tc.sample(prompts, n=2, max_tokens=10, seed=5, prompt_logprobs=True)
@@ -199,7 +223,8 @@ def test_manual_sync_and_a_family_at_tp2(qwen3_manual: Service) -> None:
             assert np.abs(prompt_scores(tc, prompts) - new).max() <= PARITY
         served = tc.info().samplers
         assert served is not None and served.versions == [0, 1], served
-        assert tc.train_batch(batch).step == 2 and tc.sync_weights().step == 2
+        for step in range(2, WINDOW + 1):  # step 0 leaves the window
+            assert tc.train_batch(batch).step == step and tc.sync_weights().step == step
         with pytest.raises(GoneError, match=r"step 0 .* oldest served is step 1"):
             tc.sample(prompts, max_tokens=2, step=0)
         assert np.abs(prompt_scores(tc, prompts, step=1) - new).max() <= PARITY

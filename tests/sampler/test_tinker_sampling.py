@@ -1,32 +1,24 @@
 """The real ``tinker`` SDK (0.38, unpatched) samples from trainctl's samplers.
 
 A sampling client is pinned to the step its weights were saved at (Tinker's ``snapshot``),
-and trainctl's samplers keep the newest two synced versions (``--sampler-versions``'s
-default): a client made at step k samples exactly step k after the next step too, on either
-of the two engines, and once k leaves the window it is refused with a 410 that says so, never
-answered with other weights.
+and the ``sampled`` service's samplers keep the newest three synced versions
+(``--sampler-versions 3``): a client made at step 0 samples exactly step 0 after step 2 too,
+beside one made at step 2, on either of the two engines, and once step 0 leaves the window
+it is refused with a 410 that says so, never answered with other weights
+(``helpers/snapshots.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
-import pytest
 import tinker
 from tinker import types
 
+from helpers.parity import WINDOW
 from helpers.servicekit import Service
+from helpers.snapshots import PARITY, snapshots_hold_through_the_window
 
 BASE = "trainctl-tiny"
-PARITY = 1e-4
-
-
-def _datum(tokens: list[int]) -> Any:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], np.int64)},
-    )
 
 
 def test_tinker_sampling_clients_sample_their_step(sampled: Service) -> None:
@@ -56,32 +48,9 @@ def test_tinker_sampling_clients_sample_their_step(sampled: Service) -> None:
             assert lps[0] is None
             assert np.abs(np.asarray(lps[1:]) - np.asarray(trainer[1:])).max() <= PARITY
 
-            def step() -> None:
-                tc.forward_backward([_datum(scored)], "cross_entropy").result()
-                tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-
-            step()  # synced after the step: steps 0 and 1 are served
-            fresh = tc.save_weights_and_get_sampling_client().result()
-            after = fresh.compute_logprobs(types.ModelInput.from_ints(scored)).result()
-            trainer = native.logprobs([scored]).logprobs[0]
-            assert np.abs(np.asarray(after[1:]) - np.asarray(trainer[1:])).max() <= PARITY
-            assert np.abs(np.asarray(after[1:]) - np.asarray(lps[1:])).max() > 1e-3
-            # The step-0 client still samples step 0, however the two engines are picked:
-            # each request swaps in the version it names.
-            for _ in range(3):
-                for client, want in ((sampler, lps), (fresh, after)):
-                    got = client.compute_logprobs(types.ModelInput.from_ints(scored)).result()
-                    assert np.abs(np.asarray(got[1:]) - np.asarray(want[1:])).max() <= PARITY
-            served = native.info().samplers
-            assert served is not None and (served.versions, served.window) == ([0, 1], 2), served
-
-            step()  # step 2: step 0 leaves the window
-            with pytest.raises(Exception, match="step 0, which have left the samplers' window"):
-                sampler.sample(
-                    types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=2)
-                ).result()
-            kept = fresh.compute_logprobs(types.ModelInput.from_ints(scored)).result()
-            assert np.abs(np.asarray(kept[1:]) - np.asarray(after[1:])).max() <= PARITY
+            # Steps 0 and 2 after step 2, on either of the two engines; then step 0's 410.
+            out = snapshots_hold_through_the_window(tc, native, None, window=WINDOW)
+            assert out["steps"] == (0, 2), out
 
             path = tc.save_weights_for_sampler("tinker-sampled").result().path
             assert path.endswith("/sampler_weights/tinker-sampled")

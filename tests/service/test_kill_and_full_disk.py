@@ -218,7 +218,9 @@ def test_kills_mid_write_and_a_full_disk_leave_only_complete_state(tmp_path: Pat
         _full_disk(svc, root)
         assert svc.stop() == 0, svc.log()
     finally:
-        if svc.returncode is None:  # a failure on the way: leave nothing running
-            svc.kill()
-            _no_orphans(data)
-        subprocess.run(["umount", "-l", str(root)], check=False)
+        try:
+            if svc.returncode is None:  # a failure on the way: leave nothing running
+                svc.kill()
+                _no_orphans(data)
+        finally:  # the tmpfs goes even when orphans were found
+            subprocess.run(["umount", "-l", str(root)], check=False)
