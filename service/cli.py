@@ -392,6 +392,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _problem(err: Any) -> str:
+    """One settings error in flag words: ``--flag: what is wrong`` (a check across flags,
+    which has no field, names its flags itself)."""
+    where = ".".join(map(str, err["loc"])).replace("_", "-")
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return f"--{where}: {msg}" if where else msg
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -399,10 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             settings = _settings_from(args)
         except ValidationError as e:
-            problems = "; ".join(
-                f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}"
-                for err in e.errors()
-            )
+            problems = "; ".join(_problem(err) for err in e.errors())
             print(f"trainctl: invalid settings: {problems}", file=sys.stderr)
             return 2
         logs.configure(settings.log_level, settings.log_format)

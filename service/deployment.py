@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
+from ray.serve.config import BackpressureConfig
 
 from trainctl.service import launch
 from trainctl.service.app import create_app
@@ -20,7 +21,8 @@ def gateway(
     *,
     controller_name: str,
     namespace: str,
-    max_ongoing_requests: int = 64,
+    max_ongoing_requests: int = 1024,
+    max_queued_requests: int = 1024,
     **app_settings: Any,
 ) -> Any:
     """A bound Serve application serving the gateway for the named controller actor;
@@ -34,6 +36,10 @@ def gateway(
         # futures, and must not share the fate of a worker node, which may leave.
         ray_actor_options={"num_cpus": 0, "resources": {launch.HEAD_NODE_RESOURCE: 0.001}},
         max_ongoing_requests=max_ongoing_requests,
+        # Past both, Serve's proxy answers at once (a 429 with Retry-After, as the service's
+        # own bounds do) instead of holding requests without end.
+        max_queued_requests=max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
         # A stopping replica polls for its requests to finish (up to Serve's 20 s timeout);
         # Serve's default poll, 2 s, made every stop wait 2 s after the work was done.
         graceful_shutdown_wait_loop_s=0.2,
@@ -74,6 +80,7 @@ def gateway_app(s: Settings, instance_id: str = "") -> Any:
         controller_name=CONTROLLER_NAME,
         namespace=NAMESPACE,
         max_ongoing_requests=s.max_ongoing_requests,
+        max_queued_requests=s.max_queued_requests,
         api_token=s.token(),
         max_body_bytes=int(s.max_body_mb * 2**20),
         body_timeout_s=s.body_timeout_s,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainctl.service.cluster import DEFAULT_WORKER_PORTS
@@ -173,7 +173,17 @@ class Settings(BaseSettings):
         "default <data_dir>/profiles.",
     )
     max_ongoing_requests: int = Field(
-        64, ge=1, description="Requests one gateway replica holds at once."
+        1024,
+        ge=1,
+        description="Requests one gateway replica holds at once (Serve's "
+        "max_ongoing_requests). High enough that the service's own bounds answer first: the "
+        "operation queue's and the samplers' 429s, which name them.",
+    )
+    max_queued_requests: int = Field(
+        1024,
+        ge=1,
+        description="Requests Serve's proxy holds for the gateway while the gateway holds "
+        "--max-ongoing-requests; past it a request answers 429 with Retry-After at once.",
     )
     log_level: str = Field("INFO", description="Log level of the service's own loggers.")
     log_format: str = Field(
@@ -352,6 +362,20 @@ class Settings(BaseSettings):
         description="Serve POST /v1/debug/faults, which makes a rank fail on purpose "
         "(chaos testing only).",
     )
+
+    @model_validator(mode="after")
+    def _sampler_bound_reachable(self) -> Settings:
+        """The samplers' admission bound must be reachable: a gateway that holds fewer
+        requests than it would leave the rest waiting in Serve's proxy, unanswered."""
+        if self.samplers and self.max_ongoing_requests < self.sampler_max_queued:
+            raise ValueError(
+                f"max_ongoing_requests {self.max_ongoing_requests} is below "
+                f"sampler_max_queued {self.sampler_max_queued}: samples past the gateway's "
+                "hold would wait in Serve's proxy instead of answering the samplers' 429; "
+                f"raise --max-ongoing-requests to at least {self.sampler_max_queued} or lower "
+                "--sampler-max-queued"
+            )
+        return self
 
     def token(self) -> str | None:
         """The API token, or None for no auth. A token that is set but empty (an empty

@@ -68,6 +68,23 @@ def test_serve_settings_errors_are_one_line() -> None:
     ]
 
 
+def test_a_sampler_bound_the_gateway_cannot_reach_is_refused_naming_both_flags() -> None:
+    """With samplers, a gateway that holds fewer requests than ``--sampler-max-queued``
+    would leave the rest in Serve's proxy, never answered 429: refused at start, in flag
+    words. The defaults reach it (1024 held, 256 queued)."""
+    from trainctl.service.settings import Settings
+
+    assert Settings(samplers=1).max_ongoing_requests >= Settings(samplers=1).sampler_max_queued
+    r = trainctl("serve", "--samplers", "1", "--max-ongoing-requests", "8", capture_output=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "trainctl: invalid settings: max_ongoing_requests 8 is below sampler_max_queued 256: "
+        "samples past the gateway's hold would wait in Serve's proxy instead of answering the "
+        "samplers' 429; raise --max-ongoing-requests to at least 256 or lower "
+        "--sampler-max-queued"
+    ]
+
+
 def test_serve_on_a_taken_port_is_one_line(tmp_path: Path) -> None:
     import socket
 
