@@ -13,6 +13,7 @@ from bench.tables import (
     logprob,
     lora,
     recompute,
+    sampler_load,
     sampling,
     sequence_parallel,
     state_bytes,
@@ -36,4 +37,5 @@ SECTIONS: dict[str, Callable[[bool], str]] = {
     "cp_loss": cp_loss.section,
     "sampling": sampling.section,
     "lora": lora.section,
+    "sampler_load": sampler_load.section,
 }
