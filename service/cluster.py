@@ -86,9 +86,10 @@ are fixed (8265, 10001, 44217, 52365) or taken at random later, and one of them 
 the port a caller picked for the gateway."""
 
 STARTED = b"Ray runtime started."
+"""What ``ray start`` writes once the head node is up."""
+
 HEAD_DAEMONS = frozenset({"gcs_server", "raylet"})
 """The head's daemons by process name: one that exits before the node is up failed it."""
-"""What ``ray start`` writes once the head node is up."""
 
 HEAD_ATTEMPTS = 3
 """How many times ``trainctl serve`` starts its local head, on fresh ports each time, before

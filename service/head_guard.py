@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
 
 def _default_stop_signals() -> None:
     """In ``ray start``, before it runs: the stop signals back to their defaults (ignored
-    ones would be inherited) and no parent-death signal (only the guard's matters)."""
+    ones would be inherited) and ``PARENT_DIED`` too (only the guard acts on it)."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, PARENT_DIED):
         signal.signal(sig, signal.SIG_DFL)
 

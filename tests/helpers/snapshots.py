@@ -21,7 +21,8 @@ APART = 1e-3
 SCORED = [5, 17, 3, 9, 22, 41, 7, 7]
 
 
-def _datum(tokens: list[int]) -> Any:
+def datum(tokens: list[int]) -> Any:
+    """A cross-entropy datum of Tinker's: each token after the first is a target."""
     return types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], np.int64)},
@@ -46,7 +47,7 @@ def snapshots_hold_through_the_window(
         return list(native.logprobs([SCORED], adapter=adapter).logprobs[0])
 
     def step() -> None:  # published as an RL loop publishes each step (a manual service too)
-        training.forward_backward([_datum(SCORED)], "cross_entropy").result()
+        training.forward_backward([datum(SCORED)], "cross_entropy").result()
         training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
         training.save_weights_and_get_sampling_client().result()
 

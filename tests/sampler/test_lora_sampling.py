@@ -19,7 +19,7 @@ from trainctl.api import ConflictError, NotFoundError
 
 from helpers.parity import PARITY, PROMPTS, WINDOW, gap, prompt_scores
 from helpers.servicekit import Service
-from helpers.snapshots import snapshots_hold_through_the_window
+from helpers.snapshots import SCORED, datum, snapshots_hold_through_the_window
 
 PROBE = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
 APART = 1e-2
@@ -116,13 +116,9 @@ def test_a_tinker_lora_client_samples_with_its_adapter(lora_sampled: Service) ->
         base_model = sc.get_server_capabilities().supported_models[0].model_name
         tc = sc.create_lora_training_client(base_model=base_model, rank=8).result()
         adapter = adapter_name(tc.model_id)
-        scored = [5, 17, 3, 9, 22, 41, 7, 7]
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints(scored[:-1]),
-            loss_fn_inputs={"target_tokens": np.asarray(scored[1:], np.int64)},
-        )
+        scored = SCORED
         for _ in range(3):
-            tc.forward_backward([datum], "cross_entropy").result()
+            tc.forward_backward([datum(scored)], "cross_entropy").result()
             tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
         sampler = tc.save_weights_and_get_sampling_client().result()
         lps = sampler.compute_logprobs(types.ModelInput.from_ints(scored)).result()
