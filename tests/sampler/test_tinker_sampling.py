@@ -14,9 +14,9 @@ import numpy as np
 import tinker
 from tinker import types
 
-from helpers.parity import WINDOW
+from helpers.parity import PARITY, WINDOW
 from helpers.servicekit import Service
-from helpers.snapshots import PARITY, snapshots_hold_through_the_window
+from helpers.snapshots import snapshots_hold_through_the_window
 
 BASE = "trainctl-tiny"
 
