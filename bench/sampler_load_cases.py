@@ -105,7 +105,6 @@ BIG: dict[str, Any] = {"prompts": [[1, 2, 3]] * 500, "n": 64, "max_tokens": 64, 
 def _leaver(url: str, tc: Any) -> dict[str, float]:
     import httpx
 
-    t0 = time.perf_counter()
     try:
         httpx.post(f"{url}/v1/sample", json=BIG, timeout=1.0)
         raise RuntimeError("the big sample answered within a second: it measures nothing")
@@ -120,7 +119,6 @@ def _leaver(url: str, tc: Any) -> dict[str, float]:
     stopped = time.perf_counter()
     tc.sync_weights()
     return {
-        "sent_s": left - t0,
         "stopped_after_s": stopped - left,
         "sync_after_s": time.perf_counter() - stopped,
     }
@@ -147,12 +145,10 @@ def sampler_load_case(in_flight: list[int], requests: int, burst: int, bound: in
             tc.sample([[1, 2, 3]], max_tokens=16)
             burst_run["sample_after_s"] = time.perf_counter() - t0
             leaver = _leaver(svc.url, tc)
-            concurrency = tc.info().samplers
     return {
         "throughput": runs,
         "burst": burst_run,
         "leaver": leaver,
         "bound": bound,
         "burst_size": burst,
-        "engines": len(concurrency.engines) if concurrency else 0,
     }
