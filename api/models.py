@@ -4,7 +4,7 @@ by name, from the modules of its family: ``loss.py``, ``sequence.py``, ``trainin
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -81,10 +81,29 @@ class RankInfo(BaseModel):
     )
 
 
+def owner_field() -> Any:
+    """The ``owner`` field of the calls that name checkpoints and exports."""
+    return Field(
+        default=None,
+        pattern=ADAPTER_NAME,
+        description="Whose names: the model (a Tinker model_id, ':' written '-') or adapter "
+        "they belong to. Each owner has its own names, so two owners can both save 'final'; "
+        "default: the service's own names.",
+    )
+
+
 class CheckpointInfo(BaseModel):
-    """A saved training state: weights, optimizer state, step and RNG of every rank."""
+    """A saved training state: weights, optimizer state, step and RNG of every rank (or, with
+    ``adapter``, one adapter's)."""
 
     checkpoint_id: str = Field(description="Load: POST /v1/checkpoints/{checkpoint_id}/load.")
+    owner: str | None = Field(
+        default=None, description="Whose name checkpoint_id is; None: the service's own."
+    )
+    adapter: str | None = Field(
+        default=None,
+        description="It holds this adapter alone (load it with adapter); None: the whole state.",
+    )
     step: int
     created_at: float = Field(description="Unix seconds.")
     layout: dict[str, int] = Field(description="It loads into this parallel layout only.")
@@ -121,6 +140,7 @@ class ExportRequest(BaseModel):
         description="With adapter: the full model with the adapter folded in, as a Hugging "
         "Face checkpoint of its family.",
     )
+    owner: str | None = owner_field()
 
     @model_validator(mode="after")
     def _merged_needs_adapter(self) -> ExportRequest:
@@ -134,6 +154,7 @@ class ExportResult(BaseModel):
     server."""
 
     name: str
+    owner: str | None = Field(default=None, description="Whose name it is; None: the service's.")
     step: int
     path: str = Field(description="Server-side directory: load it with transformers or vLLM.")
     files: dict[str, int] = Field(description="File name -> size in bytes.")

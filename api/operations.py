@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainctl.api.adapters import (
+    ADAPTER_NAME,
     AdapterInfo,
     AdapterList,
     CreateAdapterRequest,
@@ -37,6 +38,7 @@ from trainctl.api.models import (
     OptimStepRequest,
     StepResult,
     TrainBatchRequest,
+    owner_field,
 )
 from trainctl.api.sampling import SyncResult, SyncWeightsRequest
 
@@ -86,6 +88,13 @@ class SaveCheckpointRequest(BaseModel):
     overwrite: bool = Field(
         default=False, description="Replace a checkpoint of that name (409 otherwise)."
     )
+    adapter: str | None = Field(
+        default=None,
+        pattern=ADAPTER_NAME,
+        description="Save this LoRA adapter alone (its weights, AdamW state and step), not the "
+        "whole training state.",
+    )
+    owner: str | None = owner_field()
 
     @field_validator("name")
     @classmethod
@@ -106,6 +115,26 @@ class LoadCheckpointRequest(BaseModel):
         description="Also restore the optimizer state (Adam moments, fp32 masters). False: the "
         "weights and step only, and the optimizer starts afresh on them.",
     )
+    adapter: str | None = Field(
+        default=None,
+        pattern=ADAPTER_NAME,
+        description="Restore this LoRA adapter alone (its weights, AdamW state and step) from "
+        "the checkpoint, creating it if it does not exist; every other adapter, and the base, "
+        "stay as they are. A checkpoint that holds one adapter alone loads only this way.",
+    )
+    into: str | None = Field(
+        default=None,
+        pattern=ADAPTER_NAME,
+        description="With adapter: restore it under this name (created if need be), leaving "
+        "the adapter of the checkpoint's name as it is; default: its own name.",
+    )
+    owner: str | None = owner_field()
+
+    @model_validator(mode="after")
+    def _into_needs_adapter(self) -> LoadCheckpointRequest:
+        if self.into is not None and self.adapter is None:
+            raise ValueError("into: names where an adapter is restored; name the adapter")
+        return self
 
 
 class OperationStatus(str, Enum):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from trainctl.api.adapters import ADAPTER_NAME
 from trainctl.api.bounds import MAX_SEED, MAX_TEMPERATURE
@@ -17,6 +17,10 @@ from trainctl.api.errors import field_error
 from trainctl.api.training import ModelLimits
 
 MAX_SAMPLES_PER_PROMPT = 64
+MAX_STOPS = 16
+"""String stop sequences one request may give."""
+MAX_STOP_CHARS = 256
+"""Characters of one string stop sequence."""
 """The most completions one prompt may ask for (``n``)."""
 MAX_QUEUE_TIMEOUT_S = 86400.0
 """The longest wait a sample request may ask for (``queue_timeout_s``): a day."""
@@ -53,6 +57,14 @@ class SamplingParams(BaseModel):
     )
     stop_token_ids: list[TokenId] = Field(
         default_factory=list, description="A completion ends after generating any of these."
+    )
+    stop: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list,
+        max_length=MAX_STOPS,
+        description="A completion ends once its text contains any of these strings (its "
+        "tokens up to the one that completes the string are kept). Needs the model's "
+        "tokenizer: a service started with --init-hf DIR that holds one (info's "
+        "limits say so).",
     )
     logprobs: bool = Field(
         True, description="Return the sampler's log-prob of every generated token."
@@ -156,6 +168,12 @@ class SampleRequest(SamplingParams):
             raise field_error(
                 f"prompts[{i}][{j}]",
                 f"token id {tokens[k]} is outside the vocabulary [0, {limits.vocab_size})",
+            )
+        if self.stop and not limits.tokenizer:
+            raise field_error(
+                "stop",
+                "string stops need the model's tokenizer, and this service has none: start "
+                "it with --init-hf DIR where DIR holds the tokenizer, or give stop_token_ids",
             )
         for j, t in enumerate(self.stop_token_ids):
             if not 0 <= t < limits.vocab_size:

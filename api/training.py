@@ -37,6 +37,11 @@ class ModelLimits(BaseModel):
     num_layers: int = Field(0, description="Decoder layers (each MoE layer routes tokens).")
     num_experts: int = Field(0, description="Experts per MoE layer; 0: a dense model.")
     moe_topk: int = Field(0, description="Experts each token is routed to.")
+    tokenizer: bool = Field(
+        False,
+        description="The samplers hold the model's tokenizer (from the --init-hf directory): "
+        "string stop sequences work.",
+    )
 
 
 class _SequencesRequest(BaseModel):

@@ -262,8 +262,10 @@ class Requests:
             "GET", path(f"operations/{op_id}"), parse_model(Operation), params={"wait": wait_s}
         )
 
-    def get(self, name: str, model: type[M]) -> Call[M]:
-        return Call("GET", path(name), parse_model(model))
+    def get(self, name: str, model: type[M], **params: Any) -> Call[M]:
+        """``GET /v1/{name}``; ``params`` that are not None go in its query."""
+        query = {k: v for k, v in params.items() if v is not None}
+        return Call("GET", path(name), parse_model(model), params=query)
 
     def delete(self, name: str, model: type[M]) -> Call[M]:
         """``DELETE /v1/{name}``, with a fresh idempotency key reused by every retry."""

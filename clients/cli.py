@@ -6,7 +6,7 @@
     trainctl logprobs batch.jsonl [--entropy] [-o out.jsonl]
     trainctl memory-profile start|stop|list
     trainctl memory-profile download PROFILE_ID [-o DIR]   (files go to DIR/PROFILE_ID/)
-    trainctl checkpoint save|list|load [CHECKPOINT_ID]
+    trainctl checkpoint save|list|load [CHECKPOINT_ID] [--owner O] [--adapter A]
     trainctl export-hf [--name NAME]
 
 A batch file has one JSON sequence per line (``{"tokens": [...], "loss_mask": [...], ...}``).
@@ -133,15 +133,16 @@ def _client_commands(args: argparse.Namespace, c: TrainctlClient) -> int:
     elif args.command == "memory-profile":
         return _memory_profile(args, c)
     elif args.command == "checkpoint":
-        if args.action == "save":
-            _print(c.save_checkpoint())
+        if args.action == "save":  # CHECKPOINT_ID: its name (default: step-NNNNNN)
+            _print(c.save_checkpoint(args.checkpoint_id, adapter=args.adapter, owner=args.owner))
         elif args.action == "list":
-            for ck in c.list_checkpoints().checkpoints:
-                print(f"{ck.checkpoint_id}  step {ck.step}  {ck.size_bytes / 2**20:.1f} MiB")
+            for ck in c.list_checkpoints(owner=args.owner).checkpoints:
+                alone = f"  adapter {ck.adapter}" if ck.adapter else ""
+                print(f"{ck.checkpoint_id}  step {ck.step}  {ck.size_bytes / 2**20:.1f} MiB{alone}")
         else:
             if not args.checkpoint_id:
                 raise SystemExit("trainctl: checkpoint load needs a CHECKPOINT_ID")
-            _print(c.load_checkpoint(args.checkpoint_id))
+            _print(c.load_checkpoint(args.checkpoint_id, adapter=args.adapter, owner=args.owner))
     elif args.command == "export-hf":
         _print(c.export_hf(args.name))
     elif args.command == "sample":
@@ -272,7 +273,9 @@ def parser() -> argparse.ArgumentParser:
     )
     q = sub.add_parser("checkpoint", help="save, list or load training checkpoints")
     q.add_argument("action", choices=["save", "list", "load"])
-    q.add_argument("checkpoint_id", nargs="?")
+    q.add_argument("checkpoint_id", nargs="?", help="load: which; save: its name")
+    q.add_argument("--owner", default=None, help="the names of this model or adapter")
+    q.add_argument("--adapter", default=None, help="save or load this LoRA adapter alone")
     q = sub.add_parser("export-hf", help="write the model as a Hugging Face checkpoint")
     q.add_argument("--name", default=None, help="directory name under the export root")
     q = sub.add_parser("sample", help="completions of JSONL token-id prompts (--samplers)")

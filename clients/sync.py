@@ -272,6 +272,7 @@ class TrainctlClient:
         top_k: int = -1,
         seed: int | None = None,
         stop_token_ids: Iterable[int] = (),
+        stop: Iterable[str] = (),
         logprobs: bool = True,
         prompt_logprobs: bool = False,
         expected_step: int | None = None,
@@ -285,13 +286,14 @@ class TrainctlClient:
         them (``adapter``'s step with an adapter): the newest synced, or ``step``, one of the
         versions the samplers keep (``info().samplers.versions``; ``GoneError`` once it has
         left that window). ``expected_step`` refuses (``ConflictError``) any other;
-        ``return_routes`` adds each completion's ``routed_experts`` (``--sampler-routes``).
-        Needs ``--samplers``."""
+        ``return_routes`` adds each completion's ``routed_experts`` (``--sampler-routes``);
+        ``stop`` ends a completion at any of these strings (a model with a tokenizer: see
+        ``info().limits.tokenizer``). Needs ``--samplers``."""
         call = self._req.sample(
             prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop_token_ids=list(stop_token_ids), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, expected_step=expected_step, adapter=adapter,
-            return_routes=return_routes, step=step,
+            top_k=top_k, seed=seed, stop_token_ids=list(stop_token_ids), stop=list(stop),
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, expected_step=expected_step,
+            adapter=adapter, return_routes=return_routes, step=step,
         )  # fmt: skip
         return self._send(call)
 
@@ -304,28 +306,55 @@ class TrainctlClient:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, name: str | None = None, overwrite: bool = False) -> CheckpointInfo:
+    def save_checkpoint(
+        self,
+        name: str | None = None,
+        overwrite: bool = False,
+        *,
+        adapter: str | None = None,
+        owner: str | None = None,
+    ) -> CheckpointInfo:
         """Save weights, optimizer state, step and RNG of every rank (atomically). Unnamed:
-        ``step-NNNNNN``, pruned to the server's ``keep_checkpoints``; named: kept."""
-        req = SaveCheckpointRequest(name=name, overwrite=overwrite)
+        ``step-NNNNNN``, pruned to the server's ``keep_checkpoints``; named: kept. ``adapter``:
+        that LoRA adapter alone; ``owner``: under that owner's names (default: the service's).
+        """
+        req = SaveCheckpointRequest(name=name, overwrite=overwrite, adapter=adapter, owner=owner)
         return self._send(self._req.call(OperationKind.SAVE_CHECKPOINT, CheckpointInfo, req))
 
-    def list_checkpoints(self) -> CheckpointList:
-        return self._send(self._req.get("checkpoints", CheckpointList))
+    def list_checkpoints(self, owner: str | None = None) -> CheckpointList:
+        """``owner``'s checkpoints (default: the service's own names), oldest save first."""
+        return self._send(self._req.get("checkpoints", CheckpointList, owner=owner))
 
-    def load_checkpoint(self, checkpoint_id: str, optimizer: bool = True) -> CheckpointInfo:
+    def load_checkpoint(
+        self,
+        checkpoint_id: str,
+        optimizer: bool = True,
+        *,
+        adapter: str | None = None,
+        into: str | None = None,
+        owner: str | None = None,
+    ) -> CheckpointInfo:
         """Restore a checkpoint of this layout: weights, step and (``optimizer``) the optimizer
-        state; without it the optimizer starts afresh on the loaded weights."""
-        req = LoadCheckpointRequest(checkpoint_id=checkpoint_id, optimizer=optimizer)
+        state; without it the optimizer starts afresh on the loaded weights. ``adapter``: that
+        adapter alone (as ``into``), nothing else; ``owner``: a checkpoint of those names."""
+        req = LoadCheckpointRequest(
+            checkpoint_id=checkpoint_id, optimizer=optimizer, adapter=adapter, into=into,
+            owner=owner,
+        )  # fmt: skip
         return self._send(self._req.call(OperationKind.LOAD_CHECKPOINT, CheckpointInfo, req))
 
     def export_hf(
-        self, name: str | None = None, *, adapter: str | None = None, merged: bool = False
+        self,
+        name: str | None = None,
+        *,
+        adapter: str | None = None,
+        merged: bool = False,
+        owner: str | None = None,
     ) -> ExportResult:
         """Write the model as a Hugging Face checkpoint of its family on the server; with
         ``adapter``, that adapter in PEFT's format, or (``merged``) the model with it folded
-        in."""
-        req = ExportRequest(name=name, adapter=adapter, merged=merged)
+        in; ``owner``: under that owner's names (default: the service's)."""
+        req = ExportRequest(name=name, adapter=adapter, merged=merged, owner=owner)
         return self._send(self._req.call(OperationKind.EXPORT_HF, ExportResult, req))
 
     # -- LoRA adapters (docs/lora.md) ---------------------------------------------------------

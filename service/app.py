@@ -25,7 +25,7 @@ from trainctl.api import API_VERSION, SampleRequest, TrainctlError
 from trainctl.api.operations import ROUTED
 from trainctl.service import routes
 from trainctl.service.auth import Access, access, authorize
-from trainctl.service.codec import BODY_TIMEOUT_S
+from trainctl.service.codec import BODY_GRACE_S, BODY_TIMEOUT_S
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.errors import install_error_handlers
 from trainctl.service.metrics import GatewayMetrics
@@ -113,6 +113,7 @@ def create_app(
     max_sequences: int = DEFAULT_MAX_SEQUENCES,
     max_tokens_per_request: int = DEFAULT_MAX_TOKENS_PER_REQUEST,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    body_grace_s: float = BODY_GRACE_S,
     fault_injection: bool = False,
     tinker_order_timeout_s: float = 60.0,
     open_metrics: bool = True,
@@ -138,6 +139,7 @@ def create_app(
     app.state.instance_id = instance_id
     app.state.max_body_bytes = max_body_bytes
     app.state.body_timeout_s = body_timeout_s
+    app.state.body_grace_s = body_grace_s
     app.state.request_caps = {
         "max_sequences": max_sequences,
         "max_tokens_per_request": max_tokens_per_request,

@@ -66,10 +66,12 @@ def serve_main(s: Settings) -> int:
 def _reserve_port(host: str, port: int) -> socket.socket | None:
     """Bind the gateway's port now and hold it until the gateway takes it: nothing started
     in between (the Ray head's daemons) can take it. A port already in use is a one-line
-    error."""
+    error. ``SO_REUSEADDR``: a restart on the same port is not refused for the minute the old
+    connections sit in TIME-WAIT (a port someone listens on is still refused)."""
     if port == 0:
         return None
     sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -151,6 +153,9 @@ def _serve(s: Settings) -> int:
         raise StartupError(f"cannot read {e.filename}: {e.strerror}") from None
     except ValueError as e:
         raise StartupError(str(e)) from None
+    exposed = s.exposure_warning()
+    if exposed:
+        log.warning("%s", exposed)
     reservation = _reserve_port(s.host, s.port)
     instance = s.instance_id or uuid.uuid4().hex[:16]
     # Before Ray is imported: its C++ core reads the auth mode once.

@@ -111,6 +111,8 @@ class LocalRayHead:
         self._log_start = 0
         self.ports: dict[str, int] = {}
         """Every port the head was told to use, by its ``ray start`` flag."""
+        self._held: socket.socket | None = None
+        """A listener on the autoscaler's metrics port, on the loopback, while the head runs."""
 
     def __enter__(self) -> str:
         low, high = self.worker_ports.split("-")
@@ -135,13 +137,22 @@ class LocalRayHead:
             "--block",
         ]
         self.ports["autoscaler-metrics"] = picked[-1]
+        # Ray serves its metrics without auth, on every interface: the node's own (trainctl
+        # has its own /metrics) are switched off, and the autoscaler's port is held on the
+        # loopback, so its server cannot bind (the autoscaler logs that and runs on).
+        self._release_held()  # an earlier attempt's
+        self._held = socket.create_server(("127.0.0.1", picked[-1]))
         if self.num_cpus is not None:
             cmd.append(f"--num-cpus={self.num_cpus}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting a local Ray head on port %d (log: %s)", port, self.log_path)
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as out:
-            env = {**os.environ, "AUTOSCALER_METRIC_PORT": str(picked[-1])}
+            env = {
+                **os.environ,
+                "AUTOSCALER_METRIC_PORT": str(picked[-1]),
+                "RAY_enable_metrics_collection": "0",
+            }
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )  # fmt: skip
@@ -181,8 +192,14 @@ class LocalRayHead:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def _release_held(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+
     def stop(self) -> None:
         if self.proc is None:
+            self._release_held()
             return
         pgid = self.proc.pid  # session leader: its pid is the group id of every Ray process
         for sig, wait_s in ((signal.SIGTERM, _GRACE_S), (signal.SIGKILL, 5.0)):
@@ -198,6 +215,7 @@ class LocalRayHead:
         with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL above reaps it
             self.proc.wait(timeout=5)
         self.proc = None
+        self._release_held()
         log.info("local Ray head stopped")
 
 

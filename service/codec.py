@@ -37,6 +37,10 @@ BODY_IDLE_S = 30.0
 BODY_TIMEOUT_S = 300.0
 """A body must have arrived whole within this long (408): a slow upload cannot hold one of
 the gateway's request slots for ever."""
+BODY_MIN_RATE = 64 * 1024
+"""Bytes per second a body must average once ``BODY_GRACE_S`` have passed (408 below it): a
+trickle of a byte now and then holds a slot for seconds, not for the whole deadline."""
+BODY_GRACE_S = 10.0
 
 
 async def read_body(request: Request, max_bytes: int, head: bytearray | None = None) -> bytes:
@@ -50,22 +54,30 @@ async def read_body(request: Request, max_bytes: int, head: bytearray | None = N
                 stream = request.stream().__aiter__()
                 head += (await asyncio.wait_for(stream.__anext__(), 1.0))[:HEAD_BYTES]
         raise _too_large(int(declared), max_bytes)
-    total_s = getattr(request.app.state, "body_timeout_s", BODY_TIMEOUT_S)
+    state = request.app.state
+    total_s = getattr(state, "body_timeout_s", BODY_TIMEOUT_S)
+    grace_s = getattr(state, "body_grace_s", BODY_GRACE_S)
     idle_s = min(BODY_IDLE_S, total_s)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + total_s
+    start = loop.time()
+    deadline = start + total_s
     chunks, size = [], 0
     stream = request.stream().__aiter__()
     while True:
-        wait = min(idle_s, deadline - loop.time())
+        # By when the next byte is due: the idle and whole-body deadlines, and the rate floor
+        # (``size + 1`` bytes at BODY_MIN_RATE, after the grace period).
+        due = start + max(grace_s, (size + 1) / BODY_MIN_RATE)
+        wait = min(idle_s, deadline - loop.time(), due - loop.time())
         try:
             chunk = await asyncio.wait_for(stream.__anext__(), max(wait, 0.0))
         except StopAsyncIteration:
             break
         except asyncio.TimeoutError:
+            took = loop.time() - start
             raise RequestTimeoutError(
-                f"body: {size} bytes arrived, then nothing within the gateway's deadline "
-                f"({idle_s:g} s idle, {total_s:g} s in all); send the body at once",
+                f"body: {size} bytes arrived in {took:.1f} s, then nothing in time (the "
+                f"gateway waits {idle_s:g} s idle, {total_s:g} s in all, and wants "
+                f"{BODY_MIN_RATE // 1024} KiB/s after {grace_s:g} s); send the body at once",
                 details={"received_bytes": size},
             ) from None
         size += len(chunk)

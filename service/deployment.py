@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray import serve
@@ -12,6 +13,8 @@ from trainctl.service.app import create_app
 from trainctl.service.controller_client import RayController
 from trainctl.service.settings import Settings
 from trainctl.workers.rank import logs
+
+log = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "trainctl-gateway"
 APP_NAME = "trainctl"
@@ -66,6 +69,11 @@ def app_builder(args: dict[str, Any]) -> Any:
     """
     s = launch.settings_from_args(args)
     logs.configure(s.log_level, s.log_format)
+    if s.api_token is None and s.api_token_file is None:  # Serve's proxy host is not ours to see
+        log.warning(
+            "no API token (api_token_file): anyone who reaches the Serve proxy can train, "
+            "load and export; give api_token_file unless the proxy listens on loopback only"
+        )
     controller = launch.create_controller(s, launch.engine_config(s), detached=True)
     controller.start_once.remote()
     return gateway_app(s)

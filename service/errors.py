@@ -33,20 +33,42 @@ def _loc(loc: tuple[Any, ...]) -> str:
 _IP = re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b")
 _PID = re.compile(r"\bpid=\d+")
 _PATH = re.compile(r"(?<![\w:/])/(?:[\w.@+-]+/)+[\w.@+-]*")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_HEX = re.compile(r"\b(?:0x[0-9a-fA-F]{6,}|[0-9a-fA-F]{16,})\b")
+"""Heap addresses (``0x7f33...``) and Ray's actor, task and node ids (hex, 16+ digits)."""
 _PUBLIC_DETAILS = {"ranks", "method", "queued", "accumulated_parts", "operation"}
 
 
+def _scrubbed(text: str) -> str:
+    """``text`` without colour codes, addresses, pids, ids or file paths."""
+    text = _ANSI.sub("", text)
+    text = _IP.sub("<address>", text)
+    text = _PID.sub("pid=<pid>", text)
+    return _PATH.sub("<path>", _HEX.sub("<id>", text))
+
+
+def _public_value(value: Any) -> Any:
+    """A detail's value with every string in it scrubbed, and only its first line kept."""
+    if isinstance(value, str):
+        return _scrubbed(value.strip().splitlines()[0] if value.strip() else "")[:500]
+    if isinstance(value, dict):
+        return {str(k): _public_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_public_value(v) for v in value]
+    return value
+
+
 def public(body: ErrorBody) -> ErrorBody:
-    """A server error as a client may see it: the first line of its message, without
-    addresses, pids or file paths; no remote tracebacks in its details; and an ``error_id``
+    """A server error as a client may see it: the first line of its message and of each kept
+    detail, without colour codes, addresses, pids, ids or file paths; no remote tracebacks in
+    its details; and an ``error_id``
     that finds the whole story in the service log (logged here)."""
     error_id = uuid.uuid4().hex[:12]
     log.error("error %s: %s %s (details: %s)", error_id, body.type.value, body.message,
               body.details)  # fmt: skip
-    first = body.message.strip().splitlines()[0] if body.message.strip() else body.type.value
-    message = _PATH.sub("<path>", _PID.sub("pid=<pid>", _IP.sub("<address>", first)))[:500]
+    message = _public_value(body.message) or body.type.value
     kept = body.details if isinstance(body.details, dict) else {}
-    details = {k: v for k, v in kept.items() if k in _PUBLIC_DETAILS}
+    details = {k: _public_value(v) for k, v in kept.items() if k in _PUBLIC_DETAILS}
     return ErrorBody(type=body.type, message=message, details={**details, "error_id": error_id})
 
 

@@ -9,6 +9,7 @@ Every field is documented; ``trainctl serve --help`` lists them with their varia
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -398,6 +399,19 @@ class Settings(BaseSettings):
             )
         return token
 
+    def exposure_warning(self) -> str | None:
+        """What to warn about when the gateway listens beyond this machine with no token
+        (anyone who reaches it could train, load, export and read everything)."""
+        if self.api_token is not None or self.api_token_file is not None:
+            return None
+        if _loopback(self.host):
+            return None
+        return (
+            f"host: {self.host} serves port {self.port} beyond this machine with no API token: "
+            "anyone who reaches it can train, load and export; set TRAINCTL_API_TOKEN or "
+            "--api-token-file, or keep the default host 127.0.0.1"
+        )
+
     def profiles_dir(self) -> Path:
         return (self.profile_root or self.data_dir / "profiles").resolve()
 
@@ -417,3 +431,12 @@ class Settings(BaseSettings):
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything

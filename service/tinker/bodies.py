@@ -90,8 +90,9 @@ class SaveForSampler(ModelCall):
     410. None: for as long as the samplers' window holds their step."""
 
 
-def adapter_name(model_id: str) -> str:
-    """The native adapter a Tinker LoRA model trains (``:`` is not allowed in its names)."""
+def native_name(model_id: str) -> str:
+    """A Tinker model's native name (``:`` is not allowed in names): the adapter it trains,
+    if it is a LoRA model, and the owner of the checkpoint and export names it saves."""
     return model_id.replace(":", "-")
 
 
@@ -118,7 +119,7 @@ def check_create_model(
                 "adapter would train nothing"
             )
         return CreateAdapterRequest(
-            name=adapter_name(model_id), rank=lora.rank, alpha=32.0, targets=targets,
+            name=native_name(model_id), rank=lora.rank, alpha=32.0, targets=targets,
             # Tinker's seed None is "random": one of the handle's own, so adapters differ.
             seed=lora.seed if lora.seed is not None else zlib.crc32(model_id.encode()),
         )  # fmt: skip

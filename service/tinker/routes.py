@@ -55,9 +55,9 @@ from trainctl.service.tinker.bodies import (
     OptimStep,
     SaveForSampler,
     SaveWeights,
-    adapter_name,
     check_create_model,
     json_object,
+    native_name,
     text_field,
     validated,
 )
@@ -306,7 +306,11 @@ async def save_weights(request: Request) -> dict[str, Any]:
     path = convert.TinkerPath(model.model_id, "weights", name)
     return _in_order(
         request, model, req.seq_id, fp, OperationKind.SAVE_CHECKPOINT,
-        lambda: SaveCheckpointRequest(name=name, overwrite=req.overwrite),
+        # The model's own names; a LoRA model's state is its adapter's alone.
+        lambda: SaveCheckpointRequest(
+            name=name, overwrite=req.overwrite, adapter=model.adapter,
+            owner=native_name(model.model_id),
+        ),
         lambda _: {"path": str(path), "type": "save_weights"},
     )  # fmt: skip
 
@@ -330,8 +334,12 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
 
     return _in_order(
         request, model, req.seq_id, fp, OperationKind.EXPORT_HF,
-        # Tinker names replace; a LoRA model's sampler weights are its adapter (PEFT format).
-        lambda: ExportRequest(name=req.path, overwrite=True, adapter=model.adapter),
+        # Tinker names replace, the model's own only; a LoRA model's sampler weights are its
+        # adapter (PEFT format).
+        lambda: ExportRequest(
+            name=req.path, overwrite=True, adapter=model.adapter,
+            owner=native_name(model.model_id),
+        ),
         exported,
     )  # fmt: skip
 
@@ -346,13 +354,14 @@ async def load_weights(request: Request) -> dict[str, Any]:
         raise InvalidRequestError(
             f"path: {req.path!r} holds sampler weights (an HF export); load a path from save_state"
         )
-    native = LoadCheckpointRequest(checkpoint_id=source.name, optimizer=req.optimizer)
+    owner = native_name(source.model_id)  # the names of the model that saved it
     if req.session_id is not None and req.model_seq_id is not None:
         # A new model from saved state: its creation is its seq_id 0. On an adapters service
-        # it trains the adapter of the model that saved the state (the checkpoint holds it).
+        # it trains an adapter of its own, restored from the one the state holds.
         state.session(req.session_id)
         lora = (await _controller(request).list_adapters()).max_adapters > 0
-        adapter = adapter_name(source.model_id) if lora else None
+        new_id = model_id_of(req.session_id, req.model_seq_id)
+        adapter = native_name(new_id) if lora else None
         model = state.add_model(req.session_id, req.model_seq_id, first_seq=0, adapter=adapter)
         seq_id = 0
     elif req.model_id is not None and req.seq_id is not None:
@@ -361,6 +370,12 @@ async def load_weights(request: Request) -> dict[str, Any]:
         raise InvalidRequestError(
             "load_weights needs model_id and seq_id, or session_id and model_seq_id"
         )
+    # A LoRA model restores its own adapter alone; a full-weight model the whole state.
+    restored = None if model.adapter is None else owner
+    native = LoadCheckpointRequest(
+        checkpoint_id=source.name, optimizer=req.optimizer, owner=owner, adapter=restored,
+        into=model.adapter,
+    )  # fmt: skip
     return _in_order(
         request, model, seq_id, fp, OperationKind.LOAD_CHECKPOINT, lambda: native,
         lambda _: {"path": req.path, "model_id": model.model_id, "type": "load_weights"},

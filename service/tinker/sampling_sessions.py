@@ -44,7 +44,13 @@ from trainctl.service.codec import read_body
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.routes.deps import get_limits
 from trainctl.service.tinker import proto
-from trainctl.service.tinker.bodies import Body, SaveForSampler, json_object, validated
+from trainctl.service.tinker.bodies import (
+    Body,
+    SaveForSampler,
+    json_object,
+    native_name,
+    validated,
+)
 from trainctl.service.tinker.convert import TinkerPath
 from trainctl.service.tinker.native import future_of
 from trainctl.service.tinker.sampling_table import (
@@ -165,7 +171,8 @@ async def _pinned(
                 "a LoRA model from save_weights_for_sampler's path, or with "
                 "save_weights_and_get_sampling_client"
             )
-        for c in (await _controller(request).list_checkpoints()).checkpoints:
+        owner = native_name(path.model_id)  # the names of the model that saved it
+        for c in (await _controller(request).list_checkpoints(owner)).checkpoints:
             if c.checkpoint_id == path.name:
                 return PinnedWeights(None, c.step)
         raise NotFoundError(f"model_path: no checkpoint {path.name!r}")
@@ -250,11 +257,12 @@ def native_request(
         if value:
             raise InvalidRequestError(f"{name}: not supported by trainctl's samplers")
     p = req.sampling_params
-    stop = p.stop
-    if isinstance(stop, str) or (stop and not all(type(t) is int for t in stop)):
+    stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+    ids = [int(t) for t in stop if type(t) is int]
+    strings = [t for t in stop if isinstance(t, str)]
+    if ids and strings:
         raise InvalidRequestError(
-            "sampling_params.stop: trainctl samples token ids without a tokenizer: give stop "
-            "as token ids"
+            "sampling_params.stop: give strings or token ids, not both in one list"
         )
     extra = {} if p.max_tokens is None else {"max_tokens": p.max_tokens}
     return SampleRequest(
@@ -264,7 +272,8 @@ def native_request(
         top_p=p.top_p,
         top_k=p.top_k,
         seed=p.seed,
-        stop_token_ids=[int(t) for t in stop or []],
+        stop_token_ids=ids,
+        stop=strings,
         logprobs=True,
         prompt_logprobs=bool(req.prompt_logprobs),
         step=step,

@@ -228,6 +228,17 @@ def test_serve_config_validates_against_ray() -> None:
         ServeDeploySchema.model_validate(bad)
 
 
+def test_the_serve_config_asks_for_a_token_where_its_proxy_is_reachable() -> None:
+    """The shipped serve-config's proxy listens beyond loopback: its gateway takes a token."""
+    from trainctl.service.launch import settings_from_args
+
+    cfg = yaml.safe_load((ROOT / "deploy" / "serve-config.yaml").read_text())
+    host = cfg["http_options"]["host"]
+    s = settings_from_args(cfg["applications"][0]["args"]).model_copy(update={"host": host})
+    assert s.exposure_warning() is None, s.exposure_warning()
+    assert s.model_copy(update={"api_token_file": None}).exposure_warning() is not None
+
+
 def test_dockerfile_runs_trainctl_entry_point() -> None:
     text = (ROOT / "deploy" / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["trainctl"]' in text and '"serve"' in text

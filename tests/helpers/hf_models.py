@@ -85,3 +85,22 @@ def tiny_model(family: str, directory: Path, **shape: Any) -> Any:
                 p.uniform_(-0.5, 0.5)
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+PARAGRAPH = "\n\n"
+"""What every even token id of ``word_tokenizer``'s vocabulary decodes to (with its own tag)."""
+
+
+def word_tokenizer(directory: Path, vocab_size: int = SHAPE["vocab_size"]) -> Any:
+    """A word-level tokenizer for a tiny model, saved into ``directory`` by transformers: one
+    token per id of the model's vocabulary (vLLM refuses ids the tokenizer lacks). An even id
+    decodes to a paragraph break and a tag (``"\\n\\nt4"``), an odd one to a word (``"w3"``),
+    so a sampled completion meets ``"\\n\\n"`` within a few tokens, and where is known from the
+    ids alone."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {(f"{PARAGRAPH}t{i}" if i % 2 == 0 else f"w{i}"): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w1")
+    fast.save_pretrained(directory)
+    return fast

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.hf_models import tiny_model
+from helpers.hf_models import tiny_model, word_tokenizer
 from helpers.parity import MAX_QUEUED, MAX_QUEUED_TOKENS, SAMPLER_TIMEOUT_S, WINDOW
 from helpers.servicekit import Service, running_service
 from helpers.tiers import until_last_use
@@ -45,9 +45,10 @@ def sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 def qwen3_manual(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """A tiny Qwen3 (transformers' own) at tp=2, one sampler engine, synced on demand, keeping
     ``WINDOW`` versions: the samplers get weights gathered from two TP shards and mapped to
-    Qwen3's names."""
+    Qwen3's names. Its directory holds a word-level tokenizer (``word_tokenizer``)."""
     root = tmp_path_factory.mktemp("qwen3-sampled")
     tiny_model("qwen3", Path(root / "hf"))
+    word_tokenizer(Path(root / "hf"))  # string stops (test_sampler.py)
     flags = ("--init-hf", str(root / "hf"), "--tp", "2", "--dp", "1", "--samplers", "1",
              "--sampler-sync", "manual", "--sampler-versions", str(WINDOW))  # fmt: skip
     with until_last_use("qwen3_manual", "sampler", running_service(root / "data", *flags)) as svc:
@@ -56,12 +57,12 @@ def qwen3_manual(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 
 @pytest.fixture(scope="session")
 def lora_sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    """The embedded default with room for four adapters and one sampler engine, synced after
+    """The embedded default with room for six adapters and one sampler engine, synced after
     every step, keeping ``WINDOW`` versions servable, with a short call deadline and a small
     admission bound: the LoRA sampling tests and the robustness tests share it (one service
     start fewer)."""
     data = tmp_path_factory.mktemp("lora-sampled")
-    flags = ("--max-adapters", "4", "--lora-max-rank", "8", "--samplers", "1",
+    flags = ("--max-adapters", "6", "--lora-max-rank", "8", "--samplers", "1",
              "--sampler-versions", str(WINDOW),
              "--sampler-timeout-s", str(SAMPLER_TIMEOUT_S),
              "--sampler-max-queued", str(MAX_QUEUED),

@@ -109,13 +109,13 @@ def test_a_tinker_lora_client_samples_with_its_adapter(lora_sampled: Service) ->
     made at, and a saved sampler path samples it. Made at step 3, it keeps doing so after
     step 5, beside a client made then (the window of three versions); after step 6 it is
     refused with a 410."""
-    from trainctl.service.tinker.bodies import adapter_name
+    from trainctl.service.tinker.bodies import native_name
 
     sc = tinker.ServiceClient(base_url=lora_sampled.url, api_key="tml-local")
     try:
         base_model = sc.get_server_capabilities().supported_models[0].model_name
         tc = sc.create_lora_training_client(base_model=base_model, rank=8).result()
-        adapter = adapter_name(tc.model_id)
+        adapter = native_name(tc.model_id)
         scored = SCORED
         for _ in range(3):
             tc.forward_backward([datum(scored)], "cross_entropy").result()
@@ -147,4 +147,83 @@ def test_a_tinker_lora_client_samples_with_its_adapter(lora_sampled: Service) ->
             out = snapshots_hold_through_the_window(tc, native, adapter, window=WINDOW)
         assert out["steps"] == (3, 5), out
     finally:
+        sc.close("success").result()
+
+
+def _files(d: Any) -> dict[str, bytes]:
+    """Every file under directory ``d``, by its path there, with its bytes."""
+    return {str(f.relative_to(d)): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+def test_two_tinker_runs_each_save_final_and_load_their_own(lora_sampled: Service) -> None:
+    """What every recipe ends with, by two runs on one service: each saves its state and its
+    sampler weights as 'final'. Each name is its run's: the first run's files are the same
+    bytes after the second's save, and each path loads and samples its own run's adapter. A
+    load restores only the loading client's adapter: the other run's step and log-probs do
+    not move (0.0)."""
+    from trainctl.service.tinker.bodies import native_name
+
+    sc = tinker.ServiceClient(base_url=lora_sampled.url, api_key="tml-local")
+    native = lora_sampled.client()
+    try:
+        base_model = sc.get_server_capabilities().supported_models[0].model_name
+        runs = [sc.create_lora_training_client(base_model=base_model, rank=8) for _ in "ab"]
+        a, b = (r.result() for r in runs)
+        names = {tc.model_id: native_name(tc.model_id) for tc in (a, b)}
+
+        def steps(tc: Any, tokens: list[int], n: int) -> None:
+            for _ in range(n):
+                tc.forward_backward([datum(tokens)], "cross_entropy").result()
+                tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+
+        def trainer(tc: Any) -> np.ndarray:
+            return np.asarray(native.logprobs([SCORED], adapter=names[tc.model_id]).logprobs[0])
+
+        def step_of(tc: Any) -> int:
+            return next(
+                x.step for x in native.list_adapters().adapters if x.name == names[tc.model_id]
+            )
+
+        def saved_files() -> dict[str, bytes]:  # every checkpoint and export on the service
+            data = lora_sampled.data_dir
+            return {f"{d}/{k}": v for d in ("checkpoints", "exports")
+                    for k, v in _files(data / d).items()}  # fmt: skip
+
+        steps(a, SCORED, 2)
+        a_state = a.save_state("final").result().path
+        a_sampler = a.save_weights_for_sampler("final").result().path
+        a_files, a_want = saved_files(), trainer(a)
+        assert any(k.startswith("exports/") for k in a_files) and len(a_files) > 2
+
+        steps(b, PROBE[0], 3)
+        b_state = b.save_state("final").result().path  # no 409: a's 'final' is a's
+        b_sampler = b.save_weights_for_sampler("final").result().path
+        b_want = trainer(b)
+        after = saved_files()
+        changed = [k for k, v in a_files.items() if after.get(k) != v]
+        assert changed == [], f"the second run's saves changed or removed {changed}"
+        assert np.abs(a_want[1:] - b_want[1:]).max() > APART
+
+        for path, want in ((a_sampler, a_want), (b_sampler, b_want)):
+            client = sc.create_sampling_client(model_path=path).result()
+            got = client.compute_logprobs(types.ModelInput.from_ints(SCORED)).result()
+            assert np.abs(np.asarray(got[1:]) - want[1:]).max() <= PARITY, path
+
+        steps(a, SCORED, 2)  # a moves on; b's state is what a load must not touch
+        b_at, b_step = trainer(b), step_of(b)
+        a_moved = trainer(a)
+        assert np.abs(a_moved[1:] - a_want[1:]).max() > APART
+        again = sc.create_training_client_from_state_with_optimizer(a_state).result()
+        assert native_name(again.model_id) not in names.values()  # an adapter of its own
+        names[again.model_id] = native_name(again.model_id)
+        assert np.abs(trainer(again)[1:] - a_want[1:]).max() <= 1e-6
+        assert step_of(again) == 2
+        a.load_state(b_state).result()  # a takes b's saved state into its own adapter
+        assert np.abs(trainer(a)[1:] - b_want[1:]).max() <= 1e-6 and step_of(a) == 3
+        assert step_of(b) == b_step and np.abs(trainer(b) - b_at).max() == 0.0
+        assert step_of(again) == 2
+        for tc in (a, b, again):
+            native.delete_adapter(names[tc.model_id])
+    finally:
+        native.close()
         sc.close("success").result()

@@ -91,6 +91,12 @@ def test_a_step_reaches_the_samplers_tagged_with_its_step(sampled: Service) -> N
         ({"prompts": [[1] * 1020], "max_tokens": 8}, "prompts[0]"),
         ({"prompts": [[]]}, "prompts[0]"),
         ({"stop_token_ids": [9999]}, "stop_token_ids[0]"),
+        (
+            {"stop": ["\n\n"]},
+            "stop: string stops need the model's tokenizer, and this service "
+            "has none: start it with --init-hf DIR",
+        ),  # the embedded model has no tokenizer
+        ({"stop": [""]}, "stop[0]"),
         ({"top_k": 0}, "top_k"),
     ],
 )
@@ -168,6 +174,41 @@ def test_a_killed_sampler_is_recreated_with_the_current_weights(sampled: Service
             seen.add(r.sampler)
             assert r.step == step and gap(tc, r, PROMPTS) <= PARITY
         assert busy.index in seen
+
+
+def test_a_string_stop_ends_a_completion_where_its_text_appears(qwen3_manual: Service) -> None:
+    """The model's directory holds a tokenizer (``word_tokenizer``: every even id decodes to
+    a paragraph break): a completion sampled with ``stop: ["\n\n"]`` is the one sampled
+    without it (the same seed), cut after its first even id, and says it stopped; through the
+    native API and through Tinker's ``SamplingParams.stop``."""
+    import tinker
+    from tinker import types
+
+    prompts = [[1, 2, 3, 4, 5], [100, 101, 7], [9, 11, 13]]
+    with qwen3_manual.client() as tc:
+        assert tc.info().limits.tokenizer
+        free = tc.sample(prompts, n=2, max_tokens=12, seed=21)
+        cut = tc.sample(prompts, n=2, max_tokens=12, seed=21, stop=["\n\n"])
+    firsts = []
+    for whole, stopped in zip(free.samples, cut.samples, strict=True):
+        for a, b in zip(whole.completions, stopped.completions, strict=True):
+            first = next((i for i, t in enumerate(a.tokens) if t % 2 == 0), None)
+            assert first is not None and a.finish_reason == "length", a
+            assert b.tokens == a.tokens[: first + 1] and b.finish_reason == "stop", (a, b)
+            assert b.logprobs == pytest.approx(a.logprobs[: first + 1], abs=1e-6)
+            firsts.append(first)
+    assert max(firsts) >= 1, firsts  # some completion ran on past its first token
+
+    sc = tinker.ServiceClient(base_url=qwen3_manual.url, api_key="tml-local")
+    try:
+        name = sc.get_server_capabilities().supported_models[0].model_name
+        sampler = sc.create_sampling_client(base_model=name)
+        params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=21, stop=["\n\n"])
+        r = sampler.sample(types.ModelInput.from_ints(prompts[0]), 2, params).result()
+        for seq, want in zip(r.sequences, cut.samples[0].completions, strict=True):
+            assert seq.tokens == want.tokens and seq.stop_reason == "stop", seq
+    finally:
+        sc.close("success").result()
 
 
 def test_a_tinker_snapshot_on_one_engine_gets_its_step_swapped_in(qwen3_manual: Service) -> None:

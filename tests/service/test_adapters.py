@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from trainctl.api import ConflictError, InvalidRequestError, NotFoundError
+from trainctl.service.tinker.bodies import native_name
 
 from helpers.servicekit import Service, running_service
 
@@ -158,7 +159,7 @@ def test_tinker_lora_clients_train_their_own_adapters(svc: Service) -> None:
     """Two default LoRA clients (rank 32) train concurrently on different data; each one's
     forward equals a third client's with the first one's seed trained alone on its data, so
     nothing of the other leaked in. save_state then create_training_client_from_state_with_
-    optimizer restores an adapter."""
+    optimizer restores the saved adapter as the new client's own, and leaves the saver's."""
     sc = tinker.ServiceClient(base_url=svc.url, api_key="tml-test")
     data1 = [_datum(BATCH_A[0]["tokens"]), _datum(BATCH_A[1]["tokens"])]
     data2 = [_datum(BATCH_B[0]["tokens"])]
@@ -181,15 +182,64 @@ def test_tinker_lora_clients_train_their_own_adapters(svc: Service) -> None:
     np.testing.assert_allclose(_forward(one, data1), _forward(alone, data1), rtol=1e-6)
     assert np.abs(_forward(one, data2) - _forward(two, data2)).max() > 1e-3
 
+    svc.client().delete_adapter(native_name(alone.model_id))  # room for the restored one
     saved = one.save_state("lora-one").result().path
     at_save = _forward(one, data1)
     _train(one, data1, 2)
     assert np.abs(_forward(one, data1) - at_save).max() > 1e-4
     back = sc.create_training_client_from_state_with_optimizer(saved).result()
     np.testing.assert_allclose(_forward(back, data1), at_save, rtol=1e-6)
+    assert np.abs(_forward(one, data1) - at_save).max() > 1e-4  # a new adapter: one's own moved on
     # One adapter active, one idle in memory: the others wait on disk, on each rank.
     n = len(svc.client().list_adapters().adapters)
     assert n >= 3
     for rank in ("rank-00000", "rank-00001"):
         assert len(list((svc.data_dir / "adapters" / rank).glob("*.pt"))) == n - 2, rank
     sc.close("success").result()
+
+
+def _step(c: Any, name: str) -> int:
+    return next(a.step for a in c.list_adapters().adapters if a.name == name)
+
+
+def test_an_adapter_saved_alone_loads_alone_under_its_owner(svc: Service) -> None:
+    """The native API: an adapter's checkpoint holds that adapter alone, under its owner's
+    names; loading it restores that adapter and nothing else: the base, and another adapter
+    with a split step open, are the same to the bit. Leaves only b."""
+    c = svc.client()
+    for a in c.list_adapters().adapters:
+        if a.name != "b":
+            c.delete_adapter(a.name)
+    c.create_adapter("p", rank=4, seed=3)
+    for _ in range(2):
+        c.train_batch(BATCH_A, adapter="p")
+    digest, b_step = c.info().weights_digest, _step(c, "b")
+    saved = c.save_checkpoint("mine", adapter="p", owner="alice")
+    assert (saved.owner, saved.adapter, saved.step) == ("alice", "p", 2)
+    theirs = c.save_checkpoint("mine", adapter="b", owner="bob")  # the same name, its own
+    assert (theirs.owner, theirs.adapter) == ("bob", "b")
+    assert [x.checkpoint_id for x in c.list_checkpoints(owner="alice").checkpoints] == ["mine"]
+    assert "mine" not in {x.checkpoint_id for x in c.list_checkpoints().checkpoints}
+    p_at = _lp(svc, "p")
+
+    c.train_batch(BATCH_A, adapter="p")
+    assert np.abs(_lp(svc, "p") - p_at).max() > 1e-4
+    c.forward_backward(BATCH_B, adapter="b")  # b's split step, open across the load
+    b_mid = _lp(svc, "b")
+    loaded = c.load_checkpoint("mine", owner="alice", adapter="p")
+    assert loaded.step == 2 and _step(c, "p") == 2
+    assert np.abs(_lp(svc, "p") - p_at).max() == 0.0
+    assert np.abs(_lp(svc, "b") - b_mid).max() == 0.0 and _step(c, "b") == b_step
+    assert c.info().weights_digest == digest
+    assert c.optim_step(adapter="b").step == b_step + 1  # its window survived the load
+
+    c.load_checkpoint("mine", owner="alice", adapter="p", into="p2")  # a copy beside it
+    assert np.abs(_lp(svc, "p2") - p_at).max() == 0.0 and _step(c, "p2") == 2
+    with pytest.raises(InvalidRequestError, match="adapter='p'"):
+        c.load_checkpoint("mine", owner="alice")  # an adapter's state is no whole state
+    with pytest.raises(NotFoundError, match="'mine'"):
+        c.load_checkpoint("mine")  # not one of the service's own names
+    with pytest.raises(ConflictError, match="exists"):
+        c.save_checkpoint("mine", adapter="p", owner="alice")
+    for name in ("p", "p2"):
+        c.delete_adapter(name)

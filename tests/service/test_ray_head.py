@@ -1,4 +1,5 @@
-"""The local Ray head survives a port taken between our check and Ray's bind.
+"""The local Ray head survives a port taken between our check and Ray's bind, and opens no
+unauthenticated metrics server on every interface.
 
 Run in a child process (a real ``ray start``, a real ``ray.init``) so the head and the
 driver stay out of pytest's process.
@@ -16,7 +17,7 @@ from trainctl.service import cluster
 from helpers.servicekit import fresh_home
 
 CHILD = """
-import socket, sys
+import socket, sys, time
 from pathlib import Path
 import ray
 from trainctl.service import cli, cluster
@@ -33,11 +34,27 @@ def first_pick_taken(n, *, avoid):
     picks.append(ports)
     return ports
 
+def wildcard_listeners(ports):
+    # which of ports a socket listens on at every interface (from /proc/net/tcp*)
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, port = local.rsplit(":", 1)
+            if state == "0A" and set(addr) == {"0"} and int(port, 16) in ports:
+                out.add(int(port, 16))
+    return out
+
 cluster.quiet_ports = first_pick_taken
 head = cluster.LocalRayHead(num_cpus=1, log_path=Path(sys.argv[1]) / "ray-head.log")
 try:
     cli._start_head(head)
     print("heads started:", len(picks), "cpus:", ray.cluster_resources().get("CPU"))
+    metrics = {head.ports["metrics-export-port"], head.ports["autoscaler-metrics"]}
+    deadline = time.monotonic() + 10  # the metrics servers start a moment after the node
+    while time.monotonic() < deadline and not wildcard_listeners(metrics):
+        time.sleep(0.5)
+    print("metrics on every interface:", sorted(wildcard_listeners(metrics)))
 finally:
     ray.shutdown()
     head.stop()
@@ -52,6 +69,8 @@ def test_a_head_whose_port_was_taken_is_started_again_on_other_ports(tmp_path: P
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "heads started: 2 cpus: 1.0" in r.stdout, r.stdout
+    # The re-probe's case: Ray's metrics servers (no auth) listened on every interface.
+    assert "metrics on every interface: []" in r.stdout, r.stdout
     assert "exited during start-up (attempt 1 of 3" in r.stderr
 
 

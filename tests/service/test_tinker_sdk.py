@@ -193,7 +193,8 @@ def test_save_weights_for_sampler_writes_an_hf_export(svc: Service, training: An
     name = f"sampler-{time.time_ns()}"
     out = training.save_weights_for_sampler(name).result()
     assert out.path == f"tinker://{training.get_info().model_id}/sampler_weights/{name}"
-    export = svc.data_dir / "exports" / name
+    model_id = training.get_info().model_id  # its names: the model's own
+    export = svc.data_dir / "exports" / "_owners" / model_id.replace(":", "-") / name
     config = json.loads((export / "config.json").read_text())
     assert config["vocab_size"] > 0 and (export / "model.safetensors").stat().st_size > 0
 
@@ -353,7 +354,9 @@ def test_a_step_retried_after_a_dropped_connection_applies_once(svc: Service) ->
     sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{proxy.port}", api_key=KEY)
     try:
         step0 = _info(svc)["step"]
-        saved = svc.client(api_token=TOKEN).save_checkpoint(name=f"retry-{time.time_ns()}")
+        saved = svc.client(api_token=TOKEN).save_checkpoint(
+            name=f"retry-{time.time_ns()}", owner="x-train-0"
+        )  # a name of model x:train:0's
         path = f"tinker://x:train:0/weights/{saved.checkpoint_id}"
         tc = sc.create_training_client_from_state_with_optimizer(path).result()
         tc.forward_backward([_datum(TOKENS)], "cross_entropy").result()
@@ -412,7 +415,7 @@ def test_raw_forward_is_protobuf_in_and_out_zstd_and_deduplicated(svc: Service) 
     from tinker.proto.response_conv import deserialize_forward_backward_output
 
     name = f"raw-{time.time_ns()}"
-    svc.client(api_token=TOKEN).save_checkpoint(name=name)
+    svc.client(api_token=TOKEN).save_checkpoint(name=name, owner="a-train-0")  # a:train:0's
     session = _post(svc, "create_session", {"tags": []}).json()["session_id"]
     load = {"session_id": session, "model_seq_id": 0, "path": f"tinker://a:train:0/weights/{name}",
             "optimizer": True}  # fmt: skip

@@ -97,3 +97,51 @@ def test_a_bad_manifest_is_skipped_not_fatal(tmp_path: Path) -> None:
         store.path("step-000007")
     assert store.commit(_write(store, 2, b"two"), _info(2)).sequence == 2
     assert store.latest().step == 2  # type: ignore[union-attr]
+
+
+def test_an_unreadable_automatic_checkpoint_is_pruned_in_its_turn(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    bad = tmp_path / "step-000001"
+    bad.mkdir()
+    (bad / "manifest.json").write_text("{not json")
+    named = tmp_path / "mine"  # a name, not an automatic id: never pruned, readable or not
+    named.mkdir()
+    (named / "manifest.json").write_text("{not json")
+    store.commit(_write(store, 2, b"two"), _info(2))
+    assert bad.exists()  # two kept, and it is one of them
+    store.commit(_write(store, 3, b"three"), _info(3))
+    assert not bad.exists() and named.exists()  # counted as the oldest of all
+    assert [c.step for c in store.list().checkpoints] == [2, 3]
+
+
+def test_each_owner_has_its_own_names(tmp_path: Path) -> None:
+    service = CheckpointStore(tmp_path, keep=1)
+    a, b = service.scoped("run-a"), service.scoped("run-b")
+    first = a.commit(_write(a, 3, b"a3"), _info(3), "final")
+    assert first.owner == "run-a" and first.checkpoint_id == "final"
+    b.check_name("final", overwrite=False)  # another owner's 'final' is no conflict
+    b.commit(_write(b, 5, b"b5"), _info(5), "final")
+    with pytest.raises(ConflictError):
+        a.check_name("final", overwrite=False)
+    path, info = a.path("final")
+    assert (path / "rank-00000.pt").read_bytes() == b"a3" and info.step == 3
+    assert [c.checkpoint_id for c in service.list().checkpoints] == []  # not the service's
+    with pytest.raises(NotFoundError, match="of 'run-b'"):
+        b.path("other")
+    with pytest.raises(InvalidRequestError, match="owner"):
+        service.scoped("../run-a")
+    for step in (1, 2):  # each owner's automatic ones are pruned among themselves
+        a.commit(_write(a, step, b"x"), _info(step))
+    assert [c.checkpoint_id for c in a.list().checkpoints] == ["final", "step-000002"]
+    crashed = _write(b, 9, b"half")
+    service.sweep_partial()  # one sweep at start covers every owner
+    assert not crashed.exists() and b.path("final")[1].step == 5
+
+
+def test_a_checkpoint_moved_into_an_owner_is_that_owners(tmp_path: Path) -> None:
+    service = CheckpointStore(tmp_path)
+    service.commit(_write(service, 4, b"old"), _info(4), "final")  # before owners existed
+    owned = service.scoped("run-a")
+    owned.root.mkdir(parents=True)
+    (tmp_path / "final").rename(owned.root / "final")  # the documented upgrade step
+    assert owned.path("final")[1].owner == "run-a"

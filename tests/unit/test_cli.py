@@ -99,6 +99,25 @@ def test_serve_on_a_taken_port_is_one_line(tmp_path: Path) -> None:
     assert "pass another --port" in lines[0]
 
 
+def test_a_port_whose_old_connections_wait_in_time_wait_is_reserved_again() -> None:
+    """A restart on the same port: the old service's accepted connections, closed on its side
+    first, sit in TIME-WAIT for a minute; the reservation binds anyway."""
+    import socket
+
+    from trainctl.service.cli import _reserve_port
+
+    with socket.create_server(("127.0.0.1", 0)) as old:
+        port = old.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = old.accept()
+        accepted.close()  # the server closes first: its end waits in TIME-WAIT
+        client.recv(1)
+        client.close()
+    held = _reserve_port("127.0.0.1", port)
+    assert held is not None
+    held.close()
+
+
 def test_serve_against_an_unreachable_cluster_is_one_line(tmp_path: Path) -> None:
     port = free_port()
     r = trainctl(
@@ -110,6 +129,20 @@ def test_serve_against_an_unreachable_cluster_is_one_line(tmp_path: Path) -> Non
         f"trainctl: cannot reach the Ray cluster at 127.0.0.1:{port} (Connection refused); "
         "check --ray-address and that the cluster is running"
     ], r.stderr
+
+
+def test_serve_beyond_loopback_without_a_token_warns(tmp_path: Path) -> None:
+    port = free_port()
+    args = ("serve", "--host", "0.0.0.0", "--ray-address", f"127.0.0.1:{port}",
+            "--data-dir", str(tmp_path))  # fmt: skip
+    bare = trainctl(*args, capture_output=True)
+    assert (
+        bare.returncode == 2
+        and "0.0.0.0 serves port 8000 beyond this machine with no API token" in bare.stderr
+    ), bare.stderr
+    env = {**os.environ, "TRAINCTL_API_TOKEN": "s3cret"}
+    tokened = trainctl(*args, capture_output=True, env=env)
+    assert tokened.returncode == 2 and "no API token" not in tokened.stderr, tokened.stderr
 
 
 @pytest.mark.parametrize("name", ["../escaped.json", "/tmp/abs.json", "a/b.json", ".."])

@@ -3,6 +3,7 @@ and nothing reaching the controller."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import time
@@ -171,25 +172,47 @@ def test_checkpoint_and_profile_files_are_never_unpickled_as_code(tmp_path: Path
     assert total.tolist() == [8.0]
 
 
-def test_a_slow_body_is_dropped_with_408(fake: FakeController) -> None:
-    """The review's case: idle authenticated uploads held every gateway slot for ever."""
+def _upload_that_stalls(app: Any, *, trickle: bool) -> tuple[str, float]:
+    """A train_batch whose body starts and then stops (``trickle``: goes on a byte every
+    0.2 s, never idle); the gateway's reply and how long it took, within 8 s."""
     import socket
 
-    app = create_app(fake, body_timeout_s=0.5)
     with served(app) as url:
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(
                 b"POST /v1/train_batch HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
-                b'\r\ncontent-length: 1000\r\n\r\n{"sequences": ['
-            )  # ... and nothing more
+                b"\r\ncontent-length: 1000\r\n\r\n{"
+            )
             t0 = time.monotonic()
+            sock.settimeout(0.2)
             reply = ""
-            while chunk := sock.recv(4096).decode():  # the head and the body may come apart
-                reply += chunk
-                if "\r\n\r\n" in reply and reply.endswith("}"):
-                    break
-            waited = time.monotonic() - t0
+            while time.monotonic() - t0 < 8 and not reply.endswith("}"):
+                if trickle:
+                    with contextlib.suppress(OSError):
+                        sock.sendall(b" ")
+                try:  # the head and the body may come apart
+                    reply += sock.recv(4096).decode()
+                except TimeoutError:
+                    continue
+            return reply, time.monotonic() - t0
+
+
+def test_a_trickled_body_is_dropped_after_its_grace_not_its_whole_deadline(
+    fake: FakeController,
+) -> None:
+    """The re-probe's case: uploads that send a byte now and then (never idle long enough for
+    the idle deadline) held their slots for the whole 300 s allowance."""
+    app = create_app(fake, body_grace_s=1.0)  # the default deadlines: 30 s idle, 300 s in all
+    reply, waited = _upload_that_stalls(app, trickle=True)
+    assert reply.startswith("HTTP/1.1 408"), reply
+    assert "KiB/s" in reply and waited < 4, (waited, reply)
+    assert fake.calls == []
+
+
+def test_a_slow_body_is_dropped_with_408(fake: FakeController) -> None:
+    """The review's case: idle authenticated uploads held every gateway slot for ever."""
+    reply, waited = _upload_that_stalls(create_app(fake, body_timeout_s=0.5), trickle=False)
     assert reply.startswith("HTTP/1.1 408"), reply
     assert "send the body at once" in reply and waited < 5
     assert fake.calls == []
@@ -201,8 +224,10 @@ def test_server_errors_show_no_paths_addresses_pids_or_tracebacks(
     from trainctl.api import WorkerError
 
     secret = (
-        "cannot open /srv/trainctl/data/checkpoints/step-000001/rank-00001.pt on "
-        '10.1.2.3:6379 (pid=4242)\nTraceback (most recent call last):\n  File "/srv/x.py"'
+        "\x1b[36mcannot open /srv/trainctl/data/checkpoints/step-000001/rank-00001.pt on "
+        "10.1.2.3:6379 (pid=4242) by actor 8a2f0c7d5e6b4a3c9d1e2f3a01000000, "
+        "<torch.Tensor object at 0x7f3368737810>\x1b[0m"
+        '\nTraceback (most recent call last):\n  File "/srv/x.py"'
     )
 
     async def boom() -> None:
@@ -210,7 +235,7 @@ def test_server_errors_show_no_paths_addresses_pids_or_tracebacks(
 
     async def worker_error(*_: object) -> None:
         raise WorkerError(f"rank 1 failed in accumulate: {secret}",
-                          details={"ranks": [1], "causes": {"1": secret}})  # fmt: skip
+                          details={"ranks": {"1": secret}, "causes": {"1": secret}})  # fmt: skip
 
     monkeypatch.setattr(fake, "info", boom)
     monkeypatch.setattr(fake, "run", worker_error)
@@ -222,10 +247,11 @@ def test_server_errors_show_no_paths_addresses_pids_or_tracebacks(
     for r in replies:
         assert r.status_code == 500, r.text
         body = r.json()
-        for leak in ("/srv", "10.1.2.3", "4242", "Traceback", "rank-00001.pt", "causes"):
+        for leak in ("/srv", "10.1.2.3", "4242", "Traceback", "rank-00001.pt", "causes",
+                     "8a2f0c7d5e6b", "0x7f33", "\\u001b", "[36m", "[0m"):  # fmt: skip
             assert leak not in r.text, (leak, r.text)
         assert body["details"]["error_id"] and body["message"].startswith(
-            ("RuntimeError: cannot open <path>", "rank 1 failed in accumulate")
+            ("RuntimeError: cannot open <path>", "rank 1 failed in accumulate: cannot open")
         ), body
 
 
@@ -248,15 +274,39 @@ def test_the_rendezvous_store_listens_on_the_node_address_only() -> None:
     from trainctl.workers.rank.worker import RankWorker
 
     worker = RankWorker(rank=0, world_size=1)
-    host, port = worker.rendezvous_address(timeout_s=5)
+    host, port, secret = worker.rendezvous_address(timeout_s=5)
     assert host == ray.util.get_node_ip_address()
     listening = _listening_addresses(port)
     wildcard = {"00000000", "00000000000000000000000000000000"}
     assert listening and not wildcard & set(listening), listening
-    worker.init_process_group(host, port, "gloo", 5)  # the store works as before
+    worker.init_process_group(host, port, secret, "gloo", 5)  # the store works as before
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def test_someone_who_reaches_the_rendezvous_store_can_name_none_of_its_keys() -> None:
+    """The re-probe's case: the store takes set and delete from anyone who connects. gloo's
+    rendezvous keys (rank addresses, ``0//cpu//0/0``) could be replaced or deleted; under the
+    group's secret prefix a stranger cannot name them."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import TCPStore
+
+    from trainctl.workers.rank.worker import RankWorker
+
+    worker = RankWorker(rank=0, world_size=1)
+    host, port, secret = worker.rendezvous_address(timeout_s=5)
+    worker.init_process_group(host, port, secret, "gloo", 5)
+    try:
+        dist.new_group([0])  # megatron's groups: more keys
+        stranger = TCPStore(host, port, 1, is_master=False, timeout=timedelta(seconds=5))
+        assert stranger.num_keys() >= 2  # the group's keys are there ...
+        # ... but not under any name a stranger can know
+        assert not stranger.check(["0//cpu//0/0"]) and not stranger.check(["0//1//cpu//0/0"])
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_cpu_memory_profile_stops_recording_at_its_time_cap(tmp_path: Path) -> None:

@@ -109,3 +109,14 @@ def test_an_unknown_tracker_is_refused_by_name(tmp_path: Path) -> None:
         open_trackers("neptune:x", tmp_path)
     with pytest.raises(ValueError, match=r"metrics_log: mlflow needs a place"):
         open_trackers("mlflow", tmp_path)
+
+
+@pytest.mark.parametrize("spec", ["tensorboard:../x", "tensorboard:/tmp/x", "mlflow:a/../../x"])
+def test_a_tracker_directory_stays_inside_the_data_dir(tmp_path: Path, spec: str) -> None:
+    from trainctl.workers.control.trackers import open_trackers
+
+    data = tmp_path / "data"
+    data.mkdir()
+    with pytest.raises(ValueError, match=r"metrics_log: .* leaves the data directory"):
+        open_trackers(spec, data)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["data"]  # nothing written

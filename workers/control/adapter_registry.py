@@ -83,23 +83,29 @@ class Adapters:
 
         return run
 
-    def _check_new(self, spec: boundary.AdapterSpec) -> None:
+    def check_room(self, name: str, field: str = "adapter") -> None:
+        """Refuse a service without adapters, or a new adapter ``name`` past --max-adapters
+        (one that exists is replaced, and needs no room)."""
         lora = self.cfg.lora
         if not self.enabled:
             raise field_error(
-                "name", "this service holds no adapters (start it with --max-adapters N)"
+                field, "this service holds no adapters (start it with --max-adapters N)"
             )
-        if spec.name in self.entries:
-            raise ConflictError(f"adapter {spec.name!r} exists already; delete it first")
-        if len(self.entries) >= lora.max_adapters:
+        if name not in self.entries and len(self.entries) >= lora.max_adapters:
             raise ConflictError(
                 f"{len(self.entries)} adapters exist and this service holds at most "
                 f"{lora.max_adapters} (--max-adapters): delete one first",
                 details={"max_adapters": lora.max_adapters},
             )
-        if spec.rank > lora.max_rank:
+
+    def _check_new(self, spec: boundary.AdapterSpec) -> None:
+        if self.enabled and spec.name in self.entries:
+            raise ConflictError(f"adapter {spec.name!r} exists already; delete it first")
+        self.check_room(spec.name, "name")
+        if spec.rank > self.cfg.lora.max_rank:
             raise field_error(
-                "rank", f"{spec.rank} exceeds this service's --lora-max-rank ({lora.max_rank})"
+                "rank",
+                f"{spec.rank} exceeds this service's --lora-max-rank ({self.cfg.lora.max_rank})",
             )
 
     def delete(self, req: DeleteRequest) -> Runner:
@@ -130,13 +136,18 @@ class Adapters:
             max_rank=self.cfg.lora.max_rank,
         )
 
-    async def reread(self) -> None:
+    async def reread(self, only: str | None = None) -> None:
         """After a checkpoint load or a recovery: the adapters the ranks now hold, their steps
-        from the checkpoint, no window open."""
+        from the checkpoint, no window open. ``only``: that adapter was loaded alone; every
+        other entry (its step, its open window) stays."""
         if not self.enabled:
             return
         infos = (await self.group.call(RankWorker.adapter_infos))[0]
-        self.entries = {
+        read = {
             i.spec.name: Entry(spec=i.spec, state=ModelState(step=i.step), nbytes=i.nbytes)
             for i in infos
         }
+        if only is None:
+            self.entries = read
+        else:
+            self.entries[only] = read[only]

@@ -2,6 +2,8 @@
 
     <root>/step-000120/            a complete checkpoint: manifest.json + rank-NNNNN.pt
     <root>/.partial-step-000130-*  being written (or abandoned by a crash: ignored, swept)
+    <root>/_owners/<owner>/final/  a name of one owner (a Tinker model, an adapter): each
+                                   owner has its own names, its own "latest" and retention
 
 A directory only gets its final name after every rank wrote its file and the manifest is on
 disk, and ``rename`` is atomic: a crash mid-write never replaces or corrupts a good
@@ -13,13 +15,15 @@ nodes the root must be shared storage (the Helm chart mounts a volume).
 highest sequence, whatever its step. After a load of an older checkpoint the history goes on
 from there, so a recovery restores the new history, never the abandoned one, and pruning
 drops the oldest saves first. A manifest that cannot be read is skipped with a warning:
-one bad directory breaks neither the list nor a save nor a resume.
+one bad directory breaks neither the list nor a save nor a resume; if its name is an
+automatic one, pruning counts it as the oldest and removes it in its turn.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -39,15 +43,24 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 _PARTIAL = ".partial-"
+OWNERS = "_owners"
+"""The directory of the owners' names (a name never starts with '_', so it is no name)."""
 
 
 class CheckpointStore:
-    """The checkpoint directory. Owns the on-disk layout under ``root`` and the retention of
-    ``keep`` complete checkpoints; the ranks write the shards."""
+    """The checkpoint directory of one owner (None: the service's own names). Owns the on-disk
+    layout under ``root`` and the retention of ``keep`` complete checkpoints; the ranks write
+    the shards."""
 
-    def __init__(self, root: str | Path, keep: int = 3) -> None:
+    def __init__(self, root: str | Path, keep: int = 3, owner: str | None = None) -> None:
         self.root = Path(root).resolve()
-        self.keep = keep
+        self.keep, self.owner = keep, owner
+
+    def scoped(self, owner: str | None) -> CheckpointStore:
+        """The names of ``owner`` (None: this store's own)."""
+        if owner is None:
+            return self
+        return CheckpointStore(self.root / OWNERS / checked_name("owner", owner), self.keep, owner)
 
     def begin(self, step: int) -> Path:
         """A fresh temporary directory for the checkpoint of ``step``."""
@@ -72,8 +85,9 @@ class CheckpointStore:
             fsync_file(f)
         newest = max((c.sequence for c in self.list().checkpoints), default=0)
         result = CheckpointInfo(
-            checkpoint_id=name or _automatic(info["step"]), created_at=time.time(),
-            size_bytes=sum(f.stat().st_size for f in files), sequence=newest + 1, **info,
+            checkpoint_id=name or _automatic(info["step"]), owner=self.owner,
+            created_at=time.time(), size_bytes=sum(f.stat().st_size for f in files),
+            sequence=newest + 1, **info,
         )  # fmt: skip
         write_atomic(tmp / MANIFEST, result.model_dump_json(indent=1).encode())
         final = self.root / result.checkpoint_id
@@ -94,7 +108,7 @@ class CheckpointStore:
         out = []
         for d in sorted(self.root.iterdir()):
             if not d.name.startswith(_PARTIAL) and (d / MANIFEST).is_file():
-                info = _read_manifest(d)
+                info = self._read(d)
                 if info is not None:
                     out.append(info)
         return CheckpointList(checkpoints=sorted(out, key=lambda c: (c.sequence, c.created_at)))
@@ -107,21 +121,35 @@ class CheckpointStore:
         d = self.root / checked_name("checkpoint_id", checkpoint_id)
         info = None
         if not checkpoint_id.startswith(_PARTIAL) and (d / MANIFEST).is_file():
-            info = _read_manifest(d)
+            info = self._read(d)
         if info is None:
-            raise NotFoundError(f"checkpoint {checkpoint_id!r} does not exist or is unreadable")
+            whose = "" if self.owner is None else f" of {self.owner!r}"
+            raise NotFoundError(
+                f"checkpoint {checkpoint_id!r}{whose} does not exist or is unreadable",
+                details={"checkpoint_id": checkpoint_id},
+            )
         return d, info
 
     def sweep_partial(self) -> None:
-        """Remove temporary directories left by a crash."""
+        """Remove temporary directories left by a crash (every owner's)."""
         if self.root.is_dir():
-            for d in self.root.glob(f"{_PARTIAL}*"):
+            for d in [*self.root.glob(f"{_PARTIAL}*"), *self.root.glob(f"{OWNERS}/*/{_PARTIAL}*")]:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _prune(self) -> None:
-        found = [c for c in self.list().checkpoints if c.checkpoint_id == _automatic(c.step)]
-        for c in found[: max(0, len(found) - self.keep)]:
-            self._remove(self.root / c.checkpoint_id)
+        found = [
+            c.checkpoint_id
+            for c in self.list().checkpoints
+            if c.checkpoint_id == _automatic(c.step)
+        ]
+        listed = set(found)
+        unreadable = [  # an automatic name whose manifest cannot be read: the oldest of all
+            d.name for d in sorted(self.root.iterdir())
+            if _AUTOMATIC.fullmatch(d.name) and d.name not in listed and d.is_dir()
+        ]  # fmt: skip
+        doomed = [*unreadable, *found]
+        for name in doomed[: max(0, len(doomed) - self.keep)]:
+            self._remove(self.root / name)
 
     def _remove(self, d: Path) -> None:
         """Out of the list in one rename, then deleted: a crash mid-delete leaves a
@@ -133,18 +161,21 @@ class CheckpointStore:
             return
         shutil.rmtree(doomed, ignore_errors=True)
 
+    def _read(self, d: Path) -> CheckpointInfo | None:
+        """``d``'s manifest, or None (logged) if it cannot be read. Its owner is the directory
+        it is in: a checkpoint moved into an owner's directory is that owner's."""
+        try:
+            info = CheckpointInfo.model_validate_json((d / MANIFEST).read_bytes())
+        except (OSError, ValueError) as e:
+            log.warning("skipping checkpoint %s: its manifest cannot be read (%s)", d.name, e)
+            return None
+        if info.checkpoint_id != d.name:
+            log.warning("skipping checkpoint %s: its manifest names %s", d.name, info.checkpoint_id)
+            return None
+        return info.model_copy(update={"owner": self.owner})
 
-def _read_manifest(d: Path) -> CheckpointInfo | None:
-    """``d``'s manifest, or None (logged) if it cannot be read."""
-    try:
-        info = CheckpointInfo.model_validate_json((d / MANIFEST).read_bytes())
-    except (OSError, ValueError) as e:
-        log.warning("skipping checkpoint %s: its manifest cannot be read (%s)", d.name, e)
-        return None
-    if info.checkpoint_id != d.name:
-        log.warning("skipping checkpoint %s: its manifest names %s", d.name, info.checkpoint_id)
-        return None
-    return info
+
+_AUTOMATIC = re.compile(r"step-\d{6,}")
 
 
 def _automatic(step: int) -> str:

@@ -52,7 +52,7 @@ from trainctl.workers.control.profiles import ProfileRecorder
 from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.recovery import Recovery
 from trainctl.workers.control.samplers import Samplers, SamplerSettings
-from trainctl.workers.control.saves import PARTIAL_EXPORT, Saves
+from trainctl.workers.control.saves import Saves
 from trainctl.workers.control.serving import Serving, WeightsVersion
 from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.control.telemetry import ControllerMetrics
@@ -60,6 +60,7 @@ from trainctl.workers.control.trackers import TrackerLog, open_trackers
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.rank import logs
 from trainctl.workers.rank.worker import RankWorker
+from trainctl.workers.sampler.spec import tokenizer_of
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,8 @@ class Controller:
             num_layers=m.num_layers,
             num_experts=m.num_experts,
             moe_topk=m.moe_topk if m.num_experts else 0,
+            tokenizer=bool(samplers and samplers.pool.num_samplers)
+            and tokenizer_of(self.cfg.init_hf) is not None,
         )
         self.adapters = Adapters(self.cfg, self.group)
         self.steps = Steps(
@@ -196,7 +199,7 @@ class Controller:
         await self.group.place()
         await self.group.spawn()
         self.checkpoints.sweep_partial()
-        for d in self.saves.export_root.glob(f"{PARTIAL_EXPORT}*"):  # a crash's leftovers
+        for d in self.saves.export_partials():  # a crash's leftovers
             shutil.rmtree(d, ignore_errors=True)
         latest = self.saves.latest()
         if self.resume and latest is not None:
@@ -313,8 +316,8 @@ class Controller:
             return f"step {self.step} was applied, but its scheduled checkpoint failed: {message}"
         return None
 
-    async def list_checkpoints(self) -> CheckpointList:
-        return self.checkpoints.list()
+    async def list_checkpoints(self, owner: str | None = None) -> CheckpointList:
+        return self.checkpoints.scoped(owner).list()
 
     async def list_adapters(self) -> AdapterList:
         return self.adapters.list()

@@ -145,10 +145,10 @@ class RankGroup:
             for i in range(world)
         ]
         timeout = self.cfg.collective_timeout_s
-        host, port = await self.ranks[0].rendezvous_address.remote(timeout)
+        host, port, secret = await self.ranks[0].rendezvous_address.remote(timeout)
         await asyncio.gather(
             *[
-                r.init_process_group.remote(host, port, self.cfg.backend, timeout)
+                r.init_process_group.remote(host, port, secret, self.cfg.backend, timeout)
                 for r in self.ranks
             ]
         )

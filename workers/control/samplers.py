@@ -41,7 +41,7 @@ from trainctl.workers.rank.worker import RankWorker
 from trainctl.workers.sampler import backend
 from trainctl.workers.sampler.backend import SamplerNeeds, UnsupportedError
 from trainctl.workers.sampler.pool import PoolOptions, SamplerPool
-from trainctl.workers.sampler.spec import SamplerSpec
+from trainctl.workers.sampler.spec import SamplerSpec, tokenizer_of
 from trainctl.workers.sampler.transport import ObjectStoreTransport, WeightTransport
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ class Samplers:
             versions=s.pool.versions,
             return_routes=s.routes,
             concurrency=s.concurrency,
+            tokenizer=tokenizer_of(self.cfg.init_hf),
         )
         pool = self.pool = SamplerPool(spec, s.pool)
         self.metrics.watch_samplers(
@@ -199,11 +200,14 @@ class Samplers:
             )
         return None
 
-    async def sync_after_load(self) -> str | None:
+    async def sync_after_load(self, adapter: str | None = None) -> str | None:
         """After a checkpoint load or a recovery: the base and every adapter the ranks now
-        hold are synced; an adapter they no longer hold leaves the samplers."""
+        hold are synced; an adapter they no longer hold leaves the samplers. ``adapter``:
+        the load restored that adapter alone, and only it is synced."""
         if self.pool is None:
             return None
+        if adapter is not None:
+            return await self.sync_after_change(adapter, new_line=True)
         for name in set(self.pool.adapters) - set(self.adapters.entries):
             await self.pool.remove_adapter(name)
         warnings = [await self.sync_after_change(new_line=True)]

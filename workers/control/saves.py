@@ -22,11 +22,12 @@ from trainctl.api import (
     TrainctlError,
     WorkerError,
 )
+from trainctl.api.errors import field_error
 from trainctl.workers.control.adapter_registry import Adapters
-from trainctl.workers.control.checkpoints import CheckpointStore
+from trainctl.workers.control.checkpoints import OWNERS, CheckpointStore
 from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.op_queue import Handle, Runner
-from trainctl.workers.control.profile_store import replace_dir
+from trainctl.workers.control.profile_store import checked_name, replace_dir
 from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.serving import WeightsVersion
 from trainctl.workers.control.steps import ModelState
@@ -55,7 +56,7 @@ class Saves:
         state: ModelState,
         adapters: Adapters,
         version: WeightsVersion,
-        after_load: Callable[[], Awaitable[str | None]],
+        after_load: Callable[[str | None], Awaitable[str | None]],
     ) -> None:
         self.cfg, self.checkpoints, self.export_root = cfg, checkpoints, export_root
         self.group, self.state, self.adapters = group, state, adapters
@@ -69,64 +70,117 @@ class Saves:
         return dict(self.cfg.to_dict()["layout"])
 
     def latest(self) -> CheckpointInfo | None:
-        found = [c for c in self.checkpoints.list().checkpoints if c.layout == self.layout()]
+        """The service's latest whole checkpoint of this layout (what a recovery restores)."""
+        found = [
+            c for c in self.checkpoints.list().checkpoints
+            if c.layout == self.layout() and c.adapter is None
+        ]  # fmt: skip
         return found[-1] if found else None
 
     def save_op(self, req: SaveCheckpointRequest) -> Runner:
+        store = self.checkpoints.scoped(req.owner)  # 422 now for a bad owner
+        if req.adapter is not None:
+            self.adapters.state(req.adapter)  # 404 now, not once queued
         if req.name is not None:
-            self.checkpoints.check_name(req.name, req.overwrite)  # 409 now, not once queued
-        return lambda h: self.save(h, req.name, req.overwrite)
+            store.check_name(req.name, req.overwrite)  # 409 now, not once queued
+        return lambda h: self.save(h, req.name, req.overwrite, adapter=req.adapter, owner=req.owner)
 
     async def save(
-        self, h: Handle | None = None, name: str | None = None, overwrite: bool = False
+        self,
+        h: Handle | None = None,
+        name: str | None = None,
+        overwrite: bool = False,
+        *,
+        adapter: str | None = None,
+        owner: str | None = None,
     ) -> CheckpointInfo:
+        """Save the whole training state (``adapter``: that adapter alone) under ``owner``'s
+        names (None: the service's own)."""
         if h is not None:
             h.set_phase("writing checkpoint")
+        store = self.checkpoints.scoped(owner)
         if name is not None:
-            self.checkpoints.check_name(name, overwrite)  # again: one may have been saved since
-        tmp = self.checkpoints.begin(self.step)
+            store.check_name(name, overwrite)  # again: one may have been saved since
+        step = self.step if adapter is None else self.adapters.state(adapter).step
+        tmp = store.begin(step)
         try:
-            await self.group.call(RankWorker.save_checkpoint, str(tmp))
-            digest = self.group.digest_of(await self.version.digests())
-            info = {"step": self.step, "layout": self.layout(), "weights_digest": digest}
-            saved = await asyncio.to_thread(self.checkpoints.commit, tmp, info, name)
+            await self.group.call(RankWorker.save_checkpoint, str(tmp), adapter)
+            if adapter is None:
+                digests = await self.version.digests()
+            else:
+                digests = await self.group.call(RankWorker.adapter_digest, adapter)
+            info = {
+                "step": step, "layout": self.layout(), "adapter": adapter,
+                "weights_digest": self.group.digest_of(digests),
+            }  # fmt: skip
+            saved = await asyncio.to_thread(store.commit, tmp, info, name)
         except BaseException:
-            self.checkpoints.abort(tmp)
+            store.abort(tmp)
             raise
-        self.state.last_checkpoint_step = self.step
+        if adapter is None:
+            self.state.last_checkpoint_step = self.step
         return saved
 
     def load_op(self, req: LoadCheckpointRequest) -> Runner:
-        self.checkpoints.path(req.checkpoint_id)  # 404 now, not once queued
+        _, info = self.checkpoints.scoped(req.owner).path(req.checkpoint_id)  # 404 now
+        self._check_load(req.checkpoint_id, info, req.adapter, req.into)  # 422 now, not once queued
 
         async def run(h: Handle) -> CheckpointInfo:
-            info = await self.load(req.checkpoint_id, h, optimizer=req.optimizer)
-            warning = await self.after_load()  # the samplers follow the load
+            info = await self.load(
+                req.checkpoint_id, h, optimizer=req.optimizer, adapter=req.adapter,
+                into=req.into, owner=req.owner,
+            )  # fmt: skip
+            loaded = req.into or req.adapter
+            warning = await self.after_load(loaded)  # the samplers follow the load
             if warning:
                 log.warning("after loading %s: %s", req.checkpoint_id, warning)
             return info
 
         return run
 
-    async def load(
-        self, checkpoint_id: str, h: Handle | None = None, *, optimizer: bool = True
-    ) -> CheckpointInfo:
-        path, info = self.checkpoints.path(checkpoint_id)
+    def _check_load(
+        self, checkpoint_id: str, info: CheckpointInfo, adapter: str | None, into: str | None
+    ) -> None:
         if info.layout != self.layout():
             raise ConflictError(
                 f"checkpoint {checkpoint_id} was saved with layout {info.layout}; this service "
                 f"runs {self.layout()}"
             )
+        if info.adapter is not None and adapter != info.adapter:
+            raise field_error(
+                "adapter",
+                f"checkpoint {checkpoint_id!r} holds adapter {info.adapter!r} alone; load it "
+                f"with adapter={info.adapter!r}",
+            )
+        if adapter is not None:
+            self.adapters.check_room(into or adapter)
+
+    async def load(
+        self,
+        checkpoint_id: str,
+        h: Handle | None = None,
+        *,
+        optimizer: bool = True,
+        adapter: str | None = None,
+        into: str | None = None,
+        owner: str | None = None,
+    ) -> CheckpointInfo:
+        """Load ``owner``'s checkpoint: the whole state, or (``adapter``) that adapter alone,
+        as ``into`` (default: its own name), leaving the base and every other adapter as they
+        are."""
+        path, info = self.checkpoints.scoped(owner).path(checkpoint_id)
+        self._check_load(checkpoint_id, info, adapter, into)
         if h is not None:
             h.set_phase(f"loading {checkpoint_id}")
         # Phase 1 changes nothing on any rank: if a shard is missing, corrupt or does not fit,
         # the load fails and every rank keeps the weights it had.
         try:
-            await self.group.call(RankWorker.stage_checkpoint, str(path))
+            await self.group.call(RankWorker.stage_checkpoint, str(path), adapter, into)
         except TrainctlError:
             await self.group.call_quietly(RankWorker.drop_staged)
             raise
-        self.version.bump()
+        if adapter is None:
+            self.version.bump()
         try:  # phase 2: local on every rank; a failure here leaves the replicas different
             await self.group.call(RankWorker.apply_checkpoint, optimizer)
         except WorkerError as e:
@@ -137,6 +191,9 @@ class Saves:
                 details=e.details,
                 cause=cause,
             ) from None
+        if adapter is not None:
+            await self.adapters.reread(only=into or adapter)  # the others keep their steps
+            return info
         self.state.window = None  # a load drops the gradients waiting for optim_step
         self.state.step = info.step
         self.state.last_checkpoint_step = info.step
@@ -150,12 +207,25 @@ class Saves:
             raise InvalidRequestError(f"export: {problem}")
         if req.adapter is not None:
             self.adapters.state(req.adapter)  # 404 now, not once queued
+        root = self.exports_of(req.owner)  # 422 now for a bad owner
         if req.name is not None:
-            self._check_export_name(req.name, req.overwrite)  # 409 now, not once queued
+            self._check_export_name(root, req.name, req.overwrite)  # 409 now, not once queued
         return lambda h: self._write_export(req, h)
 
-    def _check_export_name(self, name: str, overwrite: bool) -> None:
-        if not overwrite and (self.export_root / name).exists():
+    def exports_of(self, owner: str | None) -> Path:
+        """The directory of ``owner``'s exports (None: the service's own)."""
+        if owner is None:
+            return self.export_root
+        return self.export_root / OWNERS / checked_name("owner", owner)
+
+    def export_partials(self) -> list[Path]:
+        """Exports being written, or left by a crash (every owner's)."""
+        root = self.export_root
+        return [*root.glob(f"{PARTIAL_EXPORT}*"), *root.glob(f"{OWNERS}/*/{PARTIAL_EXPORT}*")]
+
+    @staticmethod
+    def _check_export_name(root: Path, name: str, overwrite: bool) -> None:
+        if not overwrite and (root / name).exists():
             raise ConflictError(
                 f"an export named {name!r} exists; pass overwrite to replace it",
                 details={"name": name},
@@ -167,9 +237,11 @@ class Saves:
             "" if req.adapter is None else f"{req.adapter}-{'merged' if req.merged else 'peft'}-"
         )
         name = req.name or f"{prefix}step-{step:06d}"
-        self._check_export_name(name, req.overwrite or req.name is None)
-        target = self.export_root / name
-        tmp = self.export_root / f"{PARTIAL_EXPORT}{name}-{os.getpid()}"
+        root = self.exports_of(req.owner)
+        self._check_export_name(root, name, req.overwrite or req.name is None)
+        root.mkdir(parents=True, exist_ok=True)
+        target = root / name
+        tmp = root / f"{PARTIAL_EXPORT}{name}-{os.getpid()}"
         h.set_phase("gathering weights")
         part = "base" if req.adapter is None else "merged" if req.merged else "adapter"
         written = self.group.gather_on_rank0(
@@ -185,6 +257,7 @@ class Saves:
             raise
         return ExportResult(
             name=name,
+            owner=req.owner,
             step=step,
             path=str(target),
             files={f.name: f.size_bytes for f in files},

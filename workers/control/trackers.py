@@ -136,6 +136,18 @@ def _run_name() -> str:
     return time.strftime("trainctl-%Y%m%d-%H%M%S")
 
 
+def _inside(data_dir: Path, where: str) -> Path:
+    """``data_dir / where``, a ValueError naming ``metrics_log`` if it would leave the data
+    directory (an absolute path, ``..``, a symlink out)."""
+    root = data_dir.resolve()
+    path = (root / where).resolve()
+    if not path.is_relative_to(root):
+        raise ValueError(
+            f"metrics_log: {where!r} leaves the data directory; name a directory inside it"
+        )
+    return path
+
+
 def open_trackers(spec: str | None, data_dir: Path) -> list[Tracker]:
     """The trackers ``spec`` names (comma-separated ``kind:where``); a ValueError naming
     ``metrics_log`` for anything else."""
@@ -145,8 +157,10 @@ def open_trackers(spec: str | None, data_dir: Path) -> list[Tracker]:
         if kind in ("tensorboard", "mlflow") and not where:
             raise ValueError(f"metrics_log: {kind} needs a place ({kind}:DIR)")
         if kind == "tensorboard":
-            out.append(TensorBoardTracker(data_dir / where))
+            out.append(TensorBoardTracker(_inside(data_dir, where)))
         elif kind == "mlflow":
+            if "://" not in where:
+                _inside(data_dir, where)
             out.append(MlflowTracker(where, data_dir))
         elif kind == "wandb":
             out.append(WandbTracker(where, data_dir))

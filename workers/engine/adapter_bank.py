@@ -45,6 +45,10 @@ class Slot:
     """Set while it waits on disk (``adapter_store.py``): its tensors are not in memory."""
 
 
+def _renamed(spec: dict[str, Any], name: str) -> AdapterSpec:
+    return AdapterSpec.from_dict({**spec, "name": name})
+
+
 def _nbytes(tensors: dict[str, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -199,11 +203,13 @@ class AdapterBank:
 
     # -- checkpoints --------------------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
-        """Every adapter (the active one stashed first), for a checkpoint shard."""
+    def state(self, only: str | None = None) -> dict[str, Any]:
+        """Every adapter (``only``: that one), the active one stashed first, for a checkpoint
+        shard."""
         self._stash()
         out = {}
-        for name, s in self.slots.items():
+        for name in [self._slot(only).spec.name] if only is not None else list(self.slots):
+            s = self.slots[name]
             held = self.store.read(s)  # a spilled adapter is read from its file
             out[name] = {
                 "spec": s.spec.to_dict(),
@@ -212,6 +218,50 @@ class AdapterBank:
                 "step": s.step,
             }
         return out
+
+    def check_one(self, name: str, saved: dict[str, Any], into: str | None = None) -> None:
+        """Raise ValueError unless adapter ``name`` of a checkpoint shard loads here alone (as
+        ``into``, default its own name): it is in ``saved``, its rank is allowed, its tensors
+        have the sites' shapes, and it is not one too many. Changes nothing."""
+        if name not in saved:
+            raise ValueError(
+                f"adapter: the checkpoint holds no adapter {name!r} (it holds {sorted(saved)})"
+            )
+        spec = _renamed(saved[name]["spec"], into or name)
+        if spec.name not in self.slots:
+            self.check_new(spec)
+        elif not 1 <= spec.rank <= self.max_rank:
+            raise ValueError(f"rank: {spec.rank} is outside [1, {self.max_rank}]")
+        tensors = saved[name]["tensors"]
+        for canon, p in self.params.items():
+            if getattr(tensors.get(canon), "shape", None) != p.shape:
+                raise ValueError(f"adapter {name!r}: {canon} does not fit this rank's sites")
+
+    def load_one(
+        self, name: str, saved: dict[str, Any], into: str | None = None, *, optimizer: bool = True
+    ) -> None:
+        """Put adapter ``name`` back as ``saved`` holds it (weights, AdamW state unless not
+        ``optimizer``, step), as ``into`` (default its own name), creating it if need be;
+        every other adapter stays as it is. The target's open split-step window is dropped."""
+        s = saved[name]
+        spec = _renamed(s["spec"], into or name)
+        if self.active == spec.name:  # its live sites and window are replaced: no stash
+            if self.window is not None and self.window.parts:
+                for g in grad_buffers(self.window.chunks):
+                    g.zero_()
+                self.window.clear()
+            self._switch_off()
+        if spec.name in self.slots:
+            self.store.drop(self.slots.pop(spec.name))
+        tensors = dict(s["tensors"])
+        self.slots[spec.name] = Slot(
+            spec=spec,
+            tensors=tensors,
+            optimizer=s["optimizer"] if optimizer else None,
+            step=int(s["step"]),
+            nbytes=_nbytes(tensors),
+        )
+        self.store.spill(self.slots, self.active)
 
     def load_state(self, saved: dict[str, Any]) -> None:
         self._switch_off()

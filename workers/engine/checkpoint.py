@@ -26,8 +26,15 @@ class ShardCheckpoint:
         self.cfg, self.coords, self.dims, self.chunks = ctx.cfg, ctx.coords, ctx.dims, ctx.chunks
         self.optim, self.adapters = optim, adapters
 
-    def state(self) -> dict[str, Any]:
-        """Everything this rank needs to resume: weights, optimizer state, step, RNG."""
+    def state(self, adapter: str | None = None) -> dict[str, Any]:
+        """Everything this rank needs to resume: weights, optimizer state, step, RNG;
+        ``adapter``: that adapter alone (its weights, AdamW state and step)."""
+        if adapter is not None:
+            return {
+                "adapter_only": adapter,
+                "adapters": self._bank().state(only=adapter),
+                "coords": dataclasses.asdict(self.coords),
+            }
         return {
             # A tied embedding is saved once, by the first stage; the last stage's copy is
             # restored from it on load.
@@ -51,14 +58,33 @@ class ShardCheckpoint:
             "coords": dataclasses.asdict(self.coords),
         }
 
-    def check(self, state: dict[str, Any]) -> None:
+    def _bank(self) -> AdapterBank:
+        if self.adapters is None:
+            raise ValueError(
+                "adapter: this service holds no adapters (start it with --max-adapters N)"
+            )
+        return self.adapters
+
+    def check(
+        self, state: dict[str, Any], adapter: str | None = None, into: str | None = None
+    ) -> None:
         """Raise unless ``state`` loads here: this rank's coordinates, and every chunk's
-        tensors with this shard's names and shapes. Changes nothing."""
+        tensors with this shard's names and shapes (``adapter``: that adapter's, loaded as
+        ``into``). Changes nothing."""
         if state.get("coords") != dataclasses.asdict(self.coords):
             raise ValueError(
                 f"checkpoint shard of {state.get('coords')} loaded on rank {self.coords}: "
                 "a checkpoint loads into the layout it was saved from"
             )
+        only = state.get("adapter_only")
+        if adapter is None and only is not None:
+            raise ValueError(
+                f"adapter: this checkpoint holds adapter {only!r} alone; load it with "
+                f"adapter={only!r}"
+            )
+        if adapter is not None:
+            self._bank().check_one(adapter, state.get("adapters") or {}, into)
+            return
         chunks = state.get("chunks")
         if not isinstance(chunks, list) or len(chunks) != len(self.chunks):
             raise ValueError(f"checkpoint shard: {len(self.chunks)} model chunk(s) expected")
@@ -80,10 +106,21 @@ class ShardCheckpoint:
                         f"checkpoint shard: {k} has shape {shape}, not {tuple(v.shape)}"
                     )
 
-    def load(self, state: dict[str, Any], *, optimizer: bool = True) -> None:
+    def load(
+        self,
+        state: dict[str, Any],
+        *,
+        optimizer: bool = True,
+        adapter: str | None = None,
+        into: str | None = None,
+    ) -> None:
         """Inverse of ``state`` (same layout: the coordinates must match). Without
-        ``optimizer``, the weights and step only: the optimizer starts afresh on them."""
-        self.check(state)
+        ``optimizer``, the weights and step only: the optimizer starts afresh on them.
+        ``adapter``: that adapter alone (as ``into``), and nothing else changes."""
+        self.check(state, adapter, into)
+        if adapter is not None:
+            self._bank().load_one(adapter, state["adapters"], into, optimizer=optimizer)
+            return
         with torch.no_grad():
             for c, sd in zip(self.chunks, state["chunks"], strict=True):
                 missing, unexpected = c.module.load_state_dict(sd, strict=False)

@@ -103,8 +103,9 @@ class RankWorker:
         self._store: Any = None
         self._listener: Any = None
         """Rank 0: the socket the rendezvous store listens on (kept open while it lives)."""
-        self._staged: dict[str, Any] | None = None
-        """A checkpoint shard read by ``stage_checkpoint``, waiting for ``apply_checkpoint``."""
+        self._staged: tuple[dict[str, Any], str | None, str | None] | None = None
+        """A checkpoint shard read by ``stage_checkpoint`` (and the adapter to load from it,
+        and as what), waiting for ``apply_checkpoint``."""
 
     @property
     def shard(self) -> EngineShard:
@@ -113,11 +114,17 @@ class RankWorker:
             raise RuntimeError(f"rank {self.rank} has no engine yet: build it first")
         return self.engine
 
-    def rendezvous_address(self, timeout_s: float) -> tuple[str, int]:
+    def rendezvous_address(self, timeout_s: float) -> tuple[str, int, str]:
         """Called on rank 0: start the rendezvous store on a port the OS picks (no race with
-        other processes for a 'free' port) and return its address. The store listens on the
-        node's cluster address only (torch's own server would listen on every interface):
-        we bind the socket and hand it over."""
+        other processes for a 'free' port) and return its address and the group's secret.
+        The store listens on the node's cluster address only (torch's own server would listen
+        on every interface): we bind the socket and hand it over.
+
+        torch's store takes ``set`` and ``delete`` from anyone who reaches it, and it cannot
+        list its keys. So every key the group uses is under a prefix made of a random secret,
+        which travels to the ranks over Ray only: someone else who connects cannot name, read,
+        replace or delete any of them (``init_process_group``)."""
+        import secrets
         import socket
 
         import ray
@@ -136,12 +143,14 @@ class RankWorker:
             wait_for_workers=False,
             master_listen_fd=self._listener.fileno(),
         )
-        return host, int(self._store.port)
+        return host, int(self._store.port), secrets.token_hex(16)
 
-    def init_process_group(self, host: str, port: int, backend: str, timeout_s: float) -> None:
+    def init_process_group(
+        self, host: str, port: int, secret: str, backend: str, timeout_s: float
+    ) -> None:
         import torch
         import torch.distributed as dist
-        from torch._C._distributed_c10d import TCPStore
+        from torch._C._distributed_c10d import PrefixStore, TCPStore
 
         backend = process_group_backend(backend, cuda=torch.cuda.is_available())
         timeout = timedelta(seconds=timeout_s)
@@ -150,7 +159,7 @@ class RankWorker:
             store = TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
         dist.init_process_group(
             backend=backend,
-            store=store,
+            store=PrefixStore(f"trainctl-{secret}", store),  # keys no one else can name
             rank=self.rank,
             world_size=self.world_size,
             timeout=timeout,
@@ -261,14 +270,15 @@ class RankWorker:
 
     # -- checkpoints and export ----------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str) -> WrittenFile:
-        """Write this rank's shard of the training state into ``directory`` (not yet final:
-        the controller renames the directory once every rank has written)."""
+    def save_checkpoint(self, directory: str, adapter: str | None = None) -> WrittenFile:
+        """Write this rank's shard of the training state (``adapter``: that adapter's alone)
+        into ``directory`` (not yet final: the controller renames the directory once every
+        rank has written)."""
         import torch
 
         path = Path(directory) / f"rank-{self.rank:05d}.pt"
         tmp = path.with_suffix(".pt.partial")
-        state = self.shard.checkpoint.state()
+        state = self.shard.checkpoint.state(adapter)
         needed = tensor_bytes(state)
         if shutil.disk_usage(directory).free < needed:
             raise _no_space(self.rank, needed, directory)
@@ -285,22 +295,26 @@ class RankWorker:
         os.replace(tmp, path)
         return WrittenFile(name=path.name, size_bytes=path.stat().st_size)
 
-    def stage_checkpoint(self, directory: str) -> None:
-        """Phase 1 of a load: read this rank's shard and check it fits, changing nothing
-        (only tensors and plain containers are unpickled: ``weights_only``)."""
+    def stage_checkpoint(
+        self, directory: str, adapter: str | None = None, into: str | None = None
+    ) -> None:
+        """Phase 1 of a load: read this rank's shard and check it fits (``adapter``: that
+        adapter's part, loaded as ``into``), changing nothing (only tensors and plain
+        containers are unpickled: ``weights_only``)."""
         import torch
 
         path = Path(directory) / f"rank-{self.rank:05d}.pt"
         state = torch.load(path, map_location="cpu", weights_only=True)
-        self.shard.checkpoint.check(state)
-        self._staged = state
+        self.shard.checkpoint.check(state, adapter, into)
+        self._staged = (state, adapter, into)
 
     def apply_checkpoint(self, optimizer: bool = True) -> int:
         """Phase 2 of a load, once every rank staged its shard: local, no collective."""
-        state, self._staged = self._staged, None
-        if state is None:
+        staged, self._staged = self._staged, None
+        if staged is None:
             raise RuntimeError("apply_checkpoint without a staged checkpoint")
-        self.shard.checkpoint.load(state, optimizer=optimizer)
+        state, adapter, into = staged
+        self.shard.checkpoint.load(state, optimizer=optimizer, adapter=adapter, into=into)
         return int(self.shard.step)
 
     def drop_staged(self) -> None:
@@ -316,6 +330,10 @@ class RankWorker:
 
     def adapter_infos(self) -> list[AdapterInfo]:
         return self.shard.adapters.infos()
+
+    def adapter_digest(self, name: str) -> str:
+        """sha256 of adapter ``name``'s tensors on this rank."""
+        return self.shard.adapters.digest(name)
 
     # -- fault injection (operators and tests, through Ray only: not on the HTTP API) ---------
 

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 SAMPLER_NODE_RESOURCE = "trainctl_sampler"
 """A Ray resource that marks nodes kept for sampler engines (the Helm chart's sampler worker
 group advertises one per pod): ranks are never placed there, and where such nodes exist, each
 engine takes one."""
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""A directory with any of these holds a tokenizer transformers can load."""
+
+
+def tokenizer_of(model_dir: str) -> str | None:
+    """``model_dir`` if it holds the model's tokenizer (an --init-hf directory), else None."""
+    if model_dir and any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+        return model_dir
+    return None
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,9 @@ class SamplerSpec:
     """Capture the experts each token is routed to (``--sampler-routes``; GPU engines)."""
     concurrency: int = 64
     """Requests of one version an engine runs at once (``--sampler-concurrency``)."""
+    tokenizer: str | None = None
+    """The directory of the model's tokenizer (``tokenizer_of``): string stops work. None:
+    the engine runs on token ids alone."""
 
 
 @dataclass(frozen=True)

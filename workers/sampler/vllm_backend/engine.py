@@ -195,7 +195,10 @@ class VllmEngine:
         self.llm = LLM(
             model=self._dir.name,
             load_format="dummy",  # the weights come from the trainer, never from disk
-            skip_tokenizer_init=True,
+            # The model's tokenizer where the --init-hf directory has one (string stops);
+            # else token ids alone.
+            tokenizer=spec.tokenizer,
+            skip_tokenizer_init=spec.tokenizer is None,
             dtype=spec.dtype,
             enforce_eager=True,
             max_model_len=spec.max_model_len,
@@ -380,8 +383,9 @@ class VllmEngine:
                 top_k=req.top_k,
                 seed=req.seed,
                 stop_token_ids=list(req.stop_token_ids),
+                stop=list(req.stop) or None,
                 logprobs=0 if req.logprobs else None,
-                detokenize=False,
+                detokenize=bool(req.stop),  # text only where a string stop must be found
             )
         except (ValueError, TypeError) as e:  # vLLM's own checks of the parameters
             raise InvalidRequestError(f"sampling parameters: {e}") from None
