@@ -56,6 +56,7 @@ from trainctl.api.models import (
     RecoveryInfo,
     Sequence,
     StepResult,
+    TenantUsage,
     TrainBatchRequest,
 )
 from trainctl.api.operations import (
@@ -146,6 +147,7 @@ __all__ = [
     "StepResult",
     "SyncResult",
     "SyncWeightsRequest",
+    "TenantUsage",
     "TokenField",
     "TokenSequence",
     "TrainBatchRequest",

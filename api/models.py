@@ -174,6 +174,14 @@ class RecoveryInfo(BaseModel):
         return self.step_before - self.step_after
 
 
+class TenantUsage(BaseModel):
+    """One tenant's use of the service, counted by the gateway since it started."""
+
+    requests: int = Field(0, description="Requests authenticated with the tenant's key.")
+    bytes: int = Field(0, description="Request body bytes the tenant sent (as declared).")
+    adapters: int = Field(0, description="LoRA adapters in the tenant's space now.")
+
+
 class Info(BaseModel):
     """What is being served."""
 
@@ -204,6 +212,10 @@ class Info(BaseModel):
     )
     samplers: SamplersInfo | None = Field(
         default=None, description="The sampler engines (null: started with --samplers 0)."
+    )
+    tenants: dict[str, TenantUsage] | None = Field(
+        default=None,
+        description="Each tenant of --api-keys: what it sent and holds (null: no tenant keys).",
     )
 
 

@@ -13,6 +13,7 @@ vocabulary, lengths against its maximum) before the controller sees it: a reject
 changes nothing.
 """
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -28,7 +29,8 @@ from trainctl.service.auth import Access, access, authorize
 from trainctl.service.codec import BODY_GRACE_S, BODY_TIMEOUT_S
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.errors import install_error_handlers
-from trainctl.service.metrics import GatewayMetrics
+from trainctl.service.metrics import GatewayMetrics, tenant_usage
+from trainctl.service.tenants import TenantKeys
 from trainctl.service.tinker import routes as tinker_routes
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,10 @@ def _install_metrics(app: FastAPI, open_metrics: bool) -> None:
     async def _observe(request: Request, call_next: Any) -> Any:
         t0 = time.perf_counter()
         response = await call_next(request)
+        tenant = getattr(request.state, "tenant", None)
+        if tenant is not None:
+            length = request.headers.get("content-length", "")
+            metrics.count_tenant(tenant, int(length) if length.isdigit() else 0)
         route = getattr(request.scope.get("route"), "path", None) or "unmatched"
         metrics.requests.labels(route, str(response.status_code)).inc()
         metrics.latency.labels(route).observe(time.perf_counter() - t0)
@@ -59,6 +65,8 @@ def _install_metrics(app: FastAPI, open_metrics: bool) -> None:
             tail = await controller.metrics_text()
         except TrainctlError:
             tail = b""
+        with contextlib.suppress(TrainctlError):  # the controller may not be ready yet
+            await tenant_usage(request)  # sets the adapters-per-tenant gauge
         return Response(metrics.text() + tail, media_type="text/plain; version=0.0.4")
 
 
@@ -109,6 +117,7 @@ def create_app(
     controller: ControllerAPI,
     *,
     api_token: str | None = None,
+    api_keys_file: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_sequences: int = DEFAULT_MAX_SEQUENCES,
     max_tokens_per_request: int = DEFAULT_MAX_TOKENS_PER_REQUEST,
@@ -121,9 +130,10 @@ def create_app(
     instance_id: str = "",
 ) -> FastAPI:
     """The gateway around ``controller``; with ``api_token``, every route but the open ones
-    (``service/auth.py``) needs it. ``open_metrics`` / ``open_docs``: ``/metrics`` and the
-    API docs (``/docs``, ``/openapi.json``) answer without the token; when closed, /metrics
-    and /openapi.json need it and the browser docs are off."""
+    (``service/auth.py``) needs it; ``api_keys_file``: tenants' keys to the Tinker routes.
+    ``open_metrics`` / ``open_docs``: ``/metrics`` and the API docs (``/docs``,
+    ``/openapi.json``) answer without the token; when closed, /metrics and /openapi.json need
+    it and the browser docs are off."""
     docs = {} if open_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(
         **docs,  # type: ignore[arg-type]
@@ -136,6 +146,7 @@ def create_app(
     )
     app.state.controller = controller
     app.state.api_token = api_token or None
+    app.state.api_keys = TenantKeys(api_keys_file) if api_keys_file else None
     app.state.instance_id = instance_id
     app.state.max_body_bytes = max_body_bytes
     app.state.body_timeout_s = body_timeout_s

@@ -11,6 +11,11 @@ app-wide dependency). The route's own declaration says how it is reached:
 The decision reads the *matched route*, never the URL: a route prefix (Ray Serve's
 ``route_prefix``, a proxy's ``root_path``) changes the path but not the route, so it cannot
 turn a check off. Tokens are compared in constant time and never logged or echoed.
+
+With tenant keys (``--api-keys``, ``service/tenants.py``), a Tinker route also takes
+``tml-<tenant key>``; the request then acts for that tenant (``tenant_of``) and sees only
+its own. The service's token is the operator's and sees everything; the native API takes
+the operator's token only.
 """
 
 import enum
@@ -21,6 +26,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from trainctl.api.errors import ForbiddenError, UnauthorizedError
+from trainctl.service.tenants import TenantKeys
 
 F = TypeVar("F", bound=Callable[..., Any])
 _ATTR = "__trainctl_access__"
@@ -52,9 +58,18 @@ def _matches(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
+def tenant_of(request: Request) -> str | None:
+    """The tenant a request acts for (``authorize`` set it); None: the operator, or a
+    service without tenant keys."""
+    return getattr(request.state, "tenant", None)
+
+
 def authorize(request: Request) -> None:
-    """The app-wide dependency: check the matched route's credentials."""
+    """The app-wide dependency: check the matched route's credentials, and note the tenant
+    the request acts for."""
     token: str | None = request.app.state.api_token
+    keys: TenantKeys | None = getattr(request.app.state, "api_keys", None)
+    request.state.tenant = None
     kind = access_of(request.scope.get("route"))
     if kind is Access.OPEN:
         return
@@ -64,13 +79,26 @@ def authorize(request: Request) -> None:
             raise UnauthorizedError(
                 "send X-API-Key: tml-<token> (the service's API token after 'tml-')"
             )
-        if token is not None and not _matches(key.removeprefix("tml-"), token):
+        given = key.removeprefix("tml-")
+        if token is not None and _matches(given, token):
+            return
+        tenant = keys.tenant_of(given) if keys is not None else None
+        if tenant is not None:
+            request.state.tenant = tenant
+            return
+        if token is not None or keys is not None:
             raise ForbiddenError("the API key is not valid")
         return
-    if token is None:
+    if token is None and keys is None:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
         raise UnauthorizedError("missing bearer token: send 'Authorization: Bearer <token>'")
-    if not _matches(given.strip(), token):
-        raise ForbiddenError("the bearer token is not valid")
+    if token is not None and _matches(given.strip(), token):
+        return
+    if keys is not None and keys.tenant_of(given.strip()) is not None:
+        raise ForbiddenError(
+            "a tenant key reaches the Tinker API (X-API-Key: tml-<key>); this route needs "
+            "the service's own token"
+        )
+    raise ForbiddenError("the bearer token is not valid")

@@ -145,14 +145,34 @@ def _check_sampler_stack(s: Settings) -> None:
         )
 
 
+def _check_keys_on_hangup(s: Settings) -> None:
+    """SIGHUP: read the tenant keys file again and log whether it parses (the gateway reads
+    it again itself once it changes: ``service/tenants.py``)."""
+
+    def check(_signum: int, _frame: Any) -> None:
+        try:
+            keys = s.tenant_keys() or {}
+        except (OSError, ValueError) as e:
+            log.error("SIGHUP: the tenant keys file does not load (%s); the gateway keeps the "
+                      "keys it read before", e)  # fmt: skip
+            return
+        log.info("SIGHUP: tenant keys file holds %d tenant(s)", len(set(keys.values())))
+
+    signal.signal(signal.SIGHUP, check)
+
+
 def _serve(s: Settings) -> int:
     _check_sampler_stack(s)
     try:
         s.token()
+        keys = s.tenant_keys()
     except OSError as e:
         raise StartupError(f"cannot read {e.filename}: {e.strerror}") from None
     except ValueError as e:
         raise StartupError(str(e)) from None
+    if keys is not None:
+        log.info("tenant keys: %d tenant(s) from %s", len(set(keys.values())), s.api_keys)
+        _check_keys_on_hangup(s)
     exposed = s.exposure_warning()
     if exposed:
         log.warning("%s", exposed)

@@ -90,6 +90,7 @@ def gateway_app(s: Settings, instance_id: str = "") -> Any:
         max_ongoing_requests=s.max_ongoing_requests,
         max_queued_requests=s.max_queued_requests,
         api_token=s.token(),
+        api_keys_file=None if s.api_keys is None else str(s.api_keys.resolve()),
         max_body_bytes=int(s.max_body_mb * 2**20),
         body_timeout_s=s.body_timeout_s,
         max_sequences=s.max_sequences,

@@ -44,7 +44,15 @@ def engine_config(s: Settings) -> EngineConfig:
         from trainctl.workers.engine import hf
 
         base = hf.engine_dict_from(s.init_hf, base)
-    return EngineConfig.from_dict(base).validate()
+    cfg = EngineConfig.from_dict(base).validate()
+    if s.api_keys is not None and not cfg.lora.max_adapters:
+        # Tenants share one frozen base, each training adapters of its own: a service that
+        # trains the full model cannot keep them apart.
+        raise ValueError(
+            "api_keys: each tenant trains adapters of its own on a frozen base; start the "
+            "service with --max-adapters N"
+        )
+    return cfg
 
 
 def controller_options(s: Settings, *, rank_num_gpus: float) -> ControllerOptions:

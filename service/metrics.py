@@ -7,7 +7,12 @@ prometheus_client's global one.
 
 from collections.abc import Callable, Mapping
 
+from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from trainctl.api import TenantUsage
+from trainctl.service.controller_client import ControllerAPI
+from trainctl.service.tenants import TenantKeys, scoped
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -38,6 +43,35 @@ class GatewayMetrics:
             "trainctl_http_request_bytes", "Request body bytes read, by encoding.", ["encoding"],
             registry=r,
         )  # fmt: skip
+        self.tenant_requests = Counter(
+            "trainctl_tenant_requests", "Requests by tenant (--api-keys).", ["tenant"], registry=r
+        )
+        self.tenant_bytes = Counter(
+            "trainctl_tenant_request_bytes", "Request body bytes by tenant (as declared).",
+            ["tenant"], registry=r,
+        )  # fmt: skip
+        self.tenant_adapters = Gauge(
+            "trainctl_tenant_adapters", "LoRA adapters in each tenant's space.", ["tenant"],
+            registry=r,
+        )  # fmt: skip
+
+    def count_tenant(self, tenant: str, nbytes: int) -> None:
+        self.tenant_requests.labels(tenant).inc()
+        self.tenant_bytes.labels(tenant).inc(nbytes)
+
+    def tenant_usage(self, tenants: set[str], adapters: list[str]) -> dict[str, TenantUsage]:
+        """Each tenant's counts, with its adapters (of ``adapters``, every adapter's name)
+        counted now; the gauge follows."""
+        out = {}
+        for t in sorted(tenants):
+            held = sum(1 for a in adapters if a.startswith(scoped(t, "")))
+            self.tenant_adapters.labels(t).set(held)
+            out[t] = TenantUsage(
+                requests=int(self.tenant_requests.labels(t)._value.get()),
+                bytes=int(self.tenant_bytes.labels(t)._value.get()),
+                adapters=held,
+            )
+        return out
 
     def track_evictions(self, evicted: Mapping[str, int]) -> None:
         """``trainctl_gateway_evictions{table}``: the live counts of ``evicted``."""
@@ -56,3 +90,14 @@ class GatewayMetrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+async def tenant_usage(request: Request) -> dict[str, TenantUsage] | None:
+    """Each tenant's counts (None: no tenant keys)."""
+    keys: TenantKeys | None = request.app.state.api_keys
+    if keys is None:
+        return None
+    controller: ControllerAPI = request.app.state.controller
+    adapters = [a.name for a in (await controller.list_adapters()).adapters]
+    metrics: GatewayMetrics = request.app.state.metrics
+    return metrics.tenant_usage(keys.tenants, adapters)

@@ -221,6 +221,12 @@ class Settings(BaseSettings):
     api_token_file: Path | None = Field(
         None, description="File holding the bearer token (e.g. a mounted Kubernetes Secret)."
     )
+    api_keys: Path | None = Field(
+        None,
+        description="Tenants' keys to the Tinker API: a file of 'TENANT KEY' lines (read "
+        "again when it changes, and checked on SIGHUP). Each tenant sees only its own "
+        "sessions, models, adapters, names and sampling clients; needs --max-adapters.",
+    )
     open_metrics: bool = Field(
         True, description="/metrics answers without the token (Prometheus scrapes it)."
     )
@@ -399,12 +405,21 @@ class Settings(BaseSettings):
             )
         return token
 
+    def tenant_keys(self) -> dict[str, str] | None:
+        """The keys file's key -> tenant table (None: no tenant keys); a ValueError naming
+        the line that does not parse."""
+        if self.api_keys is None:
+            return None
+        from trainctl.service.tenants import parse_keys
+
+        return parse_keys(self.api_keys.read_text(), f"api_keys: {self.api_keys}")
+
     def exposure_warning(self) -> str | None:
         """What to warn about when the gateway listens beyond this machine with no token
         (anyone who reaches it could train, load, export and read everything)."""
         if self.api_token is not None or self.api_token_file is not None:
             return None
-        if _loopback(self.host):
+        if self.api_keys is not None or _loopback(self.host):
             return None
         return (
             f"host: {self.host} serves port {self.port} beyond this machine with no API token: "

@@ -7,15 +7,19 @@ from fastapi import Request
 from trainctl.api import ErrorBody, ErrorType, Health, Info
 from trainctl.service.auth import Access, access
 from trainctl.service.errors import error_response
+from trainctl.service.metrics import tenant_usage
 from trainctl.service.routes.deps import ControllerDep, resource_router
 
 router = resource_router("service")
 
 
 @router.get("/info", response_model=Info)
-async def info(controller: ControllerDep) -> Info:
-    """Model config, parallel layout, step, weights digest and versions."""
-    return await controller.info()
+async def info(request: Request, controller: ControllerDep) -> Info:
+    """Model config, parallel layout, step, weights digest and versions (and, with tenant
+    keys, each tenant's requests, bytes and adapters)."""
+    served = await controller.info()
+    tenants = await tenant_usage(request)
+    return served if tenants is None else served.model_copy(update={"tenants": tenants})
 
 
 @router.get("/health", response_model=Health, response_model_exclude_none=True)

@@ -90,14 +90,8 @@ class SaveForSampler(ModelCall):
     410. None: for as long as the samplers' window holds their step."""
 
 
-def native_name(model_id: str) -> str:
-    """A Tinker model's native name (``:`` is not allowed in names): the adapter it trains,
-    if it is a LoRA model, and the owner of the checkpoint and export names it saves."""
-    return model_id.replace(":", "-")
-
-
 def check_create_model(
-    req: CreateModelRequest, info: Info, *, model_id: str, max_adapters: int
+    req: CreateModelRequest, info: Info, *, model_id: str, adapter_name: str, max_adapters: int
 ) -> CreateAdapterRequest | None:
     """Refuse what would train something other than what was asked; for a LoRA model, the
     adapter to create (alpha 32, Tinker's), else None (the full model trains)."""
@@ -119,7 +113,7 @@ def check_create_model(
                 "adapter would train nothing"
             )
         return CreateAdapterRequest(
-            name=native_name(model_id), rank=lora.rank, alpha=32.0, targets=targets,
+            name=adapter_name, rank=lora.rank, alpha=32.0, targets=targets,
             # Tinker's seed None is "random": one of the handle's own, so adapters differ.
             seed=lora.seed if lora.seed is not None else zlib.crc32(model_id.encode()),
         )  # fmt: skip

@@ -40,7 +40,7 @@ from trainctl.api import (
     SaveCheckpointRequest,
     StepResult,
 )
-from trainctl.service.auth import Access, access
+from trainctl.service.auth import Access, access, tenant_of
 from trainctl.service.codec import read_body
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.routes.deps import get_limits
@@ -57,13 +57,12 @@ from trainctl.service.tinker.bodies import (
     SaveWeights,
     check_create_model,
     json_object,
-    native_name,
     text_field,
     validated,
 )
 from trainctl.service.tinker.compressed import leading_ids, unzstd, unzstd_head
 from trainctl.service.tinker.native import future_of, in_order
-from trainctl.service.tinker.state import Model, TinkerState, model_id_of
+from trainctl.service.tinker.state import Model, TinkerState, model_id_of, native_name
 
 PREFIX = "/api/v1"
 LONG_POLL_S = 30.0
@@ -96,11 +95,12 @@ async def _model_call(request: Request, model: type[ModelCall]) -> tuple[Any, st
     try:
         req, fp = validated(raw, model)
     except ValidationError as e:
-        state, model_id, seq_id = _state(request), raw.get("model_id"), raw.get("seq_id")
-        if isinstance(model_id, str) and type(seq_id) is int and model_id in state.models:
-            state.refuse(state.models[model_id], seq_id, "refused", e)
+        state, seq_id = _state(request), raw.get("seq_id")
+        found = state.find_model(raw.get("model_id"), tenant_of(request))
+        if found is not None and type(seq_id) is int:
+            state.refuse(found, seq_id, "refused", e)
         raise
-    return req, fp, _state(request).model(req.model_id)
+    return req, fp, _state(request).model(req.model_id, tenant_of(request))
 
 
 async def _fields(request: Request) -> dict[str, Any]:
@@ -133,7 +133,7 @@ async def client_config() -> dict[str, Any]:
 @access(Access.TINKER)
 async def create_session(request: Request) -> dict[str, Any]:
     validated(await _fields(request), CreateSession)  # tags and metadata: read, not kept
-    session_id = _state(request).create_session()
+    session_id = _state(request).create_session(tenant_of(request))
     return {"type": "create_session", "session_id": session_id}
 
 
@@ -141,7 +141,7 @@ async def create_session(request: Request) -> dict[str, Any]:
 @access(Access.TINKER)
 async def session_heartbeat(request: Request) -> Response:
     body = await _fields(request)
-    s = _state(request).session(text_field(body, "session_id"))
+    s = _state(request).session(text_field(body, "session_id"), tenant_of(request))
     if s.finished is not None:
         return JSONResponse({"detail": f"session finished: {s.finished}"}, status_code=410)
     return JSONResponse({"type": "session_heartbeat"})
@@ -151,7 +151,7 @@ async def session_heartbeat(request: Request) -> Response:
 @access(Access.TINKER)
 async def finish_session(session_id: str, request: Request) -> dict[str, Any]:
     body = await _fields(request)
-    s = _state(request).session(session_id)
+    s = _state(request).session(session_id, tenant_of(request))
     if s.finished is None:  # first wins
         reason = body.get("reason")
         s.finished = str(reason.get("type", "success")) if isinstance(reason, dict) else "success"
@@ -188,7 +188,8 @@ async def telemetry() -> dict[str, Any]:
 async def create_model(request: Request) -> dict[str, Any]:
     req, fp = await _json(request, CreateModelRequest)
     state = _state(request)
-    state.reserve_model(req.session_id, req.model_seq_id)  # 404 or 409 now, not in the future
+    tenant = tenant_of(request)
+    state.reserve_model(req.session_id, req.model_seq_id, tenant)  # 404 or 409 now
     model_id = model_id_of(req.session_id, req.model_seq_id)
 
     async def create() -> dict[str, Any]:
@@ -196,8 +197,9 @@ async def create_model(request: Request) -> dict[str, Any]:
         controller = _controller(request)
         adapters = await controller.list_adapters()
         adapter = check_create_model(
-            req, info, model_id=model_id, max_adapters=adapters.max_adapters
-        )
+            req, info, model_id=model_id, adapter_name=native_name(model_id, tenant),
+            max_adapters=adapters.max_adapters,
+        )  # fmt: skip
         if adapter is not None:
             known = {a.name for a in adapters.adapters}
             if adapter.name not in known:  # a retried create made it already
@@ -208,7 +210,7 @@ async def create_model(request: Request) -> dict[str, Any]:
         return {"model_id": model_id, "type": "create_model"}
 
     key = (req.session_id, req.model_seq_id)
-    f = state.once(state.created, key, fp, lambda: state.run("create_model", create))
+    f = state.once(state.created, key, fp, lambda: state.run("create_model", create, tenant))
     return future_of(f, model_id)
 
 
@@ -223,7 +225,7 @@ async def _lora_rank(request: Request, model: Model) -> int | None:
 @access(Access.TINKER)
 async def get_info(request: Request) -> dict[str, Any]:
     body = await _fields(request)
-    model = _state(request).model(text_field(body, "model_id"))
+    model = _state(request).model(text_field(body, "model_id"), tenant_of(request))
     info = await _info(request)
     return {
         "type": "get_info",
@@ -253,16 +255,16 @@ async def forward_backward(request: Request) -> dict[str, Any]:
     except PayloadTooLargeError as e:
         # Its seq_id's turn passes on: the model's next request must not wait for it.
         ids = leading_ids(unzstd_head(bytes(head)) if zstd else bytes(head))
-        state = _state(request)
-        if ids is not None and ids[0] in state.models:
-            state.refuse(state.models[ids[0]], ids[1], "refused", e)
+        found = _state(request).find_model(ids[0], tenant_of(request)) if ids else None
+        if ids is not None and found is not None:
+            _state(request).refuse(found, ids[1], "refused", e)
         raise
     msg = proto.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception as e:
         raise InvalidRequestError(f"body: not a ForwardBackwardRequest protobuf ({e})") from e
-    model = _state(request).model(msg.model_id)
+    model = _state(request).model(msg.model_id, tenant_of(request))
     limits = await get_limits(request, _controller(request))
 
     def native() -> ForwardBackwardRequest:
@@ -309,7 +311,7 @@ async def save_weights(request: Request) -> dict[str, Any]:
         # The model's own names; a LoRA model's state is its adapter's alone.
         lambda: SaveCheckpointRequest(
             name=name, overwrite=req.overwrite, adapter=model.adapter,
-            owner=native_name(model.model_id),
+            owner=model.native,
         ),
         lambda _: {"path": str(path), "type": "save_weights"},
     )  # fmt: skip
@@ -338,7 +340,7 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         # adapter (PEFT format).
         lambda: ExportRequest(
             name=req.path, overwrite=True, adapter=model.adapter,
-            owner=native_name(model.model_id),
+            owner=model.native,
         ),
         exported,
     )  # fmt: skip
@@ -354,18 +356,18 @@ async def load_weights(request: Request) -> dict[str, Any]:
         raise InvalidRequestError(
             f"path: {req.path!r} holds sampler weights (an HF export); load a path from save_state"
         )
-    owner = native_name(source.model_id)  # the names of the model that saved it
+    tenant = tenant_of(request)
+    owner = native_name(source.model_id, tenant)  # the saver's names, in this tenant's space
     if req.session_id is not None and req.model_seq_id is not None:
         # A new model from saved state: its creation is its seq_id 0. On an adapters service
         # it trains an adapter of its own, restored from the one the state holds.
-        state.session(req.session_id)
+        state.session(req.session_id, tenant)
         lora = (await _controller(request).list_adapters()).max_adapters > 0
-        new_id = model_id_of(req.session_id, req.model_seq_id)
-        adapter = native_name(new_id) if lora else None
-        model = state.add_model(req.session_id, req.model_seq_id, first_seq=0, adapter=adapter)
+        model = state.add_model(req.session_id, req.model_seq_id, first_seq=0)
+        model.adapter = model.native if lora else None
         seq_id = 0
     elif req.model_id is not None and req.seq_id is not None:
-        model, seq_id = state.model(req.model_id), req.seq_id
+        model, seq_id = state.model(req.model_id, tenant), req.seq_id
     else:
         raise InvalidRequestError(
             "load_weights needs model_id and seq_id, or session_id and model_seq_id"
@@ -386,7 +388,7 @@ async def load_weights(request: Request) -> dict[str, Any]:
 @access(Access.TINKER)
 async def retrieve_future(request: Request) -> Response:
     body = await _fields(request)
-    f = _state(request).future(text_field(body, "request_id"))
+    f = _state(request).future(text_field(body, "request_id"), tenant_of(request))
     try:
         await asyncio.wait_for(f.done.wait(), request.app.state.tinker_long_poll_s)
     except asyncio.TimeoutError:

@@ -39,18 +39,12 @@ from trainctl.api import (
     SyncWeightsRequest,
 )
 from trainctl.api.sampling import MAX_SAMPLES_PER_PROMPT, Seed, Temperature, TopK, TopP
-from trainctl.service.auth import Access, access
+from trainctl.service.auth import Access, access, tenant_of
 from trainctl.service.codec import read_body
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.routes.deps import get_limits
 from trainctl.service.tinker import proto
-from trainctl.service.tinker.bodies import (
-    Body,
-    SaveForSampler,
-    json_object,
-    native_name,
-    validated,
-)
+from trainctl.service.tinker.bodies import Body, SaveForSampler, json_object, validated
 from trainctl.service.tinker.convert import TinkerPath
 from trainctl.service.tinker.native import future_of
 from trainctl.service.tinker.sampling_table import (
@@ -59,7 +53,7 @@ from trainctl.service.tinker.sampling_table import (
     SamplingSession,
     SamplingSessions,
 )
-from trainctl.service.tinker.state import TinkerState
+from trainctl.service.tinker.state import TinkerState, native_name
 
 STOP_REASON = {"stop": 0, "length": 1}
 """Tinker's ``StopReason`` enum; vLLM's 'abort' never reaches a finished result."""
@@ -126,6 +120,7 @@ def session_for(request: Request, req: SaveForSampler, result: Any) -> dict[str,
             adapter=synced.adapter,
             inflight=req.kind == "inflight",
             expiry=Expiry.after(req.ttl_seconds),
+            tenant=tenant_of(request),
         )
     )
     return {"type": "save_weights_for_sampler", "sampling_session_id": s.sampling_session_id}
@@ -134,7 +129,7 @@ def session_for(request: Request, req: SaveForSampler, result: Any) -> dict[str,
 def remember_path(
     request: Request, path: str, req: SaveForSampler, adapter: str | None, step: int
 ) -> None:
-    weights = PinnedWeights(adapter, step, Expiry.after(req.ttl_seconds))
+    weights = PinnedWeights(adapter, step, Expiry.after(req.ttl_seconds), tenant_of(request))
     _sessions(request).remember_path(path, weights)
 
 
@@ -151,19 +146,19 @@ async def _pinned(
 ) -> PinnedWeights:
     """The adapter (None: the base), step and expiry of the weights a sampling client asks
     for; 404/422 if there are none, 410 if they expired."""
-    if info.samplers is None:
-        raise ConflictError(
-            "this service has no samplers: start it with --samplers N to sample through Tinker"
-        )
     if model_path is None:
+        _need_samplers(info)
         if base_model != info.model_name:
             raise InvalidRequestError(
                 f"base_model: this service serves {info.model_name!r}, not {base_model!r}"
             )
         return PinnedWeights(None, 0)
     path = TinkerPath.parse(model_path, "model_path")
-    if path.kind == "sampler_weights":
-        return _sessions(request).pinned(str(path))
+    if path.kind == "sampler_weights":  # a path of someone else's is unknown (404) first
+        pinned = _sessions(request).pinned(str(path), tenant_of(request))
+        _need_samplers(info)
+        return pinned
+    _need_samplers(info)
     if path.kind == "weights":
         if (await _controller(request).list_adapters()).max_adapters:
             raise InvalidRequestError(
@@ -171,12 +166,19 @@ async def _pinned(
                 "a LoRA model from save_weights_for_sampler's path, or with "
                 "save_weights_and_get_sampling_client"
             )
-        owner = native_name(path.model_id)  # the names of the model that saved it
+        owner = native_name(path.model_id, tenant_of(request))  # whose names: its saver's
         for c in (await _controller(request).list_checkpoints(owner)).checkpoints:
             if c.checkpoint_id == path.name:
                 return PinnedWeights(None, c.step)
         raise NotFoundError(f"model_path: no checkpoint {path.name!r}")
     raise InvalidRequestError(f"model_path: {model_path!r} names no weights")
+
+
+def _need_samplers(info: Info) -> None:
+    if info.samplers is None:
+        raise ConflictError(
+            "this service has no samplers: start it with --samplers N to sample through Tinker"
+        )
 
 
 def _check_served(step: int, adapter: str | None, info: Info) -> None:
@@ -308,7 +310,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
     raw = json_object(await read_body(request, 1 << 16))
     req, _ = validated(raw, CreateSamplingSession)
     state: TinkerState = request.app.state.tinker
-    state.session(req.session_id)
+    state.session(req.session_id, tenant_of(request))
     info = await _controller(request).info()
     pinned = await _pinned(request, info, req.model_path, req.base_model)
     _check_served(pinned.step, pinned.adapter, info)
@@ -320,6 +322,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
             step=pinned.step,
             adapter=pinned.adapter,
             expiry=pinned.expiry,
+            tenant=tenant_of(request),
         )
     )
     return {"type": "create_sampling_session", "sampling_session_id": s.sampling_session_id}
@@ -328,7 +331,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
 @router.get("/samplers/{sampler_id}")
 @access(Access.TINKER)
 async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
-    s = _sessions(request).get(sampler_id)
+    s = _sessions(request).get(sampler_id, tenant_of(request))
     base_model = s.base_model or (await _controller(request).info()).model_name
     return {"sampler_id": s.sampling_session_id, "base_model": base_model,
             "model_path": s.model_path}  # fmt: skip
@@ -341,7 +344,7 @@ async def asample(request: Request) -> dict[str, Any]:
     req, _ = validated(raw, AsampleRequest)
     inflight = False
     if req.sampling_session_id is not None:
-        session = _sessions(request).get(req.sampling_session_id)
+        session = _sessions(request).get(req.sampling_session_id, tenant_of(request))
         adapter, step, inflight = session.adapter, session.step, session.inflight
     else:
         info = await _controller(request).info()
@@ -365,7 +368,7 @@ async def asample(request: Request) -> dict[str, Any]:
         return sample_response(result)
 
     state: TinkerState = request.app.state.tinker
-    f = state.run("sample", work)
+    f = state.run("sample", work, tenant_of(request))
     ids = [f"{f.id}:{i}" for i in range(native.n)]
     return {**future_of(f), "sample_sequence_ids": ids}
 

@@ -30,6 +30,8 @@ class SamplingSession:
     with ``--sampler-sync after_step``); a snapshot samples exactly ``step``."""
     expiry: Expiry | None = None
     """When the weights were saved with ``ttl_seconds``: when they stop being served."""
+    tenant: str | None = None
+    """Whose sampling client it is (None: the operator's, or a service without tenants)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class PinnedWeights:
     adapter: str | None
     step: int
     expiry: Expiry | None = None
+    tenant: str | None = None
+    """Whose path it is."""
 
 
 class SamplingSessions:
@@ -88,8 +92,11 @@ class SamplingSessions:
             self.evicted["tinker_sampling_sessions"] += 1
         return s
 
-    def get(self, sampling_session_id: str) -> SamplingSession:
+    def get(self, sampling_session_id: str, tenant: str | None) -> SamplingSession:
+        """The sampling session, if the caller ``tenant`` may see it (404 otherwise)."""
         s = self.sessions.get(sampling_session_id)
+        if s is not None and tenant is not None and s.tenant != tenant:
+            s = None
         if s is None and self.issued_before(sampling_session_id.split(":", 1)[0]):
             raise GoneError(
                 f"sampling session {sampling_session_id!r} was made before the service "
@@ -107,11 +114,12 @@ class SamplingSessions:
             s.expiry.check(f"the weights of step {s.step} this sampling client samples")
         return s
 
-    def pinned(self, path: str) -> PinnedWeights:
+    def pinned(self, path: str, tenant: str | None) -> PinnedWeights:
         """The weights a ``save_weights_for_sampler`` path holds: 404 if this start of the
-        gateway never issued it, 410 once its ``ttl_seconds`` passed."""
+        gateway never issued it (or issued it to another tenant), 410 once its
+        ``ttl_seconds`` passed."""
         pinned = self.sampler_paths.get(path)
-        if pinned is None:
+        if pinned is None or (tenant is not None and pinned.tenant != tenant):
             raise NotFoundError(
                 f"model_path: {path!r} was not saved through this gateway since it started "
                 "(save_weights_for_sampler)"

@@ -46,6 +46,7 @@ from trainctl.api import (
     TrainctlError,
 )
 from trainctl.service.errors import public
+from trainctl.service.tenants import scoped
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,19 @@ Admit = Callable[[], Awaitable[Awaitable[Any]]]
 def model_id_of(session_id: str, model_seq_id: int) -> str:
     """The id of a session's ``model_seq_id``-th model, as the SDK derives it on its side."""
     return f"{session_id}:train:{model_seq_id}"
+
+
+def native_name(model_id: str, tenant: str | None) -> str:
+    """A Tinker model's native name (``:`` is not allowed in names), in its tenant's space:
+    the adapter it trains, if it is a LoRA model, and the owner of the checkpoint and export
+    names it saves. Another tenant's model can never be named from here."""
+    return scoped(tenant, model_id.replace(":", "-"))
+
+
+def visible(tenant: str | None, to: str | None) -> bool:
+    """Whether something of ``tenant`` is visible to the caller ``to`` (None: the operator,
+    who sees everything)."""
+    return to is None or tenant == to
 
 
 def category(e: BaseException) -> str:
@@ -92,6 +106,8 @@ def describe(e: BaseException) -> str:
 class Future:
     id: str
     kind: str
+    tenant: str | None = None
+    """Whose request it answers (None: the operator's, or a service without tenants)."""
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: Any = None
     error: tuple[str, str] | None = None
@@ -115,6 +131,15 @@ class Model:
     next_seq: int = 1
     adapter: str | None = None
     """A LoRA model's native adapter; None: the full model."""
+    tenant: str | None = None
+    """Its session's tenant."""
+
+    @property
+    def native(self) -> str:
+        """Its native name, in its tenant's space: its adapter (a LoRA model) and the owner
+        of the checkpoints and exports it saves."""
+        return native_name(self.model_id, self.tenant)
+
     turn: asyncio.Condition = field(default_factory=asyncio.Condition)
     seen: dict[int, tuple[str, str]] = field(default_factory=dict)
     """``seq_id`` -> (payload fingerprint, future id)."""
@@ -123,6 +148,7 @@ class Model:
 @dataclass(eq=False)
 class Session:
     session_id: str
+    tenant: str | None = None
     finished: str | None = None
     """The finish reason, once finished."""
     last_seen: float = field(default_factory=time.monotonic)
@@ -170,12 +196,12 @@ class TinkerState:
 
     # -- sessions and models -------------------------------------------------------------------
 
-    def create_session(self) -> str:
+    def create_session(self, tenant: str | None) -> str:
         self.expire_sessions()
         while len(self.sessions) >= self.max_sessions:  # the longest silent goes first
             self._drop_session(min(self.sessions.values(), key=lambda s: s.last_seen))
         session_id = self.epoch + uuid.uuid4().hex[: 16 - EPOCH_CHARS]
-        self.sessions[session_id] = Session(session_id)
+        self.sessions[session_id] = Session(session_id, tenant)
         return session_id
 
     def issued_before_this_start(self, session_id: str) -> bool:
@@ -187,9 +213,10 @@ class TinkerState:
             and not session_id.startswith(self.epoch)
         )
 
-    def session(self, session_id: str) -> Session:
+    def session(self, session_id: str, tenant: str | None) -> Session:
+        """``session_id``, if the caller ``tenant`` may see it (a 404 otherwise)."""
         s = self.sessions.get(session_id)
-        if s is None:
+        if s is None or not visible(s.tenant, tenant):
             raise NotFoundError(
                 f"session {session_id!r} does not exist or expired (create_session first)"
             )
@@ -212,10 +239,10 @@ class TinkerState:
         for key in [k for k in self.created if k[0] == s.session_id]:
             del self.created[key]
 
-    def reserve_model(self, session_id: str, model_seq_id: int) -> None:
+    def reserve_model(self, session_id: str, model_seq_id: int, tenant: str | None) -> None:
         """Count ``model_seq_id`` against its session's ``MAX_MODELS_PER_SESSION``; a 409
         past it (handles are never evicted while their session lives: a client holds them)."""
-        s = self.session(session_id)
+        s = self.session(session_id, tenant)
         self._count_model(s, model_seq_id)
 
     def _count_model(self, s: Session, model_seq_id: int) -> None:
@@ -239,25 +266,34 @@ class TinkerState:
         model_id = model_id_of(session_id, model_seq_id)
         m = self.models.get(model_id)
         if m is None:
-            m = self.models[model_id] = Model(model_id, session_id, next_seq=first_seq)
+            session = self.sessions.get(session_id)
+            tenant = session.tenant if session is not None else None
+            m = Model(model_id, session_id, next_seq=first_seq, tenant=tenant)
+            self.models[model_id] = m
         m.adapter = adapter
         return m
 
-    def model(self, model_id: str) -> Model:
-        m = self.models.get(model_id)
+    def find_model(self, model_id: object, tenant: str | None) -> Model | None:
+        """The handle ``model_id``, if it exists and the caller ``tenant`` may see it."""
+        m = self.models.get(model_id) if isinstance(model_id, str) else None
+        return m if m is not None and visible(m.tenant, tenant) else None
+
+    def model(self, model_id: str, tenant: str | None) -> Model:
+        """The handle ``model_id`` (a 404 unless the caller ``tenant`` may see it)."""
+        m = self.find_model(model_id, tenant)
         if m is None:
             raise NotFoundError(
                 f"model {model_id!r} does not exist: create it with create_model (or "
                 "create_training_client_from_state) in this server's lifetime; a session "
                 "silent for long expires with its models"
             )
-        self.session(m.session_id)  # a call on a model keeps its session alive
+        self.session(m.session_id, tenant)  # a call on a model keeps its session alive
         return m
 
     # -- futures -------------------------------------------------------------------------------
 
-    def new_future(self, kind: str) -> Future:
-        f = Future(f"tf-{next(self._ids):06d}-{uuid.uuid4().hex[:8]}", kind)
+    def new_future(self, kind: str, tenant: str | None) -> Future:
+        f = Future(f"tf-{next(self._ids):06d}-{uuid.uuid4().hex[:8]}", kind, tenant)
         self.futures[f.id] = f
         while len(self.futures) > self.keep_finished:
             oldest = next(iter(self.futures.values()))
@@ -267,15 +303,16 @@ class TinkerState:
             self.evicted["tinker_futures"] += 1
         return f
 
-    def future(self, future_id: str) -> Future:
+    def future(self, future_id: str, tenant: str | None) -> Future:
         f = self.futures.get(future_id)
-        if f is None:
+        if f is None or not visible(f.tenant, tenant):
             raise NotFoundError(f"future {future_id!r} is unknown or has expired")
         return f
 
-    def run(self, kind: str, work: Callable[[], Awaitable[Any]]) -> Future:
-        """A future for ``work``, run now (no ordering: model creation and loads)."""
-        f = self.new_future(kind)
+    def run(self, kind: str, work: Callable[[], Awaitable[Any]], tenant: str | None) -> Future:
+        """A future of ``tenant``'s for ``work``, run now (no ordering: model creation,
+        samples)."""
+        f = self.new_future(kind, tenant)
         self._spawn(self._finish(f, work))
         return f
 
@@ -331,7 +368,7 @@ class TinkerState:
                 )
                 err.retry_after_s = 2.0
                 raise err
-            f = self.new_future(kind)
+            f = self.new_future(kind, model.tenant)
             self._spawn(self._in_turn(model, seq_id, f, admit, nbytes))
             return f
 

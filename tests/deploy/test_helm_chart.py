@@ -351,3 +351,23 @@ def test_the_dashboard_charts_only_series_the_service_exports() -> None:
     service = d["Service/t-trainctl"]
     selector = monitor["spec"]["selector"]["matchLabels"]
     assert selector.items() <= service["metadata"]["labels"].items()
+
+
+def test_tenant_keys_are_mounted_from_a_secret_in_every_pod() -> None:
+    """auth.apiKeysSecret: the Secret's `api-keys` is mounted in the head and every worker (a
+    gateway replica may run on any of them), and the serve config's `api_keys` names it."""
+    from trainctl.service.launch import settings_from_args
+
+    rs = rayservice("--set", "auth.apiKeysSecret=tenants")
+    args = serve_config(rs)["applications"][0]["args"]
+    assert args["api_keys"] == "/etc/trainctl/keys/api-keys"
+    assert settings_from_args(args).api_keys is not None
+    worker = worker_group(rs)["template"]["spec"]
+    for spec in (head(rs), worker):
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "api-keys"]
+        assert volume["secret"]["secretName"] == "tenants"
+        mounts = spec["containers"][0]["volumeMounts"]
+        assert {"name": "api-keys", "mountPath": "/etc/trainctl/keys", "readOnly": True} in mounts
+    plain = rayservice()
+    assert "api_keys" not in serve_config(plain)["applications"][0]["args"]
+    assert all(v["name"] != "api-keys" for v in head(plain).get("volumes") or [])

@@ -109,13 +109,13 @@ def test_a_tinker_lora_client_samples_with_its_adapter(lora_sampled: Service) ->
     made at, and a saved sampler path samples it. Made at step 3, it keeps doing so after
     step 5, beside a client made then (the window of three versions); after step 6 it is
     refused with a 410."""
-    from trainctl.service.tinker.bodies import native_name
+    from trainctl.service.tinker.state import native_name
 
     sc = tinker.ServiceClient(base_url=lora_sampled.url, api_key="tml-local")
     try:
         base_model = sc.get_server_capabilities().supported_models[0].model_name
         tc = sc.create_lora_training_client(base_model=base_model, rank=8).result()
-        adapter = native_name(tc.model_id)
+        adapter = native_name(tc.model_id, None)
         scored = SCORED
         for _ in range(3):
             tc.forward_backward([datum(scored)], "cross_entropy").result()
@@ -161,7 +161,7 @@ def test_two_tinker_runs_each_save_final_and_load_their_own(lora_sampled: Servic
     bytes after the second's save, and each path loads and samples its own run's adapter. A
     load restores only the loading client's adapter: the other run's step and log-probs do
     not move (0.0)."""
-    from trainctl.service.tinker.bodies import native_name
+    from trainctl.service.tinker.state import native_name
 
     sc = tinker.ServiceClient(base_url=lora_sampled.url, api_key="tml-local")
     native = lora_sampled.client()
@@ -169,7 +169,7 @@ def test_two_tinker_runs_each_save_final_and_load_their_own(lora_sampled: Servic
         base_model = sc.get_server_capabilities().supported_models[0].model_name
         runs = [sc.create_lora_training_client(base_model=base_model, rank=8) for _ in "ab"]
         a, b = (r.result() for r in runs)
-        names = {tc.model_id: native_name(tc.model_id) for tc in (a, b)}
+        names = {tc.model_id: native_name(tc.model_id, None) for tc in (a, b)}
 
         def steps(tc: Any, tokens: list[int], n: int) -> None:
             for _ in range(n):
@@ -214,8 +214,8 @@ def test_two_tinker_runs_each_save_final_and_load_their_own(lora_sampled: Servic
         a_moved = trainer(a)
         assert np.abs(a_moved[1:] - a_want[1:]).max() > APART
         again = sc.create_training_client_from_state_with_optimizer(a_state).result()
-        assert native_name(again.model_id) not in names.values()  # an adapter of its own
-        names[again.model_id] = native_name(again.model_id)
+        assert native_name(again.model_id, None) not in names.values()  # an adapter of its own
+        names[again.model_id] = native_name(again.model_id, None)
         assert np.abs(trainer(again)[1:] - a_want[1:]).max() <= 1e-6
         assert step_of(again) == 2
         a.load_state(b_state).result()  # a takes b's saved state into its own adapter

@@ -100,9 +100,9 @@ def test_sampling_sessions_are_bounded_and_their_evictions_counted() -> None:
         table.remember_path(f"tinker://m/sampler_weights/{i}", PinnedWeights(None, i))
     assert len(table.sessions) == 8 and len(table.sampler_paths) == 8
     assert evicted["tinker_sampling_sessions"] == 12
-    assert table.get("s:sample:19").step == 19
+    assert table.get("s:sample:19", None).step == 19
     with pytest.raises(NotFoundError, match="unknown or has expired"):
-        table.get("s:sample:0")
+        table.get("s:sample:0", None)
 
 
 def test_weights_saved_with_a_ttl_are_gone_once_it_passes(
@@ -122,12 +122,12 @@ def test_weights_saved_with_a_ttl_are_gone_once_it_passes(
     table.add(ss.SamplingSession("a:sample:1", "m", None, step=3))
     path = "tinker://a:train:0/sampler_weights/final"
     table.remember_path(path, ss.PinnedWeights(None, 3, ss.Expiry.after(60)))
-    assert table.get("a:sample:0").step == 3 and table.pinned(path).step == 3
+    assert table.get("a:sample:0", None).step == 3 and table.pinned(path, None).step == 3
     monkeypatch.setattr(ss.time, "time", lambda: now + 61)
     with pytest.raises(GoneError, match="ttl_seconds=60"):
-        table.pinned(path)  # a client made from the path after its TTL
+        table.pinned(path, None)  # a client made from the path after its TTL
     with pytest.raises(GoneError, match="ttl_seconds=60, which have passed") as e:
-        table.get("a:sample:0")
+        table.get("a:sample:0", None)
     assert e.value.status == 410
-    assert table.get("a:sample:1").step == 3
+    assert table.get("a:sample:1", None).step == 3
     assert ss.Expiry.after(None) is None

@@ -167,7 +167,9 @@ def test_create_model_refuses_what_it_would_not_honour(change: dict, words: str)
 
     def check(r: Any, step: int = 0, max_adapters: int = 0) -> Any:
         info = Info.model_construct(model_name="trainctl-tiny", step=step)
-        return check_create_model(r, info, model_id="s:train:0", max_adapters=max_adapters)
+        return check_create_model(
+            r, info, model_id="s:train:0", adapter_name="s-train-0", max_adapters=max_adapters
+        )
 
     with pytest.raises(InvalidRequestError, match=words):
         check(req)
@@ -192,15 +194,23 @@ def test_create_model_on_an_adapters_service() -> None:
 
     info = Info.model_construct(model_name="trainctl-tiny", step=5)
     got = check_create_model(
-        req(rank=16, seed=4, train_mlp=False), info, model_id="s:train:3", max_adapters=2
+        req(rank=16, seed=4, train_mlp=False),
+        info,
+        model_id="s:train:3",
+        adapter_name="s-train-3",
+        max_adapters=2,
     )
     assert got is not None
     assert (got.name, got.rank, got.targets, got.seed) == ("s-train-3", 16, ["attn", "unembed"], 4)
     with pytest.raises(InvalidRequestError, match=r"--max-adapters 2.*rank >= 1"):
-        check_create_model(req(rank=0), info, model_id="s:train:3", max_adapters=2)
+        check_create_model(
+            req(rank=0), info, model_id="s:train:3", adapter_name="s-train-3", max_adapters=2
+        )
     off = {"train_mlp": False, "train_attn": False, "train_unembed": False}
     with pytest.raises(InvalidRequestError, match="would train nothing"):
-        check_create_model(req(rank=4, **off), info, model_id="s:train:3", max_adapters=2)
+        check_create_model(
+            req(rank=4, **off), info, model_id="s:train:3", adapter_name="s-train-3", max_adapters=2
+        )
 
 
 TML = {"X-API-Key": "tml-x"}
@@ -283,14 +293,14 @@ def test_a_full_controller_queue_is_waited_out_and_429_is_a_server_error() -> No
 def test_waiting_requests_and_sessions_are_bounded() -> None:
     async def run() -> None:
         state = TinkerState(order_timeout_s=5, max_waiting=2, max_waiting_bytes=100)
-        model = state.add_model(state.create_session(), 0)
+        model = state.add_model(state.create_session(None), 0)
         state.submit(model, 3, "c", "x", _admit([], 3), nbytes=10)
         state.submit(model, 4, "d", "x", _admit([], 4), nbytes=10)
         await asyncio.sleep(0.01)
         assert (state.waiting, state.waiting_bytes) == (2, 20)
         with pytest.raises(RateLimitedError, match="wait for their seq_id turn"):
             state.submit(model, 5, "e", "x", _admit([], 5))
-        other = state.add_model(state.create_session(), 0)
+        other = state.add_model(state.create_session(None), 0)
         with pytest.raises(RateLimitedError, match="bytes"):
             state.submit(other, 2, "b", "x", _admit([], 2), nbytes=90)
         f1 = state.submit(model, 1, "a", "x", _admit([], 1))  # its turn: never limited
@@ -302,11 +312,11 @@ def test_waiting_requests_and_sessions_are_bounded() -> None:
 
         state.session_ttl_s = 0.05
         await asyncio.sleep(0.1)
-        state.create_session()  # sweeps the silent ones
+        state.create_session(None)  # sweeps the silent ones
         assert len(state.sessions) == 1 and state.models == {}
         state.max_sessions = 3
         for _ in range(5):
-            state.create_session()
+            state.create_session(None)
         assert len(state.sessions) == 3
 
     asyncio.run(run())
@@ -317,17 +327,17 @@ def test_a_session_makes_a_bounded_number_of_model_handles(http: Any) -> None:
     session past ``MAX_MODELS_PER_SESSION`` is refused with a 409 that says what to do, and
     nothing is added; an existing handle's ``model_seq_id`` is still fine."""
     state = TinkerState()
-    session = state.create_session()
+    session = state.create_session(None)
     for i in range(MAX_MODELS_PER_SESSION):
         state.add_model(session, i)
     with pytest.raises(ConflictError, match="start another session"):
         state.add_model(session, MAX_MODELS_PER_SESSION)
     assert len(state.models) == MAX_MODELS_PER_SESSION
     state.add_model(session, 0)
-    state.add_model(state.create_session(), MAX_MODELS_PER_SESSION)  # another session: room
+    state.add_model(state.create_session(None), MAX_MODELS_PER_SESSION)  # another session: room
     # Through the route: refused at once (not in a future), and no creation is remembered.
     app_state = http.app.state.tinker
-    sid = app_state.create_session()
+    sid = app_state.create_session(None)
     app_state.sessions[sid].model_seqs.update(range(MAX_MODELS_PER_SESSION))
     before = dict(app_state.created)
     r = http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 999,
@@ -444,16 +454,16 @@ def test_a_sampling_client_from_before_a_restart_is_gone_not_unknown() -> None:
     before, after = FastAPI(), FastAPI()
     routes.install(before)
     routes.install(after)
-    old = before.state.tinker.create_session()
-    new = after.state.tinker.create_session()
+    old = before.state.tinker.create_session(None)
+    new = after.state.tinker.create_session(None)
     assert len(old) == len(new) == 16 and old[:6] != new[:6]
     sessions = after.state.tinker_sampling
     with pytest.raises(GoneError, match="made before the service restarted") as e:
-        sessions.get(f"{old}:sample:0")
+        sessions.get(f"{old}:sample:0", None)
     assert e.value.status == 410 and e.value.details["restarted"] is True
     with pytest.raises(GoneError):
-        sessions.get(f"{old}:train:0:sample:3")  # a LoRA model's sampling client
+        sessions.get(f"{old}:train:0:sample:3", None)  # a LoRA model's sampling client
     with pytest.raises(NotFoundError):
-        sessions.get(f"{new}:sample:0")
+        sessions.get(f"{new}:sample:0", None)
     with pytest.raises(NotFoundError):
-        sessions.get("not-one-of-ours:sample:0")
+        sessions.get("not-one-of-ours:sample:0", None)

@@ -32,6 +32,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{- define "trainctl.volumes" -}}
+{{- if .Values.auth.apiKeysSecret }}
+- name: api-keys
+  secret:
+    secretName: {{ .Values.auth.apiKeysSecret }}
+    items: [{key: api-keys, path: api-keys}]
+{{- end }}
 {{- if .Values.profiles.enabled }}
 - name: profiles
   persistentVolumeClaim:
@@ -45,6 +51,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{- define "trainctl.volumeMounts" -}}
+{{- if .Values.auth.apiKeysSecret }}
+- name: api-keys
+  mountPath: /etc/trainctl/keys
+  readOnly: true
+{{- end }}
 {{- if .Values.profiles.enabled }}
 - name: profiles
   mountPath: {{ .Values.profiles.mountPath }}
