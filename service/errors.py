@@ -34,8 +34,9 @@ _IP = re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b")
 _PID = re.compile(r"\bpid=\d+")
 _PATH = re.compile(r"(?<![\w:/])/(?:[\w.@+-]+/)+[\w.@+-]*")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_HEX = re.compile(r"\b(?:0x[0-9a-fA-F]{6,}|[0-9a-fA-F]{16,})\b")
-"""Heap addresses (``0x7f33...``) and Ray's actor, task and node ids (hex, 16+ digits)."""
+_HEX = re.compile(r"\b(?:0x[0-9a-fA-F]{6,}|[0-9a-fA-F]{24,})\b")
+"""Heap addresses (``0x7f33...``) and Ray's actor, task and node ids (hex, 24+ digits; a Tinker
+session id, 16, stays: the caller needs it)."""
 _PUBLIC_DETAILS = {"ranks", "method", "queued", "accumulated_parts", "operation"}
 
 
