@@ -69,7 +69,7 @@ def app_builder(args: dict[str, Any]) -> Any:
     """
     s = launch.settings_from_args(args)
     logs.configure(s.log_level, s.log_format)
-    if s.api_token is None and s.api_token_file is None:  # Serve's proxy host is not ours to see
+    if not s.has_credentials():  # Serve's proxy host is not ours to see
         log.warning(
             "no API token (api_token_file): anyone who reaches the Serve proxy can train, "
             "load and export; give api_token_file unless the proxy listens on loopback only"

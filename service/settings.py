@@ -414,12 +414,15 @@ class Settings(BaseSettings):
 
         return parse_keys(self.api_keys.read_text(), f"api_keys: {self.api_keys}")
 
+    def has_credentials(self) -> bool:
+        """Whether any request needs a credential: a token, or tenant keys (with keys and no
+        token, nobody reaches the native API)."""
+        return any(x is not None for x in (self.api_token, self.api_token_file, self.api_keys))
+
     def exposure_warning(self) -> str | None:
         """What to warn about when the gateway listens beyond this machine with no token
         (anyone who reaches it could train, load, export and read everything)."""
-        if self.api_token is not None or self.api_token_file is not None:
-            return None
-        if self.api_keys is not None or _loopback(self.host):
+        if self.has_credentials() or _loopback(self.host):
             return None
         return (
             f"host: {self.host} serves port {self.port} beyond this machine with no API token: "

@@ -40,6 +40,12 @@ def scoped(tenant: str | None, name: str) -> str:
     return name if tenant is None else f"{tenant}.{name}"
 
 
+def visible(tenant: str | None, to: str | None) -> bool:
+    """Whether something of ``tenant`` is visible to the caller ``to`` (None: the operator,
+    who sees everything)."""
+    return to is None or tenant == to
+
+
 def parse_keys(text: str, source: str = "api_keys") -> dict[str, str]:
     """Key -> tenant from the file's text; a ValueError naming the line for anything else."""
     keys: dict[str, str] = {}

@@ -255,8 +255,7 @@ async def forward_backward(request: Request) -> dict[str, Any]:
     except PayloadTooLargeError as e:
         # Its seq_id's turn passes on: the model's next request must not wait for it.
         ids = leading_ids(unzstd_head(bytes(head)) if zstd else bytes(head))
-        found = _state(request).find_model(ids[0], tenant_of(request)) if ids else None
-        if ids is not None and found is not None:
+        if ids is not None and (found := _state(request).find_model(ids[0], tenant_of(request))):
             _state(request).refuse(found, ids[1], "refused", e)
         raise
     msg = proto.ForwardBackwardRequest()

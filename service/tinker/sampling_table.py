@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainctl.api import GoneError, NotFoundError
+from trainctl.service.tenants import visible
 
 MAX_SAMPLING_SESSIONS = 4096
 """Sampling sessions (and remembered sampler-weight paths) kept; the oldest go first."""
@@ -95,7 +96,7 @@ class SamplingSessions:
     def get(self, sampling_session_id: str, tenant: str | None) -> SamplingSession:
         """The sampling session, if the caller ``tenant`` may see it (404 otherwise)."""
         s = self.sessions.get(sampling_session_id)
-        if s is not None and tenant is not None and s.tenant != tenant:
+        if s is not None and not visible(s.tenant, tenant):
             s = None
         if s is None and self.issued_before(sampling_session_id.split(":", 1)[0]):
             raise GoneError(
@@ -119,7 +120,7 @@ class SamplingSessions:
         gateway never issued it (or issued it to another tenant), 410 once its
         ``ttl_seconds`` passed."""
         pinned = self.sampler_paths.get(path)
-        if pinned is None or (tenant is not None and pinned.tenant != tenant):
+        if pinned is None or not visible(pinned.tenant, tenant):
             raise NotFoundError(
                 f"model_path: {path!r} was not saved through this gateway since it started "
                 "(save_weights_for_sampler)"

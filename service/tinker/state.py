@@ -46,7 +46,7 @@ from trainctl.api import (
     TrainctlError,
 )
 from trainctl.service.errors import public
-from trainctl.service.tenants import scoped
+from trainctl.service.tenants import scoped, visible
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +70,6 @@ def native_name(model_id: str, tenant: str | None) -> str:
     the adapter it trains, if it is a LoRA model, and the owner of the checkpoint and export
     names it saves. Another tenant's model can never be named from here."""
     return scoped(tenant, model_id.replace(":", "-"))
-
-
-def visible(tenant: str | None, to: str | None) -> bool:
-    """Whether something of ``tenant`` is visible to the caller ``to`` (None: the operator,
-    who sees everything)."""
-    return to is None or tenant == to
 
 
 def category(e: BaseException) -> str:

@@ -47,6 +47,17 @@ OWNERS = "_owners"
 """The directory of the owners' names (a name never starts with '_', so it is no name)."""
 
 
+def owner_dir(root: Path, owner: str | None) -> Path:
+    """Where ``owner``'s names live under ``root`` (None: ``root`` itself, the service's own);
+    the exports use it too."""
+    return root if owner is None else root / OWNERS / checked_name("owner", owner)
+
+
+def partials(root: Path, prefix: str = _PARTIAL) -> list[Path]:
+    """Directories under ``root``, or under any owner's, being written or left by a crash."""
+    return [*root.glob(f"{prefix}*"), *root.glob(f"{OWNERS}/*/{prefix}*")]
+
+
 class CheckpointStore:
     """The checkpoint directory of one owner (None: the service's own names). Owns the on-disk
     layout under ``root`` and the retention of ``keep`` complete checkpoints; the ranks write
@@ -60,7 +71,7 @@ class CheckpointStore:
         """The names of ``owner`` (None: this store's own)."""
         if owner is None:
             return self
-        return CheckpointStore(self.root / OWNERS / checked_name("owner", owner), self.keep, owner)
+        return CheckpointStore(owner_dir(self.root, owner), self.keep, owner)
 
     def begin(self, step: int) -> Path:
         """A fresh temporary directory for the checkpoint of ``step``."""
@@ -133,7 +144,7 @@ class CheckpointStore:
     def sweep_partial(self) -> None:
         """Remove temporary directories left by a crash (every owner's)."""
         if self.root.is_dir():
-            for d in [*self.root.glob(f"{_PARTIAL}*"), *self.root.glob(f"{OWNERS}/*/{_PARTIAL}*")]:
+            for d in partials(self.root):
                 shutil.rmtree(d, ignore_errors=True)
 
     def _prune(self) -> None:

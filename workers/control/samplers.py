@@ -41,7 +41,7 @@ from trainctl.workers.rank.worker import RankWorker
 from trainctl.workers.sampler import backend
 from trainctl.workers.sampler.backend import SamplerNeeds, UnsupportedError
 from trainctl.workers.sampler.pool import PoolOptions, SamplerPool
-from trainctl.workers.sampler.spec import SamplerSpec, tokenizer_of
+from trainctl.workers.sampler.spec import SamplerSpec
 from trainctl.workers.sampler.transport import ObjectStoreTransport, WeightTransport
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,8 @@ class Samplers:
             versions=s.pool.versions,
             return_routes=s.routes,
             concurrency=s.concurrency,
-            tokenizer=tokenizer_of(self.cfg.init_hf),
+            # the controller's limits say whether the model has one (string stops)
+            tokenizer=self.cfg.init_hf if self.limits.tokenizer else None,
         )
         pool = self.pool = SamplerPool(spec, s.pool)
         self.metrics.watch_samplers(

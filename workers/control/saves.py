@@ -24,10 +24,10 @@ from trainctl.api import (
 )
 from trainctl.api.errors import field_error
 from trainctl.workers.control.adapter_registry import Adapters
-from trainctl.workers.control.checkpoints import OWNERS, CheckpointStore
+from trainctl.workers.control.checkpoints import CheckpointStore, owner_dir, partials
 from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.op_queue import Handle, Runner
-from trainctl.workers.control.profile_store import checked_name, replace_dir
+from trainctl.workers.control.profile_store import replace_dir
 from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.serving import WeightsVersion
 from trainctl.workers.control.steps import ModelState
@@ -207,21 +207,14 @@ class Saves:
             raise InvalidRequestError(f"export: {problem}")
         if req.adapter is not None:
             self.adapters.state(req.adapter)  # 404 now, not once queued
-        root = self.exports_of(req.owner)  # 422 now for a bad owner
+        root = owner_dir(self.export_root, req.owner)  # 422 now for a bad owner
         if req.name is not None:
             self._check_export_name(root, req.name, req.overwrite)  # 409 now, not once queued
         return lambda h: self._write_export(req, h)
 
-    def exports_of(self, owner: str | None) -> Path:
-        """The directory of ``owner``'s exports (None: the service's own)."""
-        if owner is None:
-            return self.export_root
-        return self.export_root / OWNERS / checked_name("owner", owner)
-
     def export_partials(self) -> list[Path]:
         """Exports being written, or left by a crash (every owner's)."""
-        root = self.export_root
-        return [*root.glob(f"{PARTIAL_EXPORT}*"), *root.glob(f"{OWNERS}/*/{PARTIAL_EXPORT}*")]
+        return partials(self.export_root, PARTIAL_EXPORT)
 
     @staticmethod
     def _check_export_name(root: Path, name: str, overwrite: bool) -> None:
@@ -237,7 +230,7 @@ class Saves:
             "" if req.adapter is None else f"{req.adapter}-{'merged' if req.merged else 'peft'}-"
         )
         name = req.name or f"{prefix}step-{step:06d}"
-        root = self.exports_of(req.owner)
+        root = owner_dir(self.export_root, req.owner)
         self._check_export_name(root, name, req.overwrite or req.name is None)
         root.mkdir(parents=True, exist_ok=True)
         target = root / name

@@ -45,6 +45,19 @@ class Slot:
     """Set while it waits on disk (``adapter_store.py``): its tensors are not in memory."""
 
 
+def _slot(spec: AdapterSpec, saved: dict[str, Any], *, optimizer: bool = True) -> Slot:
+    """The slot of one adapter as a checkpoint shard holds it (``state``'s entry); without
+    ``optimizer``, its AdamW state starts afresh."""
+    tensors = dict(saved["tensors"])
+    return Slot(
+        spec=spec,
+        tensors=tensors,
+        optimizer=saved["optimizer"] if optimizer else None,
+        step=int(saved["step"]),
+        nbytes=_nbytes(tensors),
+    )
+
+
 def _renamed(spec: dict[str, Any], name: str) -> AdapterSpec:
     return AdapterSpec.from_dict({**spec, "name": name})
 
@@ -94,6 +107,9 @@ class AdapterBank:
                 f"{len(self.slots)} adapters exist, the limit (--max-adapters) is "
                 f"{self.max_adapters}: delete one first"
             )
+        self._check_rank(spec)
+
+    def _check_rank(self, spec: AdapterSpec) -> None:
         if not 1 <= spec.rank <= self.max_rank:
             raise ValueError(
                 f"rank: {spec.rank} is outside [1, {self.max_rank}] (the service's --lora-max-rank)"
@@ -230,8 +246,8 @@ class AdapterBank:
         spec = _renamed(saved[name]["spec"], into or name)
         if spec.name not in self.slots:
             self.check_new(spec)
-        elif not 1 <= spec.rank <= self.max_rank:
-            raise ValueError(f"rank: {spec.rank} is outside [1, {self.max_rank}]")
+        else:  # it replaces the adapter of that name
+            self._check_rank(spec)
         tensors = saved[name]["tensors"]
         for canon, p in self.params.items():
             if getattr(tensors.get(canon), "shape", None) != p.shape:
@@ -253,14 +269,7 @@ class AdapterBank:
             self._switch_off()
         if spec.name in self.slots:
             self.store.drop(self.slots.pop(spec.name))
-        tensors = dict(s["tensors"])
-        self.slots[spec.name] = Slot(
-            spec=spec,
-            tensors=tensors,
-            optimizer=s["optimizer"] if optimizer else None,
-            step=int(s["step"]),
-            nbytes=_nbytes(tensors),
-        )
+        self.slots[spec.name] = _slot(spec, s, optimizer=optimizer)
         self.store.spill(self.slots, self.active)
 
     def load_state(self, saved: dict[str, Any]) -> None:
@@ -269,14 +278,7 @@ class AdapterBank:
             self.store.drop(slot)
         self.slots = {}
         for name, s in saved.items():
-            tensors = dict(s["tensors"])
-            self.slots[name] = Slot(
-                spec=AdapterSpec.from_dict(s["spec"]),
-                tensors=tensors,
-                optimizer=s["optimizer"],
-                step=int(s["step"]),
-                nbytes=_nbytes(tensors),
-            )
+            self.slots[name] = _slot(AdapterSpec.from_dict(s["spec"]), s)
         self.store.spill(self.slots, None)
 
     def digest(self, name: str) -> str:
