@@ -29,6 +29,7 @@ _HOST_DTYPE = {
     FieldKind.MASK: np.uint8,
     FieldKind.FLOAT: np.float32,
     FieldKind.ROUTES: np.int64,
+    FieldKind.STEP: np.int64,
 }
 """What a JSON list becomes (float32: the precision the ranks compute the loss inputs in)."""
 
@@ -121,6 +122,14 @@ class SequenceBatch:
                 )
         elif col.dtype.kind not in "iub":
             raise field_error(name, f"must be integers, got {col.dtype}")
+        elif kind is FieldKind.STEP and col.size and col.min() < -1:
+            k = int(np.argmin(col))
+            i, j = self.locate(k)
+            raise field_error(
+                f"sequences[{i}].{name}[{j}]",
+                f"must be a weights step (>= 0), or -1 for a token no sampler produced; got "
+                f"{col[k]}",
+            )
         elif kind is FieldKind.MASK and col.size and (col.min() < 0 or col.max() > 1):
             k = int(np.flatnonzero((col < 0) | (col > 1))[0])
             i, j = self.locate(k)
@@ -149,6 +158,7 @@ class SequenceBatch:
         rows = [s if isinstance(s, Mapping) else _as_mapping(s) for s in seqs]
         if not rows:
             raise field_error("sequences", "List should have at least 1 item")
+        rows = [_policy_step_as_token_steps(i, r) for i, r in enumerate(rows)]
         for i, r in enumerate(rows):
             unknown = sorted(set(r) - set(FIELD_NAMES))
             if unknown:
@@ -291,10 +301,33 @@ class SequenceBatch:
         )
 
 
+POLICY_STEP = "policy_step"
+"""A sequence's JSON shorthand for ``token_steps``: every token sampled at this one step."""
+
+
 def _as_mapping(seq: Any) -> dict[str, Any]:
     if isinstance(seq, TokenSequence):
         return dict(seq._cols)
-    return {k: getattr(seq, k, None) for k in FIELD_NAMES}
+    return {k: getattr(seq, k, None) for k in (*FIELD_NAMES, POLICY_STEP)}
+
+
+def _policy_step_as_token_steps(i: int, row: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``row`` with its ``policy_step`` (if any) spelled out as ``token_steps``."""
+    if POLICY_STEP not in row:
+        return row
+    out = {k: v for k, v in row.items() if k != POLICY_STEP}
+    step = row[POLICY_STEP]
+    if step is None:
+        return out
+    if out.get("token_steps") is not None:
+        raise field_error(
+            f"sequences[{i}].{POLICY_STEP}", "give policy_step or token_steps, not both"
+        )
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+        raise field_error(f"sequences[{i}].{POLICY_STEP}", f"must be a step >= 0, got {step!r}")
+    tokens = out.get("tokens")
+    out["token_steps"] = np.full(0 if tokens is None else len(tokens), step, np.int64)
+    return out
 
 
 def _concat(rows: list[Mapping[str, Any]], name: str, lengths: np.ndarray) -> np.ndarray:

@@ -22,6 +22,8 @@ class FieldKind(str, Enum):
     """Finite floats; travel in the caller's float dtype (fp16, bf16, fp32, fp64)."""
     ROUTES = "routes"
     """Per token, ``[layers, top_k]`` expert ids (MoE routing replay); travel as int32."""
+    STEP = "step"
+    """Integer weights steps (>= 0), or -1 for none; travel as int32 or int64."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,16 @@ PER_TOKEN_FIELDS: tuple[TokenField, ...] = (
         loss_input=True,
     ),
     TokenField(
+        "token_steps",
+        FieldKind.STEP,
+        "The weights step that sampled each token (a sample's `Completion.token_steps`; the "
+        "base's step, or with an adapter the adapter's), -1 for a token no sampler produced (the "
+        "prompt). Every loss token needs one. The service checks them (a step in the future, "
+        "or one its samplers never served, is a 422) and, with --max-staleness, refuses "
+        "sequences too far behind the trainer. JSON may give `policy_step` per sequence "
+        "instead.",
+    ),
+    TokenField(
         "routed_experts",
         FieldKind.ROUTES,
         "MoE routing replay: per token, [layers, top_k] expert ids the sampler routed it "
@@ -89,6 +101,9 @@ PER_TOKEN_FIELDS: tuple[TokenField, ...] = (
         "the router still learns from the replayed experts' scores.",
     ),
 )
+
+NO_STEP = -1
+"""``token_steps`` of a token no sampler produced (a prompt's, an environment's)."""
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in PER_TOKEN_FIELDS)
 OPTIONAL_FIELDS: tuple[TokenField, ...] = PER_TOKEN_FIELDS[1:]

@@ -6,14 +6,17 @@ one optimizer step: every result says which (``step``), and no result mixes two 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from trainctl.api.adapters import ADAPTER_NAME
+from trainctl.api.batch import TokenSequence
 from trainctl.api.bounds import MAX_SEED, MAX_TEMPERATURE
 from trainctl.api.errors import field_error
+from trainctl.api.fields import NO_STEP
 from trainctl.api.training import ModelLimits
 
 MAX_SAMPLES_PER_PROMPT = 64
@@ -209,6 +212,26 @@ class Completion(BaseModel):
         "them, give the sequence prompt + tokens one more row for its last token (whose "
         "output is never a target).",
     )
+
+    def sequence(self, prompt: Iterable[int], advantage: float | None = None) -> TokenSequence:
+        """The training sequence of this completion after ``prompt``: the tokens, a loss mask
+        over the completion, ``token_steps`` (-1 over the prompt: the service checks them
+        against its staleness bound), the sampler's log-probs as ``old_logprobs`` (where
+        asked for) and, given one, the ``advantage`` on every completion token."""
+        head = np.asarray(list(prompt), np.int64)
+        n, m = head.size, len(self.tokens)
+        steps = self.token_steps if self.token_steps is not None else [NO_STEP] * m
+        fields: dict[str, np.ndarray] = {
+            "loss_mask": np.r_[np.zeros(n, np.uint8), np.ones(m, np.uint8)],
+            "token_steps": np.r_[np.full(n, NO_STEP, np.int64), np.asarray(steps, np.int64)],
+        }
+        if self.logprobs is not None:
+            fields["old_logprobs"] = np.r_[
+                np.zeros(n, np.float32), np.asarray(self.logprobs, np.float32)
+            ]
+        if advantage is not None:
+            fields["advantages"] = np.r_[np.zeros(n, np.float32), np.full(m, advantage, np.float32)]
+        return TokenSequence(np.r_[head, np.asarray(self.tokens, np.int64)], **fields)
 
 
 class PromptSamples(BaseModel):

@@ -10,7 +10,7 @@ from trainctl.api.fields import OPTIONAL_FIELDS, PER_TOKEN_FIELDS, FieldKind, To
 
 
 def _annotation(f: TokenField) -> Any:
-    if f.kind is FieldKind.TOKEN:
+    if f.kind in (FieldKind.TOKEN, FieldKind.STEP):
         return list[StrictInt]
     if f.kind is FieldKind.MASK:
         return list[Annotated[int, Field(ge=0, le=1, strict=True)]] | None
@@ -25,6 +25,15 @@ _SEQUENCE_FIELDS: dict[str, Any] = {
         f.name: (_annotation(f), Field(default=None, description=f.description))
         for f in OPTIONAL_FIELDS
     },
+    "policy_step": (
+        Annotated[int, Field(ge=0, strict=True)] | None,
+        Field(
+            default=None,
+            description="The weights step that sampled this sequence (every token): the "
+            "shorthand for `token_steps`, whose prompt tokens it marks sampled too. Give one "
+            "or the other.",
+        ),
+    ),
 }
 Sequence: type[BaseModel] = create_model(
     "Sequence",

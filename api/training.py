@@ -87,6 +87,13 @@ class _BatchRequest(_SequencesRequest):
     loss: LossConfig = Field(
         default_factory=lambda: LossConfig(), description="Default: token-mean cross-entropy."
     )
+    staleness: Literal["refuse", "report"] = Field(
+        default="refuse",
+        description="With --max-staleness and sequences that carry their steps (token_steps, "
+        "policy_step): 'refuse' answers 409 for sequences more than that many steps behind the "
+        "trainer, nothing applied; 'report' trains on them and counts them in the metrics "
+        "(stale_sequences:count).",
+    )
 
     @model_validator(mode="after")
     def _loss_inputs_present(self) -> _BatchRequest:

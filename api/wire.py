@@ -182,11 +182,9 @@ def encode_sequences(
     optional per-token fields as lists or arrays) as flat arrays, the other request ``fields``
     in the header."""
     batch = sequences if isinstance(sequences, SequenceBatch) else _batch_of(sequences)
-    tokens = batch.columns["tokens"]
-    small = tokens.size == 0 or (tokens.min() >= -(2**31) and tokens.max() < 2**31)
     arrays: dict[str, np.ndarray] = {
         "lengths": batch.lengths.astype(np.int64, copy=False),
-        "tokens": tokens.astype(np.int32 if small else np.int64, copy=False),
+        "tokens": _narrow(batch.columns["tokens"]),
     }
     for f in OPTIONAL_FIELDS:
         col = batch.column(f.name)
@@ -196,11 +194,19 @@ def encode_sequences(
             arrays[f.name] = col.astype(np.uint8, copy=False)
         elif f.kind is FieldKind.ROUTES:  # expert ids: int32 is plenty
             arrays[f.name] = col.astype(np.int32, copy=False)
+        elif f.kind is FieldKind.STEP:
+            arrays[f.name] = _narrow(col)
         elif float_dtype == "bfloat16":
             arrays[f.name] = to_bfloat16(col)
         else:
             arrays[f.name] = col.astype(DTYPES[float_dtype], copy=False)
     return encode(fields, arrays, compress=compress)
+
+
+def _narrow(ids: np.ndarray) -> np.ndarray:
+    """Integers as int32 where every one fits, else int64 (nothing wraps)."""
+    small = ids.size == 0 or (ids.min() >= -(2**31) and ids.max() < 2**31)
+    return ids.astype(np.int32 if small else np.int64, copy=False)
 
 
 def _batch_of(sequences: list[Mapping[str, Any]]) -> SequenceBatch:

@@ -43,6 +43,9 @@ SequenceLike: TypeAlias = BaseModel | TokenSequence | Mapping[str, Any] | Iterab
 (``tokens``, ``loss_mask``, ...), or a list of token ids."""
 LossLike: TypeAlias = LossConfig | Mapping[str, Any] | None
 Packing: TypeAlias = Literal["flat", "tree"] | None
+Staleness: TypeAlias = Literal["refuse", "report"]
+"""What the service does with sequences past its --max-staleness bound (``staleness`` of
+``train_batch`` and ``forward_backward``): a 409, or train on them and count them."""
 
 
 def to_batch(seqs: Iterable[SequenceLike] | SequenceBatch) -> SequenceBatch:
@@ -191,6 +194,7 @@ class Requests:
         forward_only: bool = False,
         adapter: str | None = None,
         return_routes: bool = False,
+        staleness: Staleness = "refuse",
         idempotency_key: str | None = None,
     ) -> tuple[BaseModel, dict[str, str], bytes]:
         """The validated request of a batch operation, its headers and its body."""
@@ -214,6 +218,8 @@ class Requests:
                 fields["expected_step"] = expected_step
             if forward_only:
                 fields["forward_only"] = True
+            if staleness != "refuse":
+                fields["staleness"] = staleness
         batch = to_batch(sequences)
         req = spec.request(sequences=batch, **fields)
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}

@@ -59,6 +59,7 @@ from trainctl.clients._base import (
     Requests,
     RetryPolicy,
     SequenceLike,
+    Staleness,
     auth_headers,
     operation_result,
 )
@@ -129,6 +130,7 @@ class AsyncTrainctlClient:
         expected_step: int | None = None,
         packing: Packing = None,
         adapter: str | None = None,
+        staleness: Staleness = "refuse",
         idempotency_key: str | None = None,
     ) -> StepResult:
         """Forward/backward over ``sequences`` and one optimizer step (default loss:
@@ -139,7 +141,7 @@ class AsyncTrainctlClient:
         LoRA adapter to train (``create_adapter``); none: the full model."""
         call = self._req.run(
             OperationKind.TRAIN_BATCH, StepResult, sequences=sequences, loss=loss,
-            expected_step=expected_step, packing=packing, adapter=adapter,
+            expected_step=expected_step, packing=packing, adapter=adapter, staleness=staleness,
             idempotency_key=idempotency_key,
         )  # fmt: skip
         return await self._send(call)
@@ -185,6 +187,7 @@ class AsyncTrainctlClient:
         packing: Packing = None,
         forward_only: bool = False,
         adapter: str | None = None,
+        staleness: Staleness = "refuse",
         idempotency_key: str | None = None,
     ) -> ForwardBackwardResult:
         """Split step, part: gradients of ``sequences`` added to those waiting for
@@ -194,7 +197,7 @@ class AsyncTrainctlClient:
         call = self._req.run(
             OperationKind.FORWARD_BACKWARD, ForwardBackwardResult, sequences=sequences,
             loss=loss, packing=packing, forward_only=forward_only, adapter=adapter,
-            idempotency_key=idempotency_key,
+            staleness=staleness, idempotency_key=idempotency_key,
         )  # fmt: skip
         return await self._send(call)
 

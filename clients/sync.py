@@ -57,6 +57,7 @@ from trainctl.clients._base import (
     Requests,
     RetryPolicy,
     SequenceLike,
+    Staleness,
     auth_headers,
     operation_result,
 )
@@ -127,6 +128,7 @@ class TrainctlClient:
         expected_step: int | None = None,
         packing: Packing = None,
         adapter: str | None = None,
+        staleness: Staleness = "refuse",
         idempotency_key: str | None = None,
     ) -> StepResult:
         """Forward/backward over ``sequences`` and one optimizer step (default loss:
@@ -137,7 +139,7 @@ class TrainctlClient:
         LoRA adapter to train (``create_adapter``); none: the full model."""
         call = self._req.run(
             OperationKind.TRAIN_BATCH, StepResult, sequences=sequences, loss=loss,
-            expected_step=expected_step, packing=packing, adapter=adapter,
+            expected_step=expected_step, packing=packing, adapter=adapter, staleness=staleness,
             idempotency_key=idempotency_key,
         )  # fmt: skip
         return self._send(call)
@@ -183,6 +185,7 @@ class TrainctlClient:
         packing: Packing = None,
         forward_only: bool = False,
         adapter: str | None = None,
+        staleness: Staleness = "refuse",
         idempotency_key: str | None = None,
     ) -> ForwardBackwardResult:
         """Split step, part: gradients of ``sequences`` added to those waiting for
@@ -192,7 +195,7 @@ class TrainctlClient:
         call = self._req.run(
             OperationKind.FORWARD_BACKWARD, ForwardBackwardResult, sequences=sequences,
             loss=loss, packing=packing, forward_only=forward_only, adapter=adapter,
-            idempotency_key=idempotency_key,
+            staleness=staleness, idempotency_key=idempotency_key,
         )  # fmt: skip
         return self._send(call)
 

@@ -69,6 +69,7 @@ def controller_options(s: Settings, *, rank_num_gpus: float) -> ControllerOption
         keep_checkpoints=s.keep_checkpoints,
         resume=s.resume,
         metrics_log=s.metrics_log,
+        max_staleness=s.max_staleness,
     )
 
 

@@ -279,6 +279,16 @@ class Settings(BaseSettings):
         description="When the samplers get new weights: after every applied optimizer step "
         "(and every checkpoint load), or only on POST /v1/weights/sync.",
     )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="Asynchronous RL's staleness bound, in optimizer steps: a training call "
+        "whose sequences (carrying their sampling steps: token_steps or policy_step) are more "
+        "than this many steps behind the trainer is refused with a 409 naming them (or, with "
+        "`staleness: report`, trained on and counted), and a sample request for the newest "
+        "weights waits while they are this far behind (at most --sampler-queue-timeout-s, "
+        "then a retryable 503). None: no bound (the steps are still checked and reported).",
+    )
     sampler_versions: int = Field(
         2,
         ge=1,

@@ -66,3 +66,7 @@ def prompt_scores(
     r = tc.sample(seqs, max_tokens=1, prompt_logprobs=True, adapter=adapter, step=step)
     assert step is None or r.step == step
     return np.concatenate([np.asarray(s.prompt_logprobs[1:], float) for s in r.samples])
+
+
+PACE_WAIT_S = 4.0
+"""How long a paced sample waits for a sync on the ``paced`` service before its 503."""

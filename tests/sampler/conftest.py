@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from helpers.hf_models import tiny_model, word_tokenizer
-from helpers.parity import MAX_QUEUED, MAX_QUEUED_TOKENS, SAMPLER_TIMEOUT_S, WINDOW
+from helpers.parity import (
+    MAX_QUEUED,
+    MAX_QUEUED_TOKENS,
+    PACE_WAIT_S,
+    SAMPLER_TIMEOUT_S,
+    WINDOW,
+)
 from helpers.servicekit import Service, running_service
 from helpers.tiers import until_last_use
 
@@ -69,4 +75,15 @@ def lora_sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
              "--sampler-concurrency", "2",  # two at once: the others wait (the order tests)
              "--sampler-max-queued-tokens", str(MAX_QUEUED_TOKENS))  # fmt: skip
     with until_last_use("lora_sampled", "sampler", running_service(data, *flags)) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="session")
+def paced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The embedded default with one sampler engine synced on demand and a staleness bound of
+    one step (``--max-staleness 1``); a paced sample waits at most ``PACE_WAIT_S``."""
+    data = tmp_path_factory.mktemp("paced")
+    flags = ("--dp", "1", "--samplers", "1", "--sampler-sync", "manual",
+             "--max-staleness", "1", "--sampler-queue-timeout-s", str(PACE_WAIT_S))  # fmt: skip
+    with until_last_use("paced", "sampler", running_service(data, *flags)) as svc:
         yield svc

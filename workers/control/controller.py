@@ -54,6 +54,7 @@ from trainctl.workers.control.recovery import Recovery
 from trainctl.workers.control.samplers import Samplers, SamplerSettings
 from trainctl.workers.control.saves import Saves
 from trainctl.workers.control.serving import Serving, WeightsVersion
+from trainctl.workers.control.staleness import Staleness
 from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.control.telemetry import ControllerMetrics
 from trainctl.workers.control.trackers import TrackerLog, open_trackers
@@ -99,6 +100,9 @@ class ControllerOptions:
     resume: bool = True
     """Start from the latest checkpoint of this layout, if any."""
     metrics_log: str | None = None
+    max_staleness: int | None = None
+    """Refuse training data more than this many steps behind the trainer, and pace sampling
+    so that none is produced (``staleness.py``); None: no bound."""
 
 
 class Controller:
@@ -142,19 +146,25 @@ class Controller:
             and tokenizer_of(self.cfg.init_hf) is not None,
         )
         self.adapters = Adapters(self.cfg, self.group)
+        self.queue = OperationQueue(max_queued=options.max_queued_operations)
+        self.metrics = ControllerMetrics(lambda: self.queue.depth, lambda: self.queue.evicted)
+        self.staleness = Staleness(
+            options.max_staleness,
+            tracks_samplers=bool(samplers and samplers.pool.num_samplers),
+            observe=self.metrics.observe_staleness,
+        )
         self.steps = Steps(
             self.cfg, self.group, self.state, after_train=self._after_train,
             adapter_state=self.adapters.state if self.cfg.lora.enabled else None,
+            staleness=self.staleness,
         )  # fmt: skip
         self.recorder = ProfileRecorder(self.group, self.profiles, self.state)
         self.start_lock = asyncio.Lock()
-        self.queue = OperationQueue(max_queued=options.max_queued_operations)
         self.operations = Operations(self.queue, self._prepare, self.serving.check)
-        self.metrics = ControllerMetrics(lambda: self.queue.depth, lambda: self.queue.evicted)
         self.samplers = Samplers(
             cfg=self.cfg, limits=self.limits, group=self.group, state=self.state,
             settings=samplers or SamplerSettings(), metrics=self.metrics,
-            adapters=self.adapters, serving=self.serving,
+            adapters=self.adapters, serving=self.serving, staleness=self.staleness,
         )  # fmt: skip
         self.saves = Saves(
             cfg=self.cfg, checkpoints=self.checkpoints, export_root=root / "exports",

@@ -34,6 +34,7 @@ from trainctl.workers.control.adapter_registry import Adapters
 from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.serving import Serving
+from trainctl.workers.control.staleness import Staleness
 from trainctl.workers.control.steps import ModelState
 from trainctl.workers.control.telemetry import ControllerMetrics
 from trainctl.workers.engine.config import ConfigError, EngineConfig
@@ -80,11 +81,14 @@ class Samplers:
         metrics: ControllerMetrics,
         adapters: Adapters,
         serving: Serving,
+        staleness: Staleness | None = None,
     ) -> None:
         self.cfg, self.limits, self.group, self.state = cfg, limits, group, state
         self.settings, self.metrics, self.adapters, self.serving = (
             settings, metrics, adapters, serving,
         )  # fmt: skip
+        self.staleness = staleness or Staleness(None, tracks_samplers=False)
+        """Told of every version served; paces samples (``staleness.py``)."""
         self.pool: SamplerPool | None = None
         self.transport: WeightTransport = ObjectStoreTransport()
 
@@ -152,6 +156,9 @@ class Samplers:
             h.set_phase("loading weights into the samplers")
         gather_s = time.perf_counter() - t0
         result = await self.pool.sync(shipment, gather_s, new_line)
+        newest = self.pool.window.newest(adapter)
+        if newest is not None and newest.version == result.step:  # published, not withdrawn
+            await self.staleness.served(adapter, result.step, new_line)
         self.metrics.sync_seconds.observe(result.gather_s + result.load_s)
         log.info(
             "synced %s step %d to %d sampler(s): gather %.3fs, load %.3fs",
@@ -186,6 +193,7 @@ class Samplers:
         if self.settings.pool.sync != "after_step":
             if new_line:  # the window's versions are another line's: none is served now
                 self.pool.window.restart(adapter)
+                self.staleness.forget(adapter)
             return None
         what = "" if adapter is None else f"adapter {adapter!r}'s "
         try:
@@ -211,6 +219,7 @@ class Samplers:
             return await self.sync_after_change(adapter, new_line=True)
         for name in set(self.pool.adapters) - set(self.adapters.entries):
             await self.pool.remove_adapter(name)
+            self.staleness.forget(name)
         warnings = [await self.sync_after_change(new_line=True)]
         warnings += [
             await self.sync_after_change(name, new_line=True) for name in self.adapters.entries
@@ -236,6 +245,7 @@ class Samplers:
             out: AdapterList = await run(h)
             if self.pool is not None:
                 await self.pool.remove_adapter(req.name)
+            self.staleness.forget(req.name)
             return out
 
         return deleted
@@ -266,12 +276,28 @@ class Samplers:
         t0 = time.perf_counter()
         if req.adapter is not None:
             self.adapters.state(req.adapter)  # a 404 naming it, or the 422 of a base service
+        if req.step is None:  # the newest weights: not so old that their data is refused
+            wait_s = self.pool.options.queue_timeout_s
+            if req.queue_timeout_s is not None:
+                wait_s = min(wait_s, req.queue_timeout_s)
+            await self.staleness.pace(lambda: self._behind(req.adapter), wait_s, req.adapter)
         result = await self.pool.sample(req, queue=queue)
         self.metrics.sample_seconds.observe(time.perf_counter() - t0)
         self.metrics.sampled_tokens.inc(
             sum(len(c.tokens) for s in result.samples for c in s.completions)
         )
         return result
+
+    def _behind(self, adapter: str | None) -> int:
+        """Steps the newest weights the samplers serve of ``adapter`` (or the base) are behind
+        the trainer's (0 when they serve none: sampling answers that itself)."""
+        assert self.pool is not None
+        newest = self.pool.window.newest(adapter)
+        if newest is None:
+            return 0
+        entry = None if adapter is None else self.adapters.entries.get(adapter)
+        step = self.step if entry is None else entry.state.step
+        return step - newest.version
 
 
 _NO_SAMPLERS = "this service has no samplers: start it with --samplers N"

@@ -55,6 +55,7 @@ from trainctl.workers.control.results import (
     nonfinite_norm_error,
     step_result,
 )
+from trainctl.workers.control.staleness import Staleness
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.rank.step_plan import StepPlan
 from trainctl.workers.rank.worker import RankWorker
@@ -111,8 +112,11 @@ class Steps:
         *,
         after_train: Callable[[Handle, str | None], Awaitable[list[str]]],
         adapter_state: Callable[[str], ModelState] | None = None,
+        staleness: Staleness | None = None,
     ) -> None:
         self.cfg, self.group, self.state = cfg, group, state
+        self.staleness = staleness or Staleness(None, tracks_samplers=False)
+        """The steps a batch claims, checked when its call runs (``staleness.py``)."""
         self.after_train = after_train
         """Called after every applied step, of the base or of the adapter named (scheduled
         checkpoints, the samplers' sync); it never raises, and what it returns are warnings to
@@ -171,7 +175,7 @@ class Steps:
 
     def eval(self, req: EvalBatchRequest) -> Runs[StepResult]:
         plan, t_plan = self.plan(req.sequences, req.loss, req.packing, adapter=req.adapter)
-        return lambda h: self._eval(h, plan, t_plan)
+        return lambda h: self._eval(h, req, plan, t_plan)
 
     def forward_backward(self, req: ForwardBackwardRequest) -> Runs[ForwardBackwardResult]:
         if not req.forward_only:
@@ -210,6 +214,7 @@ class Steps:
         state = self.state_of(plan.adapter)
         req.check_expected_step(state.step)
         self._no_window(state, "train_batch")
+        stale = self.staleness.check(req.sequences, state.step, plan.adapter, req.staleness)
         t0 = time.perf_counter()
         ref = self.group.put(plan)
         h.set_phase("forward_backward")
@@ -220,6 +225,7 @@ class Steps:
             raise
         await self._check_norms(state, [r.grad_norm for r in reports])
         result = step_result(plan, reports, step=state.step, t_plan=t_plan)
+        result.metrics.update(stale)
         await self._apply(h, state, result, None, plan.adapter)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
@@ -290,9 +296,12 @@ class Steps:
                 "normalises one way",
                 details={"accumulated_parts": w.parts},
             )
+        backward = not req.forward_only
+        stale = self.staleness.check(
+            req.sequences, state.step, plan.adapter, req.staleness, training=backward
+        )
         t0 = time.perf_counter()
         h.set_phase("forward" if req.forward_only else "forward_backward")
-        backward = not req.forward_only
         try:
             parts = await self.group.call(
                 RankWorker.forward_backward, self.group.put(plan), h.op.id, backward
@@ -313,6 +322,7 @@ class Steps:
             w.loss_sequences += plan.num_loss_sequences
             w.raw_loss += raw
         step.metrics["accumulated_parts:value"] = float(w.parts if w is not None else 0)
+        step.metrics.update(stale)
         step.timings["total_s"] = time.perf_counter() - t0
         return ForwardBackwardResult.model_construct(
             loss=raw / own,
@@ -361,11 +371,16 @@ class Steps:
         await self.group.call_quietly(RankWorker.discard)
         log.warning("step not applied: gradients dropped on every rank")
 
-    async def _eval(self, h: Handle, plan: StepPlan, t_plan: float) -> StepResult:
+    async def _eval(
+        self, h: Handle, req: EvalBatchRequest, plan: StepPlan, t_plan: float
+    ) -> StepResult:
+        step = self.state_of(plan.adapter).step
+        stale = self.staleness.check(req.sequences, step, plan.adapter, training=False)
         t0 = time.perf_counter()
         h.set_phase("forward")
         reports = await self.group.call(RankWorker.eval_batch, self.group.put(plan), h.op.id)
-        result = step_result(plan, reports, step=self.state_of(plan.adapter).step, t_plan=t_plan)
+        result = step_result(plan, reports, step=step, t_plan=t_plan)
+        result.metrics.update(stale)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 

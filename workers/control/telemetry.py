@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from trainctl.api import LogProbsResult, OperationKind, OperationStatus, StepResult
 from trainctl.workers.control.op_queue import Handle
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 64)
 
 
 class ControllerMetrics:
@@ -69,6 +71,13 @@ class ControllerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.staleness = Histogram(
+            "trainctl_staleness_steps",
+            "Per sequence trained on (or evaluated) that carries its sampling steps: how many "
+            "optimizer steps its oldest loss token's weights were behind the trainer's.",
+            buckets=STALENESS_BUCKETS,
+            registry=r,
+        )
         self.recoveries = Counter(
             "trainctl_recoveries", "Rebuilds of the worker group after a failure.", registry=r
         )
@@ -110,6 +119,12 @@ class ControllerMetrics:
     def watch_samplers(self, lag: Callable[[], float], restarts: Callable[[], float]) -> None:
         self.sampler_lag.set_function(lag)
         self.sampler_restarts.set_function(restarts)
+
+    def observe_staleness(self, per_sequence: np.ndarray) -> None:
+        """One batch's staleness, a value per sequence (``staleness.py``)."""
+        for value, count in zip(*np.unique(per_sequence, return_counts=True), strict=True):
+            for _ in range(int(count)):
+                self.staleness.observe(float(value))
 
     def observe(self, h: Handle) -> None:
         """Listener of the operation queue: called once per finished operation."""
