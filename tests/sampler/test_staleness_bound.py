@@ -123,3 +123,22 @@ def test_sampling_waits_for_weights_within_the_bound(paced: Service) -> None:
         waiting.join(30)
         assert got and got[0].step == trainer
 
+
+def test_a_prompt_sampled_again_after_a_sync_sees_only_the_new_weights(paced: Service) -> None:
+    """vLLM keeps a prompt's attention keys and values in its prefix cache; after a weight load
+    the cached blocks were computed with the old weights, and a request that shares them must
+    not read them (an RL loop samples the same prompts at every step)."""
+    vocab = 512
+    prompt = [(7 * i + 3) % vocab for i in range(300)]  # two full 128-token cache blocks
+    with paced.client() as tc:
+        tc.sync_weights()
+        tc.sample([prompt], max_tokens=8, temperature=0.0)  # the prompt's blocks, cached
+        tc.forward_backward([{"tokens": prompt[:200]}])
+        tc.optim_step(lr=1e-2)  # weights that differ clearly
+        tc.sync_weights()
+        again = tc.sample([prompt], max_tokens=8, temperature=0.0)
+        c = again.samples[0].completions[0]
+        assert again.step == tc.info().step and c.logprobs is not None
+        trainer = tc.logprobs([prompt + c.tokens]).logprobs[0][len(prompt) :]
+        gap = max(abs(a - b) for a, b in zip(c.logprobs, trainer, strict=True))
+        assert gap < 1e-4, f"sampler log-probs {gap:.3g} from the trainer's after the sync"
