@@ -200,9 +200,10 @@ class Completion(BaseModel):
     token_steps: list[int] | None = Field(
         None,
         description="The weights step each generated token was sampled with (the base's; with "
-        "an adapter, the adapter's), as the engine labelled its steps. A weight load waits for "
-        "the requests running, so today every token carries the result's `step`; an engine "
-        "updated in flight would say here where the version changed.",
+        "an adapter, the adapter's), as the engine labelled its steps. With --sampler-sync "
+        "in_flight a generation that spans a sync goes on with the new weights, and the steps "
+        "rise where it did; otherwise every token carries the result's `step`. "
+        "`Completion.sequence` carries them back to training (the staleness bound).",
     )
     routed_experts: list[list[list[int]]] | None = Field(
         None,
@@ -246,8 +247,10 @@ class PromptSamples(BaseModel):
 class SampleResult(BaseModel):
     samples: list[PromptSamples] = Field(description="One entry per prompt, in request order.")
     step: int = Field(
-        description="The optimizer step of the weights that produced them all (with an "
-        "adapter: the adapter's step)."
+        description="The optimizer step of the weights the request started with (with an "
+        "adapter: the adapter's step): the weights of every token, except with in-flight "
+        "updates (--sampler-sync in_flight), where `Completion.token_steps` says which tokens "
+        "came after a sync."
     )
     adapter: str | None = Field(None, description="The adapter they were sampled with.")
     sampler: int = Field(description="Which sampler engine answered.")
@@ -292,10 +295,15 @@ class SamplerInfo(BaseModel):
     pid: int | None = Field(None, description="Its process on its node (null: starting).")
 
 
+SyncMode = Literal["after_step", "in_flight", "manual"]
+"""When the samplers get new weights (``--sampler-sync``): after every applied step, the same
+without waiting for the generations running (they go on with the new weights), or on demand."""
+
+
 class SamplersInfo(BaseModel):
     """The sampler engines, in ``GET /v1/info``."""
 
-    sync: Literal["after_step", "manual"]
+    sync: SyncMode
     step: int | None = Field(description="The newest step the samplers serve (null before a sync).")
     adapters: dict[str, int] = Field(
         default_factory=dict, description="Each adapter the samplers serve, and its newest step."

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trainctl.api.sampling import SyncMode
 from trainctl.service.cluster import DEFAULT_WORKER_PORTS
 from trainctl.workers.engine.config import EngineConfig
 
@@ -274,10 +275,13 @@ class Settings(BaseSettings):
         "vllm",
         description="The sampler engines' backend (workers/sampler/backend.py: BACKENDS).",
     )
-    sampler_sync: Literal["after_step", "manual"] = Field(
+    sampler_sync: SyncMode = Field(
         "after_step",
         description="When the samplers get new weights: after every applied optimizer step "
-        "(and every checkpoint load), or only on POST /v1/weights/sync.",
+        "(and every checkpoint load), or only on POST /v1/weights/sync. 'in_flight' syncs "
+        "after every step too, without waiting for the generations running: they go on with "
+        "the new weights (each token's step is in token_steps), at the cost of recomputing "
+        "every running sequence's prefix once per sync.",
     )
     max_staleness: int | None = Field(
         None,

@@ -42,3 +42,9 @@ def test_a_sampler_worker_group_is_kept_for_the_samplers() -> None:
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     s = settings_from_args(serve_config(rs)["applications"][0]["args"])
     assert (s.samplers, s.sampler_sync, s.sampler_num_gpus) == (3, "manual", 1)
+    assert s.max_staleness is None
+
+    rs = rayservice("--set", "samplers.count=1", "--set", "samplers.sync=in_flight",
+                    "--set", "samplers.maxStaleness=2")  # fmt: skip
+    s = settings_from_args(serve_config(rs)["applications"][0]["args"])
+    assert (s.sampler_sync, s.max_staleness) == ("in_flight", 2)

@@ -87,3 +87,14 @@ def paced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
              "--max-staleness", "1", "--sampler-queue-timeout-s", str(PACE_WAIT_S))  # fmt: skip
     with until_last_use("paced", "sampler", running_service(data, *flags)) as svc:
         yield svc
+
+
+@pytest.fixture(scope="session")
+def in_flight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The embedded default with one sampler engine updated in flight after every step
+    (``--sampler-sync in_flight``): a generation that spans a sync goes on with the new
+    weights."""
+    data = tmp_path_factory.mktemp("in-flight")
+    flags = ("--dp", "1", "--samplers", "1", "--sampler-sync", "in_flight")
+    with until_last_use("in_flight", "sampler", running_service(data, *flags)) as svc:
+        yield svc

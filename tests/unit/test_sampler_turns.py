@@ -26,8 +26,8 @@ class _Engine:
         async with turns.sample(name, timeout, lane=lane):
             return await self._run(name)
 
-    async def load(self, turns: Turns, name: str) -> str:
-        async with turns.load():
+    async def load(self, turns: Turns, name: str, beside: str | None = None) -> str:
+        async with turns.load(beside):
             return await self._run(name)
 
     async def _run(self, name: str) -> str:
@@ -191,3 +191,33 @@ def test_a_load_waits_for_every_running_sample_and_a_laneless_sample_runs_alone(
     assert asyncio.run(main()) == [
         ["a0", "a1"], ["a0", "a1", "load"], ["a2"], ["x"],
     ]  # fmt: skip
+
+
+def test_an_in_flight_load_runs_beside_its_lane_and_waits_for_any_other() -> None:
+    async def main() -> list[str]:
+        turns, engine = Turns(capacity=4), _Engine()
+        newest = [asyncio.create_task(engine.sample(turns, f"n{i}", lane="newest")) for i in (0, 1)]
+        await _settle()
+        beside = asyncio.create_task(engine.load(turns, "load1", beside="newest"))
+        await _settle()
+        assert engine.ran == ["n0", "n1", "load1"]  # it did not wait for them
+        engine.done("load1")
+        await beside
+        for name in ("n0", "n1"):
+            engine.done(name)
+        await asyncio.gather(*newest)
+
+        pinned = asyncio.create_task(engine.sample(turns, "p0", lane="step-3"))
+        await _settle()
+        waits = asyncio.create_task(engine.load(turns, "load2", beside="newest"))
+        await _settle()
+        assert engine.ran[-1] == "p0"  # a pinned step's sample: the load waits for it
+        engine.done("p0")
+        await pinned
+        await _settle()
+        assert engine.ran[-1] == "load2"
+        engine.done("load2")
+        await waits
+        return engine.ran
+
+    assert asyncio.run(main()) == ["n0", "n1", "load1", "p0", "load2"]

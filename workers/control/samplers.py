@@ -121,6 +121,7 @@ class Samplers:
             versions=s.pool.versions,
             return_routes=s.routes,
             concurrency=s.concurrency,
+            in_flight=s.pool.sync == "in_flight",
             # the controller's limits say whether the model has one (string stops)
             tokenizer=self.cfg.init_hf if self.limits.tokenizer else None,
         )
@@ -190,7 +191,7 @@ class Samplers:
         ``new_line``: after a load, whose steps may name other weights than the window's."""
         if self.pool is None:
             return None
-        if self.settings.pool.sync != "after_step":
+        if self.settings.pool.sync == "manual":
             if new_line:  # the window's versions are another line's: none is served now
                 self.pool.window.restart(adapter)
                 self.staleness.forget(adapter)

@@ -34,7 +34,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import ray
 
@@ -51,6 +51,7 @@ from trainctl.api import (
     TrainctlError,
 )
 from trainctl.api.errors import field_error
+from trainctl.api.sampling import SyncMode
 from trainctl.workers.sampler import backend
 from trainctl.workers.sampler.backend import EngineBrokenError, Loaded
 from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE, SamplerSpec
@@ -94,8 +95,9 @@ class PoolOptions:
     num_cpus: float = 0.25
     num_gpus: float = 0.0
     threads: int = 1
-    sync: Literal["after_step", "manual"] = "after_step"
-    """'after_step': every applied optimizer step is synced; 'manual': on POST /v1/weights/sync."""
+    sync: SyncMode = "after_step"
+    """'after_step': every applied optimizer step is synced; 'in_flight': the same, and the
+    generations running go on with the new weights; 'manual': on POST /v1/weights/sync."""
     versions: int = 2
     """Versions kept servable of the base and of each adapter (``--sampler-versions``): the
     newest that many syncs, so that one step off-policy works with the default."""

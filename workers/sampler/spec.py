@@ -51,6 +51,10 @@ class SamplerSpec:
     """Capture the experts each token is routed to (``--sampler-routes``; GPU engines)."""
     concurrency: int = 64
     """Requests of one version an engine runs at once (``--sampler-concurrency``)."""
+    in_flight: bool = False
+    """A weight load does not wait for the requests for the newest weights that an engine is
+    running: they go on with the loaded weights, their prefixes recomputed
+    (``--sampler-sync in_flight``)."""
     tokenizer: str | None = None
     """The directory of the model's tokenizer (``tokenizer_of``): string stops work. None:
     the engine runs on token ids alone."""

@@ -7,10 +7,11 @@ sample of another lane waits until they have finished, and so does every sample 
 lane starves another). A sample with no lane runs alone.
 
 A weight or adapter load goes next, ahead of every sample still waiting: a sync waits for the
-samples running, never behind the queue (thousands can be waiting). A waiting sample can be
-aborted, and one that has waited its queue timeout leaves the queue with a retryable 503
-instead of running late; neither ever reaches the engine. ``pause`` holds samples (not loads)
-from their turn until ``resume``.
+samples running, never behind the queue (thousands can be waiting). A load may name a lane it
+runs beside: then it waits for no sample of that lane (an in-flight weight update). A waiting
+sample can be aborted, and one that has waited its queue timeout leaves the queue with a
+retryable 503 instead of running late; neither ever reaches the engine. ``pause`` holds
+samples (not loads) from their turn until ``resume``.
 
 Backend-free: it orders coroutines, and knows nothing of what the turn runs.
 """
@@ -106,13 +107,20 @@ class Turns:
             await self._notify()
 
     @asynccontextmanager
-    async def load(self) -> AsyncIterator[None]:
-        """Hold the turn for a load: next after the samples running, before any waiting one."""
+    async def load(self, beside: Hashable | None = None) -> AsyncIterator[None]:
+        """Hold the turn for a load: next after the samples running, before any waiting one.
+        ``beside``: a lane whose running samples the load need not wait for (they go on
+        with what it loads: an in-flight weight update)."""
         me = object()
         self._loads.append(me)
+
+        def waits() -> bool:
+            busy = self._running and (beside is None or self._lane != beside)
+            return bool(busy) or self._loading or self._loads[0] is not me
+
         try:
             async with self._changed:
-                while self._running or self._loading or self._loads[0] is not me:
+                while waits():
                     await self._changed.wait()
                 self._loads.popleft()
                 self._loading = True

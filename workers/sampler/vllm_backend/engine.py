@@ -260,8 +260,11 @@ class VllmEngine:
         """Drop vLLM's prefix cache after a load: its blocks hold keys and values computed with
         the weights before, and a prompt that shares them would read them (measured: an RL
         loop's prompt sampled again after a sync got log-probs 1.3 nats off the trainer's).
-        A load runs when no request is in the engine, so nothing is recomputed."""
-        if not self.llm.llm_engine.reset_prefix_cache():
+        A load beside running requests (an in-flight update) preempts them: vLLM recomputes
+        each one's prompt and the tokens it generated so far with the new weights, then goes
+        on (without it, the tokens after the load were neither step's)."""
+        running = self.llm.llm_engine.has_unfinished_requests()
+        if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=running):
             raise EngineBrokenError(
                 f"sampler {self.index} could not clear its prefix cache after a weight load; "
                 "it is being recreated"
@@ -428,14 +431,21 @@ class VllmEngine:
             outs = self._generate_then_score(prompts, params, lora)
         return self.result(req, outs, version.version, time.perf_counter() - t0)
 
-    def admit(self, request_id: str, req: SampleRequest, version: Shipment) -> list[str]:
+    def admit(
+        self, request_id: str, req: SampleRequest, version: Shipment, newest: bool = False
+    ) -> tuple[list[str], int]:
         """Add ``req``'s prompts to the engine, beside the requests it runs (of the same lane:
         the caller's ``Turns`` says so), without running them: ``advance`` does. Returns
-        their ids in vLLM, one per prompt, in order."""
+        their ids in vLLM, one per prompt, in order, and the step they start with.
+        ``newest``: a request for the newest weights of the base beside others (in-flight
+        updates): it joins them with the weights they run, which an in-flight load may have
+        made newer than ``version``."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        lora = self._hold(version)
+        joins = newest and self.step is not None and self.llm.llm_engine.has_unfinished_requests()
+        lora = None if joins else self._hold(version)
+        step = self.step if joins and self.step is not None else version.version
         params = self._params(req)
         params.output_kind = RequestOutputKind.FINAL_ONLY  # an output when a prompt is done
         if req.prompt_logprobs:
@@ -455,7 +465,7 @@ class VllmEngine:
             raise InternalError(
                 f"sampler {self.index} could not add this request ({type(e).__name__}: {e})"
             ) from None
-        return ids
+        return ids, step
 
     def advance(self) -> list[Any]:
         """One engine step of every request in the engine: the outputs of the prompts it

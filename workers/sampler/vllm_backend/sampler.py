@@ -10,6 +10,12 @@ schedules their prompts within its ``max_num_seqs``); a request of another lane 
 they are done, and a load goes next after them, ahead of every waiting request. So a result is
 always one version's, and base and adapter requests never share an engine batch.
 
+With in-flight updates (``SamplerSpec.in_flight``, ``--sampler-sync in_flight``) the requests
+for the newest weights of the base share one lane across versions, and a weight load runs
+beside them, between two engine steps: they go on with the new weights (``VllmEngine`` has
+vLLM recompute their prefixes), and each token's step is in ``Completion.token_steps``. A
+request pinned to a step still waits for its own version.
+
 The event loop stays free meanwhile: ``abort`` drops a waiting request at once and a running
 one at the next step boundary (a step takes milliseconds), a sample past its queue timeout
 leaves with a 503, ``pause`` holds new samples until ``resume``, ``pid`` answers.
@@ -56,11 +62,19 @@ ADAPTERS_LANE = "adapters"
 request, over the one base an adapter service holds (its base is frozen)."""
 
 
-def _lane(version: Shipment) -> str:
+NEWEST_LANE = "newest"
+"""With in-flight updates: the lane of every request for the newest weights of the base. They
+share the engine across versions: a weight load runs beside them, and they go on with it."""
+
+
+def _lane(version: Shipment, req: SampleRequest, in_flight: bool) -> str:
     """The requests that may share the engine's batches with this one: those of the same
-    version of the base, or (for an adapter's) those of any adapter. Base and adapter
-    requests never share a batch."""
-    return version.id if version.adapter is None else ADAPTERS_LANE
+    version of the base, or (for an adapter's) those of any adapter, or (with in-flight
+    updates) every request for the newest weights of the base. Base and adapter requests never
+    share a batch, nor do a pinned step's and the newest's."""
+    if version.adapter is not None:
+        return ADAPTERS_LANE
+    return NEWEST_LANE if in_flight and req.step is None else version.id
 
 
 class VllmSampler:
@@ -73,6 +87,7 @@ class VllmSampler:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"sampler-{index}")
         self._engine = self._thread.submit(VllmEngine, index, spec).result()
         self._turns = Turns(capacity=spec.concurrency)
+        self._in_flight = spec.in_flight
         self._running: dict[str, _Running] = {}
         """By request id."""
         self._owner: dict[str, str] = {}
@@ -82,8 +97,8 @@ class VllmSampler:
     async def _on_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    async def _load(self, fn: Any, *args: Any) -> Any:
-        async with self._turns.load():
+    async def _load(self, fn: Any, *args: Any, beside: str | None = None) -> Any:
+        async with self._turns.load(beside):
             return await self._on_thread(fn, *args)
 
     async def pid(self) -> int:
@@ -101,9 +116,11 @@ class VllmSampler:
             async with self._turns.sample(request_id, queue_timeout_s):
                 alone: SampleResult = await self._on_thread(self._engine.sample, req, version)
                 return alone
-        async with self._turns.sample(request_id, queue_timeout_s, lane=_lane(version)):
+        lane = _lane(version, req, self._in_flight)
+        async with self._turns.sample(request_id, queue_timeout_s, lane=lane):
             t0 = time.perf_counter()
-            ids = await self._on_thread(self._engine.admit, request_id, req, version)
+            newest = lane == NEWEST_LANE
+            ids, step = await self._on_thread(self._engine.admit, request_id, req, version, newest)
             run = _Running(ids, asyncio.get_running_loop().create_future())
             self._running[request_id] = run
             self._owner.update(dict.fromkeys(ids, request_id))
@@ -118,7 +135,7 @@ class VllmSampler:
                 del self._running[request_id]
                 for i in ids:
                     self._owner.pop(i, None)
-            return self._engine.result(req, outs, version.version, time.perf_counter() - t0)
+            return self._engine.result(req, outs, step, time.perf_counter() - t0)
 
     async def _step_while_running(self) -> None:
         """Step the engine while a request waits for outputs; hand each finished prompt's
@@ -159,7 +176,8 @@ class VllmSampler:
         await self._turns.resume()
 
     async def load_weights(self, shipment: Shipment) -> Loaded:
-        loaded: Loaded = await self._load(self._engine.load_weights, shipment)
+        beside = NEWEST_LANE if self._in_flight else None  # they go on with these weights
+        loaded: Loaded = await self._load(self._engine.load_weights, shipment, beside=beside)
         return loaded
 
     async def load_adapter(self, shipment: Shipment, keep: Sequence[int]) -> Loaded:

@@ -1,0 +1,72 @@
+"""In-flight weight updates (``--sampler-sync in_flight``) on a real service: a generation that
+spans a training step's sync is not thrown away or held back; it goes on with the new weights,
+each token says which step sampled it, and each token's log-prob is the trainer's at that step
+given the same prefix, which needs vLLM to recompute the running sequences' keys and values."""
+
+from __future__ import annotations
+
+import threading
+
+from trainctl.api import SampleResult
+
+from helpers.servicekit import Service
+
+PROMPTS = [[1 + i, 2, 3, 4] for i in range(16)]
+MAX_TOKENS = 64
+
+
+def _sample_across_a_step(tc, step: int) -> SampleResult:  # type: ignore[no-untyped-def]
+    """A long sample, and a training step (synced in flight) while it runs; retried until one
+    completion spans both steps (a step that lands after the generation proves nothing)."""
+    for _ in range(4):
+        got: list[SampleResult] = []
+
+        def sample(into: list[SampleResult] = got) -> None:
+            into.append(tc.sample(PROMPTS, n=16, max_tokens=MAX_TOKENS, temperature=1.0, seed=7))
+
+        long = threading.Thread(target=sample)
+        long.start()
+        tc.train_batch([{"tokens": p * 8} for p in PROMPTS[:4]])
+        long.join(300)
+        assert got, "the sample did not answer"
+        steps = {s for ps in got[0].samples for c in ps.completions for s in c.token_steps or []}
+        if len(steps) == 2:
+            return got[0]
+        tc.save_checkpoint(f"at-{tc.info().step}", overwrite=True)
+    raise AssertionError("no completion spanned the sync in four tries")
+
+
+def test_a_generation_spanning_a_sync_goes_on_with_the_new_weights(in_flight: Service) -> None:
+    with in_flight.client() as tc:
+        tc.save_checkpoint(f"at-{tc.info().step}", overwrite=True)
+        result = _sample_across_a_step(tc, tc.info().step)
+        after = tc.info().step
+        before = after - 1
+        tc.save_checkpoint(f"at-{after}", overwrite=True)
+        spans = [c for ps in result.samples for c in ps.completions
+                 if len(set(c.token_steps or [])) == 2]  # fmt: skip
+        assert spans and all(c.token_steps == sorted(c.token_steps or []) for c in spans)
+        assert {s for c in spans for s in c.token_steps or []} == {before, after}
+
+        # the trainer's log-probs of every sequence at both steps
+        seqs, owners = [], []
+        for prompt, ps in zip(PROMPTS, result.samples, strict=True):
+            for c in ps.completions:
+                seqs.append(prompt + c.tokens)
+                owners.append((len(prompt), c))
+        scored = {after: tc.logprobs(seqs).logprobs}
+        tc.load_checkpoint(f"at-{before}")
+        scored[before] = tc.logprobs(seqs).logprobs
+        tc.load_checkpoint(f"at-{after}")
+
+        gap, gap_spanning = 0.0, 0.0
+        for i, (n, c) in enumerate(owners):
+            assert c.logprobs is not None and c.token_steps is not None
+            for t, (lp, s) in enumerate(zip(c.logprobs, c.token_steps, strict=True)):
+                d = abs(lp - scored[s][i][n + t])
+                gap = max(gap, d)
+                if len(set(c.token_steps)) == 2:
+                    gap_spanning = max(gap_spanning, d)
+        print(f"{len(spans)} of {len(owners)} completions span steps {before} and {after}; "
+              f"largest gap {gap:.2e} (spanning: {gap_spanning:.2e})")  # fmt: skip
+        assert gap_spanning < 1e-4 and gap < 1e-4
