@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench.tables import (
+    async_rl,
     cp_loss,
     fused_head,
     gateway,
@@ -38,4 +39,5 @@ SECTIONS: dict[str, Callable[[bool], str]] = {
     "sampling": sampling.section,
     "lora": lora.section,
     "sampler_load": sampler_load.section,
+    "async_rl": async_rl.section,
 }

@@ -15,15 +15,20 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "bench" / "run.py"
 
 
+MEMORY_MODULES = ("cases", "parallel_cases", "tree_cases", "lora_cases")
+"""The case modules that measure peak memory (``child_env``)."""
+
+
 def measure(fn: str, module: str = "cases", **kwargs: Any) -> dict[str, float]:
     """Run ``bench.<module>.<fn>(**kwargs)`` in a fresh process and return its result.
 
     Memory cases (``cases``, ``parallel_cases``) run with ``child_env()`` (small allocations
-    from mmap, so peaks are exact); the API cases time the service as users run it, with the
-    plain environment.
+    from mmap, so peaks are exact); the cases that start a service time it as users run it,
+    with the plain environment.
     """
     job = json.dumps({"fn": fn, "module": module, "kwargs": kwargs})
-    env = child_env() if module != "api_cases" else {**os.environ, "OMP_NUM_THREADS": "1"}
+    memory = module in MEMORY_MODULES
+    env = child_env() if memory else {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(RUN), "--child", job],
         capture_output=True,

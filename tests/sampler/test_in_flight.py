@@ -46,6 +46,7 @@ def test_a_generation_spanning_a_sync_goes_on_with_the_new_weights(in_flight: Se
         spans = [c for ps in result.samples for c in ps.completions
                  if len(set(c.token_steps or [])) == 2]  # fmt: skip
         assert spans and all(c.token_steps == sorted(c.token_steps or []) for c in spans)
+        assert any(len(c.tokens) == MAX_TOKENS for c in spans)  # a whole 64-token generation
         assert {s for c in spans for s in c.token_steps or []} == {before, after}
 
         # the trainer's log-probs of every sequence at both steps
@@ -70,3 +71,25 @@ def test_a_generation_spanning_a_sync_goes_on_with_the_new_weights(in_flight: Se
         print(f"{len(spans)} of {len(owners)} completions span steps {before} and {after}; "
               f"largest gap {gap:.2e} (spanning: {gap_spanning:.2e})")  # fmt: skip
         assert gap_spanning < 1e-4 and gap < 1e-4
+
+
+def test_the_async_example_learns_one_step_off_policy(in_flight: Service) -> None:
+    """``examples/async_rl.py``'s loop through the SDK's ``Rollouts``: trains on groups sampled
+    while it trained, within one step of the trainer, to the synchronous loop's reward."""
+    import argparse
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from examples import async_rl
+
+    args = argparse.Namespace(delay=0.05, prompts=8, until=0.8, max_iterations=60, lr=2e-3,
+                              seed=0, in_flight=1)  # fmt: skip
+    run = asyncio.run(async_rl.one(in_flight.url, "async", args, quiet=True))
+    print(f"{run.iterations} iterations, rewards {run.rewards[0]:.2f} -> {run.rewards[-1]:.2f}, "
+          f"staleness max {run.stale_max:.0f}, samplers idle {run.idle:.0%}")  # fmt: skip
+    assert run.rewards[0] < 0.3 and run.reached(0.8)
+    assert run.stale_max == 1.0  # off-policy by one step: never on-policy, never two behind

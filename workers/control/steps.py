@@ -267,7 +267,10 @@ class Steps:
         state.step += 1
         h.applied = True  # from here on the call answers its result, never a retryable error
         result.step = state.step
+        t_after = time.perf_counter()
         result.warnings.extend(await self.after_train(h, adapter))
+        # a scheduled checkpoint and the samplers' sync (after_step, in_flight), if any
+        result.timings["after_step_s"] = time.perf_counter() - t_after
         result.metrics["grad_norm:value"] = applied[0].grad_norm
         result.metrics["lr:value"] = (hyper or {}).get("lr", self.cfg.optimizer.lr)
         result.timings["optimizer_max_s"] = max(a.seconds for a in applied)
