@@ -180,3 +180,13 @@ def test_pacing_waits_for_a_sync_and_answers_503_past_its_wait() -> None:
         await Staleness(None, tracks_samplers=True).pace(lambda: 99, 0.0, None)  # no bound
 
     asyncio.run(run())
+
+
+def test_the_steps_served_are_a_bounded_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainctl.workers.control import staleness
+
+    monkeypatch.setattr(staleness, "REMEMBERED", 3)
+    s = _served(0, 1, 2, 3, 4, max_staleness=None)
+    assert s.check(_batch([-1, -1, 2, 2]), step=4)["staleness:max"] == 2.0
+    with pytest.raises(InvalidRequestError, match="the newest 3 are remembered"):
+        s.check(_batch([-1, -1, 1, 1]), step=4)

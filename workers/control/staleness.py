@@ -38,6 +38,9 @@ Key = str | None
 
 SHOWN = 8
 """Sequences a refusal's message lists (its details list all of them)."""
+REMEMBERED = 100_000
+"""Steps served that are remembered, of the base and of each adapter: the newest this many
+(a bounded table; data older than that is refused as never served)."""
 
 
 def _whose(key: Key) -> str:
@@ -61,7 +64,8 @@ class Staleness:
         service without samplers takes any step up to the trainer's."""
         self.observe = observe
         """Called with every checked batch's per-sequence staleness (``/metrics``)."""
-        self._served: dict[Key, set[int]] = {}
+        self._served: dict[Key, dict[int, None]] = {}
+        """Per key, the steps served in this line, in the order they were (a dict: ordered)."""
         self._synced = asyncio.Condition()
 
     # -- the samplers' side ----------------------------------------------------------------
@@ -69,10 +73,12 @@ class Staleness:
     async def served(self, key: Key, step: int, new_line: bool = False) -> None:
         """The samplers now serve ``step`` of ``key``; ``new_line``: after a checkpoint load or
         a recovery, whose steps may repeat the old ones with other weights."""
-        steps = self._served.setdefault(key, set())
+        steps = self._served.setdefault(key, {})
         if new_line:
             steps.clear()
-        steps.add(step)
+        steps[step] = None
+        while len(steps) > REMEMBERED:
+            del steps[next(iter(steps))]
         async with self._synced:
             self._synced.notify_all()
 
@@ -161,7 +167,7 @@ class Staleness:
                 f"step {steps[future[0]]} is in the future: {_whose(key)} is at step {step}",
             )
         if self.tracks_samplers:
-            served = self._served.get(key, set())
+            served = self._served.get(key, {})
             sampled = steps >= 0
             unknown = np.flatnonzero(sampled & ~np.isin(steps, list(served)))
             if unknown.size:
@@ -172,7 +178,7 @@ class Staleness:
                     f"sequences[{i}].token_steps[{j}]",
                     f"step {steps[unknown[0]]} of {_whose(key)} was never served by the "
                     f"samplers in this line of training (served: {shown}; a checkpoint load "
-                    "or a recovery starts a new line)",
+                    f"or a recovery starts a new line; the newest {REMEMBERED} are remembered)",
                 )
         targets = _targets(batch)
         missing = np.flatnonzero(targets & (steps < 0))
