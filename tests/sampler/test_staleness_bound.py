@@ -62,7 +62,9 @@ def test_data_past_the_bound_is_refused_or_reported_and_nothing_changes(paced: S
         assert reported == start + 3
         fb = tc.forward_backward(seqs, loss=LOSS, staleness="report")
         assert fb.metrics["stale_sequences:count"] == 4.0 and fb.metrics["staleness:max"] == 3.0
-        assert tc.optim_step().step == start + 4
+        stepped = tc.optim_step()  # reports its parts' staleness (the trackers log it)
+        assert stepped.step == start + 4 and stepped.metrics["staleness:max"] == 3.0
+        assert stepped.metrics["stale_sequences:count"] == 4.0
         # 2 accepted + 1 reported train_batch + 1 reported forward_backward, 4 sequences each
         assert _staleness_count(tc.metrics()) - before == 16
 

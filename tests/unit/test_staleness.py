@@ -190,3 +190,20 @@ def test_the_steps_served_are_a_bounded_table(monkeypatch: pytest.MonkeyPatch) -
     assert s.check(_batch([-1, -1, 2, 2]), step=4)["staleness:max"] == 2.0
     with pytest.raises(InvalidRequestError, match="the newest 3 are remembered"):
         s.check(_batch([-1, -1, 1, 1]), step=4)
+
+
+def test_a_split_steps_parts_merge_their_staleness_for_optim_step() -> None:
+    from trainctl.api import Normalization
+    from trainctl.workers.control.steps import Window
+
+    w = Window(Normalization.TOKEN_MEAN)
+    for metrics in (
+        {"staleness:max": 1.0, "staleness:mean": 1.0, "stale_sequences:count": 0.0},
+        {},  # a part without steps
+        {"staleness:max": 3.0, "staleness:mean": 2.0, "stale_sequences:count": 2.0},
+    ):
+        w.parts += 1
+        w.add_staleness(metrics)
+    assert w.staleness == {
+        "staleness:max": 3.0, "staleness:mean": 1.5, "stale_sequences:count": 2.0
+    }  # fmt: skip

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainctl.api import (
     ConflictError,
@@ -74,6 +74,24 @@ class Window:
     loss_sequences: int = 0
     raw_loss: float = 0.0
     """The parts' losses summed before the window's division."""
+    staleness: dict[str, float] = field(default_factory=dict)
+    """The parts' staleness metrics, merged (``optim_step`` reports them for its step)."""
+
+    stale_parts: int = 0
+    """The parts whose sequences carried their steps."""
+
+    def add_staleness(self, metrics: dict[str, float]) -> None:
+        if not metrics:
+            return
+        self.stale_parts += 1
+        n = self.stale_parts
+        for k, v in metrics.items():
+            old = self.staleness.get(k)
+            if k == "staleness:mean":  # the mean of the parts' means
+                v = v if old is None else (old * (n - 1) + v) / n
+            elif old is not None:
+                v = max(old, v) if k == "staleness:max" else old + v
+            self.staleness[k] = v
 
     def divisor(self) -> float:
         """What the summed gradients are divided by once: the union's normaliser."""
@@ -324,6 +342,7 @@ class Steps:
             w.loss_tokens += int(plan.loss_normalizer)
             w.loss_sequences += plan.num_loss_sequences
             w.raw_loss += raw
+            w.add_staleness(stale)
         step.metrics["accumulated_parts:value"] = float(w.parts if w is not None else 0)
         step.metrics.update(stale)
         step.timings["total_s"] = time.perf_counter() - t0
@@ -360,7 +379,7 @@ class Steps:
             loss=loss,
             step=state.step,
             metrics={"loss:mean": loss, "accumulated_parts:value": float(w.parts),
-                     "loss_tokens:sum": float(w.loss_tokens)},
+                     "loss_tokens:sum": float(w.loss_tokens), **w.staleness},
             timings={"gradient_reduce_s": time.perf_counter() - t0},
         )  # fmt: skip
         await self._apply(h, state, result, hyper, req.adapter)
