@@ -27,7 +27,7 @@ from trainctl.api import (
     NotReadyError,
 )
 from trainctl.clients._base import RetryPolicy
-from trainctl.workers.sampler.vllm_backend.engine import ADAPTER_DIR_PREFIX, CONFIG_DIR_PREFIX
+from trainctl.workers.sampler.vllm_backend.folders import ADAPTER_DIR_PREFIX, CONFIG_DIR_PREFIX
 
 from helpers.parity import PARITY, PROMPTS, WINDOW, gap, prompt_scores
 from helpers.servicekit import START_TIMEOUT_S, Service, fresh_home

@@ -32,7 +32,7 @@ and every later call waited on it for good). An engine that cannot be cleared, o
 load failed half-way, answers ``EngineBrokenError``, and the pool recreates it. A weight load is
 checked against the last one's names, shapes and dtypes before any tensor is copied.
 
-Weights arrive as a ``Shipment``; vLLM's model worker opens it itself (``_reload``), so no
+Weights arrive as a ``Shipment``; vLLM's model worker opens it itself (``reload.py``), so no
 tensor travels as an argument of ``collective_rpc``.
 """
 
@@ -64,7 +64,14 @@ from trainctl.workers.sampler.transport import (
     schema_mismatch,
     schema_of,
 )
+from trainctl.workers.sampler.vllm_backend.folders import (
+    ADAPTER_DIR_PREFIX,
+    CONFIG_DIR_PREFIX,
+    memory_dir,
+    sweep_left_behind,
+)
 from trainctl.workers.sampler.vllm_backend.outputs import prompt_samples
+from trainctl.workers.sampler.vllm_backend.reload import reload
 from trainctl.workers.sampler.vllm_backend.rules import vllm_max_lora_rank
 
 
@@ -81,70 +88,6 @@ class _Served:
         from vllm.lora.request import LoRARequest
 
         return LoRARequest(f"{name}@{self.step}", self.lora_id, str(self.path))
-
-
-def _memory_dir() -> str | None:
-    """A memory-backed directory for adapter files (None: the default temporary one)."""
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-
-
-CONFIG_DIR_PREFIX = "trainctl-sampler-"
-"""An engine's folder for its ``config.json`` (in the temporary directory): prefix, pid, -."""
-ADAPTER_DIR_PREFIX = "trainctl-adapters-"
-"""An engine's folder for adapter files (in ``_memory_dir``): prefix, pid, -."""
-
-
-def sweep_left_behind() -> None:
-    """Remove the folders of engines that no longer run. The pool ends an engine with a kill,
-    which no finalizer survives: each recreated engine left its two folders behind, one of
-    them in memory (``/dev/shm``). A folder whose pid still runs is left alone."""
-    roots = ((tempfile.gettempdir(), CONFIG_DIR_PREFIX),
-             (_memory_dir() or tempfile.gettempdir(), ADAPTER_DIR_PREFIX))  # fmt: skip
-    for root, prefix in roots:
-        for folder in Path(root).glob(f"{prefix}*"):
-            pid = folder.name[len(prefix) :].split("-", 1)[0]
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                shutil.rmtree(folder, ignore_errors=True)
-
-
-@dataclass(frozen=True)
-class _Reloaded:
-    schema: Schema
-    problem: str | None
-    """Why the weights were refused (nothing was copied), or None."""
-    empty: list[str]
-    """The parameters left without data (on the meta device): vLLM's reload moves them
-    there first, and one it could not fill stays there - a load that "succeeded" broken."""
-
-
-def _reload(worker: Any, shipment: Shipment, want: Schema | None) -> _Reloaded:
-    """Run on vLLM's worker: open the shipment, check its tensors against ``want`` (the
-    schema served), and load them through the model's own loading path."""
-    tensors = open_shipment(shipment)
-    schema = schema_of(tensors)
-    if want is not None and (problem := schema_mismatch(schema, want)):
-        return _Reloaded(schema, problem, [])
-    worker.reload_weights(weights_iterator=iter(sorted(tensors.items())))
-    model = worker.model_runner.model
-    _refresh_cpu_embedding_gemms(model)
-    return _Reloaded(schema, None, [n for n, p in model.named_parameters() if p.is_meta])
-
-
-def _refresh_cpu_embedding_gemms(model: Any) -> None:
-    """vLLM 0.32 on a CPU: an in-place reload leaves a *tied* LM head (the input embedding
-    used as the output layer: Qwen2.5/Qwen3 small models) computing logits with a GEMM
-    kernel prepared from the weights it had before (measured: log-probs off by 0.3 after a
-    reload, exact after this). Embedding layers keep their weights, so their kernels can be
-    prepared again from the loaded ones; that is all this does."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    for module in model.modules():
-        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 class VllmEngine:
@@ -186,7 +129,7 @@ class VllmEngine:
         if spec.return_routes:  # vLLM keeps the routes with its prefix cache's blocks
             kwargs |= {"enable_return_routed_experts": True, "enable_prefix_caching": True}
         self._adapters_dir = tempfile.TemporaryDirectory(
-            prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=_memory_dir()
+            prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=memory_dir()
         )
         self.adapters: dict[tuple[str, int], _Served] = {}
         """Each adapter version held, by name and step."""
@@ -232,7 +175,7 @@ class VllmEngine:
         t0 = time.perf_counter()
         step = shipment.version
         try:
-            per_worker = self.llm.collective_rpc(_reload, args=(shipment, self.schema))
+            per_worker = self.llm.collective_rpc(reload, args=(shipment, self.schema))
         except Exception as e:
             raise EngineBrokenError(
                 f"sampler {self.index} failed loading step {step}'s weights half-way "

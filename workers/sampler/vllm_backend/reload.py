@@ -1,0 +1,56 @@
+"""A weight load as it runs inside vLLM's worker (``collective_rpc``): the shipment opened
+there, its tensors checked against the weights served, then loaded through the model's own
+loading path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trainctl.workers.sampler.transport import (
+    Schema,
+    Shipment,
+    open_shipment,
+    schema_mismatch,
+    schema_of,
+)
+
+
+@dataclass(frozen=True)
+class Reloaded:
+    schema: Schema
+    problem: str | None
+    """Why the weights were refused (nothing was copied), or None."""
+    empty: list[str]
+    """The parameters left without data (on the meta device): vLLM's reload moves them
+    there first, and one it could not fill stays there - a load that "succeeded" broken."""
+
+
+def reload(worker: Any, shipment: Shipment, want: Schema | None) -> Reloaded:
+    """Run on vLLM's worker: open the shipment, check its tensors against ``want`` (the
+    schema served), and load them through the model's own loading path."""
+    tensors = open_shipment(shipment)
+    schema = schema_of(tensors)
+    if want is not None and (problem := schema_mismatch(schema, want)):
+        return Reloaded(schema, problem, [])
+    worker.reload_weights(weights_iterator=iter(sorted(tensors.items())))
+    model = worker.model_runner.model
+    _refresh_cpu_embedding_gemms(model)
+    return Reloaded(schema, None, [n for n, p in model.named_parameters() if p.is_meta])
+
+
+def _refresh_cpu_embedding_gemms(model: Any) -> None:
+    """vLLM 0.32 on a CPU: an in-place reload leaves a *tied* LM head (the input embedding
+    used as the output layer: Qwen2.5/Qwen3 small models) computing logits with a GEMM
+    kernel prepared from the weights it had before (measured: log-probs off by 0.3 after a
+    reload, exact after this). Embedding layers keep their weights, so their kernels can be
+    prepared again from the loaded ones; that is all this does."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
