@@ -93,7 +93,7 @@ def owner_field() -> Any:
 
 
 class CheckpointInfo(BaseModel):
-    """A saved training state: weights, optimizer state, step and RNG of every rank (or, with
+    """A saved training state: weights, optimizer state and step of every rank (or, with
     ``adapter``, one adapter's)."""
 
     checkpoint_id: str = Field(description="Load: POST /v1/checkpoints/{checkpoint_id}/load.")
@@ -106,7 +106,20 @@ class CheckpointInfo(BaseModel):
     )
     step: int
     created_at: float = Field(description="Unix seconds.")
-    layout: dict[str, int] = Field(description="It loads into this parallel layout only.")
+    layout: dict[str, int] = Field(
+        description="The parallel layout that wrote it: a per_rank checkpoint loads into it only."
+    )
+    format: Literal["per_rank", "reshardable"] = Field(
+        "per_rank",
+        description="reshardable: loads into any layout of the same model (every whole-state "
+        "save since --checkpoint-format reshardable); per_rank: only into its own layout.",
+    )
+    precision: str | None = Field(
+        None, description="The writer's parameter precision (bf16 or fp32); either loads either."
+    )
+    model: dict[str, Any] | None = Field(
+        None, description="The writer's model shape; a reshardable load needs the same one."
+    )
     weights_digest: str
     size_bytes: int
     sequence: int = Field(

@@ -225,7 +225,8 @@ OPERATIONS: dict[OperationKind, OperationSpec] = {
         OperationSpec(
             OperationKind.LOAD_CHECKPOINT, LoadCheckpointRequest, CheckpointInfo,
             "/checkpoints/{checkpoint_id}/load", "checkpoints",
-            "Restore a checkpoint saved with this layout: weights, optimizer state and step.",
+            "Restore a checkpoint (reshardable ones from any layout): weights, optimizer state "
+            "and step.",
         ),
         OperationSpec(
             OperationKind.EXPORT_HF, ExportRequest, ExportResult, "/export/hf", "checkpoints",

@@ -317,10 +317,10 @@ class TrainctlClient:
         adapter: str | None = None,
         owner: str | None = None,
     ) -> CheckpointInfo:
-        """Save weights, optimizer state, step and RNG of every rank (atomically). Unnamed:
-        ``step-NNNNNN``, pruned to the server's ``keep_checkpoints``; named: kept. ``adapter``:
-        that LoRA adapter alone; ``owner``: under that owner's names (default: the service's).
-        """
+        """Save weights, optimizer state and step (atomically; any layout of the model loads
+        a whole-state one). Unnamed: ``step-NNNNNN``, pruned to the server's
+        ``keep_checkpoints``; named: kept. ``adapter``: that LoRA adapter alone; ``owner``:
+        under that owner's names (default: the service's)."""
         req = SaveCheckpointRequest(name=name, overwrite=overwrite, adapter=adapter, owner=owner)
         return self._send(self._req.call(OperationKind.SAVE_CHECKPOINT, CheckpointInfo, req))
 
@@ -337,9 +337,10 @@ class TrainctlClient:
         into: str | None = None,
         owner: str | None = None,
     ) -> CheckpointInfo:
-        """Restore a checkpoint of this layout: weights, step and (``optimizer``) the optimizer
-        state; without it the optimizer starts afresh on the loaded weights. ``adapter``: that
-        adapter alone (as ``into``), nothing else; ``owner``: a checkpoint of those names."""
+        """Restore a checkpoint (reshardable: written at any layout): weights, step and
+        (``optimizer``) the optimizer state; without it the optimizer starts afresh on the
+        loaded weights. ``adapter``: that adapter alone (as ``into``), nothing else;
+        ``owner``: a checkpoint of those names."""
         req = LoadCheckpointRequest(
             checkpoint_id=checkpoint_id, optimizer=optimizer, adapter=adapter, into=into,
             owner=owner,

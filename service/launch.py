@@ -67,7 +67,8 @@ def controller_options(s: Settings, *, rank_num_gpus: float) -> ControllerOption
         max_queued_operations=s.max_queued_operations,
         checkpoint_every_steps=s.checkpoint_every_steps,
         keep_checkpoints=s.keep_checkpoints,
-        resume=s.resume,
+        resume=s.resume_target(),
+        checkpoint_format=s.checkpoint_format,
         metrics_log=s.metrics_log,
         max_staleness=s.max_staleness,
     )

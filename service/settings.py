@@ -253,10 +253,16 @@ class Settings(BaseSettings):
     checkpoint_on_exit: bool = Field(
         False, description="On SIGTERM, after draining, save a checkpoint if the model changed."
     )
-    resume: bool = Field(
-        True,
-        description="At start, load the latest checkpoint under <data_dir>/checkpoints "
-        "saved with this layout.",
+    resume: str = Field(
+        "latest",
+        description="At start: latest (the latest checkpoint under <data_dir>/checkpoints that "
+        "loads here: reshardable ones of any layout, per-rank ones of this layout), a "
+        "checkpoint's name, or none (start afresh; true/false mean latest/none).",
+    )
+    checkpoint_format: Literal["reshardable", "per_rank"] = Field(
+        "reshardable",
+        description="How whole-state checkpoints are written: reshardable (any layout of the "
+        "same model loads them) or per_rank (one file per rank, its own layout only).",
     )
     init_hf: Path | None = Field(
         None,
@@ -383,6 +389,15 @@ class Settings(BaseSettings):
         description="Serve POST /v1/debug/faults, which makes a rank fail on purpose "
         "(chaos testing only).",
     )
+
+    def resume_target(self) -> str | None:
+        """``latest``, a checkpoint's name, or None (start afresh)."""
+        word = self.resume.strip()
+        if word.lower() in ("latest", "true", "1", "yes"):
+            return "latest"
+        if word.lower() in ("none", "false", "0", "no", ""):
+            return None
+        return word
 
     @model_validator(mode="after")
     def _sampler_bound_reachable(self) -> Settings:

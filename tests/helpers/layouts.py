@@ -48,6 +48,25 @@ MOE = {**MODEL, "num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 128}
 STARVE_EP1 = [0.0, 0.0, -1e4, -1e4]  # experts 2 and 3 (EP rank 1's) never chosen
 
 
+FAMILY_SHAPES = {
+    "qwen2": {**MODEL, "family": "qwen2", "tie_embeddings": True},
+    "qwen3": {**MODEL, "family": "qwen3", "head_dim": 48},
+    # Qwen3.5: three Gated DeltaNet layers and one gated full attention, RoPE on a quarter of
+    # each head, zero-centred norms.
+    "qwen3_5": {
+        **MODEL, "family": "qwen3_5", "head_dim": 16, "rotary_percent": 0.25,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8,
+    },
+}  # fmt: skip
+# Qwen3.5-MoE: the same layers, each with routed experts and a gated shared expert.
+FAMILY_SHAPES["qwen3_5_moe"] = {
+    **FAMILY_SHAPES["qwen3_5"], "family": "qwen3_5_moe", "num_experts": 4, "moe_topk": 2,
+    "moe_ffn_hidden_size": 48, "moe_shared_ffn_hidden_size": 80,
+}  # fmt: skip
+
+
 def world_size(layout: dict) -> int:
     world = 1
     for axis in ("dp", "cp", "tp", "pp"):

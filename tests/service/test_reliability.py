@@ -214,6 +214,31 @@ def test_export_loads_in_transformers_and_imports_back(svc: Service, tmp_path: P
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
+def test_a_tp2_service_resumes_the_dp2_runs_checkpoint(svc: Service, tmp_path: Path) -> None:
+    """The dp2 run's data dir (its checkpoint copied alone) opened by a tp2 service: it
+    resumes at the saved step (the default resume: the latest that loads), and its next two
+    steps and the log-probs after them equal the dp2 run's (issue 49)."""
+    import shutil
+
+    c = client(svc)
+    c.train_batch(sft_batch(seed=31))
+    saved = c.save_checkpoint("handoff", overwrite=True)
+    assert saved.format == "reshardable" and saved.layout["dp"] == 2
+    batches = [sft_batch(seed=32), sft_batch(seed=33)]
+    want = [c.train_batch(b).loss for b in batches]
+    want_lp = c.logprobs(sft_batch(seed=34)).logprobs
+    shutil.copytree(svc.data_dir / "checkpoints" / "handoff", tmp_path / "checkpoints" / "handoff")
+    with running_service(tmp_path, "--dp=1", "--tp=2") as other:
+        tc = other.client()
+        info = tc.info()
+        assert info.step == saved.step and info.layout["tp"] == 2 and info.layout["dp"] == 1
+        got = [tc.train_batch(b).loss for b in batches]
+        got_lp = tc.logprobs(sft_batch(seed=34)).logprobs
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5), (got, want)
+    for g, w in zip(got_lp, want_lp, strict=True):
+        assert np.allclose(g, w, rtol=1e-5, atol=1e-5), (g, w)
+
+
 def test_a_killed_rank_is_replaced_and_the_latest_checkpoint_restored(svc: Service) -> None:
     c = client(svc)
     saved = c.save_checkpoint()

@@ -212,3 +212,62 @@ def test_an_export_never_replaces_one_silently_and_crash_leftovers_are_swept(
         assert c.queue.depth == 0 and (tmp_path / "exports" / "mine").is_dir()
 
     asyncio.run(main())
+
+
+def _rewrite(root: Path, name: str, **fields: object) -> None:
+    """Change a saved checkpoint's manifest, as if another service had written it."""
+    import json
+
+    path = root / "checkpoints" / name / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def test_what_loads_here_follows_the_format_and_the_model(tmp_path: Path) -> None:
+    """Issue 49: a reshardable checkpoint written at another layout is the latest and loads
+    (the ranks are told to cut it for theirs); a per-rank one of another layout and one of
+    another model are passed over by "latest" and refused by a load, saying why; --resume
+    NAME starts from that checkpoint, a missing one fails the start."""
+    import pytest
+
+    from trainctl.api import NotFoundError
+
+    c, ranks = controller(tmp_path)
+
+    async def first() -> None:
+        await c.start()
+        for name in ("other-layout", "per-rank", "other-model"):
+            await _step(c)
+            await c.run(OperationKind.SAVE_CHECKPOINT, SaveCheckpointRequest(name=name))
+
+    asyncio.run(first())
+    foreign = {"dp": 4, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "vp": 1}
+    _rewrite(tmp_path, "other-layout", layout=foreign)
+    _rewrite(tmp_path, "per-rank", layout=foreign, format="per_rank")
+    model = c.saves.model()
+    _rewrite(tmp_path, "other-model", model={**model, "hidden_size": 64})
+
+    assert c.saves.latest() is not None and c.saves.latest().checkpoint_id == "other-layout"
+
+    async def loads() -> None:
+        for name, words in (("per-rank", "per-rank format"), ("other-model", "hidden_size 64")):
+            with pytest.raises(ConflictError, match=words):
+                await c.run(
+                    OperationKind.LOAD_CHECKPOINT, LoadCheckpointRequest(checkpoint_id=name)
+                )
+        ranks.calls.clear()
+        await c.run(
+            OperationKind.LOAD_CHECKPOINT, LoadCheckpointRequest(checkpoint_id="other-layout")
+        )
+        assert c.step == 1 and "apply_checkpoint" in ranks.calls
+
+    asyncio.run(loads())
+
+    again, _ = controller(tmp_path, resume="per-rank")
+    with pytest.raises(ConflictError, match="per-rank format"):
+        asyncio.run(again.start())
+    latest, _ = controller(tmp_path)
+    asyncio.run(latest.start())
+    assert latest.step == 1  # other-layout, the newest that loads here
+    missing, _ = controller(tmp_path, resume="nowhere")
+    with pytest.raises(NotFoundError):
+        asyncio.run(missing.start())

@@ -164,6 +164,8 @@ def test_checkpoint_and_profile_files_are_never_unpickled_as_code(tmp_path: Path
     worker = RankWorker(rank=0, world_size=1)
     with pytest.raises(pickle.UnpicklingError):
         worker.stage_checkpoint(str(tmp_path))
+    with pytest.raises(pickle.UnpicklingError):  # the reshardable format reads every rank file
+        worker.stage_checkpoint(str(tmp_path), None, None, True)
     with pytest.raises(pickle.UnpicklingError):
         memory_timeline("snapshot.pickle", pickle.dumps(_Payload(str(marker))))
     assert not marker.exists()

@@ -97,8 +97,12 @@ class ControllerOptions:
     max_queued_operations: int = 64
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 3
-    resume: bool = True
-    """Start from the latest checkpoint of this layout, if any."""
+    resume: str | None = "latest"
+    """At start, load ``latest`` (the latest checkpoint that loads here, if any) or the
+    checkpoint of that name; None: start afresh."""
+    checkpoint_format: str = "reshardable"
+    """How whole-state saves are written: ``reshardable`` (any layout loads them) or
+    ``per_rank`` (their own layout only)."""
     metrics_log: str | None = None
     max_staleness: int | None = None
     """Refuse training data more than this many steps behind the trainer, and pace sampling
@@ -170,6 +174,8 @@ class Controller:
             cfg=self.cfg, checkpoints=self.checkpoints, export_root=root / "exports",
             group=self.group, state=self.state, adapters=self.adapters, version=self.version,
             after_load=self.samplers.sync_after_load,
+            reshardable=options.checkpoint_format == "reshardable",
+            precision=self.cfg.resolved_precision(cuda=options.rank_num_gpus > 0),
         )  # fmt: skip
         self.recovery = Recovery(
             serving=self.serving, group=self.group, queue=self.queue, state=self.state,
@@ -211,10 +217,15 @@ class Controller:
         self.checkpoints.sweep_partial()
         for d in self.saves.export_partials():  # a crash's leftovers
             shutil.rmtree(d, ignore_errors=True)
-        latest = self.saves.latest()
-        if self.resume and latest is not None:
-            await self.saves.load(latest.checkpoint_id)
-            log.info("resumed from checkpoint %s (step %d)", latest.checkpoint_id, self.step)
+        start = self.saves.latest() if self.resume == "latest" else None
+        if self.resume not in (None, "latest"):
+            _, start = self.checkpoints.path(self.resume)  # not found: the start fails, saying so
+        if start is not None:
+            await self.saves.load(start.checkpoint_id)
+            log.info(
+                "resumed from checkpoint %s (step %d, written at %s)",
+                start.checkpoint_id, self.step, start.layout,
+            )  # fmt: skip
         await self.samplers.start()
         self.serving.ready = True
         log.info("%d ranks ready in %.1fs", self.group.world_size, time.perf_counter() - t0)

@@ -1,15 +1,21 @@
 """The controller's checkpoints and exports: save (every rank's shard, then one commit),
 load in two phases (stage everywhere, then apply: a bad shard changes nothing), and the
-Hugging Face export (every rank's canonical shards merged and written on rank 0)."""
+Hugging Face export (every rank's canonical shards merged and written on rank 0).
+
+Checkpoints are written reshardable by default (``workers/engine/reshard.py``): any layout
+of the same model loads them, whole or one adapter alone. Those written with
+``--checkpoint-format per_rank`` (and before it existed) load only into their own layout."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from trainctl.api import (
     CheckpointInfo,
@@ -57,8 +63,11 @@ class Saves:
         adapters: Adapters,
         version: WeightsVersion,
         after_load: Callable[[str | None], Awaitable[str | None]],
+        reshardable: bool = True,
+        precision: str | None = None,
     ) -> None:
         self.cfg, self.checkpoints, self.export_root = cfg, checkpoints, export_root
+        self.reshardable, self.precision = reshardable, precision
         self.group, self.state, self.adapters = group, state, adapters
         self.version, self.after_load = version, after_load
 
@@ -69,11 +78,25 @@ class Saves:
     def layout(self) -> dict[str, int]:
         return dict(self.cfg.to_dict()["layout"])
 
+    def model(self) -> dict[str, Any]:
+        """The model's shape as a checkpoint records it: every field but those a load may
+        change (the seed, the context length)."""
+        m = json.loads(json.dumps(self.cfg.to_dict()["model"]))  # as a manifest holds it
+        return {k: v for k, v in m.items() if k not in _FREE_MODEL_FIELDS}
+
+    def fits(self, info: CheckpointInfo) -> bool:
+        """Whether a whole-state checkpoint loads here: a reshardable one of this model, or a
+        per-rank one of this layout."""
+        if info.format == "reshardable":
+            return info.model is None or _same_model(info.model, self.model())
+        return info.layout == self.layout()
+
     def latest(self) -> CheckpointInfo | None:
-        """The service's latest whole checkpoint of this layout (what a recovery restores)."""
+        """The service's latest whole checkpoint that loads here (what a start and a recovery
+        restore)."""
         found = [
             c for c in self.checkpoints.list().checkpoints
-            if c.layout == self.layout() and c.adapter is None
+            if c.adapter is None and self.fits(c)
         ]  # fmt: skip
         return found[-1] if found else None
 
@@ -102,9 +125,10 @@ class Saves:
         if name is not None:
             store.check_name(name, overwrite)  # again: one may have been saved since
         step = self.step if adapter is None else self.adapters.state(adapter).step
+        reshardable = self.reshardable
         tmp = store.begin(step)
         try:
-            await self.group.call(RankWorker.save_checkpoint, str(tmp), adapter)
+            await self.group.call(RankWorker.save_checkpoint, str(tmp), adapter, reshardable)
             if adapter is None:
                 digests = await self.version.digests()
             else:
@@ -112,6 +136,8 @@ class Saves:
             info = {
                 "step": step, "layout": self.layout(), "adapter": adapter,
                 "weights_digest": self.group.digest_of(digests),
+                "format": "reshardable" if reshardable else "per_rank",
+                "precision": self.precision, "model": self.model(),
             }  # fmt: skip
             saved = await asyncio.to_thread(store.commit, tmp, info, name)
         except BaseException:
@@ -141,10 +167,18 @@ class Saves:
     def _check_load(
         self, checkpoint_id: str, info: CheckpointInfo, adapter: str | None, into: str | None
     ) -> None:
-        if info.layout != self.layout():
+        if info.format == "reshardable":
+            saved, here = info.model, self.model()
+            if saved is not None and not _same_model(saved, here):
+                diff = sorted(k for k in {*saved, *here} if saved.get(k) != here.get(k))
+                what = ", ".join(f"{k} {saved.get(k)} there, {here.get(k)} here" for k in diff)
+                raise ConflictError(f"checkpoint {checkpoint_id} is of another model: {what}")
+        elif info.layout != self.layout():
             raise ConflictError(
-                f"checkpoint {checkpoint_id} was saved with layout {info.layout}; this service "
-                f"runs {self.layout()}"
+                f"checkpoint {checkpoint_id} was saved with layout {info.layout} in the per-rank "
+                f"format, which loads into its own layout only; this service runs "
+                f"{self.layout()} (start a service of that layout to load it, and save again: "
+                "new saves are reshardable)"
             )
         if info.adapter is not None and adapter != info.adapter:
             raise field_error(
@@ -175,7 +209,10 @@ class Saves:
         # Phase 1 changes nothing on any rank: if a shard is missing, corrupt or does not fit,
         # the load fails and every rank keeps the weights it had.
         try:
-            await self.group.call(RankWorker.stage_checkpoint, str(path), adapter, into)
+            await self.group.call(
+                RankWorker.stage_checkpoint, str(path), adapter, into,
+                info.format == "reshardable",
+            )  # fmt: skip
         except TrainctlError:
             await self.group.call_quietly(RankWorker.drop_staged)
             raise
@@ -255,3 +292,11 @@ class Saves:
             path=str(target),
             files={f.name: f.size_bytes for f in files},
         )
+
+
+_FREE_MODEL_FIELDS = frozenset({"seed", "max_seq_len"})
+"""Model fields that change no parameter: a checkpoint loads across them."""
+
+
+def _same_model(saved: dict[str, Any], here: dict[str, Any]) -> bool:
+    return {k: v for k, v in saved.items() if k not in _FREE_MODEL_FIELDS} == here

@@ -58,7 +58,7 @@ def _slot(spec: AdapterSpec, saved: dict[str, Any], *, optimizer: bool = True) -
     )
 
 
-def _renamed(spec: dict[str, Any], name: str) -> AdapterSpec:
+def renamed(spec: dict[str, Any], name: str) -> AdapterSpec:
     return AdapterSpec.from_dict({**spec, "name": name})
 
 
@@ -107,9 +107,9 @@ class AdapterBank:
                 f"{len(self.slots)} adapters exist, the limit (--max-adapters) is "
                 f"{self.max_adapters}: delete one first"
             )
-        self._check_rank(spec)
+        self.check_rank(spec)
 
-    def _check_rank(self, spec: AdapterSpec) -> None:
+    def check_rank(self, spec: AdapterSpec) -> None:
         if not 1 <= spec.rank <= self.max_rank:
             raise ValueError(
                 f"rank: {spec.rank} is outside [1, {self.max_rank}] (the service's --lora-max-rank)"
@@ -235,6 +235,14 @@ class AdapterBank:
             }
         return out
 
+    def check_fits(self, spec: AdapterSpec) -> None:
+        """Raise ValueError unless an adapter of ``spec`` can be put in (a new one, or one that
+        replaces the adapter of its name)."""
+        if spec.name not in self.slots:
+            self.check_new(spec)
+        else:
+            self.check_rank(spec)
+
     def check_one(self, name: str, saved: dict[str, Any], into: str | None = None) -> None:
         """Raise ValueError unless adapter ``name`` of a checkpoint shard loads here alone (as
         ``into``, default its own name): it is in ``saved``, its rank is allowed, its tensors
@@ -243,11 +251,7 @@ class AdapterBank:
             raise ValueError(
                 f"adapter: the checkpoint holds no adapter {name!r} (it holds {sorted(saved)})"
             )
-        spec = _renamed(saved[name]["spec"], into or name)
-        if spec.name not in self.slots:
-            self.check_new(spec)
-        else:  # it replaces the adapter of that name
-            self._check_rank(spec)
+        self.check_fits(renamed(saved[name]["spec"], into or name))
         tensors = saved[name]["tensors"]
         for canon, p in self.params.items():
             if getattr(tensors.get(canon), "shape", None) != p.shape:
@@ -260,16 +264,23 @@ class AdapterBank:
         ``optimizer``, step), as ``into`` (default its own name), creating it if need be;
         every other adapter stays as it is. The target's open split-step window is dropped."""
         s = saved[name]
-        spec = _renamed(s["spec"], into or name)
-        if self.active == spec.name:  # its live sites and window are replaced: no stash
+        self.install(_slot(renamed(s["spec"], into or name), s, optimizer=optimizer))
+
+    def install(self, slot: Slot) -> None:
+        """Put ``slot`` in as its adapter, replacing one of that name (its live sites and open
+        split-step window too, if it is active: it is switched off); every other adapter stays
+        as it is."""
+        name = slot.spec.name
+        if self.active == name:  # its live sites and window are replaced: no stash
             if self.window is not None and self.window.parts:
                 for g in grad_buffers(self.window.chunks):
                     g.zero_()
                 self.window.clear()
             self._switch_off()
-        if spec.name in self.slots:
-            self.store.drop(self.slots.pop(spec.name))
-        self.slots[spec.name] = _slot(spec, s, optimizer=optimizer)
+        if name in self.slots:
+            self.store.drop(self.slots.pop(name))
+        slot.nbytes = _nbytes(slot.tensors)
+        self.slots[name] = slot
         self.store.spill(self.slots, self.active)
 
     def load_state(self, saved: dict[str, Any]) -> None:

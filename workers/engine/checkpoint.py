@@ -1,5 +1,7 @@
 """The shard's checkpoint: its training state as a dict of tensors and plain
-containers (what ``torch.load(weights_only=True)`` reads back), checked before it is loaded."""
+containers (what ``torch.load(weights_only=True)`` reads back), checked before it is loaded.
+Two formats: the per-rank one, which loads only into the layout that wrote it, and the
+reshardable one (``reshard.py``), which loads into any layout of the same model."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainctl.workers.engine import weights, zero
-from trainctl.workers.engine.adapter_bank import AdapterBank
+from trainctl.workers.engine import reshard, weights, zero
+from trainctl.workers.engine.adapter_bank import AdapterBank, Slot, renamed
+from trainctl.workers.engine.boundary import AdapterSpec
 from trainctl.workers.engine.optimizer import ShardOptimizer
 from trainctl.workers.engine.parallel import ShardContext
 
@@ -25,6 +28,7 @@ class ShardCheckpoint:
     ) -> None:
         self.cfg, self.coords, self.dims, self.chunks = ctx.cfg, ctx.coords, ctx.dims, ctx.chunks
         self.optim, self.adapters = optim, adapters
+        self.local_experts = self.cfg.model.num_experts // self.cfg.layout.ep
 
     def state(self, adapter: str | None = None) -> dict[str, Any]:
         """Everything this rank needs to resume: weights, optimizer state, step, RNG;
@@ -156,3 +160,139 @@ class ShardCheckpoint:
             if weights.is_tied_copy(p):
                 p.data.zero_()
             dist.all_reduce(p.data, group=self.dims.embd_group)
+
+    # -- the reshardable format (reshard.py) ---------------------------------------------------
+
+    def _params(self, *, tied: bool, lora: bool | None = None) -> list[reshard.Param]:
+        """This rank's parameters for the reshardable format; ``lora``: only the adapter
+        sites (True) or only the base (False)."""
+        from trainctl.workers.engine.lora import is_lora
+
+        out = reshard.params_of(
+            self.chunks, reshard.optimizer_slots(self.optim.optimizer),
+            ep_rank=self.coords.ep, local_experts=self.local_experts,
+            dense0=self.coords.dp == 0 and self.coords.cp == 0,
+            experts0=self.dims.expert_dp_rank == 0, tied=tied,
+        )  # fmt: skip
+        return [p for p in out if lora is None or is_lora(p.canon) == lora]
+
+    def _pieces(self, params: list[reshard.Param]) -> dict[str, Any]:
+        return reshard.pieces(
+            params, tp_rank=self.coords.tp, tp=self.cfg.layout.tp, zero=self.optim.zero
+        )
+
+    def _adapter_pieces(self, bank: AdapterBank, name: str) -> dict[str, Any]:
+        """Adapter ``name``'s spec, step and pieces: made active for the read (its AdamW
+        state is the optimizer's then), and the active one put back after."""
+        was = bank.active
+        bank.activate(name)
+        out = {
+            "spec": bank.slots[name].spec.to_dict(),
+            "step": bank.slots[name].step,
+            "pieces": self._pieces(self._params(tied=False, lora=True)),
+        }
+        bank.activate(was)
+        return out
+
+    def reshardable_state(self, adapter: str | None = None) -> dict[str, Any]:
+        """This rank's pieces of the whole training state, every adapter's included, and the
+        writer's scalars; ``adapter``: that adapter alone."""
+        meta = {"step": self.optim.step, "layout": dataclasses.asdict(self.cfg.layout)}
+        if adapter is not None:
+            bank = self._bank()
+            return {
+                "format": reshard.FORMAT, "pieces": {},
+                "adapters": {adapter: self._adapter_pieces(bank, adapter)},
+                "meta": {**meta, "adapter_only": adapter},
+            }  # fmt: skip
+        names = list(self.adapters.slots) if self.adapters is not None else []
+        return {
+            "format": reshard.FORMAT,
+            "pieces": self._pieces(self._params(tied=False, lora=False)),
+            "adapters": {n: self._adapter_pieces(self._bank(), n) for n in names},
+            "meta": meta,
+        }
+
+    def stage_reshardable(
+        self, saved: reshard.Reader, adapter: str | None = None, into: str | None = None
+    ) -> Staged:
+        """This rank's shard of everything in ``saved`` (``adapter``: that adapter's alone,
+        as ``into``), cut for this layout and checked against the live shapes; changes
+        nothing."""
+        cut = {"tp_rank": self.coords.tp, "tp": self.cfg.layout.tp}
+        only = saved.meta.get("adapter_only")
+        if adapter is None and only is not None:
+            raise ValueError(
+                f"adapter: this checkpoint holds adapter {only!r} alone; load it with "
+                f"adapter={only!r}"
+            )
+        if saved.adapters and self.adapters is None:
+            raise ValueError(
+                f"checkpoint: it holds adapters {sorted(saved.adapters)}; start the service "
+                "with --max-adapters N to load it"
+            )
+        chosen = saved.adapters
+        if adapter is not None:
+            if adapter not in saved.adapters:
+                raise ValueError(
+                    f"adapter: the checkpoint holds no adapter {adapter!r} "
+                    f"(it holds {sorted(saved.adapters)})"
+                )
+            chosen = {into or adapter: saved.adapters[adapter]}
+        sites = self._params(tied=True, lora=True)
+        adapters = []
+        for name, (spec, step, pieces) in chosen.items():
+            s = renamed(spec, name)
+            if adapter is not None:
+                self._bank().check_fits(s)
+            elif self.adapters is not None:
+                self.adapters.check_rank(s)
+            adapters.append((s, step, reshard.stage(pieces, sites, **cut)))
+        if self.adapters is not None and len(adapters) > self.adapters.max_adapters:
+            raise ValueError(
+                f"checkpoint: it holds {len(adapters)} adapters, the limit (--max-adapters) "
+                f"is {self.adapters.max_adapters}"
+            )
+        base = None
+        if adapter is None:
+            base = reshard.stage(saved.base, self._params(tied=True, lora=False), **cut)
+        return Staged(int(saved.meta["step"]), base, adapters)
+
+    def apply_reshardable(self, staged: Staged, *, optimizer: bool = True) -> None:
+        """Inverse of ``reshardable_state``, staged by ``stage_reshardable``: local, no
+        collective. A whole-state load replaces every adapter and, as no RNG state is
+        restored, seeds torch's generator from the seed, the step and this rank; an adapter
+        alone changes nothing else."""
+        bank = self.adapters
+        if staged.base is not None:
+            if bank is not None:
+                bank.load_state({})
+            reshard.apply(staged.base, optimizer=optimizer)
+        if bank is not None and staged.adapters:
+            was = None if staged.base is not None else bank.active
+            sites = [p.canon for p in self._params(tied=True, lora=True)]
+            for spec, step, params in staged.adapters:
+                tensors = {
+                    canon: s.value.to(s.tensor.dtype).clone()
+                    for canon, s in zip(sites, params, strict=True)
+                }
+                bank.install(Slot(spec=spec, tensors=tensors, step=step))
+                bank.activate(spec.name)
+                reshard.apply(params, optimizer=optimizer)
+            bank.activate(None if was in {s.name for s, _, _ in staged.adapters} else was)
+        if staged.base is None:
+            return
+        self.optim.zero_grad()
+        self.optim.step = staged.step
+        torch.manual_seed(reshard.rng_seed(self.cfg.model.seed, staged.step, self.coords.rank))
+
+
+@dataclasses.dataclass
+class Staged:
+    """A reshardable checkpoint cut for this rank, waiting for ``apply_reshardable``: the
+    step, the base's parameters (None: an adapter alone) and each adapter's spec, step and
+    parameters."""
+
+    step: int
+    base: list[reshard.Staged] | None
+    adapters: list[tuple[AdapterSpec, int, list[reshard.Staged]]]

@@ -103,7 +103,7 @@ class RankWorker:
         self._store: Any = None
         self._listener: Any = None
         """Rank 0: the socket the rendezvous store listens on (kept open while it lives)."""
-        self._staged: tuple[dict[str, Any], str | None, str | None] | None = None
+        self._staged: tuple[str, Any] | None = None
         """A checkpoint shard read by ``stage_checkpoint`` (and the adapter to load from it,
         and as what), waiting for ``apply_checkpoint``."""
 
@@ -270,15 +270,19 @@ class RankWorker:
 
     # -- checkpoints and export ----------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str, adapter: str | None = None) -> WrittenFile:
+    def save_checkpoint(
+        self, directory: str, adapter: str | None = None, reshardable: bool = False
+    ) -> WrittenFile:
         """Write this rank's shard of the training state (``adapter``: that adapter's alone)
         into ``directory`` (not yet final: the controller renames the directory once every
-        rank has written)."""
+        rank has written); ``reshardable``: in the format any layout loads
+        (``workers/engine/reshard.py``)."""
         import torch
 
         path = Path(directory) / f"rank-{self.rank:05d}.pt"
         tmp = path.with_suffix(".pt.partial")
-        state = self.shard.checkpoint.state(adapter)
+        ckpt = self.shard.checkpoint
+        state = ckpt.reshardable_state(adapter) if reshardable else ckpt.state(adapter)
         needed = tensor_bytes(state)
         if shutil.disk_usage(directory).free < needed:
             raise _no_space(self.rank, needed, directory)
@@ -296,25 +300,41 @@ class RankWorker:
         return WrittenFile(name=path.name, size_bytes=path.stat().st_size)
 
     def stage_checkpoint(
-        self, directory: str, adapter: str | None = None, into: str | None = None
+        self,
+        directory: str,
+        adapter: str | None = None,
+        into: str | None = None,
+        reshardable: bool = False,
     ) -> None:
         """Phase 1 of a load: read this rank's shard and check it fits (``adapter``: that
         adapter's part, loaded as ``into``), changing nothing (only tensors and plain
-        containers are unpickled: ``weights_only``)."""
+        containers are unpickled: ``weights_only``). ``reshardable``: cut this rank's shard
+        out of every rank file of a checkpoint written at any layout."""
         import torch
 
+        from trainctl.workers.engine.reshard import Reader
+
+        if reshardable:
+            saved = Reader.open(Path(directory))
+            staged = self.shard.checkpoint.stage_reshardable(saved, adapter, into)
+            self._staged = ("reshardable", staged)
+            return
         path = Path(directory) / f"rank-{self.rank:05d}.pt"
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.shard.checkpoint.check(state, adapter, into)
-        self._staged = (state, adapter, into)
+        self._staged = ("per_rank", (state, adapter, into))
 
     def apply_checkpoint(self, optimizer: bool = True) -> int:
         """Phase 2 of a load, once every rank staged its shard: local, no collective."""
         staged, self._staged = self._staged, None
         if staged is None:
             raise RuntimeError("apply_checkpoint without a staged checkpoint")
-        state, adapter, into = staged
-        self.shard.checkpoint.load(state, optimizer=optimizer, adapter=adapter, into=into)
+        kind, what = staged
+        if kind == "reshardable":
+            self.shard.checkpoint.apply_reshardable(what, optimizer=optimizer)
+        else:
+            state, adapter, into = what
+            self.shard.checkpoint.load(state, optimizer=optimizer, adapter=adapter, into=into)
         return int(self.shard.step)
 
     def drop_staged(self) -> None:
