@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from bench.tables import (
     async_rl,
+    checkpoint,
     cp_loss,
     fused_head,
     gateway,
@@ -40,4 +41,5 @@ SECTIONS: dict[str, Callable[[bool], str]] = {
     "lora": lora.section,
     "sampler_load": sampler_load.section,
     "async_rl": async_rl.section,
+    "checkpoint": checkpoint.section,
 }

@@ -1,0 +1,40 @@
+"""The ``checkpoint`` table of ``bench/run.py``."""
+
+from __future__ import annotations
+
+import tempfile
+
+from bench.tables.common import measure, table
+
+WRITE = {"dp": 2}
+SAME, OTHERS = [{"dp": 2}], [{"tp": 2}, {"dp": 1}]
+
+
+def _name(layout: dict[str, int]) -> str:
+    return " x ".join(f"{k}{v}" for k, v in layout.items())
+
+
+def section(quick: bool) -> str:
+    """Checkpoint size, save and load seconds of both formats, written at dp2 (ZeRO-1 on)
+    and loaded at the same layout and at others."""
+    rows = []
+    for fmt in ("per_rank", "reshardable"):
+        reads = SAME + (OTHERS if fmt == "reshardable" else [])
+        with tempfile.TemporaryDirectory() as d:
+            r = measure(
+                "checkpoint_case", module="checkpoint_cases", fmt=fmt, write=WRITE, reads=reads,
+                directory=d, quick=quick,
+            )  # fmt: skip
+        loads = [f"{s:.2f}" for s in r["load_s"]] + ["refused"] * (len(SAME + OTHERS) - len(reads))
+        rows.append([fmt, f"{r['size_bytes'] / 2**20:.0f}", f"{r['save_s']:.2f}", *loads])
+    head = (
+        f"### Checkpoint save and load ({r['parameters'] / 1e6:.0f}M-parameter model, fp32 "
+        f"with AdamW, written at {_name(WRITE)} with ZeRO-1)\n\n"
+        "Seconds of the slowest rank, each layout's ranks spawned processes over gloo; loads "
+        "read files the save just wrote (in the page cache). A per-rank checkpoint loads only "
+        "into the layout that wrote it.\n\n"
+    )
+    return head + table(
+        ["format", "size MiB", "save s", *(f"load at {_name(x)} s" for x in SAME + OTHERS)],
+        rows,
+    )
