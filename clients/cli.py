@@ -138,7 +138,11 @@ def _client_commands(args: argparse.Namespace, c: TrainctlClient) -> int:
         elif args.action == "list":
             for ck in c.list_checkpoints(owner=args.owner).checkpoints:
                 alone = f"  adapter {ck.adapter}" if ck.adapter else ""
-                print(f"{ck.checkpoint_id}  step {ck.step}  {ck.size_bytes / 2**20:.1f} MiB{alone}")
+                where = " x ".join(f"{k}{v}" for k, v in ck.layout.items() if v > 1) or "dp1"
+                print(
+                    f"{ck.checkpoint_id}  step {ck.step}  {ck.size_bytes / 2**20:.1f} MiB  "
+                    f"{ck.format} from {where}{alone}"
+                )
         else:
             if not args.checkpoint_id:
                 raise SystemExit("trainctl: checkpoint load needs a CHECKPOINT_ID")

@@ -235,7 +235,7 @@ def test_what_loads_here_follows_the_format_and_the_model(tmp_path: Path) -> Non
 
     async def first() -> None:
         await c.start()
-        for name in ("other-layout", "per-rank", "other-model"):
+        for name in ("other-layout", "per-rank", "other-model", "newest"):
             await _step(c)
             await c.run(OperationKind.SAVE_CHECKPOINT, SaveCheckpointRequest(name=name))
 
@@ -246,6 +246,7 @@ def test_what_loads_here_follows_the_format_and_the_model(tmp_path: Path) -> Non
     model = c.saves.model()
     _rewrite(tmp_path, "other-model", model={**model, "hidden_size": 64})
 
+    _rewrite(tmp_path, "newest", layout=foreign, format="per_rank")  # (of another layout)
     assert c.saves.latest() is not None and c.saves.latest().checkpoint_id == "other-layout"
 
     async def loads() -> None:
@@ -259,6 +260,8 @@ def test_what_loads_here_follows_the_format_and_the_model(tmp_path: Path) -> Non
             OperationKind.LOAD_CHECKPOINT, LoadCheckpointRequest(checkpoint_id="other-layout")
         )
         assert c.step == 1 and "apply_checkpoint" in ranks.calls
+        await _step(c)
+        await c.run(OperationKind.SAVE_CHECKPOINT, SaveCheckpointRequest(name="after"))
 
     asyncio.run(loads())
 
@@ -267,7 +270,10 @@ def test_what_loads_here_follows_the_format_and_the_model(tmp_path: Path) -> Non
         asyncio.run(again.start())
     latest, _ = controller(tmp_path)
     asyncio.run(latest.start())
-    assert latest.step == 1  # other-layout, the newest that loads here
+    assert latest.step == 2  # "after", the newest save that loads here
+    named, _ = controller(tmp_path, resume="other-layout")
+    asyncio.run(named.start())
+    assert named.step == 1
     missing, _ = controller(tmp_path, resume="nowhere")
     with pytest.raises(NotFoundError):
         asyncio.run(missing.start())

@@ -77,6 +77,12 @@ def optimizer_slots(optimizer: Any) -> dict[Tensor, OptimizerSlot]:
     return out
 
 
+def _host(t: Tensor) -> Tensor:
+    """An fp32 copy in host memory: no second copy of the state on the device while it is
+    written, and never a view (``torch.save`` of a view writes the whole storage)."""
+    return t.to(device="cpu", dtype=torch.float32, copy=True)
+
+
 @dataclass(frozen=True)
 class Param:
     """One local parameter as the format sees it: its canonical name, the live tensor, whether
@@ -90,8 +96,7 @@ class Param:
 
 def pieces(params: Iterable[Param], *, tp_rank: int, tp: int, zero: bool) -> dict[str, Any]:
     """What this rank writes: canonical name -> its piece (plain containers and tensors, for
-    ``torch.load(weights_only=True)``). Every tensor is a copy: saving a view would write the
-    whole storage it views."""
+    ``torch.load(weights_only=True)``), every tensor an fp32 copy in host memory."""
     out: dict[str, Any] = {}
     for p in params:
         s = p.slot
@@ -108,13 +113,13 @@ def pieces(params: Iterable[Param], *, tp_rank: int, tp: int, zero: bool) -> dic
             value = value[lo:hi]
         piece: dict[str, Any] = {
             "tp": tp_rank, "tp_size": tp, "shape": list(p.tensor.shape), "lo": lo, "hi": hi,
-            "param": value.float().clone(),
+            "param": _host(value),
         }  # fmt: skip
         state = s.state if s is not None else {}
         if all(k in state for k in MOMENTS):
             piece["step"] = float(state["step"]) if "step" in state else 0.0
             for k in MOMENTS:
-                piece[k] = state[k].detach().reshape(-1).float().clone()
+                piece[k] = _host(state[k].detach().reshape(-1))
         out[p.canon] = piece
     return out
 
