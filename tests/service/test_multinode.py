@@ -112,13 +112,16 @@ def test_a_lost_node_is_waited_for_and_a_retried_step_applies_once(
 
     data = tmp_path_factory.mktemp("node-loss")
     flags = ("--tp=2", "--dp=2", "--rank-num-cpus=1", "--packing=flat")
-    flags += ("--checkpoint-every-steps=1",)
+    # The per-rank format (the reshardable default is the other service tests'): its saves and
+    # the recovery's load keep running end to end.
+    flags += ("--checkpoint-every-steps=1", "--checkpoint-format=per_rank")
     with running_service(data, f"--ray-address={cluster.address}", *flags) as svc:
         _placed_and_equal_to_one_rank(svc)
         client = svc.client()
         batch = sft_shared_batch(seed=7)
         before = client.info()
         assert before.step == 1
+        at_step_1 = client.eval_batch(batch).loss  # what the restored weights must give
         victim = next(n for n in cluster.worker_nodes if n.node_id[:12] in before.ranks[-1].node)
         cluster.remove_node(victim, allow_graceful=True)
 
@@ -150,4 +153,6 @@ def test_a_lost_node_is_waited_for_and_a_retried_step_applies_once(
         after = client.info()
         assert outcome["result"].step == 2 == after.step  # restored step 1, then one step
         assert after.recovery is not None and after.recovery.restored_checkpoint == "step-000001"
+        assert abs(outcome["result"].loss - at_step_1) <= 1e-5 * abs(at_step_1)
+        assert {c.format for c in client.list_checkpoints().checkpoints} == {"per_rank"}
         assert len(_tp_groups(after)) == 2 and all(len(n) == 1 for n in _tp_groups(after).values())
