@@ -278,9 +278,7 @@ class Samplers:
         if req.adapter is not None:
             self.adapters.state(req.adapter)  # a 404 naming it, or the 422 of a base service
         if req.step is None:  # the newest weights: not so old that their data is refused
-            wait_s = self.pool.options.queue_timeout_s
-            if req.queue_timeout_s is not None:
-                wait_s = min(wait_s, req.queue_timeout_s)
+            wait_s = self.pool.options.wait_s(req.queue_timeout_s)
             await self.staleness.pace(lambda: self._behind(req.adapter), wait_s, req.adapter)
         result = await self.pool.sample(req, queue=queue)
         self.metrics.sample_seconds.observe(time.perf_counter() - t0)

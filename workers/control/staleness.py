@@ -168,8 +168,10 @@ class Staleness:
             )
         if self.tracks_samplers:
             served = self._served.get(key, {})
-            sampled = steps >= 0
-            unknown = np.flatnonzero(sampled & ~np.isin(steps, list(served)))
+            # A batch names a few distinct steps: each is looked up in the table, which is
+            # never copied (it may hold REMEMBERED steps).
+            never = [s for s in np.unique(steps[steps >= 0]).tolist() if s not in served]
+            unknown = np.flatnonzero(np.isin(steps, never))
             if unknown.size:
                 i, j = batch.locate(int(unknown[0]))
                 listed = sorted(served)

@@ -109,6 +109,12 @@ class PoolOptions:
     request never runs. A load waits for no sample but the one running."""
     start_timeout_s: float = 900.0
     """The longest an engine may take to start (and load the current weights)."""
+
+    def wait_s(self, asked: float | None) -> float:
+        """How long a sample may wait (for its engine's turn, or for fresh enough weights): a
+        request's own ``queue_timeout_s`` may shorten the service's, never lengthen it."""
+        return self.queue_timeout_s if asked is None else min(self.queue_timeout_s, asked)
+
     max_queued: int = 256
     """Sample requests the pool holds at once, waiting or running; past it a sample answers
     429 (``RateLimitedError``) instead of waiting behind the others."""
@@ -378,9 +384,7 @@ class SamplerPool:
         try:
             # A queued caller (Tinker's asample) holds a future already: it waits its turn. A
             # request's own queue_timeout_s may shorten the service's, never lengthen it.
-            queue_timeout = None if queue else self.options.queue_timeout_s
-            if queue_timeout is not None and req.queue_timeout_s is not None:
-                queue_timeout = min(queue_timeout, req.queue_timeout_s)
+            queue_timeout = None if queue else self.options.wait_s(req.queue_timeout_s)
             ref = e.actor.sample.remote(request_id, req, version, queue_timeout)
             result: SampleResult = await self._call(e, ref, "a sample", queue_timeout)
             if version.adapter is None:
