@@ -125,10 +125,9 @@ class Saves:
         if name is not None:
             store.check_name(name, overwrite)  # again: one may have been saved since
         step = self.step if adapter is None else self.adapters.state(adapter).step
-        reshardable = self.reshardable
         tmp = store.begin(step)
         try:
-            await self.group.call(RankWorker.save_checkpoint, str(tmp), adapter, reshardable)
+            await self.group.call(RankWorker.save_checkpoint, str(tmp), adapter, self.reshardable)
             if adapter is None:
                 digests = await self.version.digests()
             else:
@@ -136,7 +135,7 @@ class Saves:
             info = {
                 "step": step, "layout": self.layout(), "adapter": adapter,
                 "weights_digest": self.group.digest_of(digests),
-                "format": "reshardable" if reshardable else "per_rank",
+                "format": "reshardable" if self.reshardable else "per_rank",
                 "precision": self.precision, "model": self.model(),
             }  # fmt: skip
             saved = await asyncio.to_thread(store.commit, tmp, info, name)
