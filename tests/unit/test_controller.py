@@ -232,24 +232,20 @@ def test_what_loads_here_follows_the_format_and_the_model(tmp_path: Path) -> Non
     from trainctl.api import NotFoundError
 
     c, ranks = controller(tmp_path)
+    foreign = {"dp": 4, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "vp": 1}
 
-    async def first() -> None:
+    async def main() -> None:  # one event loop for the controller's whole life
         await c.start()
         for name in ("other-layout", "per-rank", "other-model", "newest"):
             await _step(c)
             await c.run(OperationKind.SAVE_CHECKPOINT, SaveCheckpointRequest(name=name))
+        _rewrite(tmp_path, "other-layout", layout=foreign)
+        _rewrite(tmp_path, "per-rank", layout=foreign, format="per_rank")
+        _rewrite(tmp_path, "other-model", model={**c.saves.model(), "hidden_size": 64})
+        _rewrite(tmp_path, "newest", layout=foreign, format="per_rank")  # (of another layout)
+        latest = c.saves.latest()
+        assert latest is not None and latest.checkpoint_id == "other-layout"
 
-    asyncio.run(first())
-    foreign = {"dp": 4, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "vp": 1}
-    _rewrite(tmp_path, "other-layout", layout=foreign)
-    _rewrite(tmp_path, "per-rank", layout=foreign, format="per_rank")
-    model = c.saves.model()
-    _rewrite(tmp_path, "other-model", model={**model, "hidden_size": 64})
-
-    _rewrite(tmp_path, "newest", layout=foreign, format="per_rank")  # (of another layout)
-    assert c.saves.latest() is not None and c.saves.latest().checkpoint_id == "other-layout"
-
-    async def loads() -> None:
         for name, words in (("per-rank", "per-rank format"), ("other-model", "hidden_size 64")):
             with pytest.raises(ConflictError, match=words):
                 await c.run(
@@ -263,7 +259,7 @@ def test_what_loads_here_follows_the_format_and_the_model(tmp_path: Path) -> Non
         await _step(c)
         await c.run(OperationKind.SAVE_CHECKPOINT, SaveCheckpointRequest(name="after"))
 
-    asyncio.run(loads())
+    asyncio.run(main())
 
     again, _ = controller(tmp_path, resume="per-rank")
     with pytest.raises(ConflictError, match="per-rank format"):
