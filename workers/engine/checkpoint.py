@@ -80,12 +80,7 @@ class ShardCheckpoint:
                 f"checkpoint shard of {state.get('coords')} loaded on rank {self.coords}: "
                 "a checkpoint loads into the layout it was saved from"
             )
-        only = state.get("adapter_only")
-        if adapter is None and only is not None:
-            raise ValueError(
-                f"adapter: this checkpoint holds adapter {only!r} alone; load it with "
-                f"adapter={only!r}"
-            )
+        _check_whole(state.get("adapter_only"), adapter)
         if adapter is not None:
             self._bank().check_one(adapter, state.get("adapters") or {}, into)
             return
@@ -220,12 +215,7 @@ class ShardCheckpoint:
         as ``into``), cut for this layout and checked against the live shapes; changes
         nothing."""
         cut = {"tp_rank": self.coords.tp, "tp": self.cfg.layout.tp}
-        only = saved.meta.get("adapter_only")
-        if adapter is None and only is not None:
-            raise ValueError(
-                f"adapter: this checkpoint holds adapter {only!r} alone; load it with "
-                f"adapter={only!r}"
-            )
+        _check_whole(saved.meta.get("adapter_only"), adapter)
         if saved.adapters and self.adapters is None:
             raise ValueError(
                 f"checkpoint: it holds adapters {sorted(saved.adapters)}; start the service "
@@ -270,12 +260,8 @@ class ShardCheckpoint:
             reshard.apply(staged.base, optimizer=optimizer)
         if bank is not None and staged.adapters:
             was = None if staged.base is not None else bank.active
-            sites = [p.canon for p in self._params(tied=True, lora=True)]
             for spec, step, params in staged.adapters:
-                tensors = {
-                    canon: s.value.to(s.tensor.dtype).clone()
-                    for canon, s in zip(sites, params, strict=True)
-                }
+                tensors = {s.canon: s.value.to(s.tensor.dtype).clone() for s in params}
                 bank.install(Slot(spec=spec, tensors=tensors, step=step))
                 bank.activate(spec.name)
                 reshard.apply(params, optimizer=optimizer)
@@ -285,6 +271,14 @@ class ShardCheckpoint:
         self.optim.zero_grad()
         self.optim.step = staged.step
         torch.manual_seed(reshard.rng_seed(self.cfg.model.seed, staged.step, self.coords.rank))
+
+
+def _check_whole(only: str | None, adapter: str | None) -> None:
+    """A checkpoint of one adapter alone (``only``) loads only as that adapter."""
+    if adapter is None and only is not None:
+        raise ValueError(
+            f"adapter: this checkpoint holds adapter {only!r} alone; load it with adapter={only!r}"
+        )
 
 
 @dataclasses.dataclass

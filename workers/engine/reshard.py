@@ -228,6 +228,7 @@ def _assemble(name: str, parts: list[dict[str, Any]], kind: str) -> Tensor:
 class Staged:
     """One local parameter's values cut from a checkpoint, waiting to be applied."""
 
+    canon: str
     tensor: Tensor
     slot: OptimizerSlot | None
     value: Tensor
@@ -254,7 +255,7 @@ def stage(saved: Pieces, params: Iterable[Param], *, tp_rank: int, tp: int) -> l
         moments = None
         if p.slot is not None and saved.has_moments(p.canon):
             moments = {k: saved.shard(p.canon, tp_rank, tp, k) for k in MOMENTS}
-        out.append(Staged(p.tensor, p.slot, value, moments, saved.step(p.canon)))
+        out.append(Staged(p.canon, p.tensor, p.slot, value, moments, saved.step(p.canon)))
     if problems:
         raise ValueError(
             f"checkpoint: it does not fit this model ({len(problems)} tensors): "
