@@ -204,10 +204,15 @@ def test_a_sync_goes_ahead_of_waiting_samples_and_one_past_its_queue_timeout_nev
 def test_a_tinker_asample_past_the_bound_is_a_429_at_the_call(lora_sampled: Service) -> None:
     """While the samplers hold ``MAX_QUEUED`` samples, Tinker's ``asample`` answers 429 with
     Retry-After at once (the SDK retries it), instead of a future that waits; once they are
-    done it answers a future again."""
-    long = {"prompts": [[1, 2, 3, 4, 5, 6, 7, 8]] * 4, "n": 4, "max_tokens": 150}
+    done it answers a future again.
 
-    async def main() -> tuple[httpx.Response, float, httpx.Response]:
+    The samplers are filled without a race against the engine: two long samples take both of
+    the engine's turns (``--sampler-concurrency 2``) before ten short ones queue behind them,
+    so none can finish while the rest are still being admitted, however loaded the machine."""
+    long = {"prompts": [[1, 2, 3, 4, 5, 6, 7, 8]] * 8, "n": 16, "max_tokens": 150}
+    short = {"prompts": [[1, 2, 3, 4, 5, 6, 7, 8]], "max_tokens": 4}
+
+    async def main() -> tuple[httpx.Response, float, float, httpx.Response]:
         async with httpx.AsyncClient(base_url=lora_sampled.url, timeout=300) as http:
             name = (await http.get("/v1/info")).json()["model_name"]
             tinker = {
@@ -215,27 +220,39 @@ def test_a_tinker_asample_past_the_bound_is_a_429_at_the_call(lora_sampled: Serv
                 "sampling_params": {"max_tokens": 2}, "base_model": name,
             }  # fmt: skip
             key = {"x-api-key": "tml-bound"}
-            held = [
-                asyncio.create_task(http.post("/v1/sample", json={**long, "seed": i}))
-                for i in range(MAX_QUEUED)
+
+            async def held_until(held: list[asyncio.Task[httpx.Response]], count: int) -> None:
+                deadline = time.monotonic() + 60
+                while (await http.get("/v1/info")).json()["samplers"]["engines"][0][
+                    "in_flight"
+                ] < count:
+                    done = [t.result().text for t in held if t.done()]
+                    assert not done, f"a held sample answered before the bound was full: {done}"
+                    assert time.monotonic() < deadline, f"fewer than {count} held after 60 s"
+                    await asyncio.sleep(0.01)
+
+            t_held = time.monotonic()
+            held = [asyncio.create_task(http.post("/v1/sample", json={**long, "seed": i}))
+                    for i in range(2)]  # fmt: skip
+            await held_until(held, 2)
+            held += [
+                asyncio.create_task(http.post("/v1/sample", json={**short, "seed": i}))
+                for i in range(MAX_QUEUED - 2)
             ]
-            deadline = time.monotonic() + 60
-            while True:
-                info = (await http.get("/v1/info")).json()
-                if info["samplers"]["engines"][0]["in_flight"] >= MAX_QUEUED:
-                    break
-                assert time.monotonic() < deadline and not any(t.done() for t in held)
-                await asyncio.sleep(0.01)
+            await held_until(held, MAX_QUEUED)
             t0 = time.monotonic()
             full = await http.post("/api/v1/asample", json=tinker, headers=key)
             waited = time.monotonic() - t0
-            assert [r.status_code for r in await asyncio.gather(*held)] == [200] * MAX_QUEUED
+            ended = await asyncio.gather(*held)
+            held_s = time.monotonic() - t_held
+            assert [r.status_code for r in ended] == [200] * MAX_QUEUED, [r.text for r in ended]
             again = await http.post("/api/v1/asample", json=tinker, headers=key)
-            return full, waited, again
+            return full, waited, held_s, again
 
-    full, waited, again = asyncio.run(main())
+    full, waited, held_s, again = asyncio.run(main())
     assert full.status_code == 429 and "retry-after" in full.headers, full.text
-    assert waited < 5 and "bound" in full.text, (waited, full.text)
+    # A future that waited for room would take about as long as the held samples did.
+    assert waited < held_s / 3 and "bound" in full.text, (waited, held_s, full.text)
     assert again.status_code == 200 and "sample_sequence_ids" in again.json(), again.text
 
 
