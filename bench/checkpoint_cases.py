@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bench.memory import PeakRSS
 from trainctl.service.cluster import free_port
 
 MODEL = {
@@ -67,22 +68,23 @@ def _rank(
     path = directory / f"rank-{rank:05d}.pt"
     reshardable = job["format"] == "reshardable"
     dist.barrier()
-    t0 = time.perf_counter()
     if job["save"]:
         _step(eng)
         dist.barrier()
-        t0 = time.perf_counter()
-        state = eng.checkpoint.reshardable_state() if reshardable else eng.checkpoint.state()
-        torch.save(state, path)
-    elif reshardable:
-        staged = eng.checkpoint.stage_reshardable(Reader.open(directory))
-        eng.checkpoint.apply_reshardable(staged)
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        eng.checkpoint.load(state)
+    t0 = time.perf_counter()
+    with PeakRSS() as memory:
+        if job["save"]:
+            state = eng.checkpoint.reshardable_state() if reshardable else eng.checkpoint.state()
+            torch.save(state, path)
+        elif reshardable:
+            staged = eng.checkpoint.stage_reshardable(Reader.open(directory))
+            eng.checkpoint.apply_reshardable(staged)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            eng.checkpoint.load(state)
     seconds = time.perf_counter() - t0
     dist.barrier()
-    out.put((rank, seconds, eng.num_parameters()))
+    out.put((rank, seconds, eng.num_parameters(), memory.peak_above_start))
     dist.destroy_process_group()
 
 
@@ -93,8 +95,9 @@ def _world(layout: dict[str, int]) -> int:
     return n
 
 
-def _run(job: dict[str, Any]) -> tuple[float, int]:
-    """The slowest rank's seconds, and the parameters of one rank."""
+def _run(job: dict[str, Any]) -> tuple[float, int, int]:
+    """The slowest rank's seconds, the parameters of one rank, and the most resident memory
+    (bytes) a rank added while it saved or loaded."""
     world = _world(job["layout"])
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -105,18 +108,22 @@ def _run(job: dict[str, Any]) -> tuple[float, int]:
     got = [out.get(timeout=1800) for _ in procs]
     for p in procs:
         p.join()
-    return max(s for _, s, _ in got), max(n for _, _, n in got)
+    return max(g[1] for g in got), max(g[2] for g in got), max(g[3] for g in got)
 
 
 def checkpoint_case(
     fmt: str, write: dict[str, int], reads: list[dict[str, int]], directory: str, quick: bool
 ) -> dict[str, Any]:
     """Save at ``write`` in format ``fmt``, then load at each of ``reads``: the size on disk,
-    the save's and each load's seconds (the slowest rank's)."""
+    the save's and each load's seconds (the slowest rank's) and each load's resident memory
+    (the most a rank added)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     base = {"format": fmt, "directory": directory, "quick": quick}
-    save_s, params = _run({**base, "layout": write, "save": True})
+    save_s, params, _ = _run({**base, "layout": write, "save": True})
     size = sum(f.stat().st_size for f in d.glob("rank-*.pt"))
-    loads = [_run({**base, "layout": r, "save": False})[0] for r in reads]
-    return {"size_bytes": size, "save_s": save_s, "load_s": loads, "parameters": params}
+    loads = [_run({**base, "layout": r, "save": False}) for r in reads]
+    return {
+        "size_bytes": size, "save_s": save_s, "parameters": params,
+        "load_s": [s for s, _, _ in loads], "load_bytes": [b for _, _, b in loads],
+    }  # fmt: skip

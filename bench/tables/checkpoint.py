@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from typing import Any
 
 from bench.tables.common import measure, table
 
@@ -21,20 +22,24 @@ def section(quick: bool) -> str:
     for fmt in ("per_rank", "reshardable"):
         reads = SAME + (OTHERS if fmt == "reshardable" else [])
         with tempfile.TemporaryDirectory() as d:
-            r = measure(
+            r: dict[str, Any] = measure(
                 "checkpoint_case", module="checkpoint_cases", fmt=fmt, write=WRITE, reads=reads,
                 directory=d, quick=quick,
             )  # fmt: skip
-        loads = [f"{s:.2f}" for s in r["load_s"]] + ["refused"] * (len(SAME + OTHERS) - len(reads))
+        loads = [
+            f"{s:.2f} / {b / 2**20:.0f}" for s, b in zip(r["load_s"], r["load_bytes"], strict=True)
+        ] + ["refused"] * (len(SAME + OTHERS) - len(reads))
         rows.append([fmt, f"{r['size_bytes'] / 2**20:.0f}", f"{r['save_s']:.2f}", *loads])
     head = (
         f"### Checkpoint save and load ({r['parameters'] / 1e6:.0f}M-parameter model, fp32 "
         f"with AdamW, written at {_name(WRITE)} with ZeRO-1)\n\n"
         "Seconds of the slowest rank, each layout's ranks spawned processes over gloo; loads "
-        "read files the save just wrote (in the page cache). A per-rank checkpoint loads only "
-        "into the layout that wrote it.\n\n"
+        "read files the save just wrote (in the page cache). A load's MiB: the most resident "
+        "memory one rank added while it loaded (its staged copy of its state, and the pages "
+        "of the files it touched). A per-rank checkpoint loads only into the layout that "
+        "wrote it.\n\n"
     )
     return head + table(
-        ["format", "size MiB", "save s", *(f"load at {_name(x)} s" for x in SAME + OTHERS)],
+        ["format", "size MiB", "save s", *(f"load at {_name(x)} s / MiB" for x in SAME + OTHERS)],
         rows,
     )

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "bench" / "run.py"
 
 
-MEMORY_MODULES = ("cases", "parallel_cases", "tree_cases", "lora_cases")
+MEMORY_MODULES = ("cases", "parallel_cases", "tree_cases", "lora_cases", "checkpoint_cases")
 """The case modules that measure peak memory (``child_env``)."""
 
 

@@ -166,8 +166,7 @@ class ShardCheckpoint:
         out = reshard.params_of(
             self.chunks, reshard.optimizer_slots(self.optim.optimizer),
             ep_rank=self.coords.ep, local_experts=self.local_experts,
-            dense0=self.coords.dp == 0 and self.coords.cp == 0,
-            experts0=self.dims.expert_dp_rank == 0, tied=tied,
+            replica0=self.dims.holds_replica0, tied=tied,
         )  # fmt: skip
         return [p for p in out if lora is None or is_lora(p.canon) == lora]
 

@@ -44,6 +44,14 @@ class ParallelDims:
     is_last_stage: bool
     """This rank's physical stage is the last: it computes the loss."""
 
+    def holds_replica0(self, name: str) -> bool:
+        """This rank holds replica 0 of parameter ``name`` (megatron's local name): dense
+        tensors are replicated over DP x CP, experts over expert-data-parallel ranks. Replica
+        0's copies add up to one full model, each element once."""
+        if ".local_experts." in name:
+            return self.expert_dp_rank == 0
+        return self.coords.dp == 0 and self.coords.cp == 0
+
     @classmethod
     def build(cls, layout: ParallelLayout, *, timeout_s: float) -> ParallelDims:
         """Initialise megatron's parallel state for ``layout`` and read it, once."""

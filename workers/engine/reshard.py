@@ -11,15 +11,17 @@ A piece is one flat range ``[lo, hi)`` of one TP rank's shard of the tensor:
   expert-data-parallel rank 0), and no state is written twice;
 * a tied output embedding is the input embedding's copy and is not written.
 
-Loading puts each canonical tensor back together from the pieces of every file (read through
-``mmap``: only the pages a rank needs are read), checks that the pieces cover it, and cuts
-this rank's shard of it for the new layout. Nothing in the format depends on the writer's
-DP, CP, PP or EP; its TP only decides how the pieces are cut.
+Loading indexes the pieces of every file (read through ``mmap``: only the pages a rank
+needs are read) and cuts this rank's shard for the new layout straight from the writer's
+shards it overlaps, reading only the ranges it needs; a range no piece covers is an error
+naming the tensor. Nothing in the format depends on the writer's DP, CP, PP or EP; its TP
+only decides how the pieces are cut.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,7 +128,8 @@ def pieces(params: Iterable[Param], *, tp_rank: int, tp: int, zero: bool) -> dic
 
 class Pieces:
     """Owns the index of one part of a checkpoint (the base, or one adapter): the pieces of
-    every rank file by canonical name, and putting a tensor back together from them."""
+    every rank file by canonical name, and cutting any TP rank's shard of a tensor from
+    them."""
 
     def __init__(self, parts: Iterable[dict[str, Any]]) -> None:
         self.index: dict[str, list[dict[str, Any]]] = {}
@@ -144,40 +147,109 @@ class Pieces:
     def step(self, name: str) -> float:
         return float(self.index[name][0].get("step", 0.0))
 
-    def shard(self, name: str, tp_rank: int, tp: int, kind: str = "param") -> Tensor:
-        """TP rank ``tp_rank`` of ``tp``'s shard of ``name`` (a tensor of its own, not a view
-        of the whole): put together from that rank's pieces alone where the writer's TP was
-        the same, else cut from the whole tensor."""
-        rule = weights.shard_rule(name)
-        pieces = self.index.get(name, [])
-        if pieces and rule.kind != "replicated" and pieces[0]["tp_size"] == tp:
-            return _assemble(name, [p for p in pieces if p["tp"] == tp_rank], kind)
-        return rule.shard(self.full(name, kind), tp_rank, tp).clone()
-
-    def full(self, name: str, kind: str = "param") -> Tensor:
-        """The whole canonical tensor ``name`` (``kind``: ``param`` or a moment), from the
-        pieces of every file; a ValueError says which part no file holds."""
+    def shard(
+        self, name: str, tp_rank: int, tp: int, kind: str = "param", flat: slice | None = None
+    ) -> Tensor:
+        """TP rank ``tp_rank`` of ``tp``'s shard of ``name`` (``kind``: ``param`` or a
+        moment), a tensor of its own: cut from the writer's shards it overlaps, reading only
+        the ranges of their pieces it needs, so no rank holds the whole tensor unless its
+        shard is the whole. ``flat``: only that range of the flattened shard (a ZeRO rank's
+        moments). A ValueError names what no file holds."""
         if name not in self.index:
             raise ValueError(f"checkpoint: it holds no {name}")
         rule = weights.shard_rule(name)
-        by_tp: dict[int, list[dict[str, Any]]] = {}
-        for p in self.index[name]:
-            by_tp.setdefault(p["tp"], []).append(p)
-        tp = self.index[name][0]["tp_size"]
-        shards: dict[int, Tensor] = {}
-        problems = []
-        for rank in sorted(by_tp):
-            try:
-                shards[rank] = _assemble(name, by_tp[rank], kind)
-            except ValueError as e:
-                problems.append(str(e))
+        first = self.index[name][0]
+        writers = first["tp_size"]
+        span = (0, None) if flat is None else (flat.start, flat.stop)
+        if rule.kind == "replicated":  # every writer holds all of it: the first whole one
+            problems = []
+            for rank in sorted({p["tp"] for p in self.index[name]}):
+                try:
+                    return self._writer(name, rank, kind).range(*span)
+                except ValueError as e:
+                    problems.append(str(e))
+            raise ValueError("; ".join(problems))
+        if writers == tp:  # the writer's TP: its shard as it is
+            return self._writer(name, tp_rank, kind).range(*span)
+        if flat is not None:
+            return self.shard(name, tp_rank, tp, kind).reshape(-1)[flat].clone()
+        dim, blocks = (0, 2) if rule.kind == "glu" else (rule.dim, 1)
+        shape = list(first["shape"])  # one writer shard's
+        per_writer = shape[dim] // blocks  # a block's length in one writer shard
+        per_reader = per_writer * writers // tp
+        lo, hi = tp_rank * per_reader, (tp_rank + 1) * per_reader
+        cuts = []
+        for b in range(blocks):
+            for k in range(lo // per_writer, -(-hi // per_writer)):
+                base = b * per_writer - k * per_writer  # block b of writer k, less its offset
+                a, z = base + max(lo, k * per_writer), base + min(hi, (k + 1) * per_writer)
+                cuts.append(self._writer(name, k, kind).cut(shape, dim, a, z))
+        return cuts[0] if len(cuts) == 1 else torch.cat(cuts, dim=dim)
+
+    def _writer(self, name: str, tp_rank: int, kind: str) -> _Shard:
+        parts = sorted((p for p in self.index[name] if p["tp"] == tp_rank), key=lambda p: p["lo"])
+        if not parts:
+            raise ValueError(f"checkpoint: {name} lacks TP shard {tp_rank}")
+        return _Shard(name, tp_rank, parts, kind)
+
+    def full(self, name: str, kind: str = "param") -> Tensor:
+        """The whole canonical tensor ``name``, from the pieces of every file."""
+        return self.shard(name, 0, 1, kind)
+
+
+_CHUNK = 1 << 22
+"""Elements of a writer shard read at once while cutting across its rows (16 MiB in fp32)."""
+
+
+@dataclass
+class _Shard:
+    """One writer TP shard of a tensor as its flat pieces (sorted, ``mmap``-backed): ranges
+    of it and cuts along a dimension, read without putting the whole shard together."""
+
+    name: str
+    tp: int
+    parts: list[dict[str, Any]]
+    kind: str
+
+    def range(self, lo: int, hi: int | None) -> Tensor:
+        """Flat elements ``[lo, hi)`` (``hi`` None: to the end, shaped as the shard), a new
+        tensor; the pieces must cover them."""
+        shape = self.parts[0]["shape"]
+        whole = hi is None
+        hi = int(torch.Size(shape).numel()) if hi is None else hi
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        at = lo
+        for p in self.parts:
+            if p["hi"] <= at:
                 continue
-            if rule.kind == "replicated":  # every TP rank holds all of it: one will do
-                return shards[rank]
-        if problems or len(shards) != tp:
-            missing = sorted(set(range(tp)) - set(shards))
-            raise ValueError("; ".join(problems) or f"checkpoint: {name} lacks TP shards {missing}")
-        return rule.unshard_ranks(shards, tp)
+            if p["lo"] > at or at >= hi:
+                break
+            if self.kind not in p:
+                raise ValueError(f"checkpoint: {self.name} has no {self.kind}")
+            end = min(hi, p["hi"])
+            out[at - lo : end - lo] = p[self.kind][at - p["lo"] : end - p["lo"]]
+            at = end
+        if at != hi:
+            raise ValueError(f"checkpoint: {self.name} (TP shard {self.tp}) lacks elements {at}..")
+        return out.view(shape) if whole else out
+
+    def cut(self, shape: list[int], dim: int, a: int, z: int) -> Tensor:
+        """Indices ``[a, z)`` of dimension ``dim`` of this shard (of ``shape``), a new
+        tensor: a contiguous range of each outer row, read a bounded chunk at a time."""
+        outer = math.prod(shape[:dim])
+        rest = math.prod(shape[dim + 1 :])
+        span = shape[dim] * rest  # one outer row
+        out = torch.empty(outer, z - a, rest, dtype=torch.float32)
+        if outer == 1 or span > _CHUNK:  # each outer row's range alone
+            for o in range(outer):
+                out[o] = self.range(o * span + a * rest, o * span + z * rest).view(z - a, rest)
+        else:  # whole outer rows, a chunk of them at a time
+            rows = _CHUNK // span
+            for o in range(0, outer, rows):
+                e = min(outer, o + rows)
+                got = self.range(o * span, e * span).view(e - o, shape[dim], rest)
+                out[o:e] = got[:, a:z]
+        return out.view(*shape[:dim], z - a, *shape[dim + 1 :])
 
 
 @dataclass
@@ -204,24 +276,6 @@ class Reader:
             for name, a in first["adapters"].items()
         }
         return cls(first["meta"], Pieces(f["pieces"] for f in files), adapters)
-
-
-def _assemble(name: str, parts: list[dict[str, Any]], kind: str) -> Tensor:
-    """One TP shard of ``name`` from its flat pieces; they must cover it exactly once."""
-    shape = parts[0]["shape"]
-    numel = int(torch.Size(shape).numel())
-    flat = torch.empty(numel, dtype=torch.float32)
-    at = 0
-    for p in sorted(parts, key=lambda p: p["lo"]):
-        if p["lo"] != at:
-            raise ValueError(f"checkpoint: {name} (TP shard {p['tp']}) lacks elements {at}..")
-        if kind not in p:
-            raise ValueError(f"checkpoint: {name} has no {kind}")
-        flat[p["lo"] : p["hi"]] = p[kind]
-        at = p["hi"]
-    if at != numel:
-        raise ValueError(f"checkpoint: {name} (TP shard {parts[0]['tp']}) lacks elements {at}..")
-    return flat.view(shape)
 
 
 @dataclass
@@ -254,7 +308,8 @@ def stage(saved: Pieces, params: Iterable[Param], *, tp_rank: int, tp: int) -> l
         value = saved.shard(p.canon, tp_rank, tp)
         moments = None
         if p.slot is not None and saved.has_moments(p.canon):
-            moments = {k: saved.shard(p.canon, tp_rank, tp, k) for k in MOMENTS}
+            ours = slice(p.slot.lo, p.slot.hi)  # this rank's optimizer range alone
+            moments = {k: saved.shard(p.canon, tp_rank, tp, k, ours) for k in MOMENTS}
         out.append(Staged(p.canon, p.tensor, p.slot, value, moments, saved.step(p.canon)))
     if problems:
         raise ValueError(
@@ -282,7 +337,7 @@ def apply(staged: Iterable[Staged], *, optimizer: bool = True) -> None:
                 "step": torch.tensor(s.step, dtype=torch.float32, device=slot.main.device)
             }
             for k, v in s.moments.items():
-                part = v.reshape(-1)[slot.lo : slot.hi].view(slot.main.shape)
+                part = v.view(slot.main.shape)  # staged as this rank's range
                 state[k] = part.to(device=slot.main.device, dtype=slot.main.dtype).clone()
             slot.inner.state[slot.main] = state  # type: ignore[index]
 
@@ -293,19 +348,18 @@ def params_of(
     *,
     ep_rank: int,
     local_experts: int,
-    dense0: bool,
-    experts0: bool,
+    replica0: Callable[[str], bool],
     tied: bool,
 ) -> Iterator[Param]:
-    """Every parameter of ``chunks`` as ``Param``s; ``tied``: include the tied output
-    embedding (a load fills it from the embedding; a save leaves it out)."""
+    """Every parameter of ``chunks`` as ``Param``s; ``replica0``: whether this rank holds
+    replica 0 of a parameter (by its local name); ``tied``: include the tied output embedding
+    (a load fills it from the embedding; a save leaves it out)."""
     for c in chunks:
         names = weights.canonical_names(c.module, ep_rank=ep_rank, local_experts=local_experts)
         for name, t in c.module.named_parameters():
             if weights.is_tied_copy(t) and not tied:
                 continue
-            replica0 = experts0 if ".local_experts." in name else dense0
-            yield Param(names[name], t, replica0, slots.get(t))
+            yield Param(names[name], t, replica0(name), slots.get(t))
 
 
 def rng_seed(seed: int, step: int, rank: int) -> int:

@@ -409,8 +409,6 @@ class EngineShard:
         if grads and self.zero:
             with megatron_cpu.cuda_to_cpu():
                 zero.gather_grads(self.chunks)
-        dense0 = self.coords.dp == 0 and self.coords.cp == 0
-        experts0 = self.dims.expert_dp_rank == 0
         for c in self.chunks:
             names = weights.canonical_names(
                 c.module, ep_rank=self.coords.ep, local_experts=self.local_experts
@@ -418,7 +416,7 @@ class EngineShard:
             for name, p in c.module.named_parameters():
                 if weights.is_tied_copy(p) or (grads and not p.requires_grad):
                     continue
-                if owned and not (experts0 if ".local_experts." in name else dense0):
+                if owned and not self.dims.holds_replica0(name):
                     continue
                 t = p.main_grad if grads else p
                 out[names[name]] = t.detach().clone()
