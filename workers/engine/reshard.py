@@ -238,9 +238,12 @@ class _Shard:
         tensor: a contiguous range of each outer row, read a bounded chunk at a time."""
         outer = math.prod(shape[:dim])
         rest = math.prod(shape[dim + 1 :])
+        cut_shape = (*shape[:dim], z - a, *shape[dim + 1 :])
+        if outer == 1:  # a cut along the first dimension: one flat range
+            return self.range(a * rest, z * rest).view(cut_shape)
         span = shape[dim] * rest  # one outer row
         out = torch.empty(outer, z - a, rest, dtype=torch.float32)
-        if outer == 1 or span > _CHUNK:  # each outer row's range alone
+        if span > _CHUNK:  # each outer row's range alone
             for o in range(outer):
                 out[o] = self.range(o * span + a * rest, o * span + z * rest).view(z - a, rest)
         else:  # whole outer rows, a chunk of them at a time
@@ -249,7 +252,7 @@ class _Shard:
                 e = min(outer, o + rows)
                 got = self.range(o * span, e * span).view(e - o, shape[dim], rest)
                 out[o:e] = got[:, a:z]
-        return out.view(*shape[:dim], z - a, *shape[dim + 1 :])
+        return out.view(cut_shape)
 
 
 @dataclass
