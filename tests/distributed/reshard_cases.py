@@ -29,6 +29,7 @@ def resharded_run(
     from trainctl.workers.control.plan import plan_step
     from trainctl.workers.engine.boundary import AdapterSpec
     from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.engine.lora import is_lora
     from trainctl.workers.engine.reshard import Reader
     from trainctl.workers.engine.shard import EngineShard
 
@@ -58,7 +59,7 @@ def resharded_run(
         torch.save(eng.checkpoint.reshardable_state(only), path)
     params = eng.canonical_shards(owned=True)
     if adapter is not None:
-        params = {n: t for n, t in params.items() if n.endswith((".lora_a", ".lora_b"))}
+        params = {n: t for n, t in params.items() if is_lora(n)}
     return {
         "coords": {"tp": eng.coords.tp},
         "is_last_stage": eng.is_last_stage,

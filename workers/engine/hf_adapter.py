@@ -29,6 +29,7 @@ from trainctl.workers.engine import hf
 from trainctl.workers.engine.boundary import AdapterSpec
 from trainctl.workers.engine.config import ModelConfig
 from trainctl.workers.engine.families import OUTPUT, Fuse
+from trainctl.workers.engine.lora import is_lora
 from trainctl.workers.engine.weights import EMBEDDING
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -104,7 +105,7 @@ def merged(canonical: dict[str, Tensor], m: ModelConfig, spec: AdapterSpec) -> d
     """The base's canonical weights with the adapter folded in (``W + (alpha / r) B A``) and
     without the LoRA factors: a plain model of the family. A tied model adapted on its LM head
     gets an output layer of its own (the input embedding stays the base's)."""
-    out = {k: v for k, v in canonical.items() if not k.endswith((".lora_a", ".lora_b"))}
+    out = {k: v for k, v in canonical.items() if not is_lora(k)}
     scaling = spec.alpha / spec.rank
     for site, _, _ in _sites(m):
         if _SITE_GROUP[site.rsplit(".", 1)[-1]] not in spec.targets:
