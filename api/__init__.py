@@ -61,6 +61,8 @@ from trainctl.api.models import (
 )
 from trainctl.api.operations import (
     OPERATIONS,
+    DeleteCheckpointRequest,
+    Deleted,
     LoadCheckpointRequest,
     NoArguments,
     Operation,
@@ -95,6 +97,8 @@ __all__ = [
     "ConflictError",
     "CreateAdapterRequest",
     "DeleteAdapterRequest",
+    "DeleteCheckpointRequest",
+    "Deleted",
     "ErrorBody",
     "ErrorType",
     "EvalBatchRequest",

@@ -60,6 +60,8 @@ class OperationKind(str, Enum):
     CREATE_ADAPTER = "create_adapter"
     DELETE_ADAPTER = "delete_adapter"
     """Routed by ``DELETE /v1/adapters/{name}`` (the table's routes are POSTs)."""
+    DELETE_CHECKPOINT = "delete_checkpoint"
+    """Routed by ``DELETE /v1/checkpoints/{checkpoint_id}`` and ``DELETE /v1/exports/{name}``."""
     RECOVER = "recover"
     """Internal: rebuild the workers after a failure (queued ahead of everything; no route)."""
 
@@ -135,6 +137,31 @@ class LoadCheckpointRequest(BaseModel):
         if self.into is not None and self.adapter is None:
             raise ValueError("into: names where an adapter is restored; name the adapter")
         return self
+
+
+class DeleteCheckpointRequest(BaseModel):
+    """``delete_checkpoint``: one owner's checkpoint (or export) removed from disk, in the
+    operation queue's turn (never under a load that reads it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_id: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        description="As listed by GET /v1/checkpoints (an export: its name).",
+    )
+    owner: str | None = owner_field()
+    export: bool = Field(
+        default=False, description="Delete the Hugging Face export of that name instead."
+    )
+
+
+class Deleted(BaseModel):
+    """What ``delete_checkpoint`` removed."""
+
+    checkpoint_id: str
+    owner: str | None = None
+    export: bool = False
+    size_bytes: int = Field(description="Bytes freed on disk.")
 
 
 class OperationStatus(str, Enum):
@@ -249,6 +276,12 @@ OPERATIONS: dict[OperationKind, OperationSpec] = {
             OperationKind.DELETE_ADAPTER, DeleteAdapterRequest, AdapterList, "", "adapters",
             "Delete an adapter: its weights, optimizer state and window (DELETE "
             "/v1/adapters/{name}).",
+        ),
+        OperationSpec(
+            OperationKind.DELETE_CHECKPOINT, DeleteCheckpointRequest, Deleted, "",
+            "checkpoints",
+            "Delete one owner's checkpoint or export from disk (DELETE "
+            "/v1/checkpoints/{checkpoint_id}, DELETE /v1/exports/{name}).",
         ),
         OperationSpec(
             OperationKind.RECOVER, NoArguments, Info, "", "service",

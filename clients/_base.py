@@ -273,10 +273,12 @@ class Requests:
         query = {k: v for k, v in params.items() if v is not None}
         return Call("GET", path(name), parse_model(model), params=query)
 
-    def delete(self, name: str, model: type[M]) -> Call[M]:
-        """``DELETE /v1/{name}``, with a fresh idempotency key reused by every retry."""
+    def delete(self, name: str, model: type[M], **params: Any) -> Call[M]:
+        """``DELETE /v1/{name}``, with a fresh idempotency key reused by every retry;
+        ``params`` that are not None go in its query."""
         headers = {"Idempotency-Key": uuid.uuid4().hex}
-        return Call("DELETE", path(name), parse_model(model), headers=headers)
+        query = {k: v for k, v in params.items() if v is not None}
+        return Call("DELETE", path(name), parse_model(model), headers=headers, params=query)
 
     def download(self, profile_id: str, name: str) -> Call[bytes]:
         return Call("GET", path(f"memory_profiles/{profile_id}/files/{name}"), parse_bytes)

@@ -27,6 +27,7 @@ from trainctl.api import (
     CheckpointInfo,
     CheckpointList,
     CreateAdapterRequest,
+    Deleted,
     ExportRequest,
     ExportResult,
     ForwardBackwardResult,
@@ -333,6 +334,15 @@ class AsyncTrainctlClient:
     async def list_checkpoints(self, owner: str | None = None) -> CheckpointList:
         """``owner``'s checkpoints (default: the service's own names), oldest save first."""
         return await self._send(self._req.get("checkpoints", CheckpointList, owner=owner))
+
+    async def delete_checkpoint(self, checkpoint_id: str, owner: str | None = None) -> Deleted:
+        """Delete ``owner``'s checkpoint from disk (in the operation queue's turn)."""
+        call = self._req.delete(f"checkpoints/{checkpoint_id}", Deleted, owner=owner)
+        return await self._send(call)
+
+    async def delete_export(self, name: str, owner: str | None = None) -> Deleted:
+        """Delete ``owner``'s Hugging Face export from disk (in the operation queue's turn)."""
+        return await self._send(self._req.delete(f"exports/{name}", Deleted, owner=owner))
 
     async def load_checkpoint(
         self,

@@ -25,6 +25,7 @@ from trainctl.api import (
     CheckpointInfo,
     CheckpointList,
     CreateAdapterRequest,
+    Deleted,
     ExportRequest,
     ExportResult,
     ForwardBackwardResult,
@@ -327,6 +328,15 @@ class TrainctlClient:
     def list_checkpoints(self, owner: str | None = None) -> CheckpointList:
         """``owner``'s checkpoints (default: the service's own names), oldest save first."""
         return self._send(self._req.get("checkpoints", CheckpointList, owner=owner))
+
+    def delete_checkpoint(self, checkpoint_id: str, owner: str | None = None) -> Deleted:
+        """Delete ``owner``'s checkpoint from disk (in the operation queue's turn)."""
+        call = self._req.delete(f"checkpoints/{checkpoint_id}", Deleted, owner=owner)
+        return self._send(call)
+
+    def delete_export(self, name: str, owner: str | None = None) -> Deleted:
+        """Delete ``owner``'s Hugging Face export from disk (in the operation queue's turn)."""
+        return self._send(self._req.delete(f"exports/{name}", Deleted, owner=owner))
 
     def load_checkpoint(
         self,

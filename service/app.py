@@ -30,6 +30,7 @@ from trainctl.service.codec import BODY_GRACE_S, BODY_TIMEOUT_S
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.errors import install_error_handlers
 from trainctl.service.metrics import GatewayMetrics, tenant_usage
+from trainctl.service.shares import Bounds, Shares
 from trainctl.service.tenants import TenantKeys
 from trainctl.service.tinker import routes as tinker_routes
 
@@ -125,6 +126,7 @@ def create_app(
     body_grace_s: float = BODY_GRACE_S,
     fault_injection: bool = False,
     tinker_order_timeout_s: float = 60.0,
+    tinker_bounds: Bounds | None = None,
     open_metrics: bool = True,
     open_docs: bool = True,
     instance_id: str = "",
@@ -133,7 +135,8 @@ def create_app(
     (``service/auth.py``) needs it; ``api_keys_file``: tenants' keys to the Tinker routes.
     ``open_metrics`` / ``open_docs``: ``/metrics`` and the API docs (``/docs``,
     ``/openapi.json``) answer without the token; when closed, /metrics and /openapi.json need
-    it and the browser docs are off."""
+    it and the browser docs are off. ``tinker_bounds``: the Tinker tables' bounds, each
+    shared out among the tenants and the operator (``service/shares.py``)."""
     docs = {} if open_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(
         **docs,  # type: ignore[arg-type]
@@ -159,8 +162,11 @@ def create_app(
     _install_metrics(app, open_metrics)
     install_error_handlers(app)
     routes.include(app)
-    tinker_routes.install(app, order_timeout_s=tinker_order_timeout_s)
+    keys: TenantKeys | None = app.state.api_keys
+    shares = Shares(tinker_bounds, lambda: 0 if keys is None else len(keys.tenants))
+    tinker_routes.install(app, order_timeout_s=tinker_order_timeout_s, shares=shares)
     app.state.metrics.track_evictions(app.state.tinker.evicted)
+    app.state.metrics.track_shares(shares)
     if fault_injection:
         _install_fault_injection(app)
     app.openapi = _openapi(app)  # type: ignore[method-assign]

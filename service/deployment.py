@@ -96,6 +96,7 @@ def gateway_app(s: Settings, instance_id: str = "") -> Any:
         max_sequences=s.max_sequences,
         max_tokens_per_request=s.max_tokens_per_request,
         fault_injection=s.enable_fault_injection,
+        tinker_bounds=launch.tinker_bounds(s),
         open_metrics=s.open_metrics,
         open_docs=s.open_docs,
         instance_id=s.instance_id or instance_id,

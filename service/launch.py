@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from trainctl.service.settings import Settings, engine_settings
 
 if TYPE_CHECKING:
+    from trainctl.service.shares import Bounds
     from trainctl.workers.control.controller import ControllerOptions
     from trainctl.workers.control.samplers import SamplerSettings
     from trainctl.workers.engine.config import EngineConfig
@@ -108,6 +109,18 @@ def create_controller(s: Settings, cfg: EngineConfig, *, detached: bool) -> Any:
     return ControllerActor.options(**options).remote(
         cfg, controller_options(s, rank_num_gpus=gpus), samplers
     )
+
+
+def tinker_bounds(s: Settings) -> Bounds:
+    """The bounds of the gateway's tables, each shared out among the tenants and the
+    operator (``service/shares.py``); the adapters' is the controller's ``--max-adapters``."""
+    from trainctl.service.shares import Bounds
+
+    return Bounds(
+        sessions=s.tinker_max_sessions, models=s.tinker_max_models, futures=s.tinker_max_futures,
+        sampling_clients=s.tinker_max_sampling_clients, parked=s.tinker_max_parked,
+        parked_bytes=int(s.tinker_max_parked_mb * 2**20), samples=s.sampler_max_queued,
+    )  # fmt: skip
 
 
 def sampler_settings(s: Settings) -> SamplerSettings:

@@ -5,13 +5,15 @@ queue depth: ``workers/control/telemetry.py``). Each registry is private: Ray's 
 prometheus_client's global one.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from trainctl.api import TenantUsage
 from trainctl.service.controller_client import ControllerAPI
+from trainctl.service.shares import Shares
 from trainctl.service.tenants import TenantKeys, scoped
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -87,6 +89,27 @@ class GatewayMetrics:
 
         for table in evicted:
             g.labels(table).set_function(count(table))
+
+    def track_shares(self, shares: Shares) -> None:
+        """``trainctl_tenant_evictions{tenant,table}`` and ``trainctl_tenant_refusals``: what
+        each party's share of each table evicted of its own, and refused it (the operator's
+        label is ``_operator``)."""
+        registry = self.registry
+
+        class Collector:
+            def collect(self) -> Iterator[Metric]:
+                for name, counts, doc in (
+                    ("trainctl_tenant_evictions", shares.evicted,
+                     "Entries of a party's evicted to make room for its own, by table."),
+                    ("trainctl_tenant_refusals", shares.refused,
+                     "Calls refused for being over the party's share, by table."),
+                ):  # fmt: skip
+                    family = CounterMetricFamily(name, doc, labels=["tenant", "table"])
+                    for (tenant, table), n in sorted(counts.items()):
+                        family.add_metric([tenant, table], n)
+                    yield family
+
+        registry.register(Collector())
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

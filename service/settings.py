@@ -228,6 +228,41 @@ class Settings(BaseSettings):
         "again when it changes, and checked on SIGHUP). Each tenant sees only its own "
         "sessions, models, adapters, names and sampling clients; needs --max-adapters.",
     )
+    tinker_max_sessions: int = Field(
+        1024,
+        ge=1,
+        description="Tinker sessions the gateway keeps. Like every tinker_max_* bound it is "
+        "shared out: each tenant of --api-keys, and the operator, may hold max(floor, bound "
+        "// (tenants + 1)) (docs/security.md); past its share a tenant's own longest silent "
+        "session goes, or (none silent for 30 s) it gets a 429.",
+    )
+    tinker_max_models: int = Field(
+        4096,
+        ge=1,
+        description="Tinker model handles, over all sessions (shared out like "
+        "tinker_max_sessions); past its share, create_model is a 409.",
+    )
+    tinker_max_futures: int = Field(
+        4096,
+        ge=1,
+        description="Finished Tinker futures kept for retrieve_future (shared out); past its "
+        "share a tenant's own oldest finished ones are forgotten.",
+    )
+    tinker_max_sampling_clients: int = Field(
+        4096,
+        ge=1,
+        description="Tinker sampling clients, and sampler-weight paths, kept (shared out); "
+        "past its share a tenant's own least recently used one is forgotten.",
+    )
+    tinker_max_parked: int = Field(
+        256,
+        ge=1,
+        description="Tinker requests parked for their seq_id turn (shared out); past its "
+        "share a tenant's next out-of-order request is a 429.",
+    )
+    tinker_max_parked_mb: float = Field(
+        256, gt=0, description="The body bytes of those parked requests, in MiB (shared out)."
+    )
     open_metrics: bool = Field(
         True, description="/metrics answers without the token (Prometheus scrapes it)."
     )

@@ -1,25 +1,72 @@
-"""Checkpoints and exports: save, load and export (operations), and the list."""
+"""Checkpoints and exports: save, load and export (operations), the list, and deletes."""
 
+import hashlib
 from typing import Annotated
 
-from fastapi import Query
+from fastapi import Path, Query, Request, Response
 
-from trainctl.api import CheckpointList
+from trainctl.api import CheckpointList, DeleteCheckpointRequest, Deleted, OperationKind
 from trainctl.api.adapters import ADAPTER_NAME
-from trainctl.service.routes.deps import ControllerDep, resource_router
-from trainctl.service.routes.operation_routes import add_operation_routes
+from trainctl.service.routes.deps import (
+    OPERATION_RESPONSES,
+    ControllerDep,
+    IdempotencyKey,
+    Prefer,
+    resource_router,
+)
+from trainctl.service.routes.operation_routes import add_operation_routes, dispatch
 
 router = resource_router("checkpoints")
 add_operation_routes(router, "checkpoints")
 
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+Owner = Annotated[
+    str | None,
+    Query(pattern=ADAPTER_NAME, description="Whose names (default: the service's own)."),
+]
+
 
 @router.get("/checkpoints", response_model=CheckpointList)
-async def list_checkpoints(
-    controller: ControllerDep,
-    owner: Annotated[
-        str | None,
-        Query(pattern=ADAPTER_NAME, description="Whose names (default: the service's own)."),
-    ] = None,
-) -> CheckpointList:
+async def list_checkpoints(controller: ControllerDep, owner: Owner = None) -> CheckpointList:
     """Complete checkpoints of one owner, oldest first."""
     return await controller.list_checkpoints(owner)
+
+
+async def _delete(
+    request: Request, controller: ControllerDep, req: DeleteCheckpointRequest,
+    key: str | None, prefer: str | None,
+) -> Response:  # fmt: skip
+    fingerprint = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+    kind = OperationKind.DELETE_CHECKPOINT
+    return await dispatch(request, controller, kind, req, key, fingerprint, prefer)
+
+
+@router.delete(
+    "/checkpoints/{checkpoint_id}", response_model=Deleted, responses=OPERATION_RESPONSES
+)
+async def delete_checkpoint(
+    request: Request,
+    controller: ControllerDep,
+    checkpoint_id: str = Path(pattern=NAME),
+    owner: Owner = None,
+    idempotency_key: IdempotencyKey = None,
+    prefer: Prefer = None,
+) -> Response:
+    """Delete one owner's checkpoint from disk, in the operation queue's turn (never under a
+    load that reads it); 404 if it does not exist."""
+    req = DeleteCheckpointRequest(checkpoint_id=checkpoint_id, owner=owner)
+    return await _delete(request, controller, req, idempotency_key, prefer)
+
+
+@router.delete("/exports/{name}", response_model=Deleted, responses=OPERATION_RESPONSES)
+async def delete_export(
+    request: Request,
+    controller: ControllerDep,
+    name: str = Path(pattern=NAME),
+    owner: Owner = None,
+    idempotency_key: IdempotencyKey = None,
+    prefer: Prefer = None,
+) -> Response:
+    """Delete one owner's Hugging Face export from disk, in the operation queue's turn."""
+    req = DeleteCheckpointRequest(checkpoint_id=name, owner=owner, export=True)
+    return await _delete(request, controller, req, idempotency_key, prefer)

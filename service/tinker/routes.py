@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from trainctl.api import (
+    DeleteCheckpointRequest,
     ExportRequest,
     ExportResult,
     ForwardBackwardRequest,
@@ -34,6 +35,7 @@ from trainctl.api import (
     Info,
     InvalidRequestError,
     LoadCheckpointRequest,
+    NotFoundError,
     OperationKind,
     OptimStepRequest,
     PayloadTooLargeError,
@@ -44,7 +46,9 @@ from trainctl.service.auth import Access, access, tenant_of
 from trainctl.service.codec import read_body
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.routes.deps import get_limits
+from trainctl.service.shares import Shares
 from trainctl.service.tinker import convert, proto, sampling_sessions
+from trainctl.service.tinker.adapter_slots import AdapterSlots
 from trainctl.service.tinker.bodies import (
     AdamParams,
     Body,
@@ -62,6 +66,7 @@ from trainctl.service.tinker.bodies import (
 )
 from trainctl.service.tinker.compressed import leading_ids, unzstd, unzstd_head
 from trainctl.service.tinker.native import future_of, in_order
+from trainctl.service.tinker.sampling_table import SamplingSessions
 from trainctl.service.tinker.state import Model, TinkerState, model_id_of, native_name
 
 PREFIX = "/api/v1"
@@ -75,6 +80,10 @@ def _state(request: Request) -> TinkerState:
 
 def _controller(request: Request) -> ControllerAPI:
     return request.app.state.controller  # type: ignore[no-any-return]
+
+
+def _slots(request: Request) -> AdapterSlots:
+    return request.app.state.tinker_adapter_slots  # type: ignore[no-any-return]
 
 
 def _in_order(request: Request, model: Model, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -141,7 +150,7 @@ async def create_session(request: Request) -> dict[str, Any]:
 @access(Access.TINKER)
 async def session_heartbeat(request: Request) -> Response:
     body = await _fields(request)
-    s = _state(request).session(text_field(body, "session_id"), tenant_of(request))
+    s = _state(request).session(text_field(body, "session_id"), tenant_of(request), finished=True)
     if s.finished is not None:
         return JSONResponse({"detail": f"session finished: {s.finished}"}, status_code=410)
     return JSONResponse({"type": "session_heartbeat"})
@@ -150,11 +159,13 @@ async def session_heartbeat(request: Request) -> Response:
 @router.post("/sessions/{session_id}/finish")
 @access(Access.TINKER)
 async def finish_session(session_id: str, request: Request) -> dict[str, Any]:
+    """The session ends (the first reason wins): its models' adapter slots are freed, its
+    sampling clients forgotten, and a later call on either is a 410. What it saved stays."""
     body = await _fields(request)
-    s = _state(request).session(session_id, tenant_of(request))
-    if s.finished is None:  # first wins
-        reason = body.get("reason")
-        s.finished = str(reason.get("type", "success")) if isinstance(reason, dict) else "success"
+    state = _state(request)
+    s = state.session(session_id, tenant_of(request), finished=True)
+    reason = body.get("reason")
+    state.finish(s, str(reason.get("type", "success")) if isinstance(reason, dict) else "success")
     return {}
 
 
@@ -200,13 +211,19 @@ async def create_model(request: Request) -> dict[str, Any]:
             req, info, model_id=model_id, adapter_name=native_name(model_id, tenant),
             max_adapters=adapters.max_adapters,
         )  # fmt: skip
-        if adapter is not None:
-            known = {a.name for a in adapters.adapters}
-            if adapter.name not in known:  # a retried create made it already
+        if adapter is None:
+            state.add_model(req.session_id, req.model_seq_id)
+        elif adapter.name in {a.name for a in adapters.adapters}:  # a retried create made it
+            state.add_model(req.session_id, req.model_seq_id, adapter=adapter.name)
+        else:
+            async with _slots(request).room(tenant):  # 409 past the tenant's quota
                 key = f"tinker:create:{model_id}"
                 await controller.run(OperationKind.CREATE_ADAPTER, adapter, key, fp)
-        name = adapter.name if adapter is not None else None
-        state.add_model(req.session_id, req.model_seq_id, adapter=name)
+                try:
+                    state.add_model(req.session_id, req.model_seq_id, adapter=adapter.name)
+                except Exception:  # the session ended meanwhile: its slot goes back
+                    _slots(request).release([Model(model_id, req.session_id, adapter=adapter.name)])
+                    raise
         return {"model_id": model_id, "type": "create_model"}
 
     key = (req.session_id, req.model_seq_id)
@@ -361,12 +378,25 @@ async def load_weights(request: Request) -> dict[str, Any]:
         # A new model from saved state: its creation is its seq_id 0. On an adapters service
         # it trains an adapter of its own, restored from the one the state holds.
         state.session(req.session_id, tenant)
-        lora = (await _controller(request).list_adapters()).max_adapters > 0
-        model = state.add_model(req.session_id, req.model_seq_id, first_seq=0)
-        model.adapter = model.native if lora else None
+        await _saved(request, owner, source.name)  # 404 now: nothing is made
+        if (await _controller(request).list_adapters()).max_adapters > 0:
+            existing = state.find_model(model_id_of(req.session_id, req.model_seq_id), tenant)
+            if existing is not None and existing.adapter is not None:  # a retry: it has one
+                model = existing
+            else:
+                async with _slots(request).room(tenant):  # its adapter: a slot of the tenant's
+                    model = state.add_model(req.session_id, req.model_seq_id, first_seq=0)
+                    model.adapter = model.native
+        else:
+            model = state.add_model(req.session_id, req.model_seq_id, first_seq=0)
         seq_id = 0
     elif req.model_id is not None and req.seq_id is not None:
         model, seq_id = state.model(req.model_id, tenant), req.seq_id
+        try:
+            await _saved(request, owner, source.name)
+        except NotFoundError as e:  # its turn passes on: the model's next requests go on
+            state.refuse(model, seq_id, fp, e)
+            raise
     else:
         raise InvalidRequestError(
             "load_weights needs model_id and seq_id, or session_id and model_seq_id"
@@ -381,6 +411,42 @@ async def load_weights(request: Request) -> dict[str, Any]:
         request, model, seq_id, fp, OperationKind.LOAD_CHECKPOINT, lambda: native,
         lambda _: {"path": req.path, "model_id": model.model_id, "type": "load_weights"},
     )  # fmt: skip
+
+
+async def _saved(request: Request, owner: str, name: str) -> None:
+    """A 404 unless ``owner`` has a checkpoint ``name`` (deleted, or never saved)."""
+    listing = await _controller(request).list_checkpoints(owner)
+    if not any(c.checkpoint_id == name for c in listing.checkpoints):
+        raise NotFoundError(
+            f"path: no saved state {name!r} of this model (never saved, or deleted)",
+            details={"checkpoint_id": name},
+        )
+
+
+@router.delete("/training_runs/{run}/checkpoints/{checkpoint_id:path}")
+@access(Access.TINKER)
+async def delete_checkpoint(run: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+    """``RestClient.delete_checkpoint_from_tinker_path``: one of the caller's own saved
+    states (``weights/<name>``) or sampler weights (``sampler_weights/<name>``) deleted
+    from disk; another tenant's is unknown here (404)."""
+    path = convert.TinkerPath.parse(f"tinker://{run}/{checkpoint_id}")
+    if path.kind not in ("weights", "sampler_weights"):
+        raise InvalidRequestError(
+            f"checkpoint_id: {checkpoint_id!r} is not weights/<name> or sampler_weights/<name>"
+        )
+    native = DeleteCheckpointRequest(
+        checkpoint_id=path.name, owner=native_name(path.model_id, tenant_of(request)),
+        export=path.kind == "sampler_weights",
+    )  # fmt: skip
+    fingerprint = hashlib.sha256(native.model_dump_json().encode()).hexdigest()
+    await _controller(request).run(OperationKind.DELETE_CHECKPOINT, native, None, fingerprint)
+    if native.export:
+        _sampling(request).forget_path(str(path))
+    return {}
+
+
+def _sampling(request: Request) -> SamplingSessions:
+    return request.app.state.tinker_sampling  # type: ignore[no-any-return]
 
 
 @router.post("/retrieve_future")
@@ -399,9 +465,17 @@ async def retrieve_future(request: Request) -> Response:
     return JSONResponse(f.result)
 
 
-def install(app: FastAPI, order_timeout_s: float = 60.0) -> None:
-    """Serve the Tinker protocol on ``app``."""
-    app.state.tinker = TinkerState(order_timeout_s=order_timeout_s)
+def install(app: FastAPI, order_timeout_s: float = 60.0, shares: Shares | None = None) -> None:
+    """Serve the Tinker protocol on ``app``, its tables bounded by ``shares``."""
+    state = app.state.tinker = TinkerState(order_timeout_s=order_timeout_s, shares=shares)
     app.state.tinker_long_poll_s = LONG_POLL_S
     app.include_router(router)
-    sampling_sessions.install(app, app.state.tinker)
+    sampling_sessions.install(app, state)
+    slots = app.state.tinker_adapter_slots = AdapterSlots(lambda: app.state.controller, state)
+    sampling: SamplingSessions = app.state.tinker_sampling
+
+    def release(session: Any, models: list[Model]) -> None:
+        slots.release(models)
+        sampling.forget_session(session.session_id)
+
+    state.on_release = release

@@ -368,13 +368,13 @@ async def asample(request: Request) -> dict[str, Any]:
         return sample_response(result)
 
     state: TinkerState = request.app.state.tinker
-    f = state.run("sample", work, tenant_of(request))
+    f = state.sample(work, tenant_of(request))  # 429 past the tenant's share in flight
     ids = [f"{f.id}:{i}" for i in range(native.n)]
     return {**future_of(f), "sample_sequence_ids": ids}
 
 
 def install(app: Any, state: TinkerState) -> None:
     app.state.tinker_sampling = SamplingSessions(
-        state.evicted, issued_before=state.issued_before_this_start
+        state.evicted, state.shares, issued_before=state.issued_before_this_start
     )
     app.include_router(router)

@@ -1,7 +1,9 @@
 """The gateway's table of Tinker sampling clients: each client's pinned weights (the step,
 the adapter, an expiry from ``ttl_seconds``), and the step of every sampler-weights path this
-start of the gateway issued. Bounded: the oldest entries go first, and their evictions are
-counted. The routes that fill and read it: ``sampling_sessions.py``."""
+start of the gateway issued. Bounded per party (``service/shares.py``): a party past its
+share of ``sampling_clients`` forgets its own least recently used client (or its own oldest
+path), never another party's; the evictions are counted. The routes that fill and read it:
+``sampling_sessions.py``."""
 
 from __future__ import annotations
 
@@ -9,12 +11,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from trainctl.api import GoneError, NotFoundError
+from trainctl.service.shares import Shares, party
 from trainctl.service.tenants import visible
-
-MAX_SAMPLING_SESSIONS = 4096
-"""Sampling sessions (and remembered sampler-weight paths) kept; the oldest go first."""
 
 
 @dataclass(frozen=True)
@@ -74,24 +75,46 @@ class SamplingSessions:
     def __init__(
         self,
         evicted: dict[str, int],
-        limit: int = MAX_SAMPLING_SESSIONS,
+        shares: Shares | None = None,
         issued_before: Callable[[str], bool] = lambda _: False,
     ) -> None:
-        self.limit, self.evicted = limit, evicted
+        self.shares, self.evicted = shares or Shares(), evicted
         self.issued_before = issued_before
         """Whether a Tinker session id came from an earlier start of the gateway."""
         self.evicted.setdefault("tinker_sampling_sessions", 0)
         self.sessions: OrderedDict[str, SamplingSession] = OrderedDict()
+        """Every party's clients, least recently used first."""
         self.sampler_paths: OrderedDict[str, PinnedWeights] = OrderedDict()
         """Each ``save_weights_for_sampler`` path this start of the gateway issued."""
+
+    def _make_room(self, table: OrderedDict[str, Any], tenant: str | None) -> None:
+        """Drop ``tenant``'s own least recent entries of ``table`` past its share."""
+        mine = [k for k, v in table.items() if v.tenant == tenant]
+        for key in mine[: max(0, len(mine) - self.shares.of("sampling_clients"))]:
+            del table[key]
+            if table is self.sessions:
+                self.evicted["tinker_sampling_sessions"] += 1
+            self.shares.evict(tenant, "sampling_clients")
 
     def add(self, s: SamplingSession) -> SamplingSession:
         self.sessions[s.sampling_session_id] = s
         self.sessions.move_to_end(s.sampling_session_id)
-        while len(self.sessions) > self.limit:
-            self.sessions.popitem(last=False)
-            self.evicted["tinker_sampling_sessions"] += 1
+        self._make_room(self.sessions, s.tenant)
         return s
+
+    def forget_session(self, session_id: str) -> int:
+        """Drop every sampling client of the Tinker session ``session_id`` (it ended)."""
+        doomed = [k for k in self.sessions if k.startswith(f"{session_id}:")]
+        for k in doomed:
+            del self.sessions[k]
+        return len(doomed)
+
+    def forget_path(self, path: str) -> None:
+        """A sampler-weights path that was deleted: it samples nothing any more."""
+        self.sampler_paths.pop(path, None)
+
+    def count(self, tenant: str | None) -> int:
+        return sum(1 for s in self.sessions.values() if party(s.tenant) == party(tenant))
 
     def get(self, sampling_session_id: str, tenant: str | None) -> SamplingSession:
         """The sampling session, if the caller ``tenant`` may see it (404 otherwise)."""
@@ -113,6 +136,7 @@ class SamplingSessions:
             )
         if s.expiry is not None:
             s.expiry.check(f"the weights of step {s.step} this sampling client samples")
+        self.sessions.move_to_end(sampling_session_id)  # used: the last its party drops
         return s
 
     def pinned(self, path: str, tenant: str | None) -> PinnedWeights:
@@ -131,5 +155,5 @@ class SamplingSessions:
 
     def remember_path(self, path: str, weights: PinnedWeights) -> None:
         self.sampler_paths[path] = weights
-        while len(self.sampler_paths) > self.limit:
-            self.sampler_paths.popitem(last=False)
+        self.sampler_paths.move_to_end(path)
+        self._make_room(self.sampler_paths, weights.tenant)

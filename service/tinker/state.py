@@ -2,7 +2,7 @@
 
 * **Futures.** Every Tinker call answers a future id at once; ``retrieve_future`` long-polls
   it. A future ends with a result or an error with a category (``user``, ``server``,
-  ``unknown``). Finished futures are kept up to ``keep_finished``, oldest dropped first.
+  ``unknown``). Finished futures are kept up to each party's share, its oldest dropped first.
 * **Ordering.** Per model, requests run in ``seq_id`` order: a request is *admitted* (handed
   to the controller's queue, which runs in arrival order) only after the one before it. A
   request whose predecessor does not arrive within ``order_timeout_s`` fails, saying which
@@ -14,9 +14,15 @@
 * **Refusals pass the turn.** A request refused after its ``seq_id`` is known (a bad field,
   a full queue that never frees) fails its own future and lets the next ``seq_id`` run;
   a controller queue that is full (429) is waited out, since the future was accepted.
-* **Bounds.** Requests waiting for their turn are capped in count and bytes (429 past
-  either); sessions not heard from for ``session_ttl_s`` expire with their model handles,
-  and at most ``max_sessions`` are kept.
+* **Fair shares.** Every table here is bounded per party (each tenant, and the operator),
+  by the rule of ``service/shares.py``: sessions, model handles, finished futures, requests
+  parked for their turn (count and bytes) and samples in flight. A party over its share
+  evicts its own entries where that loses nothing it still uses (a session silent for
+  ``SILENT_S``, a finished future) and is refused otherwise (429, 409 for model handles),
+  never another party's. Sessions not heard from for ``session_ttl_s`` expire with their
+  model handles.
+* **Releases.** A session that finishes, expires or is evicted hands its model handles to
+  ``on_release`` (the routes free their adapter slots and sampling clients there).
 
 One gateway replica holds this state (the Serve deployment runs one); the controller keeps
 what must outlive it (the weights, their step, checkpoints).
@@ -30,7 +36,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,11 +47,13 @@ from trainctl.api import (
     ConflictError,
     ErrorBody,
     ErrorType,
+    GoneError,
     NotFoundError,
     RateLimitedError,
     TrainctlError,
 )
 from trainctl.service.errors import public
+from trainctl.service.shares import Shares, party
 from trainctl.service.tenants import scoped, visible
 
 log = logging.getLogger(__name__)
@@ -54,6 +62,14 @@ DEDUP_WINDOW = 1024
 """seq_ids per model whose payload fingerprints are kept for deduplication."""
 ADMIT_WAIT_S = 600.0
 """How long an accepted request waits for room in a full controller queue."""
+SILENT_S = 30.0
+"""A session silent this long (three of the SDK's 10 s heartbeats missed) may be evicted to
+make room for a new session of its own party; a party whose sessions are all livelier is
+refused instead."""
+FAR_AHEAD_WAIT_S = 5.0
+"""How long a request parks when its ``seq_id`` is further ahead of its model's next than its
+party may park requests: the gap cannot be a pipelined client's, so it holds its place in
+the waiting room only briefly."""
 
 Admit = Callable[[], Awaitable[Awaitable[Any]]]
 """Runs in the request's turn and returns what finishes it: the turn passes to the next
@@ -139,6 +155,24 @@ class Model:
     """``seq_id`` -> (payload fingerprint, future id)."""
 
 
+def whose(tenant: str | None) -> str:
+    """The party ``tenant`` names, in words."""
+    return "the operator" if tenant is None else f"tenant {tenant!r}"
+
+
+def over_share(
+    shares: Shares, tenant: str | None, table: str, holds: str, fix: str
+) -> RateLimitedError:
+    """The 429 of a party over its share of ``table``, counted."""
+    shares.refuse(tenant, table)
+    err = RateLimitedError(
+        f"{whose(tenant)} {holds}, its whole share: {shares.describe(table)}; {fix}",
+        details={"table": table, "share": shares.of(table), "tenant": tenant},
+    )
+    err.retry_after_s = 2.0
+    return err
+
+
 @dataclass(eq=False)
 class Session:
     session_id: str
@@ -163,37 +197,60 @@ class TinkerState:
         self,
         *,
         order_timeout_s: float = 60.0,
-        keep_finished: int = 4096,
-        max_waiting: int = 256,
-        max_waiting_bytes: int = 256 << 20,
         session_ttl_s: float = 3600.0,
-        max_sessions: int = 1024,
+        shares: Shares | None = None,
     ) -> None:
         self.order_timeout_s = order_timeout_s
-        self.keep_finished = keep_finished
-        self.max_waiting, self.max_waiting_bytes = max_waiting, max_waiting_bytes
-        self.session_ttl_s, self.max_sessions = session_ttl_s, max_sessions
+        self.session_ttl_s = session_ttl_s
+        self.shares = shares or Shares()
+        self.silent_s = SILENT_S
         self.evicted = {"tinker_sessions": 0, "tinker_futures": 0, "tinker_dedup": 0}
         """Entries dropped from each bounded table (the gateway's /metrics shows them)."""
-        self.waiting = 0
-        self.waiting_bytes = 0
-        """Requests (and their body bytes) waiting for their seq_id turn."""
+        self.parked: Counter[str] = Counter()
+        self.parked_bytes: Counter[str] = Counter()
+        """Per party: requests (and their body bytes) parked for their seq_id turn."""
+        self.sampling: Counter[str] = Counter()
+        """Per party: samples in flight (their futures not yet done)."""
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
-        self.futures: OrderedDict[str, Future] = OrderedDict()
+        self.futures: dict[str, Future] = {}
+        self._futures_of: dict[str, OrderedDict[str, None]] = {}
+        """Per party: its futures' ids, oldest first (the order its share drops them in)."""
         self.created: dict[tuple[str, int], tuple[str, str]] = {}
         """(session_id, model_seq_id) -> (fingerprint, future id) of the model's creation."""
+        self.on_release: Callable[[Session, list[Model]], None] = lambda s, models: None
+        """Called with a session that finished or left the table, and its model handles."""
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self.epoch = uuid.uuid4().hex[:EPOCH_CHARS]
         """This start of the gateway: the first characters of every session id it issues."""
 
+    @property
+    def waiting(self) -> int:
+        """Requests parked for their seq_id turn, every party's."""
+        return sum(self.parked.values())
+
+    @property
+    def waiting_bytes(self) -> int:
+        return sum(self.parked_bytes.values())
+
     # -- sessions and models -------------------------------------------------------------------
 
     def create_session(self, tenant: str | None) -> str:
+        """A new session of ``tenant``'s. Past the party's share, its own longest silent
+        session goes (a finished one first), if silent for ``silent_s``; else a 429."""
         self.expire_sessions()
-        while len(self.sessions) >= self.max_sessions:  # the longest silent goes first
-            self._drop_session(min(self.sessions.values(), key=lambda s: s.last_seen))
+        mine = [s for s in self.sessions.values() if s.tenant == tenant]
+        if len(mine) >= self.shares.of("sessions"):
+            oldest = min(mine, key=lambda s: (s.finished is None, s.last_seen))
+            if oldest.finished is None and time.monotonic() - oldest.last_seen < self.silent_s:
+                raise over_share(
+                    self.shares, tenant, "sessions", f"holds {len(mine)} Tinker sessions",
+                    f"none has been silent for {self.silent_s:g} s: close a ServiceClient "
+                    "(its session finishes) or wait for one to fall silent",
+                )  # fmt: skip
+            self._drop_session(oldest)
+            self.shares.evict(tenant, "sessions")
         session_id = self.epoch + uuid.uuid4().hex[: 16 - EPOCH_CHARS]
         self.sessions[session_id] = Session(session_id, tenant)
         return session_id
@@ -207,15 +264,42 @@ class TinkerState:
             and not session_id.startswith(self.epoch)
         )
 
-    def session(self, session_id: str, tenant: str | None) -> Session:
-        """``session_id``, if the caller ``tenant`` may see it (a 404 otherwise)."""
+    def session(self, session_id: str, tenant: str | None, finished: bool = False) -> Session:
+        """``session_id``, if the caller ``tenant`` may see it (a 404 otherwise); a finished
+        one is a 410 unless ``finished`` (the routes that read a session's end)."""
         s = self.sessions.get(session_id)
         if s is None or not visible(s.tenant, tenant):
             raise NotFoundError(
-                f"session {session_id!r} does not exist or expired (create_session first)"
+                f"session {session_id!r} does not exist, expired, or was evicted to make room "
+                "for a newer session of its tenant's (create_session first)"
+            )
+        if s.finished is not None and not finished:
+            raise GoneError(
+                f"session {session_id!r} finished ({s.finished}): its models and sampling "
+                "clients were released; start a new session (a saved state loads there)",
+                details={"session_id": session_id, "finished": s.finished},
             )
         s.last_seen = time.monotonic()
         return s
+
+    def finish(self, s: Session, reason: str) -> None:
+        """End ``s`` (the first reason wins): its models are released, and a call on them
+        is a 410 from now on."""
+        if s.finished is None:
+            s.finished = reason
+            self.on_release(s, self._models_of(s))
+
+    def _models_of(self, s: Session) -> list[Model]:
+        return [m for m in self.models.values() if m.session_id == s.session_id]
+
+    def live_adapters(self, tenant: str | None) -> set[str]:
+        """The adapters the live models of ``tenant``'s party train (their sessions have
+        not ended)."""
+        return {
+            m.adapter for m in self.models.values()
+            if m.adapter is not None and party(m.tenant) == party(tenant)
+            and (s := self.sessions.get(m.session_id)) is not None and s.finished is None
+        }  # fmt: skip
 
     def expire_sessions(self) -> None:
         """Drop the sessions not heard from for ``session_ttl_s``, with their models."""
@@ -228,10 +312,13 @@ class TinkerState:
     def _drop_session(self, s: Session) -> None:
         del self.sessions[s.session_id]
         self.evicted["tinker_sessions"] += 1
-        for model_id in [m for m, h in self.models.items() if h.session_id == s.session_id]:
-            del self.models[model_id]
+        models = self._models_of(s)
+        for m in models:
+            del self.models[m.model_id]
         for key in [k for k in self.created if k[0] == s.session_id]:
             del self.created[key]
+        if s.finished is None:  # a finished session released its models already
+            self.on_release(s, models)
 
     def reserve_model(self, session_id: str, model_seq_id: int, tenant: str | None) -> None:
         """Count ``model_seq_id`` against its session's ``MAX_MODELS_PER_SESSION``; a 409
@@ -241,11 +328,22 @@ class TinkerState:
 
     def _count_model(self, s: Session, model_seq_id: int) -> None:
         session_id = s.session_id
-        if model_seq_id not in s.model_seqs and len(s.model_seqs) >= MAX_MODELS_PER_SESSION:
+        if model_seq_id in s.model_seqs:
+            return
+        if len(s.model_seqs) >= MAX_MODELS_PER_SESSION:
             raise ConflictError(
                 f"session {session_id} already holds {MAX_MODELS_PER_SESSION} model handles, "
                 "the most one session may make: start another session",
                 details={"limit": MAX_MODELS_PER_SESSION},
+            )
+        held = sum(len(x.model_seqs) for x in self.sessions.values() if x.tenant == s.tenant)
+        if held >= self.shares.of("models"):
+            self.shares.refuse(s.tenant, "models")
+            raise ConflictError(
+                f"{whose(s.tenant)} holds {held} Tinker model handles, its whole share: "
+                f"{self.shares.describe('models')}; finish a session (ServiceClient.close) "
+                "to release its models",
+                details={"table": "models", "share": self.shares.of("models")},
             )
         s.model_seqs.add(model_seq_id)
 
@@ -255,14 +353,17 @@ class TinkerState:
         """The handle ``{session_id}:train:{model_seq_id}``, made if new; its requests start at
         ``first_seq`` (1 after ``create_model``; 0 when its creation is a load, which is
         its own request 0)."""
-        if session_id in self.sessions:  # the routes check the session first
-            self._count_model(self.sessions[session_id], model_seq_id)
+        session = self.sessions.get(session_id)
+        if session is None or session.finished is not None:  # it ended while the model was made
+            raise GoneError(
+                f"session {session_id!r} ended while its model {model_seq_id} was being made; "
+                "start a new session"
+            )
+        self._count_model(session, model_seq_id)
         model_id = model_id_of(session_id, model_seq_id)
         m = self.models.get(model_id)
         if m is None:
-            session = self.sessions.get(session_id)
-            tenant = session.tenant if session is not None else None
-            m = Model(model_id, session_id, next_seq=first_seq, tenant=tenant)
+            m = Model(model_id, session_id, next_seq=first_seq, tenant=session.tenant)
             self.models[model_id] = m
         m.adapter = adapter
         return m
@@ -287,14 +388,20 @@ class TinkerState:
     # -- futures -------------------------------------------------------------------------------
 
     def new_future(self, kind: str, tenant: str | None) -> Future:
+        """A new future of ``tenant``'s; past the party's share, its own oldest finished
+        futures are forgotten (one still running never is: other bounds hold those)."""
         f = Future(f"tf-{next(self._ids):06d}-{uuid.uuid4().hex[:8]}", kind, tenant)
         self.futures[f.id] = f
-        while len(self.futures) > self.keep_finished:
-            oldest = next(iter(self.futures.values()))
+        mine = self._futures_of.setdefault(party(tenant), OrderedDict())
+        mine[f.id] = None
+        while len(mine) > self.shares.of("futures"):
+            oldest = self.futures[next(iter(mine))]
             if not oldest.done.is_set():
                 break
-            self.futures.popitem(last=False)
+            mine.popitem(last=False)
+            del self.futures[oldest.id]
             self.evicted["tinker_futures"] += 1
+            self.shares.evict(tenant, "futures")
         return f
 
     def future(self, future_id: str, tenant: str | None) -> Future:
@@ -304,11 +411,29 @@ class TinkerState:
         return f
 
     def run(self, kind: str, work: Callable[[], Awaitable[Any]], tenant: str | None) -> Future:
-        """A future of ``tenant``'s for ``work``, run now (no ordering: model creation,
-        samples)."""
+        """A future of ``tenant``'s for ``work``, run now (no ordering: model creation)."""
         f = self.new_future(kind, tenant)
         self._spawn(self._finish(f, work))
         return f
+
+    def sample(self, work: Callable[[], Awaitable[Any]], tenant: str | None) -> Future:
+        """``run`` for a sample, counted against the party's share of samples in flight (a
+        429 past it, before any future exists)."""
+        p = party(tenant)
+        if self.sampling[p] >= self.shares.of("samples"):
+            raise over_share(
+                self.shares, tenant, "samples", f"has {self.sampling[p]} samples in flight",
+                "retry once some have finished",
+            )  # fmt: skip
+        self.sampling[p] += 1
+
+        async def counted() -> Any:
+            try:
+                return await work()
+            finally:
+                self.sampling[p] -= 1
+
+        return self.run("sample", counted, tenant)
 
     def once(
         self,
@@ -351,19 +476,27 @@ class TinkerState:
             )
 
         def make() -> Future:
-            if seq_id > model.next_seq and (
-                self.waiting >= self.max_waiting
-                or self.waiting_bytes + nbytes > self.max_waiting_bytes
-            ):
-                err = RateLimitedError(
-                    f"{self.waiting} requests ({self.waiting_bytes} bytes) already wait for "
-                    f"their seq_id turn (limits {self.max_waiting}, {self.max_waiting_bytes} "
-                    "bytes); retry after the Retry-After seconds"
-                )
-                err.retry_after_s = 2.0
-                raise err
+            p = party(model.tenant)
+            share_bytes = self.shares.of("parked_bytes")
+            if seq_id > model.next_seq and self.parked_bytes[p] + nbytes > share_bytes:
+                raise over_share(
+                    self.shares, model.tenant, "parked_bytes",
+                    f"has {self.parked_bytes[p]} bytes parked for their seq_id turn (this "
+                    f"request adds {nbytes})",
+                    "send each model's requests in seq_id order, or retry after Retry-After",
+                )  # fmt: skip
+            if seq_id > model.next_seq and self.parked[p] >= self.shares.of("parked"):
+                raise over_share(
+                    self.shares, model.tenant, "parked",
+                    f"has {self.parked[p]} requests parked for their seq_id turn",
+                    "send each model's requests in seq_id order, or retry after Retry-After",
+                )  # fmt: skip
             f = self.new_future(kind, model.tenant)
-            self._spawn(self._in_turn(model, seq_id, f, admit, nbytes))
+            parks = seq_id > model.next_seq
+            if parks:  # counted now: the next request sees it, whenever the task runs
+                self.parked[p] += 1
+                self.parked_bytes[p] += nbytes
+            self._spawn(self._in_turn(model, seq_id, f, admit, nbytes if parks else None))
             return f
 
         f = self.once(model.seen, seq_id, fingerprint, make)
@@ -384,28 +517,31 @@ class TinkerState:
             self.submit(model, seq_id, fingerprint, "refused", fail)
 
     async def _in_turn(
-        self, model: Model, seq_id: int, f: Future, admit: Admit, nbytes: int = 0
+        self, model: Model, seq_id: int, f: Future, admit: Admit, parked: int | None
     ) -> None:
-        waits = seq_id > model.next_seq
-        if waits:
-            self.waiting, self.waiting_bytes = self.waiting + 1, self.waiting_bytes + nbytes
+        """``parked``: the bytes of a request counted as parked (None: it was not)."""
+        p = party(model.tenant)
+        timeout = self.order_timeout_s
+        if seq_id - model.next_seq > self.shares.of("parked"):  # no pipeline is that deep
+            timeout = min(timeout, FAR_AHEAD_WAIT_S)
         try:
             async with model.turn:
                 await asyncio.wait_for(
-                    model.turn.wait_for(lambda: model.next_seq >= seq_id), self.order_timeout_s
+                    model.turn.wait_for(lambda: model.next_seq >= seq_id), timeout
                 )
         except asyncio.TimeoutError:
             f.finish(
                 error=ConflictError(
-                    f"seq_id {seq_id} of model {model.model_id} waited {self.order_timeout_s:g} s "
+                    f"seq_id {seq_id} of model {model.model_id} waited {timeout:g} s "
                     f"for seq_id {model.next_seq}, which never arrived; requests of a model run "
                     "in seq_id order"
                 )
             )
             return
         finally:
-            if waits:
-                self.waiting, self.waiting_bytes = self.waiting - 1, self.waiting_bytes - nbytes
+            if parked is not None:
+                self.parked[p] -= 1
+                self.parked_bytes[p] -= parked
         try:
             finishing = await self._admit(admit)
         except Exception as e:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import tenancy
 from helpers.hf_models import tiny_model, word_tokenizer
 from helpers.parity import (
     MAX_QUEUED,
@@ -97,4 +98,22 @@ def in_flight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     data = tmp_path_factory.mktemp("in-flight")
     flags = ("--dp", "1", "--samplers", "1", "--sampler-sync", "in_flight")
     with until_last_use("in_flight", "sampler", running_service(data, *flags)) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="session")
+def tenants_sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """Three tenants (``tenancy.KEYS``) and the operator (``tenancy.OPERATOR``) on one LoRA
+    service with one sampler engine, its tables' bounds set small: with four parties each
+    holds 16 sessions, 32 sampling clients, 8 parked requests, 4 samples in flight and one
+    adapter."""
+    root = tmp_path_factory.mktemp("tenants-sampled")
+    keys = root / "api-keys"
+    keys.write_text(tenancy.keys_text())
+    flags = ("--dp", "1", "--max-adapters", "4", "--lora-max-rank", "8", "--samplers", "1",
+             f"--api-keys={keys}", "--tinker-max-sessions", "64",
+             "--tinker-max-sampling-clients", "128", "--tinker-max-parked", "32",
+             "--sampler-max-queued", "16")  # fmt: skip
+    service = running_service(root / "data", *flags, env={"TRAINCTL_API_TOKEN": tenancy.OPERATOR})
+    with until_last_use("tenants_sampled", "sampler", service) as svc:
         yield svc

@@ -1,4 +1,4 @@
-"""LoRA adapters through a real service (`trainctl serve --dp=2 --max-adapters=6
+"""LoRA adapters through a real service (`trainctl serve --dp=2 --max-adapters=9
 --adapters-in-memory=1 --api-keys FILE`, with an operator token: ZeRO-1, and idle adapters
 beyond one wait on disk): the native API and SDK, the exports read back by transformers and
 PEFT, the real ``tinker`` SDK's default LoRA client, and tenants: each tenant's Tinker clients
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,37 +26,35 @@ from trainctl.api import ConflictError, InvalidRequestError, NotFoundError
 from trainctl.service.auth import Access, access_of
 from trainctl.service.tinker.state import native_name
 
+from helpers import tenancy
 from helpers.fakes import FakeController
 from helpers.servicekit import Service, running_service
+from helpers.tenancy import OPERATOR, until
 
 BATCH_A = [{"tokens": [5, 17, 3, 9, 22, 41, 7, 8, 30, 2, 11] * 2}, {"tokens": [1, 2, 3, 4, 5]}]
 BATCH_B = [{"tokens": [40, 41, 42, 43, 44, 45, 46, 47] * 3}]
 PROBE = [{"tokens": [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 17, 33]}]
 
 
-OPERATOR = "operator-token-5f1e2d3c4b5a6978"
-"""The service's own token: the operator's (the tenants have keys of their own)."""
-KEYS = {"alice": "alice-key-0a1b2c3d4e5f6a7b", "bob": "bob-key-9f8e7d6c5b4a3f2e"}
-
-
-def _keys_text(keys: dict[str, str]) -> str:
-    return "# tenant key\n" + "".join(f"{t} {k}\n" for t, k in keys.items())
+KEYS = {t: tenancy.KEYS[t] for t in ("alice", "bob")}
+"""Two tenants (the operator's token is ``OPERATOR``)."""
 
 
 @pytest.fixture(scope="module")
 def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tenant-keys") / "api-keys"
-    path.write_text(_keys_text(KEYS))
+    path.write_text(tenancy.keys_text(KEYS))
     return path
 
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory: pytest.TempPathFactory, keys_file: Path) -> Iterator[Service]:
     data = tmp_path_factory.mktemp("adapters-data")
-    # One idle adapter in host memory: the others wait on disk between their calls.
+    # One idle adapter in host memory: the others wait on disk between their calls. Nine
+    # slots: each of the two tenants (and the operator's Tinker models) may hold three.
     flags = (
         "--dp=2",
-        "--max-adapters=6",
+        "--max-adapters=9",
         "--lora-max-rank=32",
         "--lr=0.01",
         "--adapters-in-memory=1",
@@ -104,11 +102,11 @@ def test_refusals_name_the_field_and_the_limit(svc: Service) -> None:
         c.create_adapter("a")
     with pytest.raises(InvalidRequestError, match="frozen base"):
         c.train_batch(BATCH_A)
-    for name in "cdef":
+    for name in "cdefghi":
         c.create_adapter(name)
-    with pytest.raises(ConflictError, match=r"at most 6 \(--max-adapters\)"):
-        c.create_adapter("g")
-    for name in "cdef":
+    with pytest.raises(ConflictError, match=r"at most 9 \(--max-adapters\)"):
+        c.create_adapter("j")
+    for name in "cdefghi":
         c.delete_adapter(name)
     with pytest.raises(NotFoundError):
         c.delete_adapter("d")
@@ -277,19 +275,11 @@ TOKENS = [5, 17, 3, 9, 22, 41, 7, 8]
 
 
 def _post(svc: Service, route: str, body: Any, tenant: str | None, **kw: Any) -> httpx.Response:
-    key = OPERATOR if tenant is None else KEYS[tenant]
-    return httpx.post(
-        f"{svc.url}/api/v1/{route}", json=body, headers={"X-API-Key": f"tml-{key}"},
-        timeout=60, **kw,
-    )  # fmt: skip
+    return tenancy.post(svc.url, route, body, tenant, **kw)
 
 
 def _settled(svc: Service, future: dict[str, Any], tenant: str) -> dict[str, Any]:
-    """The finished future, as its tenant retrieves it."""
-    while True:
-        r = _post(svc, "retrieve_future", {"request_id": future["request_id"]}, tenant).json()
-        if r.get("type") != "try_again":
-            return r  # type: ignore[no-any-return]
+    return tenancy.settled(svc.url, future, tenant)
 
 
 class Run:
@@ -341,6 +331,11 @@ def _probes(a: Run, future: str) -> dict[str, list[tuple[str, dict[str, Any]]]]:
             ("load_weights", {**model, "seq_id": 904, "path": a.state, "optimizer": True})
         ],
         "/api/v1/retrieve_future": [("retrieve_future", {"request_id": future})],
+        "/api/v1/training_runs/{run}/checkpoints/{checkpoint_id:path}": [
+            (f"training_runs/{a.model_id}/checkpoints/weights/final", {"__delete__": True}),
+            (f"training_runs/{a.model_id}/checkpoints/sampler_weights/final",
+             {"__delete__": True}),
+        ],
         "/api/v1/create_sampling_session": [
             ("create_sampling_session", {"session_id": a.session, "sampling_session_seq_id": 0,
                                          "model_path": a.sampler}),
@@ -365,6 +360,8 @@ def _send(svc: Service, route: str, body: dict[str, Any], tenant: str) -> httpx.
     key = {"X-API-Key": f"tml-{KEYS[tenant]}"}
     if body.get("__get__"):
         return httpx.get(f"{svc.url}/api/v1/{route}", headers=key, timeout=60)
+    if body.get("__delete__"):
+        return httpx.delete(f"{svc.url}/api/v1/{route}", headers=key, timeout=60)
     if "__bytes__" in body:
         return httpx.post(f"{svc.url}/api/v1/{route}", content=body["__bytes__"], timeout=60,
                           headers={**key, "content-type": "application/x-protobuf"})  # fmt: skip
@@ -442,15 +439,6 @@ def test_the_native_api_is_the_operators_and_counts_each_tenant(
     assert 'trainctl_tenant_adapters{tenant="bob"}' in metrics
 
 
-def _until(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.3)
-    return False
-
-
 def test_the_keys_file_is_read_again_when_it_changes(
     svc: Service, runs: dict[str, Run], keys_file: Path
 ) -> None:
@@ -465,11 +453,11 @@ def test_the_keys_file_is_read_again_when_it_changes(
 
     carol = "carol-key-1234567890abcdef"
     try:
-        keys_file.write_text(_keys_text({"alice": KEYS["alice"], "carol": carol}))
-        assert _until(lambda: status(KEYS["bob"]) == 403 and status(carol) == 200)
+        keys_file.write_text(tenancy.keys_text({"alice": KEYS["alice"], "carol": carol}))
+        assert until(lambda: status(KEYS["bob"]) == 403 and status(carol) == 200)
         keys_file.write_text("alice only-one-field\n")
         time.sleep(1.5)
         assert status(carol) == 200 and status(KEYS["alice"]) == 200  # the old keys stay
     finally:
-        keys_file.write_text(_keys_text(KEYS))
-    assert _until(lambda: status(KEYS["bob"]) == 200)
+        keys_file.write_text(tenancy.keys_text(KEYS))
+    assert until(lambda: status(KEYS["bob"]) == 200)

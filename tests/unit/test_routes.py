@@ -116,6 +116,8 @@ def test_operation_ids_are_the_rpc_names(http: TestClient) -> None:
         ("POST", "/v1/adapters"): "create_adapter",
         ("GET", "/v1/adapters"): "list_adapters",
         ("DELETE", "/v1/adapters/{name}"): "delete_adapter",
+        ("DELETE", "/v1/checkpoints/{checkpoint_id}"): "delete_checkpoint",
+        ("DELETE", "/v1/exports/{name}"): "delete_export",
         ("POST", "/v1/train_batch"): "train_batch",
         ("POST", "/v1/eval_batch"): "eval_batch",
         ("POST", "/v1/logprobs"): "logprobs",

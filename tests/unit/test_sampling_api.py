@@ -87,6 +87,7 @@ def test_a_token_id_beyond_int32_is_a_422_not_an_overflow() -> None:
 
 def test_sampling_sessions_are_bounded_and_their_evictions_counted() -> None:
     from trainctl.api import NotFoundError
+    from trainctl.service.shares import Bounds, Shares
     from trainctl.service.tinker.sampling_table import (
         PinnedWeights,
         SamplingSession,
@@ -94,7 +95,7 @@ def test_sampling_sessions_are_bounded_and_their_evictions_counted() -> None:
     )
 
     evicted: dict[str, int] = {}
-    table = SamplingSessions(evicted, limit=8)
+    table = SamplingSessions(evicted, Shares(Bounds(sampling_clients=8)))
     for i in range(20):
         table.add(SamplingSession(f"s:sample:{i}", "m", None, step=i))
         table.remember_path(f"tinker://m/sampler_weights/{i}", PinnedWeights(None, i))

@@ -4,14 +4,18 @@ The whole thing through a real service: ``tests/service/test_adapters.py``."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from trainctl.api import NotFoundError
+from trainctl.api import ConflictError, GoneError, NotFoundError, RateLimitedError
 from trainctl.service import tenants
+from trainctl.service.shares import Bounds, Shares
+from trainctl.service.tinker import state as state_module
 from trainctl.service.tinker.sampling_table import PinnedWeights, SamplingSession, SamplingSessions
 from trainctl.service.tinker.state import TinkerState
 
@@ -80,3 +84,173 @@ def test_another_tenants_sessions_models_futures_and_paths_are_unknown() -> None
         table.pinned("tinker://p/sampler_weights/final", "bob")
     assert table.get(f"{mine}:sample:0", "alice").step == 1
     assert table.pinned("tinker://p/sampler_weights/final", "alice").adapter == "alice.x"
+
+
+# -- fair shares (service/shares.py) -------------------------------------------------------------
+
+SMALL = Bounds(sessions=64, models=64, futures=256, sampling_clients=128, parked=32,
+               samples=16)  # fmt: skip
+"""With three tenants and the operator (4 parties): 16 sessions, 32 sampling clients, 8
+parked requests and 4 samples in flight each."""
+
+
+def _three_tenants(bounds: Bounds = SMALL) -> TinkerState:
+    return TinkerState(order_timeout_s=5, shares=Shares(bounds, lambda: 3))
+
+
+def test_the_share_is_the_bound_over_the_parties_with_a_floor() -> None:
+    assert Shares(Bounds(sessions=1024), lambda: 3).of("sessions") == 256
+    assert Shares(Bounds(sessions=1024)).of("sessions") == 1024  # no tenants: the operator's
+    assert Shares(Bounds(sessions=1024), lambda: 999).of("sessions") == 4  # the floor
+    assert Shares(Bounds(sessions=2), lambda: 999).of("sessions") == 2  # never above the bound
+    assert Shares(Bounds(), lambda: 3).of("adapters", 3) == 1  # at least one adapter each
+    assert "share is 16 of --tinker-max-sessions 64 over 4 parties" in Shares(
+        SMALL, lambda: 3
+    ).describe("sessions")
+
+
+def test_a_tenant_flooding_sessions_evicts_only_its_own_and_is_refused_while_they_live() -> None:
+    state = _three_tenants()
+    alice, bob = state.create_session("alice"), state.create_session("bob")
+    carol = [state.create_session("carol") for _ in range(16)]
+    with pytest.raises(RateLimitedError, match=r"tenant 'carol' holds 16 Tinker sessions.*"
+                       r"share is 16 of --tinker-max-sessions 64 over 4 parties") as e:  # fmt: skip
+        state.create_session("carol")
+    assert e.value.status == 429 and e.value.details["share"] == 16
+    state.silent_s = 0.0  # carol's sessions fall silent: her own oldest make room
+    for _ in range(100):
+        state.create_session("carol")
+    assert state.session(alice, "alice") and state.session(bob, "bob")
+    assert sum(s.tenant == "carol" for s in state.sessions.values()) == 16
+    assert carol[0] not in state.sessions
+    assert state.shares.evicted["carol", "sessions"] == 100
+    assert state.shares.refused["carol", "sessions"] == 1
+    assert ("alice", "sessions") not in state.shares.evicted
+
+
+def test_model_handles_are_bounded_per_tenant_with_a_409() -> None:
+    state = _three_tenants(Bounds(models=64))  # 16 each
+    sessions = [state.create_session("carol") for _ in range(4)]
+    for i in range(16):
+        state.add_model(sessions[i % 4], i)
+    with pytest.raises(ConflictError, match=r"tenant 'carol' holds 16 Tinker model handles"):
+        state.add_model(sessions[0], 99)
+    state.add_model(sessions[0], 0)  # an existing handle needs no room
+    alice = state.create_session("alice")
+    assert state.add_model(alice, 0).tenant == "alice"
+
+
+def test_sampling_clients_past_the_share_drop_the_tenants_own_least_recent() -> None:
+    state = _three_tenants()
+    table = SamplingSessions(state.evicted, state.shares)
+    table.add(SamplingSession("a:sample:0", "m", None, step=1, tenant="alice"))
+    for i in range(40):
+        table.add(SamplingSession(f"c:sample:{i}", "m", None, step=1, tenant="carol"))
+        if i == 10:
+            table.get("c:sample:0", "carol")  # used: carol's last to go
+    assert table.count("carol") == 32 and table.get("a:sample:0", "alice").step == 1
+    assert table.get("c:sample:0", "carol").step == 1
+    with pytest.raises(NotFoundError):
+        table.get("c:sample:1", "carol")
+    assert state.shares.evicted["carol", "sampling_clients"] == 8
+    for i in range(40):
+        pinned = PinnedWeights(None, i, None, "carol")
+        table.remember_path(f"tinker://c/sampler_weights/{i}", pinned)
+    table.remember_path("tinker://a/sampler_weights/x", PinnedWeights(None, 1, None, "alice"))
+    assert table.pinned("tinker://a/sampler_weights/x", "alice").step == 1
+    assert len(table.sampler_paths) == 33
+
+
+def test_a_tenants_parked_requests_never_crowd_out_another_tenants() -> None:
+    async def run() -> None:
+        state = _three_tenants()
+        carol = state.add_model(state.create_session("carol"), 0)
+        parked = [state.submit(carol, 2 + i, str(i), "x", _never) for i in range(8)]
+        with pytest.raises(RateLimitedError, match=r"tenant 'carol' has 8 requests parked.*"
+                           r"share is 8 of --tinker-max-parked 32"):  # fmt: skip
+            state.submit(carol, 10, "z", "x", _never)
+        alice = state.add_model(state.create_session("alice"), 0)
+        mine = [state.submit(alice, 2 + i, str(i), "x", _never) for i in range(8)]
+        await asyncio.sleep(0.01)
+        assert state.parked == {"carol": 8, "alice": 8}
+        assert len(parked) == len(mine) == 8
+
+    asyncio.run(run())
+
+
+def test_a_request_far_ahead_of_its_turn_parks_only_briefly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(state_module, "FAR_AHEAD_WAIT_S", 0.05)
+
+    async def run() -> None:
+        state = _three_tenants()
+        state.order_timeout_s = 30
+        carol = state.add_model(state.create_session("carol"), 0)
+        near = state.submit(carol, 3, "a", "x", _never)  # one ahead: a pipelining client
+        far = state.submit(carol, 300, "b", "x", _never)
+        await asyncio.wait_for(far.done.wait(), 2)
+        assert far.error is not None and "waited 0.05 s for seq_id 1" in far.error[0]
+        assert not near.done.is_set() and state.parked["carol"] == 1
+
+    asyncio.run(run())
+
+
+def test_finished_futures_past_the_share_drop_the_tenants_own_oldest() -> None:
+    state = _three_tenants(Bounds(futures=256))  # 64 each
+    alice = state.new_future("x", "alice")
+    alice.finish(1)
+    for _ in range(100):
+        state.new_future("x", "carol").finish(1)
+    assert state.future(alice.id, "alice") is alice
+    assert sum(f.tenant == "carol" for f in state.futures.values()) == 64
+    assert state.shares.evicted["carol", "futures"] == 36
+
+
+def test_samples_in_flight_are_bounded_per_tenant() -> None:
+    async def run() -> None:
+        state = _three_tenants()
+        gate = asyncio.Event()
+
+        async def held() -> int:
+            await gate.wait()
+            return 1
+
+        running = [state.sample(held, "carol") for _ in range(4)]
+        with pytest.raises(RateLimitedError, match=r"tenant 'carol' has 4 samples in flight"):
+            state.sample(held, "carol")
+        alice = state.sample(held, "alice")
+        gate.set()
+        await asyncio.wait_for(alice.done.wait(), 2)
+        await asyncio.gather(*(f.done.wait() for f in running))
+        assert state.sampling["carol"] == 0
+        state.sample(held, "carol")  # room again
+
+    asyncio.run(run())
+
+
+def test_a_finished_session_releases_its_models_once_and_refuses_them_after() -> None:
+    state = _three_tenants()
+    released: list[list[str]] = []
+    state.on_release = lambda s, models: released.append([m.model_id for m in models])
+    sid = state.create_session("alice")
+    model = state.add_model(sid, 0, adapter="alice.x")
+    assert state.live_adapters("alice") == {"alice.x"} and state.live_adapters("bob") == set()
+    state.finish(state.session(sid, "alice"), "success")
+    state.finish(state.session(sid, "alice", finished=True), "errored")  # the first wins
+    assert released == [[model.model_id]] and state.sessions[sid].finished == "success"
+    assert state.live_adapters("alice") == set()
+    with pytest.raises(GoneError, match="finished \\(success\\)"):
+        state.model(model.model_id, "alice")
+    with pytest.raises(GoneError):
+        state.add_model(sid, 1)
+    state.silent_s = 0.0
+    other = state.create_session("bob")
+    state.add_model(other, 0, adapter="bob.y")
+    state.session_ttl_s = -1.0  # every session expires: bob's models are released on the way
+    state.expire_sessions()
+    assert released[-1] == [f"{other}:train:0"] and len(released) == 2  # alice's not again
+
+
+async def _never() -> Any:
+    await asyncio.Event().wait()

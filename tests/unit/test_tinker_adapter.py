@@ -17,6 +17,7 @@ from trainctl.api import (
     Normalization,
     RateLimitedError,
 )
+from trainctl.service.shares import Bounds, Shares
 from trainctl.service.tinker import convert, proto
 from trainctl.service.tinker.state import MAX_MODELS_PER_SESSION, TinkerState
 
@@ -93,7 +94,7 @@ def _admit(log: list[int], seq: int) -> Any:
 def test_requests_are_admitted_in_seq_id_order_and_retries_join() -> None:
     async def run() -> None:
         state = TinkerState(order_timeout_s=5)
-        model = state.add_model("s", 0)
+        model = state.add_model(state.create_session(None), 0)
         log: list[int] = []
         f3 = state.submit(model, 3, "c", "x", _admit(log, 3))
         f2 = state.submit(model, 2, "b", "x", _admit(log, 2))
@@ -113,7 +114,7 @@ def test_requests_are_admitted_in_seq_id_order_and_retries_join() -> None:
 def test_a_missing_predecessor_fails_the_request_after_the_timeout() -> None:
     async def run() -> None:
         state = TinkerState(order_timeout_s=0.2)
-        model = state.add_model("s", 0)
+        model = state.add_model(state.create_session(None), 0)
         f = state.submit(model, 2, "b", "x", _admit([], 2))
         await asyncio.wait_for(f.done.wait(), 5)
         assert f.error is not None
@@ -126,7 +127,7 @@ def test_a_missing_predecessor_fails_the_request_after_the_timeout() -> None:
 def test_a_failed_admission_still_passes_the_turn() -> None:
     async def run() -> None:
         state = TinkerState(order_timeout_s=5)
-        model = state.add_model("s", 0)
+        model = state.add_model(state.create_session(None), 0)
 
         async def bad() -> Any:
             raise InvalidRequestError("data[0]: bad")
@@ -272,7 +273,7 @@ def test_a_full_controller_queue_is_waited_out_and_429_is_a_server_error() -> No
 
     async def run() -> None:
         state = TinkerState(order_timeout_s=5)
-        model = state.add_model("s", 0)
+        model = state.add_model(state.create_session(None), 0)
         tries: list[int] = []
 
         async def admit() -> Any:
@@ -292,16 +293,17 @@ def test_a_full_controller_queue_is_waited_out_and_429_is_a_server_error() -> No
 
 def test_waiting_requests_and_sessions_are_bounded() -> None:
     async def run() -> None:
-        state = TinkerState(order_timeout_s=5, max_waiting=2, max_waiting_bytes=100)
+        shares = Shares(Bounds(parked=2, parked_bytes=100, sessions=3))
+        state = TinkerState(order_timeout_s=5, shares=shares)
         model = state.add_model(state.create_session(None), 0)
         state.submit(model, 3, "c", "x", _admit([], 3), nbytes=10)
         state.submit(model, 4, "d", "x", _admit([], 4), nbytes=10)
         await asyncio.sleep(0.01)
         assert (state.waiting, state.waiting_bytes) == (2, 20)
-        with pytest.raises(RateLimitedError, match="wait for their seq_id turn"):
+        with pytest.raises(RateLimitedError, match=r"2 requests parked.*share is 2 of"):
             state.submit(model, 5, "e", "x", _admit([], 5))
         other = state.add_model(state.create_session(None), 0)
-        with pytest.raises(RateLimitedError, match="bytes"):
+        with pytest.raises(RateLimitedError, match="bytes parked"):
             state.submit(other, 2, "b", "x", _admit([], 2), nbytes=90)
         f1 = state.submit(model, 1, "a", "x", _admit([], 1))  # its turn: never limited
         await asyncio.wait_for(f1.done.wait(), 5)
@@ -314,7 +316,7 @@ def test_waiting_requests_and_sessions_are_bounded() -> None:
         await asyncio.sleep(0.1)
         state.create_session(None)  # sweeps the silent ones
         assert len(state.sessions) == 1 and state.models == {}
-        state.max_sessions = 3
+        state.silent_s = 0.0  # every session counts as silent: the oldest make room
         for _ in range(5):
             state.create_session(None)
         assert len(state.sessions) == 3
@@ -382,14 +384,22 @@ def test_evictions_are_counted_on_metrics(fake: Any) -> None:
     from fastapi.testclient import TestClient
 
     from trainctl.service.app import create_app
+    from trainctl.service.shares import Bounds
 
-    with TestClient(create_app(fake)) as http:
-        http.app.state.tinker.max_sessions = 2
-        for _ in range(5):
+    with TestClient(create_app(fake, tinker_bounds=Bounds(sessions=2))) as http:
+        for _ in range(2):
+            http.post("/api/v1/create_session", json={}, headers=TML)
+        refused = http.post("/api/v1/create_session", json={}, headers=TML)
+        assert refused.status_code == 429, refused.text  # none silent yet: refused
+        assert "holds 2 Tinker sessions" in refused.text
+        http.app.state.tinker.silent_s = 0.0  # all silent now: the oldest make room
+        for _ in range(3):
             http.post("/api/v1/create_session", json={}, headers=TML)
         text = http.get("/metrics").text
     assert 'trainctl_gateway_evictions{table="tinker_sessions"} 3.0' in text, text
     assert text.count("# HELP trainctl_gateway_evictions ") == 1
+    assert 'trainctl_tenant_evictions_total{table="sessions",tenant="_operator"} 3.0' in text
+    assert 'trainctl_tenant_refusals_total{table="sessions",tenant="_operator"} 1.0' in text
 
 
 def _gspo(ratio_mask: list[float], inputs: dict[str, Any] | None = None, **config: float) -> Any:

@@ -141,6 +141,13 @@ class CheckpointStore:
             )
         return d, info
 
+    def remove(self, checkpoint_id: str) -> int:
+        """Delete a complete checkpoint (a 404 if there is none); the bytes it freed."""
+        d, info = self.path(checkpoint_id)
+        self._remove(d)
+        log.info("checkpoint %s%s deleted", checkpoint_id, f" of {self.owner}" * bool(self.owner))
+        return info.size_bytes
+
     def sweep_partial(self) -> None:
         """Remove temporary directories left by a crash (every owner's)."""
         if self.root.is_dir():

@@ -199,6 +199,7 @@ class Controller:
             OperationKind.SYNC_WEIGHTS: self.samplers.sync_op,
             OperationKind.CREATE_ADAPTER: self.samplers.create_adapter_op,
             OperationKind.DELETE_ADAPTER: self.samplers.delete_adapter_op,
+            OperationKind.DELETE_CHECKPOINT: self.saves.delete_op,
         }
 
     @property

@@ -20,10 +20,13 @@ from typing import Any
 from trainctl.api import (
     CheckpointInfo,
     ConflictError,
+    DeleteCheckpointRequest,
+    Deleted,
     ExportRequest,
     ExportResult,
     InvalidRequestError,
     LoadCheckpointRequest,
+    NotFoundError,
     SaveCheckpointRequest,
     TrainctlError,
     WorkerError,
@@ -247,6 +250,39 @@ class Saves:
         if req.name is not None:
             self._check_export_name(root, req.name, req.overwrite)  # 409 now, not once queued
         return lambda h: self._write_export(req, h)
+
+    def delete_op(self, req: DeleteCheckpointRequest) -> Runner:
+        """Delete one owner's checkpoint or export in the queue's turn (a 404 now if it does
+        not exist, and again in its turn if another delete took it first)."""
+        self._deletable(req)
+
+        async def run(h: Handle) -> Deleted:
+            path, size = self._deletable(req)
+            if req.export:
+                doomed = path.with_name(f"{PARTIAL_EXPORT}gone-{path.name}-{os.getpid()}")
+                os.rename(path, doomed)  # out of sight at once; swept at start if cut short
+                await asyncio.to_thread(shutil.rmtree, doomed, True)
+            else:
+                size = await asyncio.to_thread(self.checkpoints.scoped(req.owner).remove,
+                                               req.checkpoint_id)  # fmt: skip
+            return Deleted(checkpoint_id=req.checkpoint_id, owner=req.owner, export=req.export,
+                           size_bytes=size)  # fmt: skip
+
+        return run
+
+    def _deletable(self, req: DeleteCheckpointRequest) -> tuple[Path, int]:
+        """The directory ``req`` names and its size; a 404 if there is none."""
+        if not req.export:
+            path, info = self.checkpoints.scoped(req.owner).path(req.checkpoint_id)
+            return path, info.size_bytes
+        path = owner_dir(self.export_root, req.owner) / req.checkpoint_id
+        if not path.is_dir() or req.checkpoint_id.startswith(PARTIAL_EXPORT):
+            whose = "" if req.owner is None else f" of {req.owner!r}"
+            raise NotFoundError(
+                f"export {req.checkpoint_id!r}{whose} does not exist",
+                details={"checkpoint_id": req.checkpoint_id},
+            )
+        return path, sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
     def export_partials(self) -> list[Path]:
         """Exports being written, or left by a crash (every owner's)."""

@@ -1,0 +1,122 @@
+"""Each party's LoRA adapter slots on a ``--max-adapters`` service, and their release.
+
+A Tinker LoRA model trains an adapter of its own, named in its tenant's space
+(``<tenant>.<session>-train-<n>``, ``state.native_name``). Each party (a tenant, or the
+operator's token) may hold its share of ``--max-adapters`` (``service/shares.py``); a model
+past it is refused with a 409 naming the party's quota and the adapters it holds.
+
+A slot is freed when its model's session finishes (``ServiceClient.close`` posts
+``sessions/{id}/finish``), expires or is evicted: the adapter is deleted through the
+controller's queue, after the model's own requests already queued. What the model saved
+(``save_state``, ``save_weights_for_sampler``) stays on disk and loads again. An adapter of a
+Tinker model that no live handle names any more (a gateway restart forgets its sessions; a
+release that failed) is freed the next time its party needs the room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+
+from trainctl.api import (
+    ConflictError,
+    DeleteAdapterRequest,
+    NotFoundError,
+    NotReadyError,
+    OperationKind,
+    RateLimitedError,
+)
+from trainctl.service.controller_client import ControllerAPI
+from trainctl.service.shares import party
+from trainctl.service.tenants import scoped
+from trainctl.service.tinker.state import Model, TinkerState, whose
+
+log = logging.getLogger(__name__)
+
+_TINKER_ADAPTER = re.compile(r"[0-9a-f]{16}-train-\d+")
+"""A Tinker model's adapter, without its tenant's prefix."""
+RELEASE_TRIES = 30
+"""How often a release is tried while the controller's queue is full or not ready."""
+
+
+def is_tinker_adapter(name: str, tenant: str | None) -> bool:
+    """Whether ``name`` is the adapter of a Tinker model of ``tenant``'s (None: the
+    operator's, whose adapters carry no prefix)."""
+    prefix = scoped(tenant, "")
+    return name.startswith(prefix) and _TINKER_ADAPTER.fullmatch(name[len(prefix) :]) is not None
+
+
+class AdapterSlots:
+    """Owns the adapter quota of each party and the release of slots; the adapters
+    themselves are the controller's."""
+
+    def __init__(self, controller: Callable[[], ControllerAPI], state: TinkerState) -> None:
+        self._controller, self.state = controller, state
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.releasing: set[asyncio.Task[None]] = set()
+
+    @contextlib.asynccontextmanager
+    async def room(self, tenant: str | None) -> AsyncIterator[None]:
+        """Hold ``tenant``'s slots while one of its models takes one: a 409 now if the party
+        holds its quota (after freeing the adapters no live handle names); two creations of
+        one party cannot both take the last slot."""
+        lock = self._locks.setdefault(party(tenant), asyncio.Lock())
+        async with lock:
+            bound = (await self.controller.list_adapters()).max_adapters
+            share = self.state.shares.of("adapters", bound)
+            live = self.state.live_adapters(tenant)  # a load's adapter may not exist yet
+            held = set(await self._held(tenant))
+            if len(held | live) >= share:
+                for name in sorted(held - live):
+                    log.info("freeing adapter %s: no live Tinker model trains it", name)
+                    await self._delete(name)
+                held = set(await self._held(tenant))
+            taken = sorted(held | live)
+            if len(taken) >= share:
+                self.state.shares.refuse(tenant, "adapters")
+                raise ConflictError(
+                    f"{whose(tenant)} holds {len(taken)} LoRA adapters ({', '.join(taken)}), "
+                    f"its whole quota: {self.state.shares.describe('adapters', bound)}; finish a "
+                    "session (ServiceClient.close) to free its models' adapters",
+                    details={"table": "adapters", "share": share, "held": taken},
+                )
+            yield
+
+    @property
+    def controller(self) -> ControllerAPI:
+        return self._controller()
+
+    async def _held(self, tenant: str | None) -> list[str]:
+        listing = await self.controller.list_adapters()
+        return sorted(a.name for a in listing.adapters if is_tinker_adapter(a.name, tenant))
+
+    def release(self, models: list[Model]) -> None:
+        """Free the adapters of ``models`` (their session ended), in the background."""
+        for m in models:
+            if m.adapter is not None:
+                task = asyncio.ensure_future(self._release(m.adapter))
+                self.releasing.add(task)
+                task.add_done_callback(self.releasing.discard)
+
+    async def _release(self, name: str) -> None:
+        for _ in range(RELEASE_TRIES):
+            try:
+                await self._delete(name)
+                log.info("adapter %s freed: its Tinker session ended", name)
+                return
+            except (RateLimitedError, NotReadyError) as e:
+                await asyncio.sleep(e.retry_after_s or 1.0)
+            except Exception:
+                log.exception("adapter %s not freed; its party frees it when it needs room", name)
+                return
+        log.warning("adapter %s not freed (the queue stayed full); freed when needed", name)
+
+    async def _delete(self, name: str) -> None:
+        req = DeleteAdapterRequest(name=name)
+        fingerprint = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+        with contextlib.suppress(NotFoundError):  # gone already: the slot is free
+            await self.controller.run(OperationKind.DELETE_ADAPTER, req, None, fingerprint)
