@@ -4,10 +4,22 @@ step (``forward_backward`` + ``optim_step``), and their results.
 A batch is a list of token sequences. For each sequence:
     ``tokens``     token ids, each in ``[0, vocab_size)``;
     ``loss_mask``  one 0/1 per token, 1 where the token is a training target (predicted from
-                   the tokens before it); defaults to all ones; position 0 is never a target;
+                   the tokens before it); defaults to all ones (a policy loss: the sampled
+                   positions, below); position 0 is never a target;
     ``weights``    optional per-token loss weights (finite floats), applied where the mask is 1.
 The reported loss is the global token mean ``sum(w * nll) / N`` over all ``N`` target tokens
 of the batch, whatever the parallel layout.
+
+**Sampled positions.** A policy loss (every kind but cross-entropy) trains on the tokens the
+sampler produced. A batch that says which they are, with ``loss_mask`` or ``weights``, is
+taken at its word. One that says neither marks them the way RL recipes build their data: the
+prompt's ``old_logprobs`` and ``advantages`` are 0 placeholders, so a position is sampled
+where either is non-zero (``sampled_positions``). The loss, GSPO's sequence ratio (unless
+``sequence_ratio_mask`` names its tokens), the sequence-level corrections and every RL metric
+then read those positions only. A sequence with no such position is refused for a
+sequence-level loss (gspo, seq-TIS, seq-MIS, geometric-mean masking), naming
+``sequence_ratio_mask``: its ratio would be a guess. (A sampled token whose log-prob and
+advantage are both exactly 0 reads as a placeholder; it moves no gradient of any loss here.)
 """
 
 from __future__ import annotations
@@ -83,6 +95,19 @@ class _SequencesRequest(BaseModel):
         return self.sequences.num_tokens
 
 
+def sampled_positions(batch: SequenceBatch) -> np.ndarray:
+    """The positions a policy loss trains on when the batch gives no ``loss_mask`` or
+    ``weights``: where ``old_logprobs`` or ``advantages`` is non-zero (the prompt carries 0
+    placeholders), as a 0/1 ``loss_mask`` column; no sequence's position 0."""
+    marked = np.zeros(batch.num_tokens, bool)
+    for name in ("old_logprobs", "advantages"):
+        col = batch.column(name)
+        if col is not None:
+            marked |= col != 0
+    marked[batch.offsets[:-1]] = False
+    return marked.astype(np.uint8)
+
+
 class _BatchRequest(_SequencesRequest):
     loss: LossConfig = Field(
         default_factory=lambda: LossConfig(), description="Default: token-mean cross-entropy."
@@ -103,6 +128,10 @@ class _BatchRequest(_SequencesRequest):
                     f"sequences[0].{k} is required by the {self.loss.kind.value} loss"
                     + (" with kl_coef > 0" if k == "ref_logprobs" else "")
                 )
+        if self.loss.kind is not LossKind.CROSS_ENTROPY and not (
+            {"loss_mask", "weights"} & set(self.sequences.present)
+        ):
+            self._train_on_sampled_positions()
         ratio_mask = self.sequences.column("sequence_ratio_mask")
         if ratio_mask is not None:
             if self.loss.kind is not LossKind.GSPO:
@@ -120,6 +149,23 @@ class _BatchRequest(_SequencesRequest):
                     "first: gspo's sequence ratio is a mean over at least one token"
                 )
         return self
+
+    def _train_on_sampled_positions(self) -> None:
+        """No ``loss_mask`` and no ``weights``: the loss reads the sampled positions (the
+        module docstring); a sequence-level loss refuses a sequence that marks none."""
+        batch = self.sequences
+        columns = {**batch.columns, "loss_mask": sampled_positions(batch)}
+        self.sequences = SequenceBatch(batch.lengths, columns)
+        ratio_tokens = self.loss.kind is LossKind.GSPO and "sequence_ratio_mask" not in columns
+        if ratio_tokens or self.loss.sequence_correction:
+            empty = np.flatnonzero(self.sequences.num_targets() == 0)
+            if empty.size:
+                raise ValueError(
+                    f"sequences[{int(empty[0])}]: no position is marked sampled (its "
+                    "old_logprobs and advantages are 0 at every target), so its sequence ratio "
+                    "would be a guess: give sequence_ratio_mask (or loss_mask / Tinker's "
+                    "weights) over the tokens the sampler produced"
+                )
 
     def check_limits(self, limits: ModelLimits) -> None:
         super().check_limits(limits)

@@ -15,7 +15,12 @@ one, a 2-D (CSR) tensor, or an image or audio chunk is refused, naming the datum
     sampler_logprobs -> sampler_logprobs (with tis_cap),  ref_logprobs (with kl_coef).
 
 ``sequence_ratio_mask`` (gspo: the tokens of the sequence ratio, Tinker's ``!= 0``) keeps its
-name. Without ``weights`` every target counts. ``loss_fn_config``: ``clip_low_threshold`` and
+name. Without ``weights`` every target counts for ``cross_entropy``; a policy loss counts the
+**sampled positions**, where ``logprobs`` or ``advantages`` is non-zero (the cookbook's
+``rl/train.py`` sends 0 placeholders over the prompt): its loss, GSPO's sequence ratio, the
+sequence-level corrections and the RL metrics read those only. One rule, applied where the
+native API applies it (``api/training.py``, ``sampled_positions``); an explicit ``weights``
+or ``sequence_ratio_mask`` always wins. ``loss_fn_config``: ``clip_low_threshold`` and
 ``clip_high_threshold`` are *ratio bounds* (Tinker's ppo and cispo pages: the ratio is clamped
 to ``[low, high]``, default 0.8 and 1.2), i.e. trainctl's ``clip_low = 1 - low`` and
 ``clip_high = high - 1`` (gspo clips its sequence ratio the same way); ``beta`` (dro),
@@ -193,11 +198,12 @@ def datum_to_sequence(i: int, datum: Any, loss: LossConfig) -> dict[str, np.ndar
             seq[field] = np.concatenate([[0], values != 0]).astype(np.uint8)
         else:
             seq[field] = np.concatenate([[0.0], values.astype(np.float64)])
-    mask = np.ones(n + 1, np.uint8)
-    if "weights" in seq:
+    if "weights" in seq:  # the client says which positions count
         mask = (seq["weights"] != 0).astype(np.uint8)
-    mask[0] = 0
-    seq["loss_mask"] = mask
+        mask[0] = 0
+        seq["loss_mask"] = mask
+    # Without weights: every target for cross-entropy; a policy loss reads the sampled
+    # positions (api/training.py: sampled_positions), as the native API does.
     return seq
 
 

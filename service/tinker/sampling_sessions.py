@@ -38,6 +38,7 @@ from trainctl.api import (
     SyncResult,
     SyncWeightsRequest,
 )
+from trainctl.api.loss import UNPUBLISHED_LOSSES
 from trainctl.api.sampling import MAX_SAMPLES_PER_PROMPT, Seed, Temperature, TopK, TopP
 from trainctl.service.auth import Access, access, tenant_of
 from trainctl.service.codec import read_body
@@ -201,8 +202,10 @@ def _check_served(step: int, adapter: str | None, info: Info) -> None:
 def _gone(step: int, oldest: int, window: int) -> str:
     return (
         f"this sampling client samples the weights of step {step}, which have left the "
-        f"samplers' window of {window} versions (the oldest served is step {oldest}): make a "
-        "new sampling client (save_weights_and_get_sampling_client)"
+        f"samplers' window of {window} versions (--sampler-versions {window}; the oldest "
+        f"served is step {oldest}): make a new sampling client "
+        "(save_weights_and_get_sampling_client), or start the service with a larger "
+        "--sampler-versions to keep more steps servable"
     )
 
 
@@ -253,8 +256,15 @@ def native_request(
         "target_prompt_logprobs": req.target_prompt_logprobs,
         "prompt_alt_tokens_k": req.prompt_alt_tokens_k,
         "prompt_logprobs_last_n": req.prompt_logprobs_last_n,
-        "record_stability_info": req.record_stability_info,
     }
+    if req.record_stability_info:
+        raise InvalidRequestError(
+            "record_stability_info: only the stable_reinforce loss reads it, and trainctl "
+            f"does not compute stable_reinforce: {UNPUBLISHED_LOSSES['stable_reinforce']}; "
+            "train with loss_fn='gspo' or 'importance_sampling' and sample without "
+            "record_stability_info",
+            details={"field": "record_stability_info"},
+        )
     for name, value in unsupported.items():
         if value:
             raise InvalidRequestError(f"{name}: not supported by trainctl's samplers")

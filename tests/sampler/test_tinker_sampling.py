@@ -11,6 +11,7 @@ it is refused with a 410 that says so, never answered with other weights
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tinker
 from tinker import types
 
@@ -59,5 +60,17 @@ def test_tinker_sampling_clients_sample_their_step(sampled: Service) -> None:
                 types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=3)
             ).result()
             assert len(got.sequences[0].tokens) == 3
+
+            # The cookbook's stable_reinforce recipe asks for stability info: refused with
+            # what to do instead, where the recipe meets it (its first sample).
+            stable = tc.create_sampling_client(path, record_stability_info=True).result()
+            with pytest.raises(
+                Exception,
+                match=r"record_stability_info: only the "
+                r"stable_reinforce loss reads it.*'gspo' or 'importance_sampling'",
+            ):
+                stable.sample(
+                    types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=3)
+                ).result()
         finally:
             sc.close("success").result()

@@ -330,6 +330,100 @@ def test_native_gspo_equals_tinkers_gspo_as_a_custom_loss(
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def _cookbook_datum(tokens: list[int], k: int, lp: np.ndarray, adv: float, **extra: Any) -> Any:
+    """A datum as the cookbook's ``rl/train.py`` builds it: the whole sequence's targets,
+    with 0 placeholders for ``logprobs`` and ``advantages`` over the ``k`` prompt positions,
+    no ``weights`` and no ``sequence_ratio_mask`` (unless ``extra`` gives them)."""
+    n = len(tokens) - 1
+    logprobs = np.r_[np.zeros(k), lp[k:]]
+    return _datum(tokens, logprobs=logprobs, advantages=np.r_[np.zeros(k), np.full(n - k, adv)],
+                  **extra)  # fmt: skip
+
+
+def test_cookbook_rl_datums_train_on_the_sampled_tokens_only(svc: Service, training: Any) -> None:
+    """Datums built as the cookbook's ``rl/train.py`` builds them, on-policy: GSPO's sequence
+    ratio and every RL metric see the completion only (ratios 1, nothing clipped), and the
+    gspo loss and gradient equal those of the same datums with an explicit completion mask,
+    and the importance-sampling gradient (equal on-policy). An explicit mask or weights say
+    otherwise and are obeyed; the native API reads the same datums the same way. Every step
+    here is taken at learning rate 0: the model is left as it was."""
+    rng = np.random.default_rng(62)
+    prompts = [rng.integers(0, 500, n).tolist() for n in (6, 8, 5, 7)]
+    lengths = (7, 5, 9, 6)
+    seqs = [p + rng.integers(0, 500, m).tolist() for p, m in zip(prompts, lengths, strict=True)]
+    ks = [len(p) - 1 for p in prompts]  # Tinker position t predicts token t + 1
+    plain = [_datum(t, weights=np.ones(len(t) - 1)) for t in seqs]
+    lps = [o["logprobs"].to_numpy().astype(np.float32)
+           for o in training.forward(plain, "cross_entropy").result().loss_fn_outputs]  # fmt: skip
+    advs = [1.5, -0.5, 0.75, -1.25]
+    each = list(zip(seqs, ks, lps, advs, strict=True))
+    cookbook = [_cookbook_datum(t, k, lp, a) for t, k, lp, a in each]
+
+    def completion_mask(t: list[int], k: int) -> np.ndarray:
+        return np.r_[np.zeros(k), np.ones(len(t) - 1 - k)]
+
+    masked = [
+        _cookbook_datum(t, k, lp, a, sequence_ratio_mask=completion_mask(t, k))
+        for t, k, lp, a in each
+    ]
+    weighted = [
+        _cookbook_datum(t, k, lp, a, weights=np.ones(len(t) - 1))  # says: count the prompt
+        for t, k, lp, a in each
+    ]
+    still = types.AdamParams(learning_rate=0.0)
+
+    def step(data: list[Any], loss: str) -> tuple[dict[str, float], float, list[np.ndarray]]:
+        out = training.forward_backward(data, loss).result()
+        norm = training.optim_step(still).result().metrics["grad_norm:mean"]
+        losses = [o["elementwise_loss"].to_numpy() for o in out.loss_fn_outputs]
+        return out.metrics, norm, losses
+
+    digest_before = _info(svc)["weights_digest"]
+    gspo, gspo_norm, gspo_losses = step(cookbook, "gspo")
+    for name in ("gspo_ratio:mean", "gspo_ratio:min", "gspo_ratio:max", "ratio:mean"):
+        assert gspo[name] == pytest.approx(1.0, abs=1e-6), (name, gspo)
+    assert gspo["clip_low_fraction:mean"] == 0.0, gspo
+    for out, k in zip(gspo_losses, ks, strict=True):
+        assert np.all(out[:k] == 0.0) and np.any(out[k:] != 0.0)  # the prompt moves nothing
+    mask, mask_norm, mask_losses = step(masked, "gspo")
+    assert gspo["loss:sum"] == pytest.approx(mask["loss:sum"], rel=1e-6, abs=1e-6)
+    assert gspo_norm == pytest.approx(mask_norm, rel=1e-6) and gspo_norm > 0
+    for a, b in zip(gspo_losses, mask_losses, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    is_metrics, is_norm, _ = step(cookbook, "importance_sampling")
+    assert is_norm == pytest.approx(gspo_norm, rel=1e-4), (is_norm, gspo_norm)
+    assert is_metrics["ratio:mean"] == pytest.approx(1.0, abs=1e-6)
+    assert is_metrics["logprob_diff:mean"] == pytest.approx(0.0, abs=1e-6)
+
+    told, _, _ = step(weighted, "gspo")  # weights over the prompt: its placeholders count
+    assert told["gspo_ratio:mean"] < 0.5, told
+
+    # The native API: the same datums (trainctl's positions are Tinker's + 1), no loss_mask.
+    rows = [
+        {"tokens": t, "old_logprobs": [0.0, *np.r_[np.zeros(k), lp[k:]]],
+         "advantages": [0.0, *np.r_[np.zeros(k), np.full(len(t) - 1 - k, a)]]}
+        for t, k, lp, a in each
+    ]  # fmt: skip
+    with svc.client(api_token=TOKEN) as tc:
+        native = tc.eval_batch(rows, loss={"kind": "gspo", "normalization": "sum"})
+    assert native.loss == pytest.approx(gspo["loss:sum"], rel=1e-6, abs=1e-6)
+    assert native.metrics["gspo_ratio:mean"] == pytest.approx(1.0, abs=1e-6)
+    assert _info(svc)["weights_digest"] == digest_before
+
+
+def test_a_sequence_loss_refuses_a_datum_that_marks_no_sampled_token(training: Any) -> None:
+    """Placeholders everywhere: no position says it was sampled, so GSPO's sequence ratio
+    would be a guess; refused in one line naming sequence_ratio_mask. PPO takes it (its
+    terms are 0 there)."""
+    zeros = np.zeros(len(TOKENS) - 1)
+    d = _datum(TOKENS, logprobs=zeros, advantages=zeros)
+    good = _datum(TOKENS, logprobs=zeros - 1.0, advantages=zeros + 1.0)
+    with pytest.raises(Exception, match=r"sequences\[1\]: no position is marked sampled.*"
+                       r"sequence_ratio_mask"):  # fmt: skip
+        training.forward([good, d], "gspo").result()
+    training.forward([good, d], "ppo").result()
+
+
 def test_lora_rank_above_zero_is_refused_clearly(service_client: Any) -> None:
     with pytest.raises(Exception, match=r"trains the full model.*--max-adapters N for LoRA"):
         service_client.create_lora_training_client(base_model=BASE, rank=8).result()

@@ -426,6 +426,66 @@ def test_gspo_takes_its_ratio_mask_and_clip_thresholds() -> None:
     assert geo.loss.band("geo_mask") == (0.0, 1.2)
 
 
+def test_a_policy_loss_without_weights_trains_on_the_sampled_positions() -> None:
+    """The cookbook's rl/train.py datum: 0 placeholders over the prompt, no weights, no mask.
+    Its loss tokens are the completion's, for every policy loss, natively alike; weights and
+    a ratio mask say otherwise and win; cross-entropy counts every target."""
+    from trainctl.api import ForwardBackwardRequest, SequenceBatch
+    from trainctl.api.training import sampled_positions
+
+    prompt = {"logprobs": [0.0, 0.0, -0.7, -1.2], "advantages": [0.0, 0.0, 0.0, 1.0]}
+    for loss in ("gspo", "ppo", "importance_sampling", "cispo", "dro"):
+        msg = _request([4, 5, 6, 7], [5, 6, 7, 8], **prompt)
+        msg.loss_fn = loss
+        req = convert.forward_backward_request(msg)
+        assert req.sequences[0].loss_mask.tolist() == [0, 0, 0, 1, 1], loss
+    native = ForwardBackwardRequest(
+        sequences=SequenceBatch.from_sequences(
+            [{"tokens": [4, 5, 6, 7, 8], "old_logprobs": [0.0, *prompt["logprobs"]],
+              "advantages": [0.0, *prompt["advantages"]]}]
+        ),
+        loss={"kind": "gspo"},
+    )  # fmt: skip
+    assert native.sequences[0].loss_mask.tolist() == [0, 0, 0, 1, 1]
+    assert sampled_positions(native.sequences).tolist() == [0, 0, 0, 1, 1]
+    weighted = _request([4, 5, 6, 7], [5, 6, 7, 8], weights=[1.0] * 4, **prompt)
+    weighted.loss_fn = "gspo"
+    assert convert.forward_backward_request(weighted).sequences[0].loss_mask.tolist() == [
+        0, 1, 1, 1, 1,
+    ]  # fmt: skip
+    masked_msg = _request([4, 5, 6, 7], [5, 6, 7, 8], sequence_ratio_mask=[1.0, 1.0, 0, 0],
+                          **prompt)  # fmt: skip
+    masked_msg.loss_fn = "gspo"
+    masked = convert.forward_backward_request(masked_msg)
+    assert masked.sequences[0].sequence_ratio_mask.tolist() == [0, 1, 1, 0, 0]
+    assert masked.sequences[0].loss_mask.tolist() == [0, 0, 0, 1, 1]
+    sft = convert.forward_backward_request(_request([4, 5, 6, 7], [5, 6, 7, 8]))
+    assert sft.sequences[0].num_loss_tokens == 4
+
+
+def test_a_sequence_loss_refuses_a_datum_with_no_sampled_position() -> None:
+    """Placeholders everywhere: a sequence ratio over them would be a guess (gspo, or a
+    sequence-level correction), refused naming sequence_ratio_mask; a token-level loss takes
+    the datum (its terms are 0 there)."""
+    from pydantic import ValidationError
+
+    zeros = {"logprobs": [0.0] * 4, "advantages": [0.0] * 4}
+    for loss, extra, config in (
+        ("gspo", {}, {}),
+        ("ppo", {"sampler_logprobs": [-1.0] * 4}, {"seq_tis_cap": 2.0}),
+    ):
+        msg = _request([4, 5, 6, 7], [5, 6, 7, 8], **zeros, **extra)
+        msg.loss_fn = loss
+        for k, v in config.items():
+            msg.loss_fn_config[k] = v
+        with pytest.raises(ValidationError, match=r"sequences\[0\]: no position is marked "
+                           r"sampled.*give sequence_ratio_mask"):  # fmt: skip
+            convert.forward_backward_request(msg)
+    ppo = _request([4, 5, 6, 7], [5, 6, 7, 8], **zeros)
+    ppo.loss_fn = "ppo"
+    assert convert.forward_backward_request(ppo).sequences[0].num_loss_tokens == 0
+
+
 def test_bad_gspo_input_is_refused_naming_the_field() -> None:
     from pydantic import ValidationError
 
