@@ -204,10 +204,14 @@ def test_ray_version_service_and_gateway() -> None:
         "service.port=9000",
         "--set",
         "gateway.maxOngoingRequests=8",
+        "--set",
+        "gateway.tinker.maxSessions=64",
     )
     rs = next(x for k, x in d.items() if k.startswith("RayService/"))
     assert rs["spec"]["rayClusterConfig"]["rayVersion"] == "2.61.0"
-    assert serve_config(rs)["applications"][0]["args"]["max_ongoing_requests"] == 8
+    args = serve_config(rs)["applications"][0]["args"]
+    assert args["max_ongoing_requests"] == 8
+    assert (args["tinker_max_sessions"], args["tinker_max_sampling_clients"]) == (64, 4096)
     svc = d["Service/t-trainctl"]["spec"]
     assert svc["type"] == "LoadBalancer" and svc["ports"][0]["port"] == 9000
     assert svc["selector"]["trainctl.io/role"] == "head"
