@@ -120,6 +120,7 @@ def tinker_bounds(s: Settings) -> Bounds:
         sessions=s.tinker_max_sessions, models=s.tinker_max_models, futures=s.tinker_max_futures,
         sampling_clients=s.tinker_max_sampling_clients, parked=s.tinker_max_parked,
         parked_bytes=int(s.tinker_max_parked_mb * 2**20), samples=s.sampler_max_queued,
+        operations=s.max_queued_operations,
     )  # fmt: skip
 
 

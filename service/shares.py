@@ -55,6 +55,9 @@ class Bounds:
     """Their body bytes (``--tinker-max-parked-mb``)."""
     samples: int = 256
     """Tinker samples in flight, waiting or running (``--sampler-max-queued``)."""
+    operations: int = 64
+    """Tinker requests in the controller's operation queue, waiting or running
+    (``--max-queued-operations``); past its share a party's next waits for its own."""
     adapters: int = 0
     """LoRA adapter slots of Tinker models (``--max-adapters``; the controller's, which the
     adapter slots pass to ``Shares.of``)."""
@@ -62,7 +65,7 @@ class Bounds:
 
 FLOORS = Bounds(
     sessions=4, models=16, futures=64, sampling_clients=8, parked=4, parked_bytes=16 << 20,
-    samples=4, adapters=1,
+    samples=4, operations=2, adapters=1,
 )  # fmt: skip
 """The least share of each table, whatever the number of tenants (never above the bound)."""
 
@@ -76,6 +79,7 @@ SETTING = {
     "parked": "--tinker-max-parked",
     "parked_bytes": "--tinker-max-parked-mb",
     "samples": "--sampler-max-queued",
+    "operations": "--max-queued-operations",
     "adapters": "--max-adapters",
 }
 """The setting that bounds each table: what a refusal tells the operator to raise."""

@@ -66,6 +66,7 @@ class AdapterSlots:
         one party cannot both take the last slot."""
         lock = self._locks.setdefault(party(tenant), asyncio.Lock())
         async with lock:
+            self.state.expire_sessions()  # an hour silent: its models' slots are free
             bound = (await self.controller.list_adapters()).max_adapters
             share = self.state.shares.of("adapters", bound)
             live = self.state.live_adapters(tenant)  # a load's adapter may not exist yet

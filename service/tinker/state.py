@@ -16,11 +16,12 @@
   a controller queue that is full (429) is waited out, since the future was accepted.
 * **Fair shares.** Every table here is bounded per party (each tenant, and the operator),
   by the rule of ``service/shares.py``: sessions, model handles, finished futures, requests
-  parked for their turn (count and bytes) and samples in flight. A party over its share
-  evicts its own entries where that loses nothing it still uses (a session silent for
-  ``SILENT_S``, a finished future) and is refused otherwise (429, 409 for model handles),
-  never another party's. Sessions not heard from for ``session_ttl_s`` expire with their
-  model handles.
+  parked for their turn (count and bytes), samples in flight, and the requests a party has
+  in the controller's operation queue (past its share they wait for its own to finish). A
+  party over its share evicts its own entries where that loses nothing it still uses (a
+  session silent for ``SILENT_S``, a finished future) and is refused otherwise (429, 409 for
+  model handles), never another party's. Sessions not heard from for ``session_ttl_s``
+  expire with their model handles.
 * **Releases.** A session that finishes, expires or is evicted hands its model handles to
   ``on_release`` (the routes free their adapter slots and sampling clients there).
 
@@ -211,6 +212,9 @@ class TinkerState:
         """Per party: requests (and their body bytes) parked for their seq_id turn."""
         self.sampling: Counter[str] = Counter()
         """Per party: samples in flight (their futures not yet done)."""
+        self.admitted: Counter[str] = Counter()
+        """Per party: requests handed to the controller's queue and not yet finished."""
+        self._operations = asyncio.Condition()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.futures: dict[str, Future] = {}
@@ -543,7 +547,7 @@ class TinkerState:
                 self.parked[p] -= 1
                 self.parked_bytes[p] -= parked
         try:
-            finishing = await self._admit(admit)
+            finishing = await self._admit_in_share(p, admit)
         except Exception as e:
             f.finish(error=e)
             finishing = None
@@ -551,7 +555,29 @@ class TinkerState:
             model.next_seq = max(model.next_seq, seq_id + 1)
             model.turn.notify_all()
         if finishing is not None:
-            await self._finish(f, lambda: finishing)
+            try:
+                await self._finish(f, lambda: finishing)
+            finally:
+                await self._operation_done(p)
+
+    async def _admit_in_share(self, p: str, admit: Admit) -> Awaitable[Any]:
+        """``admit()`` once the party ``p`` has fewer than its share of operations in the
+        controller's queue (its own finishing make room): one tenant's burst cannot fill the
+        queue that every tenant's steps go through. The wait holds the model's turn, as a
+        full queue does."""
+        async with self._operations:
+            await self._operations.wait_for(lambda: self.admitted[p] < self.shares.of("operations"))
+            self.admitted[p] += 1
+        try:
+            return await self._admit(admit)
+        except BaseException:
+            await self._operation_done(p)
+            raise
+
+    async def _operation_done(self, p: str) -> None:
+        async with self._operations:
+            self.admitted[p] -= 1
+            self._operations.notify_all()
 
     @staticmethod
     async def _admit(admit: Admit) -> Awaitable[Any]:

@@ -254,3 +254,48 @@ def test_a_finished_session_releases_its_models_once_and_refuses_them_after() ->
 
 async def _never() -> Any:
     await asyncio.Event().wait()
+
+
+def test_a_tenants_burst_waits_for_its_own_share_of_the_operation_queue() -> None:
+    """carol's requests past her share of the controller's queue wait for her own to finish;
+    alice's go straight in."""
+
+    async def run() -> None:
+        state = _three_tenants(Bounds(operations=8))  # 2 each
+        gates: list[asyncio.Event] = []
+        admitted: list[str] = []
+
+        def admit(who: str) -> Any:
+            async def go() -> Any:
+                admitted.append(who)
+                gate = asyncio.Event()
+                gates.append(gate)
+
+                async def finish() -> str:
+                    await gate.wait()
+                    return who
+
+                return finish()
+
+            return go
+
+        carol = state.add_model(state.create_session("carol"), 0)
+        futures = [state.submit(carol, i, str(i), "x", admit(f"carol{i}")) for i in (1, 2, 3)]
+        await asyncio.sleep(0.05)
+        assert admitted == ["carol1", "carol2"] and state.admitted["carol"] == 2
+        alice = state.add_model(state.create_session("alice"), 0)
+        mine = state.submit(alice, 1, "a", "x", admit("alice1"))
+        await asyncio.sleep(0.05)
+        assert admitted[-1] == "alice1" and "carol3" not in admitted
+        gates[0].set()  # carol's first finishes: her third goes in
+        await asyncio.wait_for(futures[0].done.wait(), 2)
+        await asyncio.sleep(0.05)
+        assert admitted[-1] == "carol3"
+        for g in gates:
+            g.set()
+        await asyncio.wait_for(mine.done.wait(), 2)
+        await asyncio.gather(*(asyncio.wait_for(f.done.wait(), 2) for f in futures))
+        await asyncio.sleep(0.01)
+        assert state.admitted["carol"] == 0 and state.admitted["alice"] == 0
+
+    asyncio.run(run())
