@@ -385,6 +385,7 @@ async def asample(request: Request) -> dict[str, Any]:
 
 def install(app: Any, state: TinkerState) -> None:
     app.state.tinker_sampling = SamplingSessions(
-        state.evicted, state.shares, issued_before=state.issued_before_this_start
-    )
+        state.evicted, state.shares, issued_before=state.issued_before_this_start,
+        finished=state.finish_reason,
+    )  # fmt: skip
     app.include_router(router)

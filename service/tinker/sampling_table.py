@@ -77,10 +77,13 @@ class SamplingSessions:
         evicted: dict[str, int],
         shares: Shares | None = None,
         issued_before: Callable[[str], bool] = lambda _: False,
+        finished: Callable[[str], str | None] = lambda _: None,
     ) -> None:
         self.shares, self.evicted = shares or Shares(), evicted
         self.issued_before = issued_before
         """Whether a Tinker session id came from an earlier start of the gateway."""
+        self.finished = finished
+        """A Tinker session's finish reason (None: it has not finished)."""
         self.evicted.setdefault("tinker_sampling_sessions", 0)
         self.sessions: OrderedDict[str, SamplingSession] = OrderedDict()
         """Every party's clients, least recently used first."""
@@ -121,7 +124,16 @@ class SamplingSessions:
         s = self.sessions.get(sampling_session_id)
         if s is not None and not visible(s.tenant, tenant):
             s = None
-        if s is None and self.issued_before(sampling_session_id.split(":", 1)[0]):
+        session_id = sampling_session_id.split(":", 1)[0]
+        reason = self.finished(session_id) if s is None else None
+        if reason is not None:
+            raise GoneError(
+                f"sampling session {sampling_session_id!r} belongs to session {session_id}, "
+                f"which finished ({reason}): its sampling clients were released; create one "
+                "in a new session",
+                details={"sampling_session_id": sampling_session_id, "finished": reason},
+            )
+        if s is None and self.issued_before(session_id):
             raise GoneError(
                 f"sampling session {sampling_session_id!r} was made before the service "
                 "restarted: a restart forgets sampling clients and empties the samplers' "

@@ -293,6 +293,11 @@ class TinkerState:
             s.finished = reason
             self.on_release(s, self._models_of(s))
 
+    def finish_reason(self, session_id: str) -> str | None:
+        """Why ``session_id`` finished (None: it has not, or is not in the table)."""
+        s = self.sessions.get(session_id)
+        return None if s is None else s.finished
+
     def _models_of(self, s: Session) -> list[Model]:
         return [m for m in self.models.values() if m.session_id == s.session_id]
 

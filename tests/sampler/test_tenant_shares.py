@@ -202,6 +202,8 @@ def test_a_finished_session_frees_its_adapter_and_its_state_loads_again(
     assert beat.status_code == 410, beat.text
     r = post(url, "get_info", {"model_id": a.model_id}, "alice")
     assert r.status_code == 410 and "finished (success)" in r.text, r.text
+    with pytest.raises(Exception, match=r"which finished \(success\)"):
+        a.sample()
 
     again = Run(svc, "alice", state=saved)
     runs["alice"] = again

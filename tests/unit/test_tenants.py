@@ -239,6 +239,9 @@ def test_a_finished_session_releases_its_models_once_and_refuses_them_after() ->
     state.finish(state.session(sid, "alice"), "success")
     state.finish(state.session(sid, "alice", finished=True), "errored")  # the first wins
     assert released == [[model.model_id]] and state.sessions[sid].finished == "success"
+    table = SamplingSessions({}, state.shares, finished=state.finish_reason)
+    with pytest.raises(GoneError, match=f"belongs to session {sid}, which finished"):
+        table.get(f"{sid}:sample:0", "alice")
     assert state.live_adapters("alice") == set()
     with pytest.raises(GoneError, match="finished \\(success\\)"):
         state.model(model.model_id, "alice")
