@@ -20,7 +20,8 @@ import contextlib
 import hashlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 from trainctl.api import (
     ConflictError,
@@ -57,26 +58,32 @@ class AdapterSlots:
     def __init__(self, controller: Callable[[], ControllerAPI], state: TinkerState) -> None:
         self._controller, self.state = controller, state
         self._locks: dict[str, asyncio.Lock] = {}
+        self._pending: dict[str, set[str]] = {}
+        """Per party: adapters a queued load will create (not on the controller yet)."""
         self.releasing: set[asyncio.Task[None]] = set()
 
     @contextlib.asynccontextmanager
     async def room(self, tenant: str | None) -> AsyncIterator[None]:
         """Hold ``tenant``'s slots while one of its models takes one: a 409 now if the party
-        holds its quota (after freeing the adapters no live handle names); two creations of
-        one party cannot both take the last slot."""
-        lock = self._locks.setdefault(party(tenant), asyncio.Lock())
+        holds its quota (the adapters on the controller and those a queued load will create,
+        after freeing the ones no live model trains); two creations of one party cannot both
+        take the last slot."""
+        p = party(tenant)
+        lock = self._locks.setdefault(p, asyncio.Lock())
         async with lock:
             self.state.expire_sessions()  # an hour silent: its models' slots are free
             bound = (await self.controller.list_adapters()).max_adapters
             share = self.state.shares.of("adapters", bound)
-            live = self.state.live_adapters(tenant)  # a load's adapter may not exist yet
+            live = self.state.live_adapters(tenant)
+            pending = self._pending.setdefault(p, set())
+            pending &= live  # a load whose session ended creates nothing that counts
             held = set(await self._held(tenant))
-            if len(held | live) >= share:
+            if len(held | pending) >= share:
                 for name in sorted(held - live):
                     log.info("freeing adapter %s: no live Tinker model trains it", name)
                     await self._delete(name)
                 held = set(await self._held(tenant))
-            taken = sorted(held | live)
+            taken = sorted(held | pending)
             if len(taken) >= share:
                 self.state.shares.refuse(tenant, "adapters")
                 raise ConflictError(
@@ -86,6 +93,17 @@ class AdapterSlots:
                     details={"table": "adapters", "share": share, "held": taken},
                 )
             yield
+
+    def pending_until(self, tenant: str | None, name: str, done: asyncio.Event) -> None:
+        """Count ``name`` as taken until ``done`` (the future of the load that creates it)."""
+        mine = self._pending.setdefault(party(tenant), set())
+        mine.add(name)
+
+        async def settle() -> None:
+            await done.wait()
+            mine.discard(name)
+
+        self._spawn(settle())
 
     @property
     def controller(self) -> ControllerAPI:
@@ -99,9 +117,12 @@ class AdapterSlots:
         """Free the adapters of ``models`` (their session ended), in the background."""
         for m in models:
             if m.adapter is not None:
-                task = asyncio.ensure_future(self._release(m.adapter))
-                self.releasing.add(task)
-                task.add_done_callback(self.releasing.discard)
+                self._spawn(self._release(m.adapter))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.releasing.add(task)
+        task.add_done_callback(self.releasing.discard)
 
     async def _release(self, name: str) -> None:
         for _ in range(RELEASE_TRIES):

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from trainctl.api import (
+    ConflictError,
     DeleteCheckpointRequest,
     ExportRequest,
     ExportResult,
@@ -374,6 +375,7 @@ async def load_weights(request: Request) -> dict[str, Any]:
         )
     tenant = tenant_of(request)
     owner = native_name(source.model_id, tenant)  # the saver's names, in this tenant's space
+    creates = False  # whether the load makes the model's adapter (a slot of the tenant's)
     if req.session_id is not None and req.model_seq_id is not None:
         # A new model from saved state: its creation is its seq_id 0. On an adapters service
         # it trains an adapter of its own, restored from the one the state holds.
@@ -384,9 +386,13 @@ async def load_weights(request: Request) -> dict[str, Any]:
             if existing is not None and existing.adapter is not None:  # a retry: it has one
                 model = existing
             else:
-                async with _slots(request).room(tenant):  # its adapter: a slot of the tenant's
-                    model = state.add_model(req.session_id, req.model_seq_id, first_seq=0)
-                    model.adapter = model.native
+                try:
+                    async with _slots(request).room(tenant):  # a slot of the tenant's
+                        model = state.add_model(req.session_id, req.model_seq_id, first_seq=0)
+                        model.adapter = model.native
+                        creates = True
+                except ConflictError as e:  # as create_model's: the SDK retries HTTP 409s
+                    return future_of(state.failed("load_weights", e, tenant))
         else:
             model = state.add_model(req.session_id, req.model_seq_id, first_seq=0)
         seq_id = 0
@@ -407,10 +413,14 @@ async def load_weights(request: Request) -> dict[str, Any]:
         checkpoint_id=source.name, optimizer=req.optimizer, owner=owner, adapter=restored,
         into=model.adapter,
     )  # fmt: skip
-    return _in_order(
+    answer = _in_order(
         request, model, seq_id, fp, OperationKind.LOAD_CHECKPOINT, lambda: native,
         lambda _: {"path": req.path, "model_id": model.model_id, "type": "load_weights"},
     )  # fmt: skip
+    if creates and model.adapter is not None:
+        f = state.future(answer["request_id"], tenant)
+        _slots(request).pending_until(tenant, model.adapter, f.done)
+    return answer
 
 
 async def _saved(request: Request, owner: str, name: str) -> None:

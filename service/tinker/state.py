@@ -425,6 +425,12 @@ class TinkerState:
         self._spawn(self._finish(f, work))
         return f
 
+    def failed(self, kind: str, error: Exception, tenant: str | None) -> Future:
+        """A future of ``tenant``'s that has failed with ``error`` already."""
+        f = self.new_future(kind, tenant)
+        f.finish(error=error)
+        return f
+
     def sample(self, work: Callable[[], Awaitable[Any]], tenant: str | None) -> Future:
         """``run`` for a sample, counted against the party's share of samples in flight (a
         429 past it, before any future exists)."""

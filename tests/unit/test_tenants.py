@@ -12,10 +12,19 @@ from typing import Any
 
 import pytest
 
-from trainctl.api import ConflictError, GoneError, NotFoundError, RateLimitedError
+from trainctl.api import (
+    AdapterInfo,
+    AdapterList,
+    ConflictError,
+    GoneError,
+    NotFoundError,
+    OperationKind,
+    RateLimitedError,
+)
 from trainctl.service import tenants
 from trainctl.service.shares import Bounds, Shares
 from trainctl.service.tinker import state as state_module
+from trainctl.service.tinker.adapter_slots import AdapterSlots
 from trainctl.service.tinker.sampling_table import PinnedWeights, SamplingSession, SamplingSessions
 from trainctl.service.tinker.state import TinkerState
 
@@ -300,5 +309,71 @@ def test_a_tenants_burst_waits_for_its_own_share_of_the_operation_queue() -> Non
         await asyncio.gather(*(asyncio.wait_for(f.done.wait(), 2) for f in futures))
         await asyncio.sleep(0.01)
         assert state.admitted["carol"] == 0 and state.admitted["alice"] == 0
+
+    asyncio.run(run())
+
+
+class _AdapterTable:
+    """The controller's adapter table, as the adapter slots see it (list, delete)."""
+
+    def __init__(self, max_adapters: int) -> None:
+        self.max_adapters, self.names = max_adapters, set[str]()
+
+    async def list_adapters(self) -> AdapterList:
+        spec = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": [], "step": 0, "bytes": 1}
+        infos = [AdapterInfo(name=n, last_used=0.0, **spec) for n in sorted(self.names)]
+        return AdapterList(adapters=infos, max_adapters=self.max_adapters, max_rank=8)
+
+    async def run(self, kind: Any, req: Any, key: Any = None, fingerprint: str = "") -> Any:
+        assert kind is OperationKind.DELETE_ADAPTER
+        if req.name not in self.names:
+            raise NotFoundError(f"adapter {req.name!r} does not exist")
+        self.names.discard(req.name)
+        return await self.list_adapters()
+
+
+def test_adapter_slots_hold_a_quota_per_tenant_and_come_back_with_their_sessions() -> None:
+    """Each tenant's quota of --max-adapters 4 (three tenants and the operator: one each):
+    another tenant's adapters never count; a load still to run holds its slot; an adapter no
+    live model trains (a finished session's, a gateway restart's) is freed when the room is
+    needed; a finished session's are freed in the background."""
+
+    async def run() -> None:
+        state = _three_tenants()
+        table = _AdapterTable(max_adapters=4)
+        slots = AdapterSlots(lambda: table, state)  # type: ignore[arg-type, return-value]
+        state.on_release = lambda s, models: slots.release(models)
+        alice = state.create_session("alice")
+        async with slots.room("alice"):
+            model = state.add_model(alice, 0, adapter=f"alice.{alice}-train-0")
+            table.names.add(model.adapter or "")
+        table.names.add(f"bob.{'b' * 16}-train-0")  # bob's: not alice's to count
+        with pytest.raises(ConflictError, match=r"tenant 'alice' holds 1 LoRA adapters.*share "
+                           r"is 1 of --max-adapters 4 over 4 parties"):  # fmt: skip
+            async with slots.room("alice"):
+                pass
+        # carol's load of a saved state: its adapter exists only once the load runs
+        carol = state.create_session("carol")
+        async with slots.room("carol"):
+            loading = state.add_model(carol, 0, first_seq=0, adapter=f"carol.{carol}-train-0")
+        done = asyncio.Event()
+        slots.pending_until("carol", loading.adapter or "", done)
+        with pytest.raises(ConflictError, match="tenant 'carol' holds 1"):
+            async with slots.room("carol"):
+                pass
+        done.set()
+        await asyncio.sleep(0.01)  # the load failed: nothing was made, the slot is free
+        async with slots.room("carol"):
+            pass
+        # alice's session finishes: her adapter goes, in the background
+        state.finish(state.session(alice, "alice"), "success")
+        await asyncio.gather(*slots.releasing)
+        assert table.names == {f"bob.{'b' * 16}-train-0"}
+        # an adapter no live model trains (left by a restart): freed when alice needs room
+        table.names.add(f"alice.{'c' * 16}-train-3")
+        async with slots.room("alice"):
+            pass
+        assert f"alice.{'c' * 16}-train-3" not in table.names
+        assert state.shares.refused["alice", "adapters"] == 1
 
     asyncio.run(run())
