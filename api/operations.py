@@ -8,6 +8,7 @@ dispatches on the kind; nothing else spells an operation's name.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -292,6 +293,12 @@ OPERATIONS: dict[OperationKind, OperationSpec] = {
 
 ROUTED: tuple[OperationSpec, ...] = tuple(s for s in OPERATIONS.values() if s.path)
 """The operations callable over HTTP (all but ``recover``)."""
+
+
+def fingerprint(req: BaseModel) -> str:
+    """A request's idempotency fingerprint: the sha256 of its canonical JSON (the same key
+    with another fingerprint is a 409)."""
+    return hashlib.sha256(req.model_dump_json().encode()).hexdigest()
 
 
 def route_of(kind: OperationKind, req: BaseModel) -> str:

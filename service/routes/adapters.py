@@ -1,11 +1,10 @@
 """LoRA adapters: create (an operation), list, delete."""
 
-import hashlib
-
 from fastapi import Path, Request, Response
 
 from trainctl.api import AdapterList, DeleteAdapterRequest, OperationKind
 from trainctl.api.adapters import ADAPTER_NAME
+from trainctl.api.operations import fingerprint
 from trainctl.service.routes.deps import (
     OPERATION_RESPONSES,
     ControllerDep,
@@ -36,7 +35,7 @@ async def delete_adapter(
     """Delete an adapter (its weights, AdamW state and any waiting gradients), in the
     operation queue's turn; the adapters left."""
     req = DeleteAdapterRequest(name=name)
-    fingerprint = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
     return await dispatch(
-        request, controller, OperationKind.DELETE_ADAPTER, req, idempotency_key, fingerprint, prefer
-    )
+        request, controller, OperationKind.DELETE_ADAPTER, req, idempotency_key, fingerprint(req),
+        prefer,
+    )  # fmt: skip

@@ -1,12 +1,12 @@
 """Checkpoints and exports: save, load and export (operations), the list, and deletes."""
 
-import hashlib
 from typing import Annotated
 
 from fastapi import Path, Query, Request, Response
 
 from trainctl.api import CheckpointList, DeleteCheckpointRequest, Deleted, OperationKind
 from trainctl.api.adapters import ADAPTER_NAME
+from trainctl.api.operations import fingerprint
 from trainctl.service.routes.deps import (
     OPERATION_RESPONSES,
     ControllerDep,
@@ -20,6 +20,7 @@ router = resource_router("checkpoints")
 add_operation_routes(router, "checkpoints")
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+DELETE = OperationKind.DELETE_CHECKPOINT
 Owner = Annotated[
     str | None,
     Query(pattern=ADAPTER_NAME, description="Whose names (default: the service's own)."),
@@ -30,15 +31,6 @@ Owner = Annotated[
 async def list_checkpoints(controller: ControllerDep, owner: Owner = None) -> CheckpointList:
     """Complete checkpoints of one owner, oldest first."""
     return await controller.list_checkpoints(owner)
-
-
-async def _delete(
-    request: Request, controller: ControllerDep, req: DeleteCheckpointRequest,
-    key: str | None, prefer: str | None,
-) -> Response:  # fmt: skip
-    fingerprint = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
-    kind = OperationKind.DELETE_CHECKPOINT
-    return await dispatch(request, controller, kind, req, key, fingerprint, prefer)
 
 
 @router.delete(
@@ -55,7 +47,8 @@ async def delete_checkpoint(
     """Delete one owner's checkpoint from disk, in the operation queue's turn (never under a
     load that reads it); 404 if it does not exist."""
     req = DeleteCheckpointRequest(checkpoint_id=checkpoint_id, owner=owner)
-    return await _delete(request, controller, req, idempotency_key, prefer)
+    return await dispatch(request, controller, DELETE, req, idempotency_key, fingerprint(req),
+                          prefer)  # fmt: skip
 
 
 @router.delete("/exports/{name}", response_model=Deleted, responses=OPERATION_RESPONSES)
@@ -69,4 +62,5 @@ async def delete_export(
 ) -> Response:
     """Delete one owner's Hugging Face export from disk, in the operation queue's turn."""
     req = DeleteCheckpointRequest(checkpoint_id=name, owner=owner, export=True)
-    return await _delete(request, controller, req, idempotency_key, prefer)
+    return await dispatch(request, controller, DELETE, req, idempotency_key, fingerprint(req),
+                          prefer)  # fmt: skip

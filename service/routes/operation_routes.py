@@ -5,7 +5,6 @@ the operation to poll at ``GET /v1/operations/{id}``; ``Idempotency-Key`` makes 
 retry. A batch body is JSON or the binary frame (``api/wire.py``); the others are JSON.
 """
 
-import hashlib
 import json
 import logging
 from typing import Annotated, Any
@@ -15,7 +14,7 @@ from pydantic import BaseModel
 
 from trainctl.api import API_VERSION, Operation, OperationKind, OperationSpec, wire
 from trainctl.api.errors import STATUS_OF, field_error
-from trainctl.api.operations import ROUTED
+from trainctl.api.operations import ROUTED, fingerprint
 from trainctl.service.codec import decode_request, encode_response, read_body
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.errors import public
@@ -75,7 +74,7 @@ async def _read(request: Request, spec: OperationSpec, limits: Any) -> tuple[Bas
         req = spec.request.model_validate_json(body)
     else:
         req = spec.request.model_validate(fields)
-    return req, hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+    return req, fingerprint(req)
 
 
 def _body_doc(spec: OperationSpec) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -31,6 +30,7 @@ from trainctl.api import (
     OperationKind,
     RateLimitedError,
 )
+from trainctl.api.operations import fingerprint
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.shares import party
 from trainctl.service.tenants import scoped
@@ -72,17 +72,16 @@ class AdapterSlots:
         lock = self._locks.setdefault(p, asyncio.Lock())
         async with lock:
             self.state.expire_sessions()  # an hour silent: its models' slots are free
-            bound = (await self.controller.list_adapters()).max_adapters
+            bound, held = await self._held(tenant)
             share = self.state.shares.of("adapters", bound)
             live = self.state.live_adapters(tenant)
             pending = self._pending.setdefault(p, set())
             pending &= live  # a load whose session ended creates nothing that counts
-            held = set(await self._held(tenant))
             if len(held | pending) >= share:
                 for name in sorted(held - live):
                     log.info("freeing adapter %s: no live Tinker model trains it", name)
                     await self._delete(name)
-                held = set(await self._held(tenant))
+                _, held = await self._held(tenant)
             taken = sorted(held | pending)
             if len(taken) >= share:
                 self.state.shares.refuse(tenant, "adapters")
@@ -109,9 +108,12 @@ class AdapterSlots:
     def controller(self) -> ControllerAPI:
         return self._controller()
 
-    async def _held(self, tenant: str | None) -> list[str]:
+    async def _held(self, tenant: str | None) -> tuple[int, set[str]]:
+        """``--max-adapters``, and the adapters of ``tenant``'s Tinker models, in one
+        listing."""
         listing = await self.controller.list_adapters()
-        return sorted(a.name for a in listing.adapters if is_tinker_adapter(a.name, tenant))
+        mine = {a.name for a in listing.adapters if is_tinker_adapter(a.name, tenant)}
+        return listing.max_adapters, mine
 
     def release(self, models: list[Model]) -> None:
         """Free the adapters of ``models`` (their session ended), in the background."""
@@ -139,6 +141,5 @@ class AdapterSlots:
 
     async def _delete(self, name: str) -> None:
         req = DeleteAdapterRequest(name=name)
-        fingerprint = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
         with contextlib.suppress(NotFoundError):  # gone already: the slot is free
-            await self.controller.run(OperationKind.DELETE_ADAPTER, req, None, fingerprint)
+            await self.controller.run(OperationKind.DELETE_ADAPTER, req, None, fingerprint(req))

@@ -1,7 +1,6 @@
 """What the SDK sends as JSON (only the fields read; the rest is ignored), and what
 ``create_model`` refuses rather than train something other than what was asked."""
 
-import hashlib
 import json
 import zlib
 from typing import Any
@@ -10,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainctl.api import ConflictError, CreateAdapterRequest, Info, InvalidRequestError
 from trainctl.api.bounds import MAX_LORA_RANK, MAX_SEED
+from trainctl.api.operations import fingerprint
 
 
 class Body(BaseModel):
@@ -159,7 +159,7 @@ def json_object(body: bytes) -> dict[str, Any]:
 def validated(raw: dict[str, Any], model: type[Body]) -> tuple[Any, str]:
     """``raw`` as ``model`` and its fingerprint (sha256 of the canonical JSON)."""
     req = model.model_validate(raw)
-    return req, hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+    return req, fingerprint(req)
 
 
 def text_field(body: dict[str, Any], name: str) -> str:

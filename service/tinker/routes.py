@@ -43,6 +43,7 @@ from trainctl.api import (
     SaveCheckpointRequest,
     StepResult,
 )
+from trainctl.api.operations import fingerprint
 from trainctl.service.auth import Access, access, tenant_of
 from trainctl.service.codec import read_body
 from trainctl.service.controller_client import ControllerAPI
@@ -448,15 +449,11 @@ async def delete_checkpoint(run: str, checkpoint_id: str, request: Request) -> d
         checkpoint_id=path.name, owner=native_name(path.model_id, tenant_of(request)),
         export=path.kind == "sampler_weights",
     )  # fmt: skip
-    fingerprint = hashlib.sha256(native.model_dump_json().encode()).hexdigest()
-    await _controller(request).run(OperationKind.DELETE_CHECKPOINT, native, None, fingerprint)
+    kind = OperationKind.DELETE_CHECKPOINT
+    await _controller(request).run(kind, native, None, fingerprint(native))
     if native.export:
-        _sampling(request).forget_path(str(path))
+        sampling_sessions.sampling_clients(request).forget_path(str(path))
     return {}
-
-
-def _sampling(request: Request) -> SamplingSessions:
-    return request.app.state.tinker_sampling  # type: ignore[no-any-return]
 
 
 @router.post("/retrieve_future")

@@ -112,7 +112,7 @@ def session_for(request: Request, req: SaveForSampler, result: Any) -> dict[str,
     """The sampling session of a finished sync: pinned at the step it synced."""
     synced = SyncResult.model_validate(result)
     model_id = req.model_id
-    s = _sessions(request).add(
+    s = sampling_clients(request).add(
         SamplingSession(
             sampling_session_id=f"{model_id}:sample:{req.sampling_session_seq_id}",
             base_model="",  # the served model's name, read when asked (get_sampler)
@@ -131,10 +131,11 @@ def remember_path(
     request: Request, path: str, req: SaveForSampler, adapter: str | None, step: int
 ) -> None:
     weights = PinnedWeights(adapter, step, Expiry.after(req.ttl_seconds), tenant_of(request))
-    _sessions(request).remember_path(path, weights)
+    sampling_clients(request).remember_path(path, weights)
 
 
-def _sessions(request: Request) -> SamplingSessions:
+def sampling_clients(request: Request) -> SamplingSessions:
+    """This app's table of sampling clients and sampler paths."""
     return request.app.state.tinker_sampling  # type: ignore[no-any-return]
 
 
@@ -156,7 +157,7 @@ async def _pinned(
         return PinnedWeights(None, 0)
     path = TinkerPath.parse(model_path, "model_path")
     if path.kind == "sampler_weights":  # a path of someone else's is unknown (404) first
-        pinned = _sessions(request).pinned(str(path), tenant_of(request))
+        pinned = sampling_clients(request).pinned(str(path), tenant_of(request))
         _need_samplers(info)
         return pinned
     _need_samplers(info)
@@ -324,7 +325,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
     info = await _controller(request).info()
     pinned = await _pinned(request, info, req.model_path, req.base_model)
     _check_served(pinned.step, pinned.adapter, info)
-    s = _sessions(request).add(
+    s = sampling_clients(request).add(
         SamplingSession(
             sampling_session_id=f"{req.session_id}:sample:{req.sampling_session_seq_id}",
             base_model=info.model_name,
@@ -341,7 +342,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
 @router.get("/samplers/{sampler_id}")
 @access(Access.TINKER)
 async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
-    s = _sessions(request).get(sampler_id, tenant_of(request))
+    s = sampling_clients(request).get(sampler_id, tenant_of(request))
     base_model = s.base_model or (await _controller(request).info()).model_name
     return {"sampler_id": s.sampling_session_id, "base_model": base_model,
             "model_path": s.model_path}  # fmt: skip
@@ -354,7 +355,7 @@ async def asample(request: Request) -> dict[str, Any]:
     req, _ = validated(raw, AsampleRequest)
     inflight = False
     if req.sampling_session_id is not None:
-        session = _sessions(request).get(req.sampling_session_id, tenant_of(request))
+        session = sampling_clients(request).get(req.sampling_session_id, tenant_of(request))
         adapter, step, inflight = session.adapter, session.step, session.inflight
     else:
         info = await _controller(request).info()

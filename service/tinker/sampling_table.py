@@ -105,12 +105,10 @@ class SamplingSessions:
         self._make_room(self.sessions, s.tenant)
         return s
 
-    def forget_session(self, session_id: str) -> int:
+    def forget_session(self, session_id: str) -> None:
         """Drop every sampling client of the Tinker session ``session_id`` (it ended)."""
-        doomed = [k for k in self.sessions if k.startswith(f"{session_id}:")]
-        for k in doomed:
+        for k in [k for k in self.sessions if k.startswith(f"{session_id}:")]:
             del self.sessions[k]
-        return len(doomed)
 
     def forget_path(self, path: str) -> None:
         """A sampler-weights path that was deleted: it samples nothing any more."""

@@ -220,7 +220,7 @@ def test_a_tenant_deletes_its_own_checkpoint_and_no_other_tenant_can(
 ) -> None:
     """bob's delete of alice's saved state is a 404 and deletes nothing; alice's own delete
     (``RestClient.delete_checkpoint_from_tinker_path``) removes it, and her next
-    ``load_state`` of it is a 404. Leaves alice's `final` deleted."""
+    ``load_state`` of it is a 404; her sampler weights likewise. Leaves both deleted."""
     svc = tenants_sampled
     a, b = runs["alice"], runs["bob"]
     owner = f"alice.{a.state.removeprefix('tinker://').split('/')[0].replace(':', '-')}"
@@ -237,3 +237,12 @@ def test_a_tenant_deletes_its_own_checkpoint_and_no_other_tenant_can(
     with pytest.raises(tinker.NotFoundError, match="no saved state 'second'"):
         a.tc.load_state(a.state).result()
     assert a.train() == 4  # the refused load passed its turn on
+
+    # sampler weights (a Hugging Face export) go the same way, from disk
+    export = a.tc.save_weights_for_sampler("shared").result().path
+    on_disk = next(svc.data_dir.glob("exports/_owners/alice.*/shared"))
+    with pytest.raises(tinker.NotFoundError):
+        b.sc.create_rest_client().delete_checkpoint_from_tinker_path(export).result()
+    assert on_disk.is_dir()
+    a.sc.create_rest_client().delete_checkpoint_from_tinker_path(export).result()
+    assert not on_disk.exists()

@@ -145,3 +145,26 @@ def test_a_checkpoint_moved_into_an_owner_is_that_owners(tmp_path: Path) -> None
     owned.root.mkdir(parents=True)
     (tmp_path / "final").rename(owned.root / "final")  # the documented upgrade step
     assert owned.path("final")[1].owner == "run-a"
+
+
+def test_a_discarded_directory_leaves_nothing_listed_even_if_cut_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``discard`` (checkpoint pruning and deletes, export deletes): renamed out of sight
+    first, so a delete cut short leaves only a ``.partial-`` directory that the start sweeps;
+    one gone already is no error."""
+    import shutil
+
+    from trainctl.workers.control import checkpoints
+
+    export = tmp_path / "exports" / "final"
+    export.mkdir(parents=True)
+    (export / "model.safetensors").write_bytes(b"x" * 10)
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # the process dies mid-delete
+    checkpoints.discard(export)
+    left = list((tmp_path / "exports").iterdir())
+    assert not export.exists() and len(left) == 1
+    assert left[0].name.startswith(".partial-gone-final-")
+    assert checkpoints.partials(tmp_path / "exports") == left  # what the start sweeps
+    monkeypatch.undo()
+    checkpoints.discard(export)  # gone already

@@ -53,6 +53,18 @@ def owner_dir(root: Path, owner: str | None) -> Path:
     return root if owner is None else root / OWNERS / checked_name("owner", owner)
 
 
+def discard(d: Path) -> None:
+    """Out of sight in one rename, then deleted: a crash mid-delete leaves a ``.partial-``
+    directory beside it (swept at start), never a listed checkpoint or export missing
+    files. One gone already is no error."""
+    doomed = d.with_name(f"{_PARTIAL}gone-{d.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(d, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def partials(root: Path, prefix: str = _PARTIAL) -> list[Path]:
     """Directories under ``root``, or under any owner's, being written or left by a crash."""
     return [*root.glob(f"{prefix}*"), *root.glob(f"{OWNERS}/*/{prefix}*")]
@@ -141,13 +153,6 @@ class CheckpointStore:
             )
         return d, info
 
-    def remove(self, checkpoint_id: str) -> int:
-        """Delete a complete checkpoint (a 404 if there is none); the bytes it freed."""
-        d, info = self.path(checkpoint_id)
-        self._remove(d)
-        log.info("checkpoint %s%s deleted", checkpoint_id, f" of {self.owner}" * bool(self.owner))
-        return info.size_bytes
-
     def sweep_partial(self) -> None:
         """Remove temporary directories left by a crash (every owner's)."""
         if self.root.is_dir():
@@ -167,17 +172,7 @@ class CheckpointStore:
         ]  # fmt: skip
         doomed = [*unreadable, *found]
         for name in doomed[: max(0, len(doomed) - self.keep)]:
-            self._remove(self.root / name)
-
-    def _remove(self, d: Path) -> None:
-        """Out of the list in one rename, then deleted: a crash mid-delete leaves a
-        ``.partial-`` directory (swept), never a listed checkpoint missing files."""
-        doomed = self.root / f"{_PARTIAL}gone-{d.name}-{uuid.uuid4().hex[:8]}"
-        try:
-            os.rename(d, doomed)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(doomed, ignore_errors=True)
+            discard(self.root / name)
 
     def _read(self, d: Path) -> CheckpointInfo | None:
         """``d``'s manifest, or None (logged) if it cannot be read. Its owner is the directory

@@ -33,7 +33,7 @@ from trainctl.api import (
 )
 from trainctl.api.errors import field_error
 from trainctl.workers.control.adapter_registry import Adapters
-from trainctl.workers.control.checkpoints import CheckpointStore, owner_dir, partials
+from trainctl.workers.control.checkpoints import CheckpointStore, discard, owner_dir, partials
 from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.profile_store import replace_dir
@@ -258,13 +258,10 @@ class Saves:
 
         async def run(h: Handle) -> Deleted:
             path, size = self._deletable(req)
-            if req.export:
-                doomed = path.with_name(f"{PARTIAL_EXPORT}gone-{path.name}-{os.getpid()}")
-                os.rename(path, doomed)  # out of sight at once; swept at start if cut short
-                await asyncio.to_thread(shutil.rmtree, doomed, True)
-            else:
-                size = await asyncio.to_thread(self.checkpoints.scoped(req.owner).remove,
-                                               req.checkpoint_id)  # fmt: skip
+            await asyncio.to_thread(discard, path)
+            what = "export" if req.export else "checkpoint"
+            log.info("%s %s of %s deleted (%d bytes)", what, req.checkpoint_id,
+                     req.owner or "the service", size)  # fmt: skip
             return Deleted(checkpoint_id=req.checkpoint_id, owner=req.owner, export=req.export,
                            size_bytes=size)  # fmt: skip
 
