@@ -1,39 +1,36 @@
-"""The GPU benchmark: a train step of a Qwen3-0.6B-shaped model (random weights, bf16) on one
-GPU, against transformers run two ways.
+"""The GPU benchmark: one train step of a Qwen3-0.6B-shaped model on one GPU, trainctl's
+engine in process against a ladder of transformers configurations, behind a correctness gate.
 
-    python bench/gpu.py                   # on a GPU: prints the table, writes bench/results/gpu.md
-    python bench/gpu.py --quick           # anywhere (CPU too): a tiny model, to check the script
+    python bench/gpu.py                 # on a GPU: the table, bench/results/gpu.md and gpu.json
+    python bench/gpu.py --smoke --out D # anywhere (CPU too): a tiny model, every code path
 
-Rows: packed batches of sequences of ``--seq-len`` tokens (16K, 32K, 64K tokens a step), and
-one ragged RL batch, ``--ragged`` (by default 32 x 512 + 4 x 4096 = 32K tokens), as a GRPO
-step's groups and long prompts would give.
+**Same start, same batch.** A child process writes one Hugging Face checkpoint (random
+weights of a fixed seed, bf16); every side loads it (trainctl through ``init_hf``) and takes
+the same token ids, loss (the token mean over the batch's predicted tokens), clipping (1.0)
+and AdamW hyper-parameters.
 
-Columns, each measured in a fresh process (``--child``) so its peak memory is its own
-(``torch.cuda.max_memory_allocated`` over the timed steps, after warm-up made the optimizer
-state):
+**The gate** (``bench/gpu_gate.py``): each row's step-1 loss and gradient norm against the
+reference row's (transformers with fp32 masters), and its loss falling over the steps. A row
+that fails is printed with its reason and without numbers, and the run exits non-zero.
+``--fault skip-layer-backward`` makes trainctl's step skip its first layer's backward, to show
+that the gate catches a step that does less work.
 
-* **trainctl**: the engine in process (``workers/control/inprocess.py``), the service's own step
-  code: bf16 parameters, fp32 main gradients, fp32 AdamW master weights (fused), gradient
-  clipping at 1.0, the fused LM head; the whole batch is one packed micro-batch. Its timed region
-  includes the host's planning and packing of the request (a product number: what a client
-  waits for), where transformers gets its tensors on the device already.
-* **transformers, AMP**: what HF Trainer with ``bf16=True`` runs: fp32 parameters, autocast to
-  bf16, fused AdamW, ``clip_grad_norm_(1.0)``; the batch in micro-batches of at most
-  ``--hf-micro-tokens`` with gradient accumulation (one forward of 32K tokens builds 20 GB of
-  fp32 logits); a ragged batch by length buckets (no padding: the kindest layout for it).
-* **transformers, pure bf16**: bf16 parameters and AdamW state with no master weights, norm or
-  clip (a plain script; fastest, and numerically not the same training).
+**Rows**, each measured in a fresh process (its peak memory is its own) in the order given,
+one shape after another: trainctl (``workers/control/inprocess.py``: the service's step code,
+bf16 parameters, fp32 main gradients and AdamW masters, the fused LM head, the batch as one
+packed micro-batch; its timed region includes the host's planning and packing) and the
+transformers ladder (``bench/gpu_baselines.py``), each at the largest micro-batch of
+``--micro-tokens`` that fits. Shapes: packed rows (``--tokens`` in sequences of ``--seq-len``)
+and a ragged row (``bench/gpu_batches.ragged``: log-normal lengths between 128 and 4,096, 43
+distinct at 32K, which takes the varlen attention path).
 
-Each cell is the median of ``--steps`` steps after ``--warmup`` steps. The attention kernels each
-side ran are read from one profiled step.
-
-FLOPs per step: ``6 * N * tokens`` for the matrix products (``N``: every parameter but the
-input embedding; tied, the embedding counts once, as the LM head) plus attention,
-``6 * layers * heads * head_dim * L^2`` per sequence of length ``L`` with causal attention's
-half of the square (``QK^T`` and ``AV``, two FLOPs a multiply-add, times three for forward and
-backward): the **bench** convention. The **PaLM** convention (nanochat, torchtitan) counts the
-whole square, twice that attention term. MFU divides by the GPU's dense bf16 peak (989 TFLOP/s
-for the H100 SXM and the H200).
+Each cell is the median of ``--steps`` steps after ``--warmup``, with the minimum and maximum.
+FLOPs per step: ``6 * N * tokens`` for the matrix products (``N``: every parameter but an
+untied input embedding) plus ``6 * layers * heads * head_dim * L^2`` per sequence of length
+``L``, causal attention's half square: the **bench** convention; the **PaLM** convention
+(nanochat, torchtitan) counts the whole square. MFU divides by the card's dense bf16 peak,
+looked up by its exact name (``bench/gpu_provenance.py``); a card not in that table gets none.
+These are engine steps in process: the GPU machine has no Ray, so no service around them.
 """
 
 from __future__ import annotations
@@ -41,263 +38,163 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT = ROOT / "bench" / "results" / "gpu.md"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-QWEN3_06B = dict(
+from bench import gpu_batches, gpu_gate, gpu_provenance  # noqa: E402
+from bench.gpu_baselines import BY_NAME, LADDER  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+QWEN3_06B: dict[str, Any] = dict(
     family="qwen3", vocab_size=151936, hidden_size=1024, ffn_hidden_size=3072, num_layers=28,
     num_attention_heads=16, num_query_groups=8, head_dim=128, tie_embeddings=True,
     rotary_base=1000000, norm_eps=1e-6,
 )  # fmt: skip
-TINY = dict(
+TINY: dict[str, Any] = dict(
     family="qwen3", vocab_size=512, hidden_size=64, ffn_hidden_size=128, num_layers=2,
     num_attention_heads=4, num_query_groups=2, head_dim=16, tie_embeddings=True,
+    rotary_base=1000000, norm_eps=1e-6,
 )  # fmt: skip
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
-ATTENTION_KERNELS = ("flash", "fmha", "cudnn", "attention", "sdpa", "efficient")
+OPTIMIZER = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, clip_grad=1.0)
+"""One set of AdamW hyper-parameters for every side."""
+REFERENCE = "hf_amp"
+FAULTS = ("skip-layer-backward",)
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _peak_reset() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak_gib() -> float:
-    import torch
-
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-
-
-_OOM = {"step_s": float("nan"), "peak_gib": float("nan"), "oom": 1.0}
-"""A measurement that ran out of device memory."""
-_NOT_RUN = {"step_s": float("nan"), "peak_gib": float("nan"), "not_run": 1.0}
-"""A cell this run leaves out (see the table's caption)."""
-
-
-def _profiled(where: str | None) -> Any:
-    """A torch profiler over the timed steps whose table (by self device time) goes to
-    ``where``; a no-op context without one."""
-    import contextlib
-
-    import torch
-
-    if not where:
-        return contextlib.nullcontext()
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    prof = torch.profiler.profile(activities=acts)
-
-    @contextlib.contextmanager
-    def run() -> Any:
-        with prof:
-            yield
-        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        Path(where).write_text(prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
-
-    return run()
-
-
-def _attention_kernels(step: Any) -> str:
-    """The attention kernels one run of ``step`` launched (a profiled step), or ``n/a``."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "n/a (CPU)"
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    names = sorted(
-        {e.key for e in prof.key_averages() if any(k in e.key.lower() for k in ATTENTION_KERNELS)}
-    )
-    return "; ".join(n[:60] for n in names) or "none found"
-
-
-def _timed(step: Any, steps: int, warmup: int, profile: str | None) -> list[float]:
-    """Per-step seconds of ``steps`` runs of ``step`` after ``warmup`` runs; the peak memory
-    counter starts after the warm-up."""
-    for _ in range(warmup):
-        step()
-    _sync()
-    _peak_reset()
-    times = []
-    with _profiled(profile):
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            _sync()
-            times.append(time.perf_counter() - t0)
-    return times
-
-
-def lengths_of(tokens: int, seq_len: int, ragged: str | None) -> list[int]:
-    """The sequence lengths of a row: ``tokens // seq_len`` sequences of ``seq_len``, or the
-    ragged spec ``"32x512+4x4096"``."""
-    if not ragged:
-        return [seq_len] * (tokens // seq_len)
-    out: list[int] = []
-    for part in ragged.split("+"):
-        count, length = part.split("x")
-        out += [int(length)] * int(count)
-    return out
-
-
-def _sequences(vocab: int, lengths: list[int]) -> list[list[int]]:
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
-
-
-def trainctl_step(
-    model: dict[str, Any],
-    lengths: list[int],
-    steps: int,
-    warmup: int,
-    fused: bool = True,
-    profile: str | None = None,
-) -> dict[str, Any]:
-    import torch
-
-    from trainctl.api import TrainBatchRequest
-    from trainctl.workers.control.inprocess import InProcessEngine
-    from trainctl.workers.engine.config import EngineConfig
-    from trainctl.workers.ops import packed_attention
-
-    precision = "bf16" if torch.cuda.is_available() else "fp32"
-    cfg = EngineConfig.from_dict(
-        {
-            "model": {**model, "max_seq_len": max(lengths)},
-            "precision": precision,
-            "max_tokens_per_microbatch": sum(lengths),
-            "fused_lm_head": fused,
-            "packing": "flat",
-            "optimizer": {"clip_grad": 1.0},
-        }
-    )
-    engine = InProcessEngine(cfg)
-    req = TrainBatchRequest(
-        sequences=[{"tokens": t} for t in _sequences(model["vocab_size"], lengths)]
-    )
-    losses: list[float] = []
-
-    def step() -> None:
-        losses.append(engine.train_batch(req).loss)
-
-    try:
-        times = _timed(step, steps, warmup, profile)
-        kernels = _attention_kernels(step)
-    except Exception as e:  # the rank's OutOfMemoryError arrives wrapped in a WorkerError
-        if "OutOfMemoryError" in str(e):
-            return _OOM
-        raise
-    path = "runs"
-    many_runs = len(packed_attention.equal_runs(lengths)) > packed_attention.VARLEN_MIN_RUNS
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if many_runs and packed_attention.varlen_usable(
-        torch.empty(0, device=dev, dtype=torch.bfloat16), 0.0
-    ):
-        path = "varlen"
-    return {
-        "step_s": statistics.median(times),
-        "steps": times,
-        "peak_gib": _peak_gib(),
-        "params": engine.engine.num_parameters(),
-        "attention": f"{path}: {kernels}",
-        "losses": losses,
-    }
-
-
-def transformers_step(
-    model: dict[str, Any],
-    lengths: list[int],
-    steps: int,
-    warmup: int,
-    amp: bool = True,
-    micro_tokens: int = 16384,
-    profile: str | None = None,
-) -> dict[str, Any]:
+def write_checkpoint(model: dict[str, Any], max_len: int, directory: str) -> dict[str, Any]:
+    """A Hugging Face Qwen3 checkpoint of ``model``'s shape: transformers' own initialisation
+    under seed 0, saved in bf16 (so fp32 and bf16 sides start from the same values)."""
     import torch
     import transformers
 
-    cuda = torch.cuda.is_available()
-    dev = "cuda" if cuda else "cpu"
     config = transformers.Qwen3Config(
         vocab_size=model["vocab_size"], hidden_size=model["hidden_size"],
         intermediate_size=model["ffn_hidden_size"], num_hidden_layers=model["num_layers"],
         num_attention_heads=model["num_attention_heads"],
         num_key_value_heads=model["num_query_groups"], head_dim=model["head_dim"],
-        tie_word_embeddings=model["tie_embeddings"], max_position_embeddings=max(lengths),
-        attn_implementation="sdpa",
+        tie_word_embeddings=model["tie_embeddings"],
+        rope_parameters={"rope_type": "default", "rope_theta": model["rotary_base"]},
+        rms_norm_eps=model["norm_eps"], max_position_embeddings=max_len,
     )  # fmt: skip
-    net = transformers.AutoModelForCausalLM.from_config(config)
-    if amp or not cuda:
-        net = net.to(dev, torch.float32)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-5, fused=cuda)
-    else:
-        net = net.to(dev, torch.bfloat16)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-5)
-    seqs = _sequences(model["vocab_size"], lengths)
-    # Length buckets, each cut into micro-batches of at most micro_tokens (>= one sequence).
-    micro: list[Any] = []
-    total = sum(lengths)
-    for length in sorted(set(lengths)):
-        rows = [s for s in seqs if len(s) == length]
-        per = max(1, micro_tokens // length) if amp else len(rows)
-        for a in range(0, len(rows), per):
-            micro.append(torch.tensor(rows[a : a + per], device=dev))
+    torch.manual_seed(0)
+    net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    net.to(torch.bfloat16).save_pretrained(directory)
+    return {"parameters": sum(p.numel() for p in net.parameters())}
 
-    losses: list[float] = []
+
+def _skip_backward_of_first_layer(chunk: Any) -> None:
+    """The fault ``--fault skip-layer-backward`` injects: the first decoder layer's output
+    leaves the autograd graph, so that layer (and the embedding's input side) gets no
+    gradient while the forward, the loss and the speed stay as they were."""
+    layer = next(m for name, m in chunk.named_modules() if name.endswith("decoder.layers.0"))
+
+    def detach(_m: Any, _inputs: Any, out: Any) -> Any:
+        if isinstance(out, tuple):
+            return (out[0].detach().requires_grad_(), *out[1:])
+        return out.detach().requires_grad_()
+
+    layer.register_forward_hook(detach)
+
+
+def trainctl_step(
+    model: dict[str, Any],
+    checkpoint: str,
+    sequences: list[list[int]],
+    steps: int,
+    warmup: int,
+    fault: str | None = None,
+    profile: str | None = None,
+) -> dict[str, Any]:
+    import torch
+
+    from bench.gpu_timing import Run, timed_run
+    from trainctl.api import TrainBatchRequest
+    from trainctl.workers.control.inprocess import InProcessEngine
+    from trainctl.workers.engine.config import EngineConfig
+    from trainctl.workers.ops import packed_attention
+
+    lengths = [len(s) for s in sequences]
+    cuda = torch.cuda.is_available()
+    cfg = EngineConfig.from_dict(
+        {
+            "model": {**model, "max_seq_len": max(lengths)},
+            "precision": "bf16" if cuda else "fp32",
+            "max_tokens_per_microbatch": sum(lengths),
+            "packing": "flat",
+            "init_hf": checkpoint,
+            "optimizer": OPTIMIZER,
+        }
+    )
+    engine = InProcessEngine(cfg)
+    if fault == "skip-layer-backward":
+        _skip_backward_of_first_layer(engine.engine.chunks[0])
+    req = TrainBatchRequest(sequences=[{"tokens": t} for t in sequences])
+    run = Run()
 
     def step() -> None:
-        total_loss = torch.zeros((), device=dev)
-        for ids in micro:
-            with torch.autocast(dev, dtype=torch.bfloat16, enabled=amp and cuda):
-                loss = net(input_ids=ids, labels=ids).loss * (ids.numel() / total)
-            loss.backward()
-            total_loss += loss.detach().float()
-        losses.append(total_loss)
-        if amp:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        result = engine.train_batch(req)
+        run.losses.append(result.loss)
+        run.grad_norms.append(result.metrics["grad_norm:value"])
 
     try:
-        times = _timed(step, steps, warmup, profile)
-        kernels = _attention_kernels(step)
-    except torch.OutOfMemoryError:
-        return _OOM
+        timed_run(run, step, steps, warmup, profile)
+    except Exception as e:  # the rank's OutOfMemoryError arrives wrapped in a WorkerError
+        if "OutOfMemoryError" in str(e):
+            return {"oom": True}
+        raise
+    path = "runs"
+    many_runs = len(packed_attention.equal_runs(lengths)) > packed_attention.VARLEN_MIN_RUNS
+    dev = "cuda" if cuda else "cpu"
+    probe = torch.empty(0, device=dev, dtype=torch.bfloat16)
+    if many_runs and packed_attention.varlen_usable(probe, 0.0):
+        path = "varlen"
     return {
-        "step_s": statistics.median(times),
-        "steps": times,
-        "peak_gib": _peak_gib(),
-        "attention": f"{config._attn_implementation}: {kernels}",
-        "micro_batches": len(micro),
-        "losses": [float(x) for x in losses],
+        **run.summary(),
+        "config": f"trainctl ({engine.cfg.precision}, fp32 masters, fused head chunk "
+        f"{engine.cfg.logprob_chunk_size})",
+        "params": engine.engine.num_parameters(),
+        "micro_tokens": sum(lengths),
+        "attention": f"{path}: {run.kernels}",
     }
+
+
+def _child(job: dict[str, Any]) -> dict[str, Any]:
+    from bench.gpu_baselines import transformers_step
+
+    fns = {
+        "checkpoint": write_checkpoint, "trainctl": trainctl_step,
+        "transformers": transformers_step,
+    }  # fmt: skip
+    return fns[job.pop("fn")](**job)  # type: ignore[no-any-return,operator]
+
+
+def measure(timeout_s: float, label: str, **job: Any) -> dict[str, Any]:
+    """One job in a fresh process; its failure is a result (``{"failed": why}``), so one
+    failing cell does not cost the rest of the table."""
+    env = {"PYTORCH_CUDA_ALLOC_CONF": gpu_provenance.ALLOCATOR, **os.environ}
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(job)],
+            capture_output=True, text=True, cwd=ROOT, timeout=timeout_s, env=env,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        why = f"no result in {timeout_s:.0f} s"
+        print(f"FAILED: {label}: {why}", file=sys.stderr, flush=True)
+        return {"failed": why}
+    if proc.returncode:
+        oom = "OutOfMemory" in proc.stderr
+        print(f"FAILED: {label}:\n{proc.stderr[-4000:]}", file=sys.stderr, flush=True)
+        return {"oom": True} if oom else {"failed": proc.stderr.strip().splitlines()[-1][:200]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 def step_flops(model: dict[str, Any], params: int, lengths: list[int], palm: bool = False) -> float:
@@ -309,203 +206,256 @@ def step_flops(model: dict[str, Any], params: int, lengths: list[int], palm: boo
     return 6.0 * matmul_params * sum(lengths) + attn * sum(n * n for n in lengths)
 
 
-def _child(job: dict[str, Any]) -> dict[str, Any]:
-    fn = {"trainctl": trainctl_step, "transformers": transformers_step}[job.pop("fn")]
-    return fn(**job)  # type: ignore[no-any-return,operator]
-
-
-def measure(timeout_s: float, label: str, **job: Any) -> dict[str, Any] | None:
-    """One measurement in a fresh process; ``None`` (and its error on stderr) if it failed, so
-    one failing cell does not cost the rest of the table."""
-    try:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", json.dumps(job)],
-            capture_output=True, text=True, cwd=ROOT, timeout=timeout_s,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        print(f"FAILED: {label}: no result in {timeout_s:.0f} s", file=sys.stderr, flush=True)
-        return None
-    if proc.returncode:
-        print(f"FAILED: {label}:\n{proc.stderr[-4000:]}", file=sys.stderr, flush=True)
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
-def _unmeasured(result: dict[str, Any] | None) -> str | None:
-    """What a cell says for a measurement with no numbers: "failed", "OOM", or None."""
-    if result is None:
-        return "failed"
-    if result.get("not_run"):
-        return "not run"
-    return "OOM" if result.get("oom") else None
-
-
-def profile(
-    where: Path, timeout_s: float, model: dict[str, Any], lengths: list[int], steps: int
-) -> int:
-    """Both steps under the torch profiler; prints and keeps their kernel tables. Returns the
-    number of failed runs."""
-    where.mkdir(parents=True, exist_ok=True)
-    failed = 0
-    for fn in ("trainctl", "transformers"):
-        path = where / f"profile_{fn}_{sum(lengths)}.txt"
-        got = measure(
-            timeout_s, fn, fn=fn, model=model, lengths=lengths, steps=steps, warmup=1,
-            profile=str(path),
-        )  # fmt: skip
-        failed += got is None
-        if got is not None and path.exists():
-            print(f"## {fn}, {sum(lengths):,} tokens, {steps} steps: {got['step_s']:.3f} s a step")
-            print(path.read_text(), flush=True)
-    return failed
-
-
-def _gpu() -> tuple[str, float | None]:
-    import torch
-
-    if not torch.cuda.is_available():
-        return "CPU (no CUDA device)", None
-    name = torch.cuda.get_device_name()
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-    return name, peak
+def no_numbers(cell: dict[str, Any]) -> str | None:
+    """What a cell without numbers says: skipped, OOM, failed; None if it has numbers."""
+    if "skipped" in cell:
+        return f"skipped: {cell['skipped']}"
+    if cell.get("oom"):
+        return "OOM"
+    if "failed" in cell:
+        return f"failed: {cell['failed']}"
+    return None
 
 
 class Table:
-    """The rows of the result table, one per batch shape."""
+    """The result table: one line per (batch, configuration)."""
 
     HEADER = (
-        "| batch | tokens | trainctl tokens/s | MFU bench / PaLM | trainctl peak GiB "
-        "| transformers AMP tokens/s | AMP peak GiB | transformers pure-bf16 tokens/s "
-        "| bf16 peak GiB | trainctl / AMP |"
+        "| batch | configuration | tokens/s (median) | step ms median [min, max] "
+        "| MFU bench / PaLM | peak GiB | micro-batch | step-1 loss | step-1 grad norm "
+        "| loss step 1 → last | gate | trainctl speed-up |"
     )
+    RULE = "|---|---|---|---|---|---|---|---|---|---|---|---|"
 
-    def __init__(self, model: dict[str, Any], peak: float | None) -> None:
-        self.model, self.peak = model, peak
+    def __init__(self, model: dict[str, Any], peak: float | None, params: int) -> None:
+        self.model, self.peak, self.params = model, peak, params
         self.rows: list[str] = []
-        self.params = 0
-        self.backends: list[str] = []
+        self.failed_gate: list[str] = []
+        self.kernels: list[str] = []
 
-    def add(self, label: str, lengths: list[int], cells: dict[str, dict[str, Any] | None]) -> None:
-        ours, amp, bf16 = cells["trainctl"], cells["amp"], cells["bf16"]
+    def add(self, label: str, lengths: list[int], cells: dict[str, dict[str, Any]]) -> None:
         tokens = sum(lengths)
-        out = [label, f"{tokens:,}"]
-        if no := _unmeasured(ours):
-            out += [no] * 3
-        else:
-            assert ours is not None
-            self.params = int(ours["params"])
-            rate = [step_flops(self.model, self.params, lengths, palm) / ours["step_s"]
+        reference = cells.get(REFERENCE)
+        ref = reference if reference is not None and not no_numbers(reference) else None
+        ours = cells.get("trainctl", {})
+        for name, cell in cells.items():
+            config = cell.get("config") or (BY_NAME[name].label if name in BY_NAME else name)
+            if why := no_numbers(cell):
+                self._line(label, config, why)
+                continue
+            gate = gpu_gate.problems(cell, ref)
+            cell["gate"] = gate or "pass"
+            if gate:
+                self.failed_gate.append(f"{label}, {config}: {'; '.join(gate)}")
+                self._line(label, config, f"not published: failed the gate ({'; '.join(gate)})")
+                continue
+            rate = [step_flops(self.model, self.params, lengths, palm) / cell["step_s"]
                     for palm in (False, True)]  # fmt: skip
             mfu = " / ".join(f"{100 * r / self.peak:.1f}%" for r in rate) if self.peak else "n/a"
-            out += [f"{tokens / ours['step_s']:,.0f}", mfu, f"{ours['peak_gib']:.1f}"]
-            self.backends.append(f"{label}: trainctl {ours.get('attention')}")
-        for r in (amp, bf16):
-            if no := _unmeasured(r):
-                out += [no] * 2
-            else:
-                assert r is not None
-                out += [f"{tokens / r['step_s']:,.0f}", f"{r['peak_gib']:.1f}"]
-                self.backends.append(f"{label}: transformers {r.get('attention')}")
-        ratio = "n/a"
-        if not _unmeasured(ours) and not _unmeasured(amp):
-            assert ours is not None and amp is not None
-            ratio = f"{amp['step_s'] / ours['step_s']:.2f}x"
-        out.append(ratio)
-        self.rows.append("| " + " | ".join(out) + " |")
+            speedup = "n/a"
+            if name != "trainctl" and not no_numbers(ours) and ours.get("gate") == "pass":
+                speedup = f"{cell['step_s'] / ours['step_s']:.2f}x"
+            losses, ms = cell["losses"], [1e3 * cell[k] for k in ("step_s", "min_s", "max_s")]
+            cols = [
+                label, config, f"{tokens / cell['step_s']:,.0f}",
+                f"{ms[0]:.0f} [{ms[1]:.0f}, {ms[2]:.0f}]", mfu, f"{cell['peak_gib']:.1f}",
+                f"{cell['micro_tokens']:,}", f"{losses[0]:.4f}", f"{cell['grad_norms'][0]:.4g}",
+                f"{losses[0]:.3f} → {losses[-1]:.3f} ({len(losses)})", "pass", speedup,
+            ]  # fmt: skip
+            self.rows.append("| " + " | ".join(cols) + " |")
+            print(self.rows[-1], flush=True)
+            self.kernels.append(f"{label}, {config}: {cell.get('attention')}")
+
+    def _line(self, label: str, config: str, why: str) -> None:
+        self.rows.append(f"| {label} | {config} | {why} |" + " |" * 9)
         print(self.rows[-1], flush=True)
 
 
-def main() -> None:
+def _shapes(a: argparse.Namespace) -> list[tuple[str, list[int], list[str]]]:
+    """(label, lengths, ladder) per row of the table."""
+    ladder = [n for n in a.ladder.split(",") if n]
+    out = [
+        (f"{t // a.seq_len} x {a.seq_len}", gpu_batches.packed(t, a.seq_len), ladder)
+        for t in (int(x) for x in a.tokens.split(",") if x)
+    ]
+    if a.ragged:
+        if a.ragged == "lognormal":
+            lengths = gpu_batches.ragged(a.ragged_tokens, a.ragged_low, a.ragged_high)
+            label = (
+                f"ragged: {len(lengths)} x {a.ragged_low}-{a.ragged_high} "
+                f"({len(set(lengths))} lengths)"
+            )
+        else:
+            lengths = gpu_batches.parse(a.ragged)
+            label = a.ragged.replace("x", " x ").replace("+", " + ")
+        out.append((label, lengths, [n for n in a.ragged_ladder.split(",") if n]))
+    return out
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="16384,32768,65536", help="packed batch sizes")
-    ap.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
-    ap.add_argument("--ragged", default="32x512+4x4096", help="the ragged row ('' for none)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
+    ap.add_argument("--tokens", default="32768", help="packed batch sizes, comma-separated")
+    ap.add_argument("--seq-len", type=int, default=4096, help="tokens per packed sequence")
+    ap.add_argument(
+        "--ragged", default="lognormal",
+        help="the ragged row: 'lognormal' (bench/gpu_batches.ragged), a spec such as "
+        "'32x512+4x4096', or '' for none",
+    )  # fmt: skip
+    ap.add_argument("--ragged-tokens", type=int, default=32768)
+    ap.add_argument("--ragged-low", type=int, default=128)
+    ap.add_argument("--ragged-high", type=int, default=4096)
+    names = ",".join(b.name for b in LADDER)
+    ap.add_argument(
+        "--ladder", default=names, help=f"transformers rows of a packed batch ({names})"
+    )
+    ap.add_argument(
+        "--ragged-ladder", default=REFERENCE,
+        help="transformers rows of the ragged batch (length buckets: one micro-batch per length)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--micro-tokens", default="32768,16384,8192,4096",
+        help="transformers micro-batch sizes to try, largest first",
+    )  # fmt: skip
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (median, min, max)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    ap.add_argument(
-        "--hf-micro-tokens", type=int, default=16384,
-        help="transformers AMP: tokens per micro-batch",
-    )  # fmt: skip
-    ap.add_argument(
-        "--hf-max-tokens", type=int, default=32768,
-        help="transformers columns only up to this many tokens (OOM past it)",
-    )  # fmt: skip
-    ap.add_argument("--quick", action="store_true", help="a tiny model: checks the script")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model anywhere (CPU too)")
+    ap.add_argument("--fault", choices=FAULTS, help="break trainctl's step (the gate must fail)")
+    ap.add_argument("--out", type=Path, help="result files here (default: bench/results on a GPU)")
     ap.add_argument("--child-timeout", type=float, default=300, help="seconds per measurement")
     ap.add_argument(
         "--profile", metavar="DIR",
-        help="instead of the table: profile trainctl's and transformers' steps at the first "
-        "size, and write each one's kernel table (by self device time) into DIR",
+        help="instead of the table: profile trainctl's step and each --ladder row's at the "
+        "first packed size, each one's kernel table (by self device time) into DIR",
     )  # fmt: skip
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.tokens, a.seq_len, a.ragged_tokens, a.ragged_low, a.ragged_high = (
+            "1024",
+            256,
+            4096,
+            16,
+            512,
+        )
+        a.steps, a.warmup, a.micro_tokens = min(a.steps, 4), min(a.warmup, 1), "1024,512"
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
     if a.child:
         print(json.dumps(_child(json.loads(a.child))))
-        return
-    model, sizes, seq_len, ragged = (
-        QWEN3_06B,
-        [int(t) for t in a.tokens.split(",")],
-        a.seq_len,
-        a.ragged,
-    )
-    if a.quick:
-        model, sizes, seq_len, ragged = TINY, [512, 1024], 256, "4x64+1x256"
+        return 0
+    import torch
+
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", gpu_provenance.ALLOCATOR)
+    cuda = torch.cuda.is_available()  # NVML only: this process makes no CUDA context
+    model = TINY if a.smoke else QWEN3_06B
+    out = a.out or (RESULTS if cuda and not a.smoke else None)
+    provenance = gpu_provenance.record()
+    shapes = _shapes(a)
+    timeout = a.child_timeout
+    workdir = Path(tempfile.mkdtemp(prefix="trainctl-gpu-bench-"))
+    checkpoint = str(workdir / "checkpoint")
+    made = measure(
+        timeout, "checkpoint", fn="checkpoint", model=model,
+        max_len=max(max(lengths) for _, lengths, _ in shapes), directory=checkpoint,
+    )  # fmt: skip
+    if "failed" in made:
+        print(f"no checkpoint: {made['failed']}", file=sys.stderr)
+        return 1
+    micro = [int(x) for x in a.micro_tokens.split(",")]
     if a.profile:
-        lengths = lengths_of(sizes[0], seq_len, None)
-        sys.exit(profile(Path(a.profile), a.child_timeout, model, lengths, a.steps))
-    gpu, peak = _gpu()
-    table, failed = Table(model, peak), 0
+        where = Path(a.profile)
+        where.mkdir(parents=True, exist_ok=True)
+        _, lengths, ladder = shapes[0]
+        seqs = gpu_batches.sequences(model["vocab_size"], lengths)
+        common = dict(checkpoint=checkpoint, sequences=seqs, steps=a.steps, warmup=1)
+        jobs = {"trainctl": dict(fn="trainctl", model=model, **common)}
+        jobs |= {n: dict(fn="transformers", baseline=n, optimizer=OPTIMIZER, micro_tokens=micro,
+                         **common) for n in ladder}  # fmt: skip
+        failed = 0
+        for name, job in jobs.items():
+            path = where / f"profile_{name}_{sum(lengths)}.txt"
+            got = measure(timeout, name, profile=str(path), **job)
+            failed += no_numbers(got) is not None
+            if path.exists():
+                print(f"## {name}, {sum(lengths):,} tokens: {got.get('step_s', 0):.3f} s a step")
+                print(path.read_text(), flush=True)
+        return 1 if failed else 0
+
+    table = Table(model, gpu_provenance.peak_flops(provenance["software"]["device"]), 0)
     raw: dict[str, Any] = {}
-    shapes = [(f"{t // seq_len} x {seq_len}", lengths_of(t, seq_len, None)) for t in sizes]
-    if ragged:
-        shapes.append((ragged.replace("x", " x ").replace("+", " + "), lengths_of(0, 0, ragged)))
-    for label, lengths in shapes:
-        common = dict(model=model, lengths=lengths, steps=a.steps, warmup=a.warmup)
-        cells: dict[str, dict[str, Any] | None] = {"amp": _NOT_RUN, "bf16": _NOT_RUN}
-        cells["trainctl"] = measure(a.child_timeout, f"trainctl {label}", fn="trainctl", **common)
-        failed += cells["trainctl"] is None
-        for key, amp in (("amp", True), ("bf16", False)):
-            if sum(lengths) > a.hf_max_tokens or (not amp and len(set(lengths)) > 1):
+    for label, lengths, ladder in shapes:
+        seqs = gpu_batches.sequences(model["vocab_size"], lengths)
+        common = dict(checkpoint=checkpoint, sequences=seqs, steps=a.steps, warmup=a.warmup)
+        cells: dict[str, dict[str, Any]] = {
+            "trainctl": measure(
+                timeout, f"trainctl {label}", fn="trainctl", model=model, fault=a.fault, **common
+            )
+        }
+        table.params = table.params or int(cells["trainctl"].get("params", 0))
+        for name in ladder:
+            if BY_NAME[name].needs_cuda and not cuda:
+                cells[name] = {"skipped": BY_NAME[name].needs_cuda}
                 continue
-            cells[key] = measure(
-                a.child_timeout, f"transformers {key} {label}", fn="transformers", amp=amp,
-                micro_tokens=a.hf_micro_tokens, **common,
+            cells[name] = measure(
+                timeout, f"{name} {label}", fn="transformers", baseline=name,
+                optimizer=OPTIMIZER, micro_tokens=micro, **common,
             )  # fmt: skip
-            failed += cells[key] is None
+        table.params = table.params or int(made["parameters"])
         table.add(label, lengths, cells)
-        raw[label] = cells
-    date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    text = "\n".join(
-        [
-            f"{gpu}, {date}: {'a tiny' if a.quick else 'a Qwen3-0.6B-shaped'} model "
-            f"({table.params / 1e6:.1f}M parameters, random weights), "
-            f"{'bf16' if peak is not None else 'fp32'}; each cell the median of {a.steps} steps "
-            f"after {a.warmup} warm-up steps. transformers AMP: fp32 masters, autocast bf16, "
-            f"fused AdamW, clip 1.0, micro-batches of at most {a.hf_micro_tokens:,} tokens "
-            "(length buckets for a ragged batch); pure bf16: bf16 weights and AdamW state, no "
-            "clip (not run on a ragged batch); columns past "
-            f"{a.hf_max_tokens:,} tokens not run (out of memory).",
-            "",
-            Table.HEADER,
-            "|---|---|---|---|---|---|---|---|---|---|",
-            *table.rows,
-            "",
-            "Attention kernels (one profiled step each):",
-            "",
-            *[f"- {b}" for b in table.backends],
-        ]
-    )
+        raw[label] = {"lengths": lengths, "cells": cells}
+    provenance["card_after"] = gpu_provenance.card()
+    unmeasured = [
+        f"{label}: {name}: {why}"
+        for label, shape in raw.items()
+        for name, cell in shape["cells"].items()
+        if (why := no_numbers(cell)) and not why.startswith("skipped")
+    ]
+    text = _report(a, model, table, provenance)
     print(text)
-    if artifacts := os.environ.get("TRAINCTL_GPU_ARTIFACTS"):
-        Path(artifacts, "gpu_bench.json").write_text(json.dumps(raw, indent=1, default=str))
-    if not a.quick and peak is not None:
-        RESULT.write_text(text + "\n")
-        print(f"wrote {RESULT.relative_to(ROOT)}")
-    if failed:
-        sys.exit(f"{failed} measurement(s) failed (their errors are above)")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu.md").write_text(text + "\n")
+        record = {"provenance": provenance, "args": vars(a), "rows": raw}
+        (out / "gpu.json").write_text(json.dumps(record, indent=1, default=str))
+        print(f"wrote {out / 'gpu.md'} and {out / 'gpu.json'}")
+    if table.failed_gate:
+        print("FAILED THE GATE:\n" + "\n".join(table.failed_gate), file=sys.stderr)
+    if unmeasured:
+        print("NOT MEASURED:\n" + "\n".join(unmeasured), file=sys.stderr)
+    return 1 if table.failed_gate or unmeasured else 0
+
+
+def _report(
+    a: argparse.Namespace, model: dict[str, Any], table: Table, provenance: dict[str, Any]
+) -> str:
+    sw, code = provenance["software"], provenance["code"]
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    caption = (
+        f"{sw['device']}, {date}: engine steps in process (no Ray, no service), "
+        f"{'a tiny' if a.smoke else 'a Qwen3-0.6B-shaped'} model ({table.params / 1e6:.1f}M "
+        "parameters) from one random bf16 checkpoint, the same batch and AdamW "
+        f"(lr {OPTIMIZER['lr']}, clip {OPTIMIZER['clip_grad']}) on every side; each cell the "
+        f"median of {a.steps} steps after {a.warmup} warm-up steps, [min, max] beside it. Gate: "
+        f"step-1 loss within {gpu_gate.LOSS_ABS} and grad norm within "
+        f"{100 * gpu_gate.GRAD_NORM_REL:.0f}% of {BY_NAME[REFERENCE].label}, and the loss "
+        "falling. 'trainctl speed-up' is this row's step time over trainctl's."
+    )
+    prov = [
+        f"- code: {code['commit']} (dirty: {code['dirty']}; from {code['source']})",
+        "- software: " + ", ".join(f"{k} {v}" for k, v in sw.items() if k != "device"),
+        f"- card before: {provenance['card_before']}",
+        f"- card after: {provenance.get('card_after')}",
+        f"- MFU peak: {table.peak / 1e12 if table.peak else 'none (card not in the table)'}"
+        + (" TFLOP/s dense bf16" if table.peak else ""),
+    ]
+    return "\n".join([
+        caption, "", Table.HEADER, Table.RULE, *table.rows, "", "Provenance:", "", *prov, "",
+        "Attention kernels (one profiled step each):", "", *[f"- {k}" for k in table.kernels],
+    ])  # fmt: skip
 
 
 if __name__ == "__main__":
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    main()
+    sys.exit(main())

@@ -205,3 +205,72 @@ def _worst_relative(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
     return max(
         float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp(min=1e-30)) for k in want
     )
+
+
+@dataclass
+class GradParity:
+    """One step's gradients, the engine's against transformers' fp32 autograd."""
+
+    worst: float
+    """max over tensors of ||ours - transformers|| / ||transformers|| (relative L2)"""
+    worst_name: str
+    head: float
+    """the same for the LM head's gradient (the tied embedding's, where tied)"""
+    head_off_by_1pct: float
+    """what ``head`` would read were the head's gradient 1% too large: the bound's margin"""
+    loss: tuple[float, float]
+    tensors: int
+
+
+def grads_vs_transformers(
+    directory: Path, chunk: int, lengths: tuple[int, ...] = (300, 200), **shape: Any
+) -> GradParity:
+    """A random Qwen3-shaped model saved by transformers, imported into the engine in fp32
+    with a fused-head chunk of ``chunk`` tokens; one ``forward_backward`` on a batch of
+    ``lengths``, its gradients (by transformers' names) against transformers' fp32 backward
+    of the same token-mean loss on the same device. A split step's gradients hold the sum
+    over tokens until ``optim_step`` divides them by the window's token count
+    (``workers/engine/accumulation.py``): they are divided here."""
+    from trainctl.api import ForwardBackwardRequest
+    from trainctl.workers.engine import hf
+    from trainctl.workers.engine.config import ModelConfig
+
+    ref = tiny_model("qwen3", directory, **shape).to(device()).train()
+    model = hf.model_config_from_hf(hf.read_config(directory), ModelConfig())
+    seqs = batch(model.vocab_size, lengths)
+    engine = _engine(
+        model=dataclasses.asdict(model), init_hf=str(directory), precision="fp32",
+        max_tokens_per_microbatch=max(sum(lengths), model.max_seq_len), packing="flat",
+        logprob_chunk_size=chunk,
+    )  # fmt: skip
+    try:
+        fb = engine.forward_backward(
+            ForwardBackwardRequest(sequences=[{"tokens": t} for t in seqs])
+        )
+        canonical = engine.engine.canonical_shards(grads=True)
+    finally:
+        engine.close()
+    predicted = sum(n - 1 for n in lengths)
+    ours = {k: v.double().cpu() / predicted for k, v in hf.to_hf(canonical, model).items()}
+    total = 0.0
+    for s in seqs:
+        ids = torch.tensor([s], device=device())
+        logits = ref(ids).logits[0, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum") / predicted
+        loss.backward()
+        total += float(loss)
+    theirs = {n: p.grad.float().cpu() for n, p in ref.named_parameters() if p.grad is not None}
+    assert ours.keys() <= theirs.keys() and ours, (sorted(ours)[:3], sorted(theirs)[:3])
+    assert all(float(g.abs().max()) > 0 for g in theirs.values()), "every tensor has a gradient"
+    errors = {k: _relative_l2(ours[k], theirs[k]) for k in ours}
+    head = "lm_head.weight" if "lm_head.weight" in ours else "model.embed_tokens.weight"
+    name = max(errors, key=errors.__getitem__)
+    return GradParity(
+        worst=errors[name], worst_name=name, head=errors[head],
+        head_off_by_1pct=_relative_l2(ours[head] * 1.01, theirs[head]),
+        loss=(fb.loss, total), tensors=len(errors),
+    )  # fmt: skip
+
+
+def _relative_l2(got: Tensor, want: Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30))

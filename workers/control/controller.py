@@ -133,6 +133,7 @@ class Controller:
         self.checkpoints = CheckpointStore(root / "checkpoints", keep=options.keep_checkpoints)
         self.checkpoint_every_steps = options.checkpoint_every_steps
         self.resume = options.resume
+        self.on_gpus = options.rank_num_gpus > 0
         self.group: RankGroup = group or RankGroup(
             self.cfg, num_cpus=options.rank_num_cpus, num_gpus=options.rank_num_gpus
         )
@@ -380,7 +381,7 @@ class Controller:
             layout=self.saves.layout(),
             engine={
                 "max_tokens_per_microbatch": cfg.max_tokens_per_microbatch,
-                "logprob_chunk_size": cfg.logprob_chunk_size,
+                "logprob_chunk_size": cfg.resolved_chunk_size(cuda=self.on_gpus),
                 "lr": cfg.optimizer.lr,
                 "clip_grad": cfg.optimizer.clip_grad,
                 "weight_decay": cfg.optimizer.weight_decay,

@@ -150,9 +150,12 @@ class EngineConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     max_tokens_per_microbatch: int = 4096
     """Token budget of one micro-batch (after padding); at least model.max_seq_len."""
-    logprob_chunk_size: int = 1024
+    logprob_chunk_size: int | Literal["auto"] = "auto"
     """Tokens per chunk of the streamed log-prob kernel and of the fused LM head; 0 disables
-    chunking."""
+    chunking. ``auto`` (``resolved_chunk_size``): 4,096 on CUDA, where a larger chunk means
+    fewer, larger matrix products and fewer fp32 weight-gradient accumulations; 1,024 on a
+    CPU, where an fp32 chunk of a 152K vocabulary's logits is 0.6 GiB against 2.3 at 4,096.
+    The GPU tier checks the head's gradients at both sizes."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """``bf16``: bf16 parameters and compute, with fp32 main gradients, fp32 master weights
     in the optimizer and fp32 log-probs, loss and normaliser; ``fp32``: everything fp32;
@@ -224,8 +227,10 @@ class EngineConfig:
                 "MoE with layout.tp > 1 needs sequence parallelism: set sequence_parallel to "
                 "'auto' or 'on', or use tp = 1"
             )
-        if self.logprob_chunk_size < 0:
-            raise ConfigError("logprob_chunk_size must be >= 0")
+        if self.logprob_chunk_size != "auto" and (
+            not isinstance(self.logprob_chunk_size, int) or self.logprob_chunk_size < 0
+        ):
+            raise ConfigError("logprob_chunk_size must be 'auto' or an integer >= 0")
         if self.collective_timeout_s <= 0:
             raise ConfigError("collective_timeout_s must be > 0")
         return self
@@ -255,6 +260,13 @@ class EngineConfig:
         if self.precision == "auto":
             return "bf16" if cuda else "fp32"
         return self.precision
+
+    def resolved_chunk_size(self, *, cuda: bool) -> int:
+        """The log-prob and LM-head chunk a rank runs: ``auto`` is 4,096 with CUDA, 1,024
+        without."""
+        if self.logprob_chunk_size == "auto":
+            return 4096 if cuda else 1024
+        return self.logprob_chunk_size
 
     @property
     def use_distributed_optimizer(self) -> bool:

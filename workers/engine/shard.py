@@ -151,7 +151,7 @@ class EngineShard:
             inputs=StageInputs(self.dims, device=self.device),
             routing=self.routing,
             vocab_size=cfg.model.vocab_size,
-            logprob_chunk_size=cfg.logprob_chunk_size,
+            logprob_chunk_size=cfg.resolved_chunk_size(cuda=self.device.type == "cuda"),
             fused_lm_head=cfg.fused_lm_head,
             sequence_parallel=cfg.use_sequence_parallel,
             replay=RouteReplay(self.chunks) if cfg.model.num_experts else None,

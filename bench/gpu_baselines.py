@@ -1,0 +1,151 @@
+"""The transformers side of the GPU benchmark: one train step of a Hugging Face Qwen3 model,
+in the configurations a user who cares about speed would run, weakest first.
+
+Each configuration starts from the same checkpoint as trainctl (``bench/gpu.py`` writes it),
+takes the same batch, computes the same loss (the token mean over every predicted token of
+the batch: each micro-batch's summed loss over the batch's predicted-token count), clips the
+gradient norm at 1.0 and runs fused AdamW with trainctl's hyper-parameters. Only the
+arithmetic's precision and the kernels differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.gpu_timing import OutOfMemory, Run, timed_run
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One rung of the ladder."""
+
+    name: str
+    label: str
+    fp32_masters: bool
+    """fp32 parameters and AdamW state under bf16 autocast (HF Trainer's ``bf16=True``);
+    otherwise bf16 parameters and state (no master weights)."""
+    liger: bool = False
+    """Liger's Triton kernels: RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy (no
+    logits in memory). Needs CUDA."""
+    compile: bool = False
+    """``torch.compile`` of each decoder layer (torchtitan's way: one graph for 28 layers)."""
+
+    @property
+    def needs_cuda(self) -> str | None:
+        return "Liger's kernels are Triton kernels for CUDA" if self.liger else None
+
+
+LADDER = (
+    Baseline("hf_amp", "transformers AMP (fp32 masters, autocast bf16)", fp32_masters=True),
+    Baseline("hf_bf16", "transformers pure bf16", fp32_masters=False),
+    Baseline("hf_liger", "transformers bf16 + Liger", fp32_masters=False, liger=True),
+    Baseline(
+        "hf_liger_compile", "transformers bf16 + Liger + torch.compile", fp32_masters=False,
+        liger=True, compile=True,
+    ),
+)  # fmt: skip
+BY_NAME = {b.name: b for b in LADDER}
+
+
+def micro_batches(lengths: list[int], micro_tokens: int) -> list[list[int]]:
+    """Indices of the batch's sequences per micro-batch: sequences of one length together
+    (no padding, the kindest layout for transformers), at most ``micro_tokens`` tokens each
+    (at least one sequence)."""
+    out: list[list[int]] = []
+    for length in sorted(set(lengths)):
+        rows = [i for i, n in enumerate(lengths) if n == length]
+        per = max(1, micro_tokens // length)
+        out += [rows[a : a + per] for a in range(0, len(rows), per)]
+    return out
+
+
+def _model(checkpoint: Path, baseline: Baseline, dev: str) -> Any:
+    import torch
+    import transformers
+
+    dtype = torch.float32 if baseline.fp32_masters or dev == "cpu" else torch.bfloat16
+    net = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=dtype, attn_implementation="sdpa"
+    ).to(dev)
+    if baseline.liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+        apply_liger_kernel_to_qwen3(model=net)
+    if baseline.compile:
+        for layer in net.model.layers:
+            layer.compile()
+    return net.train()
+
+
+def transformers_step(
+    baseline: str,
+    checkpoint: str,
+    sequences: list[list[int]],
+    steps: int,
+    warmup: int,
+    optimizer: dict[str, float],
+    micro_tokens: list[int],
+    profile: str | None = None,
+) -> dict[str, Any]:
+    """Times ``steps`` train steps after ``warmup``; the largest micro-batch of
+    ``micro_tokens`` whose first step fits is the one timed."""
+    import torch
+
+    b = BY_NAME[baseline]
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    if b.needs_cuda and not cuda:
+        return {"skipped": b.needs_cuda}
+    net = _model(Path(checkpoint), b, dev)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=optimizer["lr"], betas=(optimizer["beta1"], optimizer["beta2"]),
+        eps=optimizer["eps"], weight_decay=optimizer["weight_decay"], fused=True,
+    )  # fmt: skip
+    lengths = [len(s) for s in sequences]
+    ids = [torch.tensor(s, device=dev) for s in sequences]
+    predicted = sum(n - 1 for n in lengths)
+    clip = optimizer["clip_grad"]
+
+    def step_with(groups: list[list[int]]) -> tuple[float, float]:
+        total = torch.zeros((), device=dev)
+        for rows in groups:
+            batch = torch.stack([ids[i] for i in rows])
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=b.fp32_masters and cuda):
+                loss = net(input_ids=batch, labels=batch, num_items_in_batch=predicted).loss
+            loss.backward()
+            total += loss.detach().float()
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(total), float(norm)
+
+    groups: list[list[int]] = []
+    first: tuple[float, float] | None = None
+    for budget in sorted(set(micro_tokens), reverse=True):
+        groups = micro_batches(lengths, budget)
+        try:
+            first = step_with(groups)  # step 1, from the checkpoint's weights
+            break
+        except torch.OutOfMemoryError:
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+    if first is None:
+        raise OutOfMemory(f"{baseline}: no micro-batch of {sorted(set(micro_tokens))} fits")
+    run = Run(losses=[first[0]], grad_norms=[first[1]])
+
+    def step() -> None:
+        loss, norm = step_with(groups)
+        run.losses.append(loss)
+        run.grad_norms.append(norm)
+
+    timed_run(run, step, steps, max(0, warmup - 1), profile)
+    return {
+        **run.summary(),
+        "config": b.label,
+        "micro_batches": len(groups),
+        "micro_tokens": max(sum(lengths[i] for i in g) for g in groups),
+        "attention": f"sdpa: {run.kernels}",
+    }
