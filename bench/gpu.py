@@ -183,7 +183,7 @@ def measure(timeout_s: float, label: str, **job: Any) -> dict[str, Any]:
     env = {"PYTORCH_CUDA_ALLOC_CONF": gpu_provenance.ALLOCATOR, **os.environ}
     try:
         proc = subprocess.run(
-            [sys.executable, __file__, "--child", json.dumps(job)],
+            [sys.executable, __file__, "--child"], input=json.dumps(job),
             capture_output=True, text=True, cwd=ROOT, timeout=timeout_s, env=env,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -327,7 +327,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         help="instead of the table: profile trainctl's step and each --ladder row's at the "
         "first packed size, each one's kernel table (by self device time) into DIR",
     )  # fmt: skip
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the job on stdin
     a = ap.parse_args(argv)
     if a.smoke:
         a.tokens, a.seq_len, a.ragged_tokens, a.ragged_low, a.ragged_high = (
@@ -344,7 +344,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     if a.child:
-        print(json.dumps(_child(json.loads(a.child))))
+        print(json.dumps(_child(json.loads(sys.stdin.read()))))
         return 0
     import torch
 
