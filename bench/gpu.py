@@ -160,7 +160,7 @@ def trainctl_step(
     return {
         **run.summary(),
         "config": f"trainctl ({engine.cfg.precision}, fp32 masters, fused head chunk "
-        f"{engine.cfg.logprob_chunk_size})",
+        f"{engine.cfg.resolved_chunk_size(cuda=cuda)})",
         "params": engine.engine.num_parameters(),
         "micro_tokens": sum(lengths),
         "attention": f"{path}: {run.kernels}",
