@@ -61,18 +61,20 @@ def _git(*args: str) -> str | None:
 
 
 def code() -> dict[str, Any]:
-    """The commit and whether the tree differs from it. A copy without ``.git`` (a GPU
-    machine gets the working tree alone) reads ``TRAINCTL_COMMIT`` and ``TRAINCTL_DIRTY``,
-    which the sender sets from its own checkout."""
+    """The commit and whether the tree differs from it: ``TRAINCTL_COMMIT`` and
+    ``TRAINCTL_DIRTY`` where the sender set them from its own checkout (a copy sent to a GPU
+    machine can carry a stale ``.git``), else git's answer here."""
+    if "TRAINCTL_COMMIT" in os.environ:
+        return {
+            "commit": os.environ["TRAINCTL_COMMIT"],
+            "dirty": os.environ.get("TRAINCTL_DIRTY", "unknown"),
+            "source": "TRAINCTL_COMMIT (set by the sender)",
+        }
     commit = _git("rev-parse", "HEAD")
     if commit is not None:
         status = _git("status", "--porcelain", "--untracked-files=no")
         return {"commit": commit, "dirty": bool(status), "source": "git"}
-    return {
-        "commit": os.environ.get("TRAINCTL_COMMIT", "unknown"),
-        "dirty": os.environ.get("TRAINCTL_DIRTY", "unknown"),
-        "source": "environment (no .git here)",
-    }
+    return {"commit": "unknown", "dirty": "unknown", "source": "no git, no TRAINCTL_COMMIT"}
 
 
 def card() -> dict[str, Any]:
