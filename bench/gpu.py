@@ -21,8 +21,8 @@ bf16 parameters, fp32 main gradients and AdamW masters, the fused LM head, the b
 packed micro-batch; its timed region includes the host's planning and packing) and the
 transformers ladder (``bench/gpu_baselines.py``), each at the largest micro-batch of
 ``--micro-tokens`` that fits. Shapes: packed rows (``--tokens`` in sequences of ``--seq-len``)
-and a ragged row (``bench/gpu_batches.ragged``: log-normal lengths between 128 and 4,096, 43
-distinct at 32K, which takes the varlen attention path).
+and a ragged row (``ragged`` in ``bench/gpu_batches.py``: log-normal lengths between 128 and
+4,096, 43 distinct at 32K, which takes the varlen attention path).
 
 Each cell is the median of ``--steps`` steps after ``--warmup``, with the minimum and maximum.
 FLOPs per step: ``6 * N * tokens`` for the matrix products (``N``: every parameter but an

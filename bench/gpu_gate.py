@@ -24,7 +24,7 @@ GRAD_NORM_REL = 0.02
 
 def problems(row: dict[str, Any], reference: dict[str, Any] | None) -> list[str]:
     """Why ``row`` fails the gate against ``reference`` (empty: it passes). Both are the
-    per-step records of ``bench/gpu_timing.Run.summary``."""
+    per-step records of ``Run.summary`` (``bench/gpu_timing.py``)."""
     if reference is None:
         return ["no reference row to compare with"]
     out: list[str] = []
