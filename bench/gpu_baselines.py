@@ -50,15 +50,33 @@ BY_NAME = {b.name: b for b in LADDER}
 
 
 def micro_batches(lengths: list[int], micro_tokens: int) -> list[list[int]]:
-    """Indices of the batch's sequences per micro-batch: sequences of one length together
-    (no padding, the kindest layout for transformers), at most ``micro_tokens`` tokens each
-    (at least one sequence)."""
+    """Indices of the batch's sequences per micro-batch: longest first, each micro-batch at
+    most ``micro_tokens`` tokens once padded to its longest sequence (at least one sequence).
+    Equal lengths need no padding; a ragged batch pads little, since neighbours in length
+    order differ little, and runs a few micro-batches rather than one per distinct length."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     out: list[list[int]] = []
-    for length in sorted(set(lengths)):
-        rows = [i for i, n in enumerate(lengths) if n == length]
-        per = max(1, micro_tokens // length)
-        out += [rows[a : a + per] for a in range(0, len(rows), per)]
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= micro_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
     return out
+
+
+def padded(ids: list[Any], rows: list[int]) -> dict[str, Any]:
+    """One micro-batch's model inputs: right-padded token ids, the attention mask (None when
+    nothing is padded) and labels with -100 on the padding."""
+    import torch
+
+    width = max(len(ids[i]) for i in rows)
+    batch = torch.zeros(len(rows), width, dtype=torch.long, device=ids[0].device)
+    mask = torch.zeros_like(batch)
+    for r, i in enumerate(rows):
+        batch[r, : len(ids[i])], mask[r, : len(ids[i])] = ids[i], 1
+    labels = batch.masked_fill(mask == 0, -100)
+    full = bool(mask.all())
+    return {"input_ids": batch, "attention_mask": None if full else mask, "labels": labels}
 
 
 def _model(checkpoint: Path, baseline: Baseline, dev: str) -> Any:
@@ -112,9 +130,8 @@ def transformers_step(
     def step_with(groups: list[list[int]]) -> tuple[float, float]:
         total = torch.zeros((), device=dev)
         for rows in groups:
-            batch = torch.stack([ids[i] for i in rows])
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=b.fp32_masters and cuda):
-                loss = net(input_ids=batch, labels=batch, num_items_in_batch=predicted).loss
+                loss = net(**padded(ids, rows), num_items_in_batch=predicted).loss
             loss.backward()
             total += loss.detach().float()
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
@@ -146,6 +163,6 @@ def transformers_step(
         **run.summary(),
         "config": b.label,
         "micro_batches": len(groups),
-        "micro_tokens": max(sum(lengths[i] for i in g) for g in groups),
+        "micro_tokens": max(len(g) * lengths[g[0]] for g in groups),
         "attention": f"sdpa: {run.kernels}",
     }
