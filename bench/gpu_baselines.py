@@ -88,7 +88,9 @@ def _model(checkpoint: Path, baseline: Baseline, dev: str) -> Any:
         checkpoint, dtype=dtype, attn_implementation="sdpa"
     ).to(dev)
     if baseline.liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+        from liger_kernel.transformers import (  # pyright: ignore[reportMissingImports]
+            apply_liger_kernel_to_qwen3,  # the GPU machine has it (scripts/gpu_wheels)
+        )
 
         apply_liger_kernel_to_qwen3(model=net)
     if baseline.compile:

@@ -187,3 +187,137 @@ async def _concurrent_equals_alone() -> dict[str, Any]:
             (abs(x - y) for t, a in pairs for x, y in zip(t[1], a[1], strict=True)), default=None
         ),
     }
+
+
+def collective_sync() -> dict[str, Any]:
+    """An engine built with the ``gloo`` weight-transfer backend gets two versions over the
+    collective (a sender thread broadcasting in buckets, the engine receiving through vLLM's
+    own weight-sync sequence), each sampled against the same weights loaded through the
+    shipment path (what a fresh engine is compared with in ``test_engine.py``); then a send
+    that breaks half-way, and what the engine serves after it."""
+    return asyncio.run(_collective_sync())
+
+
+class _Sender:
+    """The trainer's end of one generation's group, in a thread of this process: it joins
+    the group on its first send and keeps it for the next ones (as a service would)."""
+
+    def __init__(self, rv: Any) -> None:
+        self.rv, self.group = rv, None
+
+    def send(self, weights: dict[str, Any], plan: Any, buckets: int | None = None) -> Any:
+        """Broadcast ``plan``'s first ``buckets`` buckets (None: all) in a thread; with a
+        number, the group is then torn down, as by a sender that died mid-send."""
+        import threading
+
+        from trainctl.workers.sampler import collective
+
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                if self.group is None:
+                    self.group = collective.open_group(self.rv, 0)
+                out["sent"] = collective.send(self.group, weights, plan.buckets[:buckets])
+                if buckets is not None:
+                    self.group = None
+            except Exception as e:  # reported, not raised: the test reads it
+                out["error"] = repr(e)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread, out
+
+
+def _flat(result: Any) -> tuple[list[list[int]], list[float]]:
+    """Every completion's tokens, and every prompt and completion log-prob, in order."""
+    tokens, lps = [], []
+    for p in result.samples:
+        lps += [x for x in p.prompt_logprobs or [] if x is not None]
+        for c in p.completions:
+            tokens.append(c.tokens)
+            lps += c.logprobs or []
+    return tokens, lps
+
+
+async def _collective_sync() -> dict[str, Any]:
+    import socket
+
+    from trainctl.api import SampleRequest, TrainctlError
+    from trainctl.workers.sampler import collective
+    from trainctl.workers.sampler.spec import SamplerSpec
+    from trainctl.workers.sampler.transport import LocalTransport, Shipment, schema_of
+    from trainctl.workers.sampler.vllm_backend.rules import env
+    from trainctl.workers.sampler.vllm_backend.sampler import VllmSampler
+
+    os.environ.update(env(False, 1))
+    spec = SamplerSpec(hf_config=CONFIG, max_model_len=256, max_num_seqs=8, weight_transfer="gloo")
+    engine = VllmSampler(0, spec)
+    req = SampleRequest(
+        prompts=[[1, 2, 3], [4, 5, 6, 7]],
+        n=2,
+        max_tokens=6,
+        seed=3,
+        logprobs=True,
+        prompt_logprobs=True,
+    )
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    async def reference(step: int, weights: dict[str, Any]) -> Any:
+        """The same weights through the shipment path, then back to ``step``'s collective
+        version is not possible (a broadcast cannot be replayed): the caller re-syncs."""
+        ship = LocalTransport.ship(step, weights)
+        await engine.load_weights(ship)
+        return await engine.sample(f"ref{step}", req, ship)
+
+    out: dict[str, Any] = {}
+    senders: dict[int, _Sender] = {}
+    # Two syncs on generation 1's group, one on generation 2's (the group re-formed).
+    for generation, seed in ((1, 0), (1, 1), (2, 2)):
+        if generation not in senders:
+            rv = collective.Rendezvous.new("127.0.0.1", port(), 1, generation, timeout_s=20)
+            senders[generation] = _Sender(rv)
+        sender = senders[generation]
+        weights = _hf_weights(seed)
+        plan = collective.Plan.of(schema_of(weights), 300 * 1024)  # several buckets
+        shipment = Shipment("collective", seed + 1, None, 0, plan)
+        t0 = time.perf_counter()
+        thread, sent = sender.send(weights, plan)
+        loaded = await engine.receive_weights(shipment, sender.rv.to_dict(), 1)
+        thread.join(30)
+        seconds = time.perf_counter() - t0
+        got = await engine.sample(f"c{seed}", req, shipment)
+        ref = await reference(seed + 1, weights)
+        (tokens, lps), (ref_tokens, ref_lps) = _flat(got), _flat(ref)
+        out[f"v{seed}"] = {
+            "buckets": len(plan.buckets),
+            "sent": sent,
+            "step": (loaded.step, got.step),
+            "seconds": seconds,
+            "same_tokens": tokens == ref_tokens,
+            "logprobs": len(lps),
+            "logprob_diff": max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)),
+            "tokens": tokens,
+        }
+    # A sender that dies after one bucket: the receive fails, the weights served stay.
+    served = LocalTransport.ship(3, _hf_weights(2))
+    await engine.load_weights(served)
+    before = _flat(await engine.sample("before", req, served))
+    weights = _hf_weights(3)
+    plan = collective.Plan.of(schema_of(weights), 300 * 1024)
+    thread, sent = senders[2].send(weights, plan, buckets=1)
+    try:
+        await engine.receive_weights(
+            Shipment("collective", 4, None, 0, plan), senders[2].rv.to_dict(), 1
+        )
+        out["broken_send"] = "received"
+    except TrainctlError as e:
+        out["broken_send"] = (e.status, e.message)
+    thread.join(30)
+    after = _flat(await engine.sample("after", req, served))
+    out["after_broken_send"] = {"same": after == before, "step": engine._engine.step}
+    return out

@@ -55,6 +55,9 @@ class SamplerSpec:
     """A weight load does not wait for the requests for the newest weights that an engine is
     running: they go on with the loaded weights, their prefixes recomputed
     (``--sampler-sync in_flight``)."""
+    weight_transfer: str | None = None
+    """vLLM's weight-transfer backend the engine is built with (``gloo``: the collective
+    transport, ``vllm_backend/gloo_engine.py``); None: weights arrive as shipments alone."""
     tokenizer: str | None = None
     """The directory of the model's tokenizer (``tokenizer_of``): string stops work. None:
     the engine runs on token ids alone."""

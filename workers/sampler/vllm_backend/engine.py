@@ -64,6 +64,7 @@ from trainctl.workers.sampler.transport import (
     schema_mismatch,
     schema_of,
 )
+from trainctl.workers.sampler.vllm_backend import gloo_engine
 from trainctl.workers.sampler.vllm_backend.folders import (
     ADAPTER_DIR_PREFIX,
     CONFIG_DIR_PREFIX,
@@ -126,6 +127,9 @@ class VllmEngine:
                 "max_cpu_loras": spec.max_adapters * spec.versions,  # each version its own
                 "max_lora_rank": vllm_max_lora_rank(spec.max_lora_rank),
             }
+        if spec.weight_transfer == gloo_engine.BACKEND:
+            gloo_engine.register()
+            kwargs["weight_transfer_config"] = {"backend": spec.weight_transfer}
         if spec.return_routes:  # vLLM keeps the routes with its prefix cache's blocks
             kwargs |= {"enable_return_routed_experts": True, "enable_prefix_caching": True}
         self._adapters_dir = tempfile.TemporaryDirectory(
@@ -157,6 +161,8 @@ class VllmEngine:
         """The id of the shipment they were loaded from."""
         self.schema: Schema | None = None
         """The names, shapes and dtypes of the weights loaded (what the next load must have)."""
+        self._generation: int | None = None
+        """The collective group's generation this engine's workers joined (None: none)."""
 
     def _warm_up(self) -> None:
         """One short generation, so that the first request does not pay for the engine's
@@ -192,7 +198,51 @@ class VllmEngine:
                 f"sampler {self.index} loaded step {step}'s weights with {len(empty)} "
                 f"parameter(s) left empty ({', '.join(empty[:3])}); it is being recreated"
             )
-        self.step, self.schema, self.shipment = step, per_worker[0].schema, shipment.id
+        return self._loaded(step, per_worker[0].schema, shipment.id, t0)
+
+    def receive_weights(self, shipment: Shipment, rendezvous: dict[str, Any], rank: int) -> Loaded:
+        """Receive a step's weights over the collective (``collective.py``) through vLLM's
+        own weight-sync sequence, while the sender broadcasts them: the group is joined once
+        per generation, every bucket arrives before the model is touched, and a set whose
+        schema differs from the one served is refused before any byte moves (the sender, told
+        the same schema, refuses too). A receive that broke leaves the old weights serving;
+        one that broke in the load leaves the engine broken (``EngineBrokenError``)."""
+        t0 = time.perf_counter()
+        step, plan = shipment.version, shipment.handle
+        schema: Schema = plan.schema
+        if self.schema is not None and (problem := schema_mismatch(schema, self.schema)):
+            raise InternalError(
+                f"sampler {self.index} refused step {step}'s weights, which do not match the "
+                f"ones it serves (step {self.step}): {problem}"
+            )
+        rpc = self.llm.collective_rpc
+        if self._generation != rendezvous["generation"]:
+            rpc("init_weight_transfer_engine", args=({"rendezvous": rendezvous, "rank": rank},))
+            self._generation = rendezvous["generation"]
+        update = {
+            "schema": {n: [list(s), d] for n, (s, d) in schema.items()},
+            "buckets": plan.buckets,
+        }
+        try:
+            rpc("start_weight_update")
+            rpc("update_weights", args=(update,))
+        except Exception as e:
+            self._generation = None  # the group is broken: the next sync forms a new one
+            raise InternalError(
+                f"sampler {self.index} did not receive step {step}'s weights "
+                f"({type(e).__name__}: {e}); it serves step {self.step} still"
+            ) from None
+        try:
+            rpc("finish_weight_update")
+        except Exception as e:
+            raise EngineBrokenError(
+                f"sampler {self.index} failed loading step {step}'s weights half-way "
+                f"({type(e).__name__}: {e}); it is being recreated"
+            ) from None
+        return self._loaded(step, schema, shipment.id, t0)
+
+    def _loaded(self, step: int, schema: Schema, shipment: str, t0: float) -> Loaded:
+        self.step, self.schema, self.shipment = step, schema, shipment
         # vLLM labels every engine step from now on with this version: a completion's
         # ``weight_versions`` spans give each token's step (``Completion.token_steps``).
         self.llm.llm_engine.set_weight_version(str(step))

@@ -35,11 +35,11 @@ def reload(worker: Any, shipment: Shipment, want: Schema | None) -> Reloaded:
         return Reloaded(schema, problem, [])
     worker.reload_weights(weights_iterator=iter(sorted(tensors.items())))
     model = worker.model_runner.model
-    _refresh_cpu_embedding_gemms(model)
+    refresh_cpu_embedding_gemms(model)
     return Reloaded(schema, None, [n for n, p in model.named_parameters() if p.is_meta])
 
 
-def _refresh_cpu_embedding_gemms(model: Any) -> None:
+def refresh_cpu_embedding_gemms(model: Any) -> None:
     """vLLM 0.32 on a CPU: an in-place reload leaves a *tied* LM head (the input embedding
     used as the output layer: Qwen2.5/Qwen3 small models) computing logits with a GEMM
     kernel prepared from the weights it had before (measured: log-probs off by 0.3 after a

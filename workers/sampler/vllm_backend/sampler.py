@@ -180,6 +180,16 @@ class VllmSampler:
         loaded: Loaded = await self._load(self._engine.load_weights, shipment, beside=beside)
         return loaded
 
+    async def receive_weights(
+        self, shipment: Shipment, rendezvous: dict[str, Any], rank: int
+    ) -> Loaded:
+        """A collective shipment (``collective.py``): received while the sender broadcasts."""
+        beside = NEWEST_LANE if self._in_flight else None
+        loaded: Loaded = await self._load(
+            self._engine.receive_weights, shipment, rendezvous, rank, beside=beside
+        )
+        return loaded
+
     async def load_adapter(self, shipment: Shipment, keep: Sequence[int]) -> Loaded:
         loaded: Loaded = await self._load(self._engine.load_adapter, shipment, keep)
         return loaded

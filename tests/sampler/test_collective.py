@@ -1,0 +1,28 @@
+"""Weights over a collective (``workers/sampler/collective.py``): an engine built with the
+``gloo`` weight-transfer backend receives versions through vLLM's own weight-sync sequence
+(``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update``) while a sender broadcasts them in buckets, and then samples exactly
+what the same weights give through the shipment path (fp32 on a CPU: 0.0). Two syncs share a
+group; a new generation forms a new one; a sender that dies after one bucket leaves the
+engine serving what it served."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any
+
+import one_engine_cases as cases
+
+
+def test_collective_syncs_are_exact_and_a_broken_send_changes_nothing() -> None:
+    with mp.get_context("spawn").Pool(1) as pool:
+        out: dict[str, Any] = pool.apply_async(cases.collective_sync).get(timeout=600)
+    rounds = [out[f"v{seed}"] for seed in (0, 1, 2)]
+    for step, r in enumerate(rounds, start=1):
+        assert r["buckets"] > 1 and r["sent"].get("sent", 0) > 0, r
+        assert r["step"] == (step, step), r
+        assert r["same_tokens"] and r["logprobs"] > 20 and r["logprob_diff"] == 0.0, r
+    assert rounds[0]["tokens"] != rounds[1]["tokens"] != rounds[2]["tokens"], "each sync took"
+    status, message = out["broken_send"]
+    assert status == 500 and "did not receive step 4" in message and "serves step 3" in message
+    assert out["after_broken_send"] == {"same": True, "step": 3}, out

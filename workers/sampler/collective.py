@@ -1,0 +1,146 @@
+"""Weights over a collective: a gloo group between one sender (the trainer side) and the
+sampler engines' model workers, and a version's tensors broadcast through it in buckets.
+
+The plan is known to every member before a byte moves: the sender makes it from the
+version's schema (``plan``), hands it to every receiver with the sync's one call, and both
+sides walk it in the same order. Each bucket is one flat byte buffer and one broadcast, never
+one call per tensor. A receiver keeps every bucket until the last has arrived, and only then
+does anything with them (``receive`` returns the whole set or raises): a send that breaks
+half-way leaves the weights it serves untouched.
+
+A group lives for one generation: it is formed when the engines start (or one is
+recreated), behind a store key prefixed with a secret (``Rendezvous.prefix``), as the ranks'
+own rendezvous is. A new generation is a new group; members of an old one are never mixed in.
+
+Torch only: this module imports nothing from vLLM, so the sending side needs no vLLM.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from trainctl.workers.sampler.transport import Schema
+
+DEFAULT_BUCKET_MB = 256
+"""Bytes of one broadcast (``--sampler-bucket-mb``)."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a group forms: the sender's store, a secret key prefix, the member count and
+    the generation. Plain values: it travels to every member as a dict."""
+
+    host: str
+    port: int
+    prefix: str
+    world_size: int
+    """The sender (rank 0) and every receiver."""
+    generation: int
+    timeout_s: float = 120.0
+
+    @staticmethod
+    def new(host: str, port: int, receivers: int, generation: int, **kw: Any) -> Rendezvous:
+        return Rendezvous(host, port, secrets.token_hex(16), receivers + 1, generation, **kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A collective shipment's handle (``Shipment.handle``): what will be broadcast, in which
+    buckets. The tensors themselves are nowhere but on the sender until the broadcast."""
+
+    schema: Schema
+    buckets: list[list[str]]
+
+    @staticmethod
+    def of(schema: Schema, bucket_bytes: int) -> Plan:
+        return Plan(schema, plan(schema, bucket_bytes))
+
+
+def open_group(rv: Rendezvous, rank: int) -> Any:
+    """This member's gloo group (rank 0: the sender, whose process hosts the store). Blocks
+    until every member has joined, at most ``rv.timeout_s``."""
+    timeout = timedelta(seconds=rv.timeout_s)
+    store = dist.TCPStore(
+        rv.host, rv.port, world_size=rv.world_size, is_master=rank == 0, timeout=timeout,
+        wait_for_workers=False,
+    )  # fmt: skip
+    prefixed = dist.PrefixStore(f"trainctl-weights/{rv.prefix}/{rv.generation}", store)
+    group: Any = dist.ProcessGroupGloo(prefixed, rank, rv.world_size, timeout)
+    # A group that moves nothing must fail here, not serve stale weights (vLLM's own NCCL
+    # communicator turns itself off silently on a CPU): the generation goes round first.
+    token = torch.tensor([rv.generation if rank == 0 else -1], dtype=torch.int64)
+    group.broadcast(token, 0).wait()
+    if int(token) != rv.generation:
+        raise RuntimeError(
+            f"the weights' group moved nothing: generation {int(token)}, not {rv.generation}"
+        )
+    return group
+
+
+def plan(schema: Schema, bucket_bytes: int) -> list[list[str]]:
+    """The schema's names in buckets of at most ``bucket_bytes`` each, in name order (every
+    member computes the same from the same schema). A tensor larger than a bucket is
+    refused: a bucket holds whole tensors."""
+    out: list[list[str]] = [[]]
+    filled = 0
+    for name in sorted(schema):
+        size = nbytes(schema[name])
+        if size > bucket_bytes:
+            raise ValueError(
+                f"sampler_bucket_mb: {name} is {size / 2**20:.1f} MiB, more than one bucket "
+                f"({bucket_bytes / 2**20:.1f} MiB); raise --sampler-bucket-mb"
+            )
+        if filled + size > bucket_bytes and out[-1]:
+            out.append([])
+            filled = 0
+        out[-1].append(name)
+        filled += size
+    return [b for b in out if b]
+
+
+def nbytes(entry: tuple[tuple[int, ...], str]) -> int:
+    shape, dtype = entry
+    return _dtype(dtype).itemsize * int(torch.Size(shape).numel())
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+def send(group: Any, tensors: dict[str, Tensor], buckets: list[list[str]]) -> int:
+    """Broadcast ``tensors`` (rank 0's side) bucket by bucket; returns the bytes sent."""
+    sent = 0
+    for names in buckets:
+        flat = torch.cat(
+            [tensors[n].detach().contiguous().view(-1).view(torch.uint8) for n in names]
+        )
+        group.broadcast(flat, 0).wait()
+        sent += flat.numel()
+    return sent
+
+
+def receive(group: Any, schema: Schema, buckets: list[list[str]]) -> dict[str, Tensor]:
+    """A receiver's side of ``send``: every bucket into its own buffer, then the tensors as
+    views of them. Returns only once all have arrived (a failed broadcast raises)."""
+    out: dict[str, Tensor] = {}
+    for names in buckets:
+        sizes = [nbytes(schema[n]) for n in names]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        group.broadcast(flat, 0).wait()
+        for name, part in zip(names, torch.split(flat, sizes), strict=True):
+            shape, dtype = schema[name]
+            out[name] = part.view(_dtype(dtype)).view(shape)
+    return out
