@@ -276,6 +276,7 @@ async def _collective_sync() -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     senders: dict[int, _Sender] = {}
+    shipments: list[Any] = []
     # Two syncs on generation 1's group, one on generation 2's (the group re-formed).
     for generation, seed in ((1, 0), (1, 1), (2, 2)):
         if generation not in senders:
@@ -285,6 +286,7 @@ async def _collective_sync() -> dict[str, Any]:
         weights = _hf_weights(seed)
         plan = collective.Plan.of(schema_of(weights), 300 * 1024)  # several buckets
         shipment = Shipment("collective", seed + 1, None, 0, plan)
+        shipments.append(shipment)
         t0 = time.perf_counter()
         thread, sent = sender.send(weights, plan)
         loaded = await engine.receive_weights(shipment, sender.rv.to_dict(), 1)
@@ -302,7 +304,17 @@ async def _collective_sync() -> dict[str, Any]:
             "logprobs": len(lps),
             "logprob_diff": max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)),
             "tokens": tokens,
+            "logprob_values": lps,
         }
+    # A client pinned to step 2 (received over the collective, replaced since): the engine
+    # reloads the copy it kept; step 1 has left its two kept versions.
+    pinned = _flat(await engine.sample("pinned", req, shipments[1]))
+    out["pinned_step_2"] = pinned == (out["v1"]["tokens"], out["v1"]["logprob_values"])
+    try:
+        await engine.sample("gone", req, shipments[0])
+        out["pinned_step_1"] = "served"
+    except TrainctlError as e:
+        out["pinned_step_1"] = (e.status, e.message)
     # A sender that dies after one bucket: the receive fails, the weights served stay.
     served = LocalTransport.ship(3, _hf_weights(2))
     await engine.load_weights(served)

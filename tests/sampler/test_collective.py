@@ -3,8 +3,9 @@
 (``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
 ``finish_weight_update``) while a sender broadcasts them in buckets, and then samples exactly
 what the same weights give through the shipment path (fp32 on a CPU: 0.0). Two syncs share a
-group; a new generation forms a new one; a sender that dies after one bucket leaves the
-engine serving what it served."""
+group; a new generation forms a new one; a client pinned to a replaced step gets it back from
+the copy the engine kept (a broadcast cannot be replayed); a sender that dies after one bucket
+leaves the engine serving what it served."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ def test_collective_syncs_are_exact_and_a_broken_send_changes_nothing() -> None:
         assert r["step"] == (step, step), r
         assert r["same_tokens"] and r["logprobs"] > 20 and r["logprob_diff"] == 0.0, r
     assert rounds[0]["tokens"] != rounds[1]["tokens"] != rounds[2]["tokens"], "each sync took"
+    # Versions the engine keeps: a pinned step swaps back exactly; one past them is refused.
+    assert out["pinned_step_2"] is True, out
+    status, message = out["pinned_step_1"]
+    assert status == 500 and "keeps no copy of step 1" in message, out
     status, message = out["broken_send"]
     assert status == 500 and "did not receive step 4" in message and "serves step 3" in message
     assert out["after_broken_send"] == {"same": True, "step": 3}, out

@@ -29,7 +29,7 @@ from torch import Tensor
 from trainctl.workers.sampler.transport import Schema
 
 DEFAULT_BUCKET_MB = 256
-"""Bytes of one broadcast (``--sampler-bucket-mb``)."""
+"""MiB of one broadcast (the planned ``--sampler-bucket-mb``)."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def plan(schema: Schema, bucket_bytes: int) -> list[list[str]]:
         if size > bucket_bytes:
             raise ValueError(
                 f"sampler_bucket_mb: {name} is {size / 2**20:.1f} MiB, more than one bucket "
-                f"({bucket_bytes / 2**20:.1f} MiB); raise --sampler-bucket-mb"
+                f"({bucket_bytes / 2**20:.1f} MiB); raise the bucket size"
             )
         if filled + size > bucket_bytes and out[-1]:
             out.append([])

@@ -161,6 +161,8 @@ class VllmEngine:
         """The id of the shipment they were loaded from."""
         self.schema: Schema | None = None
         """The names, shapes and dtypes of the weights loaded (what the next load must have)."""
+        self.versions_kept = spec.versions
+        """Collective versions of the base kept in host memory for a swap back (the window)."""
         self._generation: int | None = None
         """The collective group's generation this engine's workers joined (None: none)."""
 
@@ -221,8 +223,8 @@ class VllmEngine:
             self._generation = rendezvous["generation"]
         update = {
             "schema": {n: [list(s), d] for n, (s, d) in schema.items()},
-            "buckets": plan.buckets,
-        }
+            "buckets": plan.buckets, "version": shipment.id, "keep": self.versions_kept,
+        }  # fmt: skip
         try:
             rpc("start_weight_update")
             rpc("update_weights", args=(update,))
@@ -240,6 +242,25 @@ class VllmEngine:
                 f"({type(e).__name__}: {e}); it is being recreated"
             ) from None
         return self._loaded(step, schema, shipment.id, t0)
+
+    def _reload_kept(self, version: Shipment) -> Loaded:
+        """A swap back to a version received over the collective: a broadcast cannot be
+        replayed, so the engine reloads the copy it kept in host memory."""
+        t0 = time.perf_counter()
+        try:
+            kept = self.llm.collective_rpc(gloo_engine.reload_kept, args=(version.id,))
+        except Exception as e:
+            raise EngineBrokenError(
+                f"sampler {self.index} failed reloading step {version.version}'s weights "
+                f"half-way ({type(e).__name__}: {e}); it is being recreated"
+            ) from None
+        if not all(kept):
+            raise InternalError(
+                f"sampler {self.index} keeps no copy of step {version.version}'s weights (it "
+                f"keeps the newest {self.versions_kept} received); sample a newer step"
+            )
+        assert self.schema is not None
+        return self._loaded(version.version, self.schema, version.id, t0)
 
     def _loaded(self, step: int, schema: Schema, shipment: str, t0: float) -> Loaded:
         self.step, self.schema, self.shipment = step, schema, shipment
@@ -370,8 +391,11 @@ class VllmEngine:
         if self.step is None:
             raise NotReadyError("the sampler has no weights yet: they arrive with the first sync")
         if version.adapter is None:
-            if self.shipment != version.id:
-                self.load_weights(version)  # a swap: another version of the window
+            if self.shipment != version.id:  # a swap: another version of the window
+                if version.transport == "collective":
+                    self._reload_kept(version)
+                else:
+                    self.load_weights(version)
             return None
         served = self.adapters.get((version.adapter, version.version))
         if served is None or served.shipment != version.id:

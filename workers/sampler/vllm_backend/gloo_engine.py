@@ -47,6 +47,11 @@ class GlooUpdateInfo:
     """Each tensor's ``[shape, dtype]`` (JSON-able: lists, not tuples)."""
     buckets: list[list[str]]
     """``collective.plan``'s buckets, in send order."""
+    version: str = ""
+    """The shipment's id: the received set is kept under it (``keep``)."""
+    keep: int = 0
+    """How many received versions to keep in host memory, newest first (a broadcast cannot
+    be replayed: a swap back to a pinned version reloads from here)."""
 
     def typed_schema(self) -> Schema:
         return {n: (tuple(shape), str(dtype)) for n, (shape, dtype) in self.schema.items()}
@@ -56,7 +61,9 @@ def _engine_class() -> type[Any]:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
     class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):  # our own info classes
-        """Receives a version over gloo, then loads it whole (the module docstring)."""
+        """Receives a version over gloo, then loads it whole (the module docstring). Owns its
+        generation's group, the buckets of the update under way, and the versions kept in
+        host memory for a swap back (``kept``: by shipment id, the newest ``keep`` of them)."""
 
         init_info_cls = GlooInitInfo
         update_info_cls = GlooUpdateInfo
@@ -67,6 +74,8 @@ def _engine_class() -> type[Any]:
             self.group: Any = None
             self.generation: int | None = None
             self.received: dict[str, torch.Tensor] = {}
+            self.pending: GlooUpdateInfo | None = None
+            self.kept: dict[str, dict[str, torch.Tensor]] = {}
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             rv = collective.Rendezvous(**init_info.rendezvous)
@@ -85,13 +94,14 @@ def _engine_class() -> type[Any]:
                 raise RuntimeError("gloo weight transfer: init_weight_transfer_engine first")
             got = collective.receive(self.group, update_info.typed_schema(), update_info.buckets)
             self.received |= got
+            self.pending = update_info
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
             from trainctl.workers.sampler.vllm_backend.reload import refresh_cpu_embedding_gemms
 
-            weights, self.received = self.received, {}
+            weights, self.received, info = self.received, {}, self.pending
             reload_weights(
                 self.vllm_config, self.model, weights_iterator=iter(sorted(weights.items())),
                 weights_path=None, is_checkpoint_format=True,
@@ -100,11 +110,28 @@ def _engine_class() -> type[Any]:
             empty = [n for n, p in self.model.named_parameters() if p.is_meta]
             if empty:
                 raise RuntimeError(f"weights left empty after the update: {empty[:3]}")
+            if info is not None and info.keep > 0:
+                self.kept[info.version] = weights
+                while len(self.kept) > info.keep:
+                    del self.kept[next(iter(self.kept))]
 
         def shutdown(self) -> None:
             self.group, self.generation, self.received = None, None, {}
 
     return GlooWeightTransferEngine
+
+
+def reload_kept(worker: Any, version: str) -> bool:
+    """Run on vLLM's worker: load a version its gloo engine kept (the same in-place reload as
+    a received one); False if it keeps no such version."""
+    from trainctl.workers.sampler.vllm_backend.reload import refresh_cpu_embedding_gemms
+
+    weights = getattr(worker.weight_transfer_engine, "kept", {}).get(version)
+    if weights is None:
+        return False
+    worker.reload_weights(weights_iterator=iter(sorted(weights.items())))
+    refresh_cpu_embedding_gemms(worker.model_runner.model)
+    return True
 
 
 def register() -> None:
