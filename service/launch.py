@@ -147,6 +147,8 @@ def sampler_settings(s: Settings) -> SamplerSettings:
         kv_cache_gib=s.sampler_kv_cache_gib,
         routes=s.sampler_routes,
         concurrency=s.sampler_concurrency,
+        transport=s.sampler_transport,
+        bucket_mb=s.sampler_bucket_mb,
     )
 
 

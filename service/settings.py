@@ -324,6 +324,21 @@ class Settings(BaseSettings):
         "the new weights (each token's step is in token_steps), at the cost of recomputing "
         "every running sequence's prefix once per sync.",
     )
+    sampler_transport: Literal["object_store", "collective"] = Field(
+        "object_store",
+        description="How the base's weights reach the sampler engines: 'object_store' (rank 0 "
+        "puts the merged weights in Ray's object store, each engine reads them) or "
+        "'collective' (rank 0 broadcasts them in buckets over a gloo group while the engines "
+        "receive them through vLLM's weight-sync API; CPU engines only; each engine keeps "
+        "--sampler-versions copies in host memory). Adapters always take the object store.",
+    )
+    sampler_bucket_mb: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="The collective transport's broadcast size in MiB; it must hold the "
+        "model's largest tensor.",
+    )
     max_staleness: int | None = Field(
         None,
         ge=0,

@@ -59,3 +59,20 @@ def test_a_group_broadcasts_every_bucket_exactly() -> None:
         assert got[rank].keys() == weights.keys()
         for name, t in weights.items():
             assert got[rank][name].dtype == t.dtype and torch.equal(got[rank][name], t), name
+
+
+def test_the_collective_transport_refuses_gpu_engines_and_a_bucket_too_small() -> None:
+    from trainctl.workers.control.samplers import SamplerSettings, check_collective
+    from trainctl.workers.engine.config import ConfigError, EngineConfig, ModelConfig
+    from trainctl.workers.sampler.pool import PoolOptions
+
+    def settings(gpus: float, bucket_mb: int) -> SamplerSettings:
+        pool = PoolOptions(num_samplers=2, num_gpus=gpus)
+        return SamplerSettings(pool=pool, transport="collective", bucket_mb=bucket_mb)
+
+    qwen3 = EngineConfig(model=ModelConfig(vocab_size=151936, hidden_size=1024))
+    check_collective(qwen3, settings(0, 1024))  # 594 MiB of embedding fits a 1 GiB bucket
+    with pytest.raises(ConfigError, match=r"sampler_bucket_mb: 256 MiB is smaller .* 594 MiB"):
+        check_collective(qwen3, settings(0, 256))
+    with pytest.raises(ConfigError, match="sampler_transport: 'collective' runs on CPU"):
+        check_collective(qwen3, settings(1, 1024))

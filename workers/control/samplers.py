@@ -12,6 +12,7 @@ touches the ranks, and runs beside training.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from trainctl.workers.sampler import backend
 from trainctl.workers.sampler.backend import SamplerNeeds, UnsupportedError
 from trainctl.workers.sampler.pool import PoolOptions, SamplerPool
 from trainctl.workers.sampler.spec import SamplerSpec
-from trainctl.workers.sampler.transport import ObjectStoreTransport, WeightTransport
+from trainctl.workers.sampler.transport import ObjectStoreTransport, Shipment, WeightTransport
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,11 @@ class SamplerSettings:
     """``--sampler-routes``: the engines capture the experts each token was routed to."""
     concurrency: int = 64
     """``--sampler-concurrency``: requests of one version an engine runs at once."""
+    transport: Literal["object_store", "collective"] = "object_store"
+    """``--sampler-transport``: how the base's weights reach the engines (adapters always
+    travel through the object store)."""
+    bucket_mb: int = 256
+    """``--sampler-bucket-mb``: MiB of one broadcast of the collective transport."""
 
 
 class Samplers:
@@ -91,6 +97,9 @@ class Samplers:
         """Told of every version served; paces samples (``staleness.py``)."""
         self.pool: SamplerPool | None = None
         self.transport: WeightTransport = ObjectStoreTransport()
+        self._members: list[tuple[int, int | None]] = []
+        """The engines of the collective group now formed (``SamplerPool.members``)."""
+        self._generation = 0
 
     @property
     def step(self) -> int:
@@ -124,6 +133,7 @@ class Samplers:
             in_flight=s.pool.sync == "in_flight",
             # the controller's limits say whether the model has one (string stops)
             tokenizer=self.cfg.init_hf if self.limits.tokenizer else None,
+            weight_transfer="gloo" if s.transport == "collective" else None,
         )
         pool = self.pool = SamplerPool(spec, s.pool)
         self.metrics.watch_samplers(
@@ -131,7 +141,9 @@ class Samplers:
             restarts=lambda: float(sum(e.restarts for e in pool.engines)),
         )
         await pool.start()
-        check_window(s.pool.versions, (await self.sync()).bytes, pool.object_store_bytes())
+        first = await self.sync()
+        if s.transport == "object_store":  # the collective's versions live in the engines
+            check_window(s.pool.versions, first.bytes, pool.object_store_bytes())
         for name in self.adapters.entries:  # resumed from a checkpoint that holds adapters
             await self.sync(adapter=name)
 
@@ -152,11 +164,14 @@ class Samplers:
             h.set_phase("gathering weights")
         t0 = time.perf_counter()
         step = self.step if adapter is None else self.adapters.entries[adapter].state.step
-        shipment = await self.transport.send(self, step, adapter)
-        if h is not None:
-            h.set_phase("loading weights into the samplers")
-        gather_s = time.perf_counter() - t0
-        result = await self.pool.sync(shipment, gather_s, new_line)
+        if adapter is None and self.settings.transport == "collective":
+            result = await self._sync_collective(h, step, new_line, t0)
+        else:
+            shipment = await self.transport.send(self, step, adapter)
+            if h is not None:
+                h.set_phase("loading weights into the samplers")
+            gather_s = time.perf_counter() - t0
+            result = await self.pool.sync(shipment, gather_s, new_line)
         newest = self.pool.window.newest(adapter)
         if newest is not None and newest.version == result.step:  # published, not withdrawn
             await self.staleness.served(adapter, result.step, new_line)
@@ -166,6 +181,38 @@ class Samplers:
             "the base" if adapter is None else f"adapter {adapter!r}", result.step,
             result.samplers, result.gather_s, result.load_s,
         )  # fmt: skip
+        return result
+
+    async def _sync_collective(
+        self, h: Handle | None, step: int, new_line: bool, t0: float
+    ) -> SyncResult:
+        """The base's weights by broadcast (``workers/sampler/collective.py``): rank 0 merges
+        them and sends them over a gloo group while every member engine receives. The group
+        is formed again (a new generation) whenever the engines that are ready change or a
+        send failed."""
+        assert self.pool is not None
+        members = await self.pool.members()
+        if members != self._members:
+            self._generation += 1
+            self._members = members
+        g = self.group
+        staged = g.gather_on_rank0(
+            RankWorker.canonical_shards, (), RankWorker.stage_collective,
+            (self.settings.bucket_mb * 2**20, len(members), self._generation),
+        )  # fmt: skip
+        plan, nbytes, rendezvous = await g.fetch(staged, "gathering the weights for the samplers")
+        shipment = Shipment("collective", step, None, int(nbytes), plan)
+        if h is not None:
+            h.set_phase("broadcasting weights to the samplers")
+        gather_s = time.perf_counter() - t0
+        send = asyncio.ensure_future(g.call_one(0, RankWorker.broadcast_staged))
+        ranks = {index: rank for rank, (index, _) in enumerate(members, start=1)}
+        result = await self.pool.sync(shipment, gather_s, new_line, (rendezvous, ranks))
+        try:
+            await send
+        except Exception as e:  # the engines that failed say why; the next sync re-forms
+            log.warning("the collective send of step %d failed: %s", step, e)
+            self._members = []
         return result
 
     async def to_object_store(self, adapter: str | None) -> tuple[Any, int]:
@@ -203,7 +250,11 @@ class Samplers:
             log.exception("sync of %sstep failed", what)
             return f"{what}step stands, but the samplers could not load it: {e}"
         if r.samplers < len(self.pool.engines):
-            why = "; ".join(r.failures) or "the others are being recreated with it"
+            why = "; ".join(r.failures) or (
+                "the others are being recreated; they get the next sync"
+                if self.settings.transport == "collective"
+                else "the others are being recreated with it"
+            )
             return (
                 f"{what}step {r.step} was loaded by {r.samplers} of "
                 f"{len(self.pool.engines)} samplers: {why}"
@@ -327,3 +378,24 @@ def check_engines(cfg: EngineConfig, s: SamplerSettings) -> None:
         backend.load(s.backend).check(needs)
     except UnsupportedError as e:
         raise ConfigError(str(e)) from None
+    if s.transport == "collective":
+        check_collective(cfg, s)
+
+
+def check_collective(cfg: EngineConfig, s: SamplerSettings) -> None:
+    """The collective transport's refusals, before any engine starts: GPU engines (its gloo
+    engine is for CPU engines; vLLM's nccl and ipc backends are not wired yet), and a bucket
+    smaller than the model's largest tensor (fp32 at most: the bucket holds whole tensors)."""
+    if s.pool.num_gpus > 0:
+        raise ConfigError(
+            "sampler_transport: 'collective' runs on CPU sampler engines only for now (a gloo "
+            "group); GPU engines take --sampler-transport object_store"
+        )
+    m = cfg.model
+    widest = max(m.vocab_size, m.ffn_hidden_size, m.num_attention_heads * m.kv_channels)
+    largest = 4 * widest * m.hidden_size
+    if largest > s.bucket_mb * 2**20:
+        raise ConfigError(
+            f"sampler_bucket_mb: {s.bucket_mb} MiB is smaller than the model's largest tensor "
+            f"(up to {largest / 2**20:.0f} MiB in fp32); raise --sampler-bucket-mb"
+        )

@@ -106,6 +106,7 @@ class RankWorker:
         self._staged: tuple[str, Any] | None = None
         """A checkpoint shard read by ``stage_checkpoint`` (and the adapter to load from it,
         and as what), waiting for ``apply_checkpoint``."""
+        self._weights_sender_: Any = None
 
     @property
     def shard(self) -> EngineShard:
@@ -394,6 +395,34 @@ class RankWorker:
     def hf_weights(self, parts: list[Any]) -> tuple[dict[str, Any], int]:
         return self._export().hf_weights(parts)
 
+    def stage_collective(
+        self, parts: list[Any], bucket_bytes: int, receivers: int, generation: int
+    ) -> tuple[Any, int, dict[str, Any]]:
+        """Rank 0, the collective transport: merge the parts as ``hf_weights`` does and keep
+        them for ``broadcast_staged``; the plan, the bytes and where the group forms."""
+        from trainctl.workers.sampler import collective
+        from trainctl.workers.sampler.transport import schema_of
+
+        weights, size = self._export().hf_weights(parts)
+        plan = collective.Plan.of(schema_of(weights), bucket_bytes)
+        sender = self._weights_sender
+        rv = sender.rendezvous(_node_ip(), receivers, generation)
+        sender.stage(weights, plan)
+        return plan, size, rv.to_dict()
+
+    @property
+    def _weights_sender(self) -> Any:
+        """Rank 0: the collective's sending end (``workers/sampler/collective.py``)."""
+        if self._weights_sender_ is None:
+            from trainctl.workers.sampler.collective import Sender
+
+            self._weights_sender_ = Sender()
+        return self._weights_sender_
+
+    def broadcast_staged(self) -> int:
+        """Rank 0: send the staged version to the sampler engines (they receive meanwhile)."""
+        return int(self._weights_sender.send())
+
     def peft_weights(self, parts: list[Any], adapter: str) -> tuple[PeftAdapter, int]:
         return self._export().peft_weights(parts, adapter)
 
@@ -409,6 +438,16 @@ def _no_space(rank: int, needed: int, directory: str) -> OSError:
         f"{needed / 2**20:.1f} MiB and the checkpoint volume has {free / 2**20:.1f} MiB free; "
         "free space (fewer --keep-checkpoints, a larger volume) and save again",
     )
+
+
+def _node_ip() -> str:
+    """The address the sampler engines reach this process at (loopback outside Ray)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return "127.0.0.1"
+    return str(ray.util.get_node_ip_address())
 
 
 def _node_address() -> str:

@@ -66,13 +66,15 @@ class Plan:
         return Plan(schema, plan(schema, bucket_bytes))
 
 
-def open_group(rv: Rendezvous, rank: int) -> Any:
-    """This member's gloo group (rank 0: the sender, whose process hosts the store). Blocks
-    until every member has joined, at most ``rv.timeout_s``."""
+def open_group(rv: Rendezvous, rank: int, listener: Any = None) -> Any:
+    """This member's gloo group (rank 0: the sender, whose process hosts the store, on
+    ``listener`` where given: a socket bound to the node's address alone). Blocks until every
+    member has joined, at most ``rv.timeout_s``."""
     timeout = timedelta(seconds=rv.timeout_s)
+    listen = {"master_listen_fd": listener.fileno()} if rank == 0 and listener else {}
     store = dist.TCPStore(
         rv.host, rv.port, world_size=rv.world_size, is_master=rank == 0, timeout=timeout,
-        wait_for_workers=False,
+        wait_for_workers=False, **listen,
     )  # fmt: skip
     prefixed = dist.PrefixStore(f"trainctl-weights/{rv.prefix}/{rv.generation}", store)
     group: Any = dist.ProcessGroupGloo(prefixed, rank, rv.world_size, timeout)
@@ -144,3 +146,54 @@ def receive(group: Any, schema: Schema, buckets: list[list[str]]) -> dict[str, T
             shape, dtype = schema[name]
             out[name] = part.view(_dtype(dtype)).view(shape)
     return out
+
+
+class Sender:
+    """The sending end of the collective, in the process that holds the merged weights (rank
+    0's actor). Owns the group of its generation and the one version staged for the next
+    send. A send that fails drops the group: the next sync forms a new generation."""
+
+    def __init__(self) -> None:
+        self.rv: Rendezvous | None = None
+        self.listener: Any = None
+        """The socket the store listens on: the node's address only, never every interface
+        (torch's own store would take every one); keys are under the secret prefix too."""
+        self.group: Any = None
+        self.staged: tuple[dict[str, Tensor], Plan] | None = None
+
+    def rendezvous(self, host: str, receivers: int, generation: int) -> Rendezvous:
+        """Where the group of ``generation`` forms (a new store for a new generation)."""
+        if self.rv is None or self.rv.generation != generation:
+            import socket
+
+            self.close()
+            self.listener = socket.create_server((host, 0), backlog=128)
+            port = int(self.listener.getsockname()[1])
+            self.rv = Rendezvous.new(host, port, receivers, generation)
+        return self.rv
+
+    def close(self) -> None:
+        self.group, self.rv = None, None
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def stage(self, tensors: dict[str, Tensor], version_plan: Plan) -> None:
+        self.staged = (tensors, version_plan)
+
+    def send(self) -> int:
+        """Broadcast the staged version to the group (formed first if new); the bytes sent."""
+        if self.staged is None or self.rv is None:
+            raise RuntimeError("nothing staged to send")
+        (tensors, version_plan), self.staged = self.staged, None
+        try:
+            if self.group is None:
+                self.group = open_group(self.rv, 0, self.listener)
+                # The store serves on the listener's descriptor from now on, and closes it
+                # with itself: this socket object must not close it again.
+                self.listener.detach()
+                self.listener = None
+            return send(self.group, tensors, version_plan.buckets)
+        except Exception:
+            self.close()
+            raise

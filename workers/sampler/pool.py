@@ -204,11 +204,33 @@ class SamplerPool:
 
     # -- sync --------------------------------------------------------------------------------
 
-    async def sync(self, shipment: Shipment, gather_s: float, new_line: bool = False) -> SyncResult:
+    async def members(self) -> list[tuple[int, int | None]]:
+        """The engines a collective sync can reach now: ``(index, pid)`` of each ready one
+        that answers a ping (a broadcast waits for every member: one that died must not be
+        asked to join). A recreated engine has another pid, so a new group forms."""
+        for e in self.engines:
+            if e.status == "failed":  # its last recreation failed: try again
+                self._lost(e, RuntimeError(e.last_error or "failed"))
+        ready = [e for e in self.engines if e.status == "ready"]
+        answers = await asyncio.gather(*(self._answers_ping(e) for e in ready))
+        for e, answered in zip(ready, answers, strict=True):
+            if not answered:
+                self._lost(e, TimeoutError(f"sampler {e.index} did not answer a ping"))
+        return [(e.index, e.pid) for e in self.engines if e.status == "ready"]
+
+    async def sync(
+        self,
+        shipment: Shipment,
+        gather_s: float,
+        new_line: bool = False,
+        collective: tuple[dict[str, Any], dict[int, int]] | None = None,
+    ) -> SyncResult:
         """Publish ``shipment`` (the base's weights, or an adapter's) as its newest version,
         and have every live engine load it. An engine finishes the requests it is running
         first (never those waiting). ``new_line``: after a checkpoint load or a recovery, whose
-        steps name other weights than the window's (it is emptied first)."""
+        steps name other weights than the window's (it is emptied first). ``collective``: the
+        group's rendezvous and each member engine's rank in it, for a shipment that arrives by
+        broadcast (``collective.py``); only those engines receive it."""
         adapter = shipment.adapter
         previous = self.window.newest(adapter)
         self.window.publish(shipment, new_line)
@@ -216,8 +238,12 @@ class SamplerPool:
             if e.status == "failed":  # its last recreation failed: try again, with this step
                 self._lost(e, RuntimeError(e.last_error or "failed"))
         live = [e for e in self.engines if e.status == "ready"]
+        if collective is not None:
+            live = [e for e in live if e.index in collective[1]]
         t0 = time.perf_counter()
-        got = await asyncio.gather(*(self._load(e, shipment) for e in live), return_exceptions=True)
+        got = await asyncio.gather(
+            *(self._load(e, shipment, collective) for e in live), return_exceptions=True
+        )
         loaded = [g for g in got if isinstance(g, Loaded)]
         refused = [
             g for g in got if isinstance(g, InternalError) and not isinstance(g, EngineBrokenError)
@@ -287,8 +313,16 @@ class SamplerPool:
         except (TimeoutError, ray.exceptions.RayActorError):
             return False
 
-    async def _load(self, e: _Engine, shipment: Shipment) -> Loaded:
-        if shipment.adapter is None:
+    async def _load(
+        self,
+        e: _Engine,
+        shipment: Shipment,
+        collective: tuple[dict[str, Any], dict[int, int]] | None = None,
+    ) -> Loaded:
+        if collective is not None:
+            rendezvous, ranks = collective
+            ref = e.actor.receive_weights.remote(shipment, rendezvous, ranks[e.index])
+        elif shipment.adapter is None:
             ref = e.actor.load_weights.remote(shipment)
         else:
             keep = self.window.steps(shipment.adapter)
@@ -418,7 +452,10 @@ class SamplerPool:
             e.status = "restarting"
             async with asyncio.timeout(self.options.start_timeout_s):
                 e.pid = await e.actor.pid.remote()
-                if (weights := self.weights) is not None:
+                weights = self.weights
+                # A broadcast cannot be replayed: a recreated engine gets the base's weights
+                # from the next collective sync (a new group, with it), and serves none before.
+                if weights is not None and weights.transport != "collective":
                     loaded: Loaded = await e.actor.load_weights.remote(weights)
                     e.step = loaded.step
                 for name, shipment in self.adapters.items():  # older versions: on demand
