@@ -106,7 +106,8 @@ class RankWorker:
         self._staged: tuple[str, Any] | None = None
         """A checkpoint shard read by ``stage_checkpoint`` (and the adapter to load from it,
         and as what), waiting for ``apply_checkpoint``."""
-        self._weights_sender_: Any = None
+        self._weights_sender: Any = None
+        """Rank 0, ``--sampler-transport collective``: the sending end (``Sender``)."""
 
     @property
     def shard(self) -> EngineShard:
@@ -405,22 +406,17 @@ class RankWorker:
 
         weights, size = self._export().hf_weights(parts)
         plan = collective.Plan.of(schema_of(weights), bucket_bytes)
+        if self._weights_sender is None:
+            self._weights_sender = collective.Sender()
         sender = self._weights_sender
         rv = sender.rendezvous(_node_ip(), receivers, generation)
         sender.stage(weights, plan)
         return plan, size, rv.to_dict()
 
-    @property
-    def _weights_sender(self) -> Any:
-        """Rank 0: the collective's sending end (``workers/sampler/collective.py``)."""
-        if self._weights_sender_ is None:
-            from trainctl.workers.sampler.collective import Sender
-
-            self._weights_sender_ = Sender()
-        return self._weights_sender_
-
     def broadcast_staged(self) -> int:
         """Rank 0: send the staged version to the sampler engines (they receive meanwhile)."""
+        if self._weights_sender is None:
+            raise RuntimeError("broadcast_staged before stage_collective")
         return int(self._weights_sender.send())
 
     def peft_weights(self, parts: list[Any], adapter: str) -> tuple[PeftAdapter, int]:

@@ -28,9 +28,6 @@ from torch import Tensor
 
 from trainctl.workers.sampler.transport import Schema
 
-DEFAULT_BUCKET_MB = 256
-"""MiB of one broadcast (the planned ``--sampler-bucket-mb``)."""
-
 
 @dataclass(frozen=True)
 class Rendezvous:

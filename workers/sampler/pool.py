@@ -208,9 +208,7 @@ class SamplerPool:
         """The engines a collective sync can reach now: ``(index, pid)`` of each ready one
         that answers a ping (a broadcast waits for every member: one that died must not be
         asked to join). A recreated engine has another pid, so a new group forms."""
-        for e in self.engines:
-            if e.status == "failed":  # its last recreation failed: try again
-                self._lost(e, RuntimeError(e.last_error or "failed"))
+        self._retry_failed()
         ready = [e for e in self.engines if e.status == "ready"]
         answers = await asyncio.gather(*(self._answers_ping(e) for e in ready))
         for e, answered in zip(ready, answers, strict=True):
@@ -234,9 +232,7 @@ class SamplerPool:
         adapter = shipment.adapter
         previous = self.window.newest(adapter)
         self.window.publish(shipment, new_line)
-        for e in self.engines:
-            if e.status == "failed":  # its last recreation failed: try again, with this step
-                self._lost(e, RuntimeError(e.last_error or "failed"))
+        self._retry_failed()  # with this step
         live = [e for e in self.engines if e.status == "ready"]
         if collective is not None:
             live = [e for e in live if e.index in collective[1]]
@@ -433,6 +429,12 @@ class SamplerPool:
             self.queued_tokens -= tokens
 
     # -- failures ----------------------------------------------------------------------------
+
+    def _retry_failed(self) -> None:
+        """Recreate again each engine whose last recreation failed."""
+        for e in self.engines:
+            if e.status == "failed":
+                self._lost(e, RuntimeError(e.last_error or "failed"))
 
     def _lost(self, e: _Engine, err: BaseException) -> None:
         if e.status == "restarting":

@@ -185,15 +185,9 @@ class VllmEngine:
         try:
             per_worker = self.llm.collective_rpc(reload, args=(shipment, self.schema))
         except Exception as e:
-            raise EngineBrokenError(
-                f"sampler {self.index} failed loading step {step}'s weights half-way "
-                f"({type(e).__name__}: {e}); it is being recreated"
-            ) from None
+            raise self._broken(step, e) from None
         if problem := next((r.problem for r in per_worker if r.problem), None):
-            raise InternalError(
-                f"sampler {self.index} refused step {step}'s weights, which do not match the "
-                f"ones it serves (step {self.step}): {problem}"
-            )
+            raise self._refused(step, problem)
         empty = [n for r in per_worker for n in r.empty]
         if empty:
             raise EngineBrokenError(
@@ -206,17 +200,15 @@ class VllmEngine:
         """Receive a step's weights over the collective (``collective.py``) through vLLM's
         own weight-sync sequence, while the sender broadcasts them: the group is joined once
         per generation, every bucket arrives before the model is touched, and a set whose
-        schema differs from the one served is refused before any byte moves (the sender, told
-        the same schema, refuses too). A receive that broke leaves the old weights serving;
-        one that broke in the load leaves the engine broken (``EngineBrokenError``)."""
+        schema differs from the one served is refused before any byte moves (the sender then
+        waits out the group's timeout, and the next sync forms a new group). A receive that
+        broke leaves the old weights serving; one that broke in the load leaves the engine
+        broken (``EngineBrokenError``)."""
         t0 = time.perf_counter()
         step, plan = shipment.version, shipment.handle
         schema: Schema = plan.schema
         if self.schema is not None and (problem := schema_mismatch(schema, self.schema)):
-            raise InternalError(
-                f"sampler {self.index} refused step {step}'s weights, which do not match the "
-                f"ones it serves (step {self.step}): {problem}"
-            )
+            raise self._refused(step, problem)
         rpc = self.llm.collective_rpc
         if self._generation != rendezvous["generation"]:
             rpc("init_weight_transfer_engine", args=({"rendezvous": rendezvous, "rank": rank},))
@@ -237,10 +229,7 @@ class VllmEngine:
         try:
             rpc("finish_weight_update")
         except Exception as e:
-            raise EngineBrokenError(
-                f"sampler {self.index} failed loading step {step}'s weights half-way "
-                f"({type(e).__name__}: {e}); it is being recreated"
-            ) from None
+            raise self._broken(step, e) from None
         return self._loaded(step, schema, shipment.id, t0)
 
     def _reload_kept(self, version: Shipment) -> Loaded:
@@ -250,10 +239,7 @@ class VllmEngine:
         try:
             kept = self.llm.collective_rpc(gloo_engine.reload_kept, args=(version.id,))
         except Exception as e:
-            raise EngineBrokenError(
-                f"sampler {self.index} failed reloading step {version.version}'s weights "
-                f"half-way ({type(e).__name__}: {e}); it is being recreated"
-            ) from None
+            raise self._broken(version.version, e) from None
         if not all(kept):
             raise InternalError(
                 f"sampler {self.index} keeps no copy of step {version.version}'s weights (it "
@@ -261,6 +247,20 @@ class VllmEngine:
             )
         assert self.schema is not None
         return self._loaded(version.version, self.schema, version.id, t0)
+
+    def _refused(self, step: int, problem: str) -> InternalError:
+        """A weight set refused before anything was copied: the engine serves what it had."""
+        return InternalError(
+            f"sampler {self.index} refused step {step}'s weights, which do not match the "
+            f"ones it serves (step {self.step}): {problem}"
+        )
+
+    def _broken(self, step: int, e: Exception) -> EngineBrokenError:
+        """A load that failed half-way: the pool recreates the engine."""
+        return EngineBrokenError(
+            f"sampler {self.index} failed loading step {step}'s weights half-way "
+            f"({type(e).__name__}: {e}); it is being recreated"
+        )
 
     def _loaded(self, step: int, schema: Schema, shipment: str, t0: float) -> Loaded:
         self.step, self.schema, self.shipment = step, schema, shipment

@@ -72,7 +72,6 @@ def _engine_class() -> type[Any]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.group: Any = None
-            self.generation: int | None = None
             self.received: dict[str, torch.Tensor] = {}
             self.pending: GlooUpdateInfo | None = None
             self.kept: dict[str, dict[str, torch.Tensor]] = {}
@@ -80,7 +79,6 @@ def _engine_class() -> type[Any]:
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             rv = collective.Rendezvous(**init_info.rendezvous)
             self.group = collective.open_group(rv, init_info.rank)
-            self.generation = rv.generation
 
         def start_weight_update(self) -> None:
             self.received = {}
@@ -99,16 +97,19 @@ def _engine_class() -> type[Any]:
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-            from trainctl.workers.sampler.vllm_backend.reload import refresh_cpu_embedding_gemms
+            from trainctl.workers.sampler.vllm_backend.reload import (
+                empty_parameters,
+                refresh_cpu_embedding_gemms,
+            )
 
             weights, self.received, info = self.received, {}, self.pending
+            # The worker is not at hand here: vLLM's in-place reload, as its worker runs it.
             reload_weights(
                 self.vllm_config, self.model, weights_iterator=iter(sorted(weights.items())),
                 weights_path=None, is_checkpoint_format=True,
             )  # fmt: skip
             refresh_cpu_embedding_gemms(self.model)
-            empty = [n for n, p in self.model.named_parameters() if p.is_meta]
-            if empty:
+            if empty := empty_parameters(self.model):
                 raise RuntimeError(f"weights left empty after the update: {empty[:3]}")
             if info is not None and info.keep > 0:
                 self.kept[info.version] = weights
@@ -116,7 +117,7 @@ def _engine_class() -> type[Any]:
                     del self.kept[next(iter(self.kept))]
 
         def shutdown(self) -> None:
-            self.group, self.generation, self.received = None, None, {}
+            self.group, self.received = None, {}
 
     return GlooWeightTransferEngine
 
@@ -124,13 +125,13 @@ def _engine_class() -> type[Any]:
 def reload_kept(worker: Any, version: str) -> bool:
     """Run on vLLM's worker: load a version its gloo engine kept (the same in-place reload as
     a received one); False if it keeps no such version."""
-    from trainctl.workers.sampler.vllm_backend.reload import refresh_cpu_embedding_gemms
+    from trainctl.workers.sampler.vllm_backend.reload import reload_tensors
 
     weights = getattr(worker.weight_transfer_engine, "kept", {}).get(version)
     if weights is None:
         return False
-    worker.reload_weights(weights_iterator=iter(sorted(weights.items())))
-    refresh_cpu_embedding_gemms(worker.model_runner.model)
+    if empty := reload_tensors(worker, weights):
+        raise RuntimeError(f"weights left empty after the reload: {empty[:3]}")
     return True
 
 

@@ -33,10 +33,22 @@ def reload(worker: Any, shipment: Shipment, want: Schema | None) -> Reloaded:
     schema = schema_of(tensors)
     if want is not None and (problem := schema_mismatch(schema, want)):
         return Reloaded(schema, problem, [])
+    return Reloaded(schema, None, reload_tensors(worker, tensors))
+
+
+def reload_tensors(worker: Any, tensors: dict[str, Any]) -> list[str]:
+    """Load HF-named ``tensors`` in place through vLLM's worker (the model's own loading
+    path), then prepare the CPU's embedding kernels again; the parameters left empty."""
     worker.reload_weights(weights_iterator=iter(sorted(tensors.items())))
     model = worker.model_runner.model
     refresh_cpu_embedding_gemms(model)
-    return Reloaded(schema, None, [n for n, p in model.named_parameters() if p.is_meta])
+    return empty_parameters(model)
+
+
+def empty_parameters(model: Any) -> list[str]:
+    """The parameters without data (on the meta device): vLLM's in-place reload moves them
+    there first, and one it could not fill stays there."""
+    return [n for n, p in model.named_parameters() if p.is_meta]
 
 
 def refresh_cpu_embedding_gemms(model: Any) -> None:
