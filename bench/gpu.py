@@ -51,6 +51,7 @@ if str(ROOT) not in sys.path:
 
 from bench import gpu_batches, gpu_gate, gpu_provenance  # noqa: E402
 from bench.gpu_baselines import BY_NAME, LADDER  # noqa: E402
+from bench.gpu_table import Table, no_numbers  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -161,7 +162,6 @@ def trainctl_step(
         **run.summary(),
         "config": f"trainctl ({engine.cfg.precision}, fp32 masters, fused head chunk "
         f"{engine.cfg.resolved_chunk_size(cuda=cuda)})",
-        "params": engine.engine.num_parameters(),
         "micro_tokens": sum(lengths),
         "attention": f"{path}: {run.kernels}",
     }
@@ -195,80 +195,6 @@ def measure(timeout_s: float, label: str, **job: Any) -> dict[str, Any]:
         print(f"FAILED: {label}:\n{proc.stderr[-4000:]}", file=sys.stderr, flush=True)
         return {"oom": True} if oom else {"failed": proc.stderr.strip().splitlines()[-1][:200]}
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
-def step_flops(model: dict[str, Any], params: int, lengths: list[int], palm: bool = False) -> float:
-    """Model FLOPs of one train step (see the module docstring)."""
-    untied_embedding = 0 if model["tie_embeddings"] else model["vocab_size"] * model["hidden_size"]
-    matmul_params = params - untied_embedding
-    attn = 6 * model["num_layers"] * model["num_attention_heads"] * model["head_dim"]
-    attn *= 2 if palm else 1
-    return 6.0 * matmul_params * sum(lengths) + attn * sum(n * n for n in lengths)
-
-
-def no_numbers(cell: dict[str, Any]) -> str | None:
-    """What a cell without numbers says: skipped, OOM, failed; None if it has numbers."""
-    if "skipped" in cell:
-        return f"skipped: {cell['skipped']}"
-    if cell.get("oom"):
-        return "OOM"
-    if "failed" in cell:
-        return f"failed: {cell['failed']}"
-    return None
-
-
-class Table:
-    """The result table: one line per (batch, configuration)."""
-
-    HEADER = (
-        "| batch | configuration | tokens/s (median) | step ms median [min, max] "
-        "| MFU bench / PaLM | peak GiB | micro-batch | step-1 loss | step-1 grad norm "
-        "| loss step 1 → last | gate | trainctl speed-up |"
-    )
-    RULE = "|---|---|---|---|---|---|---|---|---|---|---|---|"
-
-    def __init__(self, model: dict[str, Any], peak: float | None, params: int) -> None:
-        self.model, self.peak, self.params = model, peak, params
-        self.rows: list[str] = []
-        self.failed_gate: list[str] = []
-        self.kernels: list[str] = []
-
-    def add(self, label: str, lengths: list[int], cells: dict[str, dict[str, Any]]) -> None:
-        tokens = sum(lengths)
-        reference = cells.get(REFERENCE)
-        ref = reference if reference is not None and not no_numbers(reference) else None
-        ours = cells.get("trainctl", {})
-        for name, cell in cells.items():
-            config = cell.get("config") or (BY_NAME[name].label if name in BY_NAME else name)
-            if why := no_numbers(cell):
-                self._line(label, config, why)
-                continue
-            gate = gpu_gate.problems(cell, ref)
-            cell["gate"] = gate or "pass"
-            if gate:
-                self.failed_gate.append(f"{label}, {config}: {'; '.join(gate)}")
-                self._line(label, config, f"not published: failed the gate ({'; '.join(gate)})")
-                continue
-            rate = [step_flops(self.model, self.params, lengths, palm) / cell["step_s"]
-                    for palm in (False, True)]  # fmt: skip
-            mfu = " / ".join(f"{100 * r / self.peak:.1f}%" for r in rate) if self.peak else "n/a"
-            speedup = "n/a"
-            if name != "trainctl" and not no_numbers(ours) and ours.get("gate") == "pass":
-                speedup = f"{cell['step_s'] / ours['step_s']:.2f}x"
-            losses, ms = cell["losses"], [1e3 * cell[k] for k in ("step_s", "min_s", "max_s")]
-            cols = [
-                label, config, f"{tokens / cell['step_s']:,.0f}",
-                f"{ms[0]:.0f} [{ms[1]:.0f}, {ms[2]:.0f}]", mfu, f"{cell['peak_gib']:.1f}",
-                f"{cell['micro_tokens']:,}", f"{losses[0]:.4f}", f"{cell['grad_norms'][0]:.4g}",
-                f"{losses[0]:.3f} → {losses[-1]:.3f} ({len(losses)})", "pass", speedup,
-            ]  # fmt: skip
-            self.rows.append("| " + " | ".join(cols) + " |")
-            print(self.rows[-1], flush=True)
-            self.kernels.append(f"{label}, {config}: {cell.get('attention')}")
-
-    def _line(self, label: str, config: str, why: str) -> None:
-        self.rows.append(f"| {label} | {config} | {why} |" + " |" * 9)
-        print(self.rows[-1], flush=True)
 
 
 def _shapes(a: argparse.Namespace) -> list[tuple[str, list[int], list[str]]]:
@@ -346,6 +272,33 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         print(json.dumps(_child(json.loads(sys.stdin.read()))))
         return 0
+    with tempfile.TemporaryDirectory(prefix="trainctl-gpu-bench-") as workdir:
+        return _run(a, str(Path(workdir) / "checkpoint"))
+
+
+def _jobs(
+    a: argparse.Namespace,
+    model: dict[str, Any],
+    checkpoint: str,
+    lengths: list[int],
+    ladder: list[str],
+    warmup: int,
+) -> dict[str, dict[str, Any]]:
+    """The measurements of one batch: trainctl's step, then each rung of ``ladder``."""
+    common = dict(
+        checkpoint=checkpoint, sequences=gpu_batches.sequences(model["vocab_size"], lengths),
+        steps=a.steps, warmup=warmup,
+    )  # fmt: skip
+    micro = [int(x) for x in a.micro_tokens.split(",")]
+    jobs = {"trainctl": dict(fn="trainctl", model=model, fault=a.fault, **common)}
+    for name in ladder:
+        jobs[name] = dict(
+            fn="transformers", baseline=name, optimizer=OPTIMIZER, micro_tokens=micro, **common
+        )
+    return jobs
+
+
+def _run(a: argparse.Namespace, checkpoint: str) -> int:
     import torch
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", gpu_provenance.ALLOCATOR)
@@ -355,8 +308,6 @@ def main(argv: list[str] | None = None) -> int:
     provenance = gpu_provenance.record()
     shapes = _shapes(a)
     timeout = a.child_timeout
-    workdir = Path(tempfile.mkdtemp(prefix="trainctl-gpu-bench-"))
-    checkpoint = str(workdir / "checkpoint")
     made = measure(
         timeout, "checkpoint", fn="checkpoint", model=model,
         max_len=max(max(lengths) for _, lengths, _ in shapes), directory=checkpoint,
@@ -364,18 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     if "failed" in made:
         print(f"no checkpoint: {made['failed']}", file=sys.stderr)
         return 1
-    micro = [int(x) for x in a.micro_tokens.split(",")]
     if a.profile:
         where = Path(a.profile)
         where.mkdir(parents=True, exist_ok=True)
         _, lengths, ladder = shapes[0]
-        seqs = gpu_batches.sequences(model["vocab_size"], lengths)
-        common = dict(checkpoint=checkpoint, sequences=seqs, steps=a.steps, warmup=1)
-        jobs = {"trainctl": dict(fn="trainctl", model=model, **common)}
-        jobs |= {n: dict(fn="transformers", baseline=n, optimizer=OPTIMIZER, micro_tokens=micro,
-                         **common) for n in ladder}  # fmt: skip
         failed = 0
-        for name, job in jobs.items():
+        for name, job in _jobs(a, model, checkpoint, lengths, ladder, warmup=1).items():
             path = where / f"profile_{name}_{sum(lengths)}.txt"
             got = measure(timeout, name, profile=str(path), **job)
             failed += no_numbers(got) is not None
@@ -384,26 +329,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(path.read_text(), flush=True)
         return 1 if failed else 0
 
-    table = Table(model, gpu_provenance.peak_flops(provenance["software"]["device"]), 0)
+    device = provenance["software"]["device"]
+    table = Table(model, gpu_provenance.peak_flops(device), int(made["parameters"]), REFERENCE)
     raw: dict[str, Any] = {}
     for label, lengths, ladder in shapes:
-        seqs = gpu_batches.sequences(model["vocab_size"], lengths)
-        common = dict(checkpoint=checkpoint, sequences=seqs, steps=a.steps, warmup=a.warmup)
-        cells: dict[str, dict[str, Any]] = {
-            "trainctl": measure(
-                timeout, f"trainctl {label}", fn="trainctl", model=model, fault=a.fault, **common
-            )
-        }
-        table.params = table.params or int(cells["trainctl"].get("params", 0))
-        for name in ladder:
-            if BY_NAME[name].needs_cuda and not cuda:
+        cells: dict[str, dict[str, Any]] = {}
+        for name, job in _jobs(a, model, checkpoint, lengths, ladder, a.warmup).items():
+            if name in BY_NAME and BY_NAME[name].needs_cuda and not cuda:
                 cells[name] = {"skipped": BY_NAME[name].needs_cuda}
-                continue
-            cells[name] = measure(
-                timeout, f"{name} {label}", fn="transformers", baseline=name,
-                optimizer=OPTIMIZER, micro_tokens=micro, **common,
-            )  # fmt: skip
-        table.params = table.params or int(made["parameters"])
+            else:
+                cells[name] = measure(timeout, f"{name} {label}", **job)
         table.add(label, lengths, cells)
         raw[label] = {"lengths": lengths, "cells": cells}
     provenance["card_after"] = gpu_provenance.card()
@@ -413,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, cell in shape["cells"].items()
         if (why := no_numbers(cell)) and not why.startswith("skipped")
     ]
-    text = _report(a, model, table, provenance)
+    text = table.text(_caption(a, table, device), provenance)
     print(text)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -428,13 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if table.failed_gate or unmeasured else 0
 
 
-def _report(
-    a: argparse.Namespace, model: dict[str, Any], table: Table, provenance: dict[str, Any]
-) -> str:
-    sw, code = provenance["software"], provenance["code"]
+def _caption(a: argparse.Namespace, table: Table, device: str) -> str:
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    caption = (
-        f"{sw['device']}, {date}: engine steps in process (no Ray, no service), "
+    return (
+        f"{device}, {date}: engine steps in process (no Ray, no service), "
         f"{'a tiny' if a.smoke else 'a Qwen3-0.6B-shaped'} model ({table.params / 1e6:.1f}M "
         "parameters) from one random bf16 checkpoint, the same batch and AdamW "
         f"(lr {OPTIMIZER['lr']}, clip {OPTIMIZER['clip_grad']}) on every side; each cell the "
@@ -443,18 +375,6 @@ def _report(
         f"{100 * gpu_gate.GRAD_NORM_REL:.0f}% of {BY_NAME[REFERENCE].label}, and the loss "
         "falling. 'trainctl speed-up' is this row's step time over trainctl's."
     )
-    prov = [
-        f"- code: {code['commit']} (dirty: {code['dirty']}; from {code['source']})",
-        "- software: " + ", ".join(f"{k} {v}" for k, v in sw.items() if k != "device"),
-        f"- card before: {provenance['card_before']}",
-        f"- card after: {provenance.get('card_after')}",
-        f"- MFU peak: {table.peak / 1e12 if table.peak else 'none (card not in the table)'}"
-        + (" TFLOP/s dense bf16" if table.peak else ""),
-    ]
-    return "\n".join([
-        caption, "", Table.HEADER, Table.RULE, *table.rows, "", "Provenance:", "", *prov, "",
-        "Attention kernels (one profiled step each):", "", *[f"- {k}" for k in table.kernels],
-    ])  # fmt: skip
 
 
 if __name__ == "__main__":
