@@ -79,8 +79,9 @@ async def _measure(config: dict[str, Any], syncs: int, bucket_mb: int) -> dict[s
         t0 = time.perf_counter()
         thread = threading.Thread(target=send)
         thread.start()
-        await engine.receive_weights(Shipment("collective", step, None, nbytes, plan),
-                                     rv.to_dict(), 1)  # fmt: skip
+        await engine.load_weights(
+            Shipment("collective", step, None, nbytes, plan), (rv.to_dict(), 1)
+        )
         thread.join()
         return time.perf_counter() - t0
 

@@ -100,7 +100,8 @@ def _install_fault_injection(app: FastAPI) -> None:
         rank: int = Field(ge=0)
         phase: str = Field(
             description="forward, accumulate_end, forward_backward_end, finish_window, "
-            "optimizer or publish"
+            "optimizer, publish, or broadcast_stall (rank 0 stops 10 s after the first bucket "
+            "of its next broadcast to the samplers)"
         )
         times: int = Field(1, ge=1, le=100)
 

@@ -11,6 +11,7 @@ or Serve arg > environment > engine config file (or inline ``engine``) > default
 from __future__ import annotations
 
 import copy
+import os
 from typing import TYPE_CHECKING, Any
 
 from trainctl.service.settings import Settings, engine_settings
@@ -106,6 +107,7 @@ def create_controller(s: Settings, cfg: EngineConfig, *, detached: bool) -> Any:
     samplers = sampler_settings(s)
     if samplers.pool.num_samplers:
         check_engines(cfg, samplers)  # what the engines cannot do: said before any rank starts
+        check_kept_memory(cfg, samplers)
     return ControllerActor.options(**options).remote(
         cfg, controller_options(s, rank_num_gpus=gpus), samplers
     )
@@ -149,7 +151,28 @@ def sampler_settings(s: Settings) -> SamplerSettings:
         concurrency=s.sampler_concurrency,
         transport=s.sampler_transport,
         bucket_mb=s.sampler_bucket_mb,
+        host_memory_gib=s.sampler_host_memory_gib or _host_memory_gib() / 2 / max(s.samplers, 1),
     )
+
+
+def check_kept_memory(cfg: EngineConfig, samplers: SamplerSettings) -> None:
+    """With the collective transport, a ConfigError if the versions every engine keeps in host
+    memory do not fit its budget: the model's parameters counted on transformers' meta device,
+    at bf16 unless the ranks are set to fp32 (never an overcount; the first sync checks the
+    exact bytes again)."""
+    from trainctl.workers.control.samplers import check_kept
+    from trainctl.workers.engine import hf
+
+    if samplers.transport != "collective" or not samplers.host_memory_gib:
+        return
+    itemsize = 4 if cfg.precision == "fp32" else 2
+    nbytes = itemsize * hf.parameter_count(cfg.model)
+    check_kept(samplers.pool.versions, nbytes, samplers.host_memory_gib)
+
+
+def _host_memory_gib() -> float:
+    """This node's memory, GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 def _gpus_per_actor(setting: float | None) -> float:

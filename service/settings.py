@@ -339,6 +339,14 @@ class Settings(BaseSettings):
         description="The collective transport's broadcast size in MiB; it must hold the "
         "model's largest tensor.",
     )
+    sampler_host_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="Host memory, GiB, each sampler engine may give the versions of the "
+        "weights it keeps with --sampler-transport collective (--sampler-versions copies: a "
+        "broadcast cannot be replayed); a window that does not fit is refused at start. "
+        "None: half this node's memory, shared by the engines.",
+    )
     max_staleness: int | None = Field(
         None,
         ge=0,

@@ -50,14 +50,16 @@ def sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 
 @pytest.fixture(scope="session")
 def qwen3_manual(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    """A tiny Qwen3 (transformers' own) at tp=2, one sampler engine, synced on demand, keeping
-    ``WINDOW`` versions: the samplers get weights gathered from two TP shards and mapped to
-    Qwen3's names. Its directory holds a word-level tokenizer (``word_tokenizer``)."""
+    """A tiny Qwen3 (transformers' own) at tp=2, one sampler engine, synced on demand by
+    broadcast (``--sampler-transport collective``), keeping ``WINDOW`` versions: the samplers
+    get weights gathered from two TP shards and mapped to Qwen3's names. Its directory holds a
+    word-level tokenizer (``word_tokenizer``)."""
     root = tmp_path_factory.mktemp("qwen3-sampled")
     tiny_model("qwen3", Path(root / "hf"))
     word_tokenizer(Path(root / "hf"))  # string stops (test_sampler.py)
     flags = ("--init-hf", str(root / "hf"), "--tp", "2", "--dp", "1", "--samplers", "1",
-             "--sampler-sync", "manual", "--sampler-versions", str(WINDOW))  # fmt: skip
+             "--sampler-sync", "manual", "--sampler-versions", str(WINDOW),
+             "--sampler-transport", "collective")  # fmt: skip
     with until_last_use("qwen3_manual", "sampler", running_service(root / "data", *flags)) as svc:
         yield svc
 

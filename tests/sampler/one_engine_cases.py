@@ -229,7 +229,7 @@ class _Sender:
         return thread, out
 
 
-def _flat(result: Any) -> tuple[list[list[int]], list[float]]:
+def flat_result(result: Any) -> tuple[list[list[int]], list[float]]:
     """Every completion's tokens, and every prompt and completion log-prob, in order."""
     tokens, lps = [], []
     for p in result.samples:
@@ -289,12 +289,13 @@ async def _collective_sync() -> dict[str, Any]:
         shipments.append(shipment)
         t0 = time.perf_counter()
         thread, sent = sender.send(weights, plan)
-        loaded = await engine.receive_weights(shipment, sender.rv.to_dict(), 1)
+        window = [x.id for x in shipments[-2:]]  # the pool's window of two versions
+        loaded = await engine.load_weights(shipment, (sender.rv.to_dict(), 1), window)
         thread.join(30)
         seconds = time.perf_counter() - t0
         got = await engine.sample(f"c{seed}", req, shipment)
         ref = await reference(seed + 1, weights)
-        (tokens, lps), (ref_tokens, ref_lps) = _flat(got), _flat(ref)
+        (tokens, lps), (ref_tokens, ref_lps) = flat_result(got), flat_result(ref)
         out[f"v{seed}"] = {
             "buckets": len(plan.buckets),
             "sent": sent,
@@ -308,7 +309,7 @@ async def _collective_sync() -> dict[str, Any]:
         }
     # A client pinned to step 2 (received over the collective, replaced since): the engine
     # reloads the copy it kept; step 1 has left its two kept versions.
-    pinned = _flat(await engine.sample("pinned", req, shipments[1]))
+    pinned = flat_result(await engine.sample("pinned", req, shipments[1]))
     out["pinned_step_2"] = pinned == (out["v1"]["tokens"], out["v1"]["logprob_values"])
     try:
         await engine.sample("gone", req, shipments[0])
@@ -318,18 +319,51 @@ async def _collective_sync() -> dict[str, Any]:
     # A sender that dies after one bucket: the receive fails, the weights served stay.
     served = LocalTransport.ship(3, _hf_weights(2))
     await engine.load_weights(served)
-    before = _flat(await engine.sample("before", req, served))
+    before = flat_result(await engine.sample("before", req, served))
     weights = _hf_weights(3)
     plan = collective.Plan.of(schema_of(weights), 300 * 1024)
     thread, sent = senders[2].send(weights, plan, buckets=1)
     try:
-        await engine.receive_weights(
-            Shipment("collective", 4, None, 0, plan), senders[2].rv.to_dict(), 1
+        await engine.load_weights(
+            Shipment("collective", 4, None, 0, plan), (senders[2].rv.to_dict(), 1)
         )
         out["broken_send"] = "received"
     except TrainctlError as e:
         out["broken_send"] = (e.status, e.message)
     thread.join(30)
-    after = _flat(await engine.sample("after", req, served))
+    after = flat_result(await engine.sample("after", req, served))
     out["after_broken_send"] = {"same": after == before, "step": engine._engine.step}
     return out
+
+
+def fresh_engine_sample(export_dir: str, step: int, request: dict[str, Any]) -> Any:
+    """A fresh engine built from an exported checkpoint's ``config.json`` (as the service
+    builds its engines, placeholders first), loaded with its ``model.safetensors`` in memory,
+    then ``request`` sampled: what a sampler on those weights answers, as ``flat_result`` has it."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from trainctl.api import SampleRequest
+    from trainctl.workers.sampler.transport import LocalTransport
+    from trainctl.workers.sampler.vllm_backend.rules import env
+
+    os.environ.update(env(False, 1))
+    import json
+
+    from trainctl.workers.sampler.spec import SamplerSpec
+    from trainctl.workers.sampler.vllm_backend.sampler import VllmSampler
+
+    config = json.loads(Path(export_dir, "config.json").read_text())
+    weights = {}
+    for f in sorted(Path(export_dir).glob("*.safetensors")):
+        weights |= load_file(str(f))
+
+    async def run() -> Any:
+        spec = SamplerSpec(hf_config=config, max_model_len=config["max_position_embeddings"])
+        engine = VllmSampler(0, spec)
+        shipment = LocalTransport.ship(step, weights)
+        await engine.load_weights(shipment)
+        return flat_result(await engine.sample("fresh", SampleRequest(**request), shipment))
+
+    return asyncio.run(run())

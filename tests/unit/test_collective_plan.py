@@ -4,8 +4,10 @@ refused naming the flag; a group of three threads broadcasts a set exactly."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -76,3 +78,90 @@ def test_the_collective_transport_refuses_gpu_engines_and_a_bucket_too_small() -
         check_collective(qwen3, settings(0, 256))
     with pytest.raises(ConfigError, match="sampler_transport: 'collective' runs on CPU"):
         check_collective(qwen3, settings(1, 1024))
+
+
+def test_a_window_past_the_engines_host_memory_is_refused_naming_the_flag() -> None:
+    from trainctl.service.launch import check_kept_memory
+    from trainctl.workers.control.samplers import SamplerSettings
+    from trainctl.workers.engine import hf
+    from trainctl.workers.engine.config import ConfigError, EngineConfig
+    from trainctl.workers.sampler.pool import PoolOptions
+
+    cfg = EngineConfig(precision="fp32")
+    nbytes = 4 * hf.parameter_count(cfg.model)
+    assert nbytes > 1_000_000  # the embedded model: about 2.5 MB in fp32
+
+    def settings(versions: int, gib: float) -> SamplerSettings:
+        pool = PoolOptions(num_samplers=2, versions=versions)
+        return SamplerSettings(pool=pool, transport="collective", host_memory_gib=gib)
+
+    fits = 3 * nbytes / 2**30
+    check_kept_memory(cfg, settings(3, fits))
+    with pytest.raises(ConfigError, match=r"^sampler_host_memory_gib: .* --sampler-versions 4 "):
+        check_kept_memory(cfg, settings(4, fits))
+
+
+class _Engines:
+    def __init__(self) -> None:
+        self.ready = [(0, 100), (1, 101)]
+
+    async def members(self) -> list[tuple[int, int | None]]:
+        return list(self.ready)
+
+
+class _Source:
+    """A sender whose broadcast completes only once the receivers have started (as a real
+    broadcast does), and which can be made to fail."""
+
+    def __init__(self) -> None:
+        self.receiving = self.sending = asyncio.Event()
+        self.fail = False
+        self.staged: list[tuple[int, int]] = []
+
+    async def stage_broadcast(self, bucket: int, receivers: int, generation: int, t: float) -> Any:
+        self.staged.append((receivers, generation))
+        return "plan", 10, {"generation": generation}
+
+    async def broadcast_staged(self) -> int:
+        self.sending.set()
+        await asyncio.wait_for(self.receiving.wait(), 5)
+        if self.fail:
+            raise RuntimeError("a receiver left the group")
+        return 10
+
+    async def to_object_store(self, adapter: str | None) -> Any:
+        raise AssertionError("the collective never uses the object store")
+
+
+def test_the_collective_transport_delivers_with_the_receive_and_reforms_its_group() -> None:
+    from trainctl.workers.sampler.transport import CollectiveTransport, Link
+
+    async def run() -> list[Any]:
+        t, engines, source = CollectiveTransport(1 << 20), _Engines(), _Source()
+        seen: list[Any] = []
+
+        async def receive(link: Link | None) -> str:
+            assert link is not None
+            await asyncio.wait_for(source.sending.wait(), 5)  # the send is under way ...
+            source.receiving.set()  # ... and waits for the receive
+            seen.append((link.generation, link.ranks, link.member(1), link.member(5)))
+            return "loaded"
+
+        for step, change, fail in ((1, None, False), (2, None, False), (3, [(1, 102)], False),
+                                   (4, None, True), (5, None, False)):  # fmt: skip
+            if change is not None:
+                engines.ready = change
+            source.fail, source.receiving, source.sending = fail, asyncio.Event(), asyncio.Event()
+            await t.connect(engines)
+            shipment = await t.send(source, step, None)
+            assert shipment.transport == "collective" and shipment.version == step
+            assert await t.deliver(source, shipment, receive) == "loaded"
+        return seen
+
+    seen = asyncio.run(run())
+    rv = {"generation": 1}
+    assert seen[0] == (1, {0: 1, 1: 2}, (rv, 2), None)
+    assert seen[1][0] == 1  # the same engines: the same group
+    assert seen[2] == (2, {1: 1}, ({"generation": 2}, 1), None)  # engine 0 left
+    assert seen[3][0] == 2
+    assert seen[4][0] == 3  # the failed send dropped generation 2

@@ -100,13 +100,29 @@ def _pool(engines: list[tuple[int, int]]) -> SamplerPool:
 def test_a_request_goes_where_its_version_is_unless_that_engine_is_busier() -> None:
     """An engine that would have to load the version asked for counts one request more."""
     pool = _pool([(0, 0), (1, 0)])
-    at = {s: pool._pick(pool.version_of(SampleRequest(prompts=[[1]], step=s)).version).index
+    at = {s: pool._pick(pool.version_of(SampleRequest(prompts=[[1]], step=s))).index
           for s in (0, 1)}  # fmt: skip
     assert at == {0: 0, 1: 1}
     pool = _pool([(0, 2), (1, 0)])  # the engine holding step 0 has two in flight
-    assert pool._pick(0).index == 1  # one swap (1 + 0) beats waiting behind two
+    step0 = pool.window.get(None, 0)
+    assert pool._pick(step0).index == 1  # one swap (1 + 0) beats waiting behind two
     pool = _pool([(0, 1), (1, 0)])
-    assert pool._pick(0).index == 0  # a tie (1 in flight, or 0 and a swap): the lower index
+    step0 = pool.window.get(None, 0)
+    assert pool._pick(step0).index == 0  # a tie (1 in flight, or 0 and a swap): the lower index
+
+
+def test_a_broadcast_version_goes_only_to_an_engine_that_kept_it() -> None:
+    """A version that came over the collective cannot be loaded again: a request for it goes
+    to an engine that keeps it, however busy, and is a 410 once none does."""
+    pool = _pool([(1, 3), (1, 0)])
+    pinned = Shipment("collective", 0, None, 1, None)
+    pool.window.publish(pinned, new_line=True)
+    pool.window.publish(Shipment("collective", 1, None, 1, None))
+    pool.engines[0].kept = [pinned.id]  # engine 1 was recreated after step 0
+    assert pool._pick(pinned).index == 0
+    pool.engines[0].kept = []
+    with pytest.raises(GoneError, match="no sampler engine keeps the weights of step 0"):
+        pool._pick(pinned)
 
 
 def test_expected_step_is_checked_against_the_version_sampled() -> None:

@@ -1,18 +1,19 @@
 """The controller's samplers: start them, sync them after a step (or on demand), sample.
 
-A sync is an operation (queued with the training calls, so it reads one step's weights):
-every rank sends its canonical shards to rank 0, which merges them into the model under its
-Hugging Face names (``export_hf``'s mapping) and puts them in the object store once; every
-sampler engine loads that object. An adapter's sync is the same with its factors alone, in
-PEFT's format (``export_hf(adapter=...)``'s): it is synced when created, after each of its
-steps (``after_step``), dropped from the samplers when deleted, and every adapter is synced
-again after a checkpoint load or a recovery. ``sample`` is not an operation: it never
-touches the ranks, and runs beside training.
+A sync is an operation (queued with the training calls, so it reads one step's weights). It
+runs through a ``WeightTransport`` (``workers/sampler/transport.py``): ``connect`` to the
+engines, ``send`` (the ranks send their canonical shards to rank 0, which merges them under
+their Hugging Face names, ``export_hf``'s mapping) and ``deliver`` (the engines' loads, with
+rank 0's broadcast for the collective transport). This class is the transports'
+``WeightSource``: it asks the rank group for what each one needs. An adapter's sync is the
+same with its factors alone, in PEFT's format, always through the object store: it is synced
+when created, after each of its steps (``after_step``), dropped from the samplers when
+deleted, and every adapter is synced again after a checkpoint load or a recovery. ``sample``
+is not an operation: it never touches the ranks, and runs beside training.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,11 @@ from trainctl.workers.sampler import backend
 from trainctl.workers.sampler.backend import SamplerNeeds, UnsupportedError
 from trainctl.workers.sampler.pool import PoolOptions, SamplerPool
 from trainctl.workers.sampler.spec import SamplerSpec
-from trainctl.workers.sampler.transport import ObjectStoreTransport, Shipment, WeightTransport
+from trainctl.workers.sampler.transport import (
+    CollectiveTransport,
+    ObjectStoreTransport,
+    WeightTransport,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,9 @@ class SamplerSettings:
     travel through the object store)."""
     bucket_mb: int = 256
     """``--sampler-bucket-mb``: MiB of one broadcast of the collective transport."""
+    host_memory_gib: float = 0.0
+    """``--sampler-host-memory-gib``, resolved: the host memory each engine may give the
+    versions it keeps over the collective transport (0: unchecked)."""
 
 
 class Samplers:
@@ -96,10 +104,14 @@ class Samplers:
         self.staleness = staleness or Staleness(None, tracks_samplers=False)
         """Told of every version served; paces samples (``staleness.py``)."""
         self.pool: SamplerPool | None = None
-        self.transport: WeightTransport = ObjectStoreTransport()
-        self._members: list[tuple[int, int | None]] = []
-        """The engines of the collective group now formed (``SamplerPool.members``)."""
-        self._generation = 0
+        self.transport: WeightTransport = (
+            CollectiveTransport(settings.bucket_mb * 2**20, settings.pool.call_timeout_s)
+            if settings.transport == "collective"
+            else ObjectStoreTransport()
+        )
+        """How the base's weights travel (``--sampler-transport``)."""
+        self.adapter_transport: WeightTransport = ObjectStoreTransport()
+        """How adapters' travel: a few MB each, always through the object store."""
 
     @property
     def step(self) -> int:
@@ -142,8 +154,10 @@ class Samplers:
         )
         await pool.start()
         first = await self.sync()
-        if s.transport == "object_store":  # the collective's versions live in the engines
+        if s.transport == "object_store":
             check_window(s.pool.versions, first.bytes, pool.object_store_bytes())
+        else:  # the collective's versions live in the engines; now their size is exact
+            check_kept(s.pool.versions, first.bytes, s.host_memory_gib)
         for name in self.adapters.entries:  # resumed from a checkpoint that holds adapters
             await self.sync(adapter=name)
 
@@ -164,14 +178,16 @@ class Samplers:
             h.set_phase("gathering weights")
         t0 = time.perf_counter()
         step = self.step if adapter is None else self.adapters.entries[adapter].state.step
-        if adapter is None and self.settings.transport == "collective":
-            result = await self._sync_collective(h, step, new_line, t0)
-        else:
-            shipment = await self.transport.send(self, step, adapter)
-            if h is not None:
-                h.set_phase("loading weights into the samplers")
-            gather_s = time.perf_counter() - t0
-            result = await self.pool.sync(shipment, gather_s, new_line)
+        transport = self.transport if adapter is None else self.adapter_transport
+        await transport.connect(self.pool)
+        shipment = await transport.send(self, step, adapter)
+        if h is not None:
+            h.set_phase("loading weights into the samplers")
+        gather_s = time.perf_counter() - t0
+        pool = self.pool
+        result = await transport.deliver(
+            self, shipment, lambda link: pool.sync(shipment, gather_s, new_line, link)
+        )
         newest = self.pool.window.newest(adapter)
         if newest is not None and newest.version == result.step:  # published, not withdrawn
             await self.staleness.served(adapter, result.step, new_line)
@@ -181,38 +197,6 @@ class Samplers:
             "the base" if adapter is None else f"adapter {adapter!r}", result.step,
             result.samplers, result.gather_s, result.load_s,
         )  # fmt: skip
-        return result
-
-    async def _sync_collective(
-        self, h: Handle | None, step: int, new_line: bool, t0: float
-    ) -> SyncResult:
-        """The base's weights by broadcast (``workers/sampler/collective.py``): rank 0 merges
-        them and sends them over a gloo group while every member engine receives. The group
-        is formed again (a new generation) whenever the engines that are ready change or a
-        send failed."""
-        assert self.pool is not None
-        members = await self.pool.members()
-        if members != self._members:
-            self._generation += 1
-            self._members = members
-        g = self.group
-        staged = g.gather_on_rank0(
-            RankWorker.canonical_shards, (), RankWorker.stage_collective,
-            (self.settings.bucket_mb * 2**20, len(members), self._generation),
-        )  # fmt: skip
-        plan, nbytes, rendezvous = await g.fetch(staged, "gathering the weights for the samplers")
-        shipment = Shipment("collective", step, None, int(nbytes), plan)
-        if h is not None:
-            h.set_phase("broadcasting weights to the samplers")
-        gather_s = time.perf_counter() - t0
-        send = asyncio.ensure_future(g.call_one(0, RankWorker.broadcast_staged))
-        ranks = {index: rank for rank, (index, _) in enumerate(members, start=1)}
-        result = await self.pool.sync(shipment, gather_s, new_line, (rendezvous, ranks))
-        try:
-            await send
-        except Exception as e:  # the engines that failed say why; the next sync re-forms
-            log.warning("the collective send of step %d failed: %s", step, e)
-            self._members = []
         return result
 
     async def to_object_store(self, adapter: str | None) -> tuple[Any, int]:
@@ -229,6 +213,22 @@ class Samplers:
                 (adapter,), num_returns=2,
             )  # fmt: skip
         return weights, int(await g.fetch(size, "gathering the weights for the samplers"))
+
+    async def stage_broadcast(
+        self, bucket_bytes: int, receivers: int, generation: int, timeout_s: float
+    ) -> tuple[Any, int, dict[str, Any]]:
+        """``WeightSource``: rank 0 merges the base's weights as for the object store and keeps
+        them for ``broadcast_staged`` (``RankWorker.stage_collective``)."""
+        g = self.group
+        staged = g.gather_on_rank0(
+            RankWorker.canonical_shards, (), RankWorker.stage_collective,
+            (bucket_bytes, receivers, generation, timeout_s),
+        )  # fmt: skip
+        plan, nbytes, rendezvous = await g.fetch(staged, "gathering the weights for the samplers")
+        return plan, int(nbytes), rendezvous
+
+    async def broadcast_staged(self) -> int:
+        return int(await self.group.call_one(0, RankWorker.broadcast_staged))
 
     async def sync_after_change(
         self, adapter: str | None = None, new_line: bool = False
@@ -364,6 +364,18 @@ def check_window(versions: int, nbytes: int, capacity: float) -> None:
         )
 
 
+def check_kept(versions: int, nbytes: int, budget_gib: float) -> None:
+    """A ConfigError if ``versions`` copies of the weights (``nbytes`` each), which every
+    engine keeps in host memory over the collective transport, exceed its budget."""
+    if budget_gib and versions * nbytes > budget_gib * 2**30:
+        raise ConfigError(
+            f"sampler_host_memory_gib: each sampler engine keeps --sampler-versions {versions} "
+            f"versions of the weights ({nbytes / 2**30:.2f} GiB each) in host memory over the "
+            f"collective transport, more than its {budget_gib:g} GiB: lower --sampler-versions, "
+            "raise --sampler-host-memory-gib, or take --sampler-transport object_store"
+        )
+
+
 def check_engines(cfg: EngineConfig, s: SamplerSettings) -> None:
     """A ConfigError naming what the engines' backend cannot do for this model, said before
     any engine starts (the rules live with the backend: ``check``)."""
@@ -385,7 +397,9 @@ def check_engines(cfg: EngineConfig, s: SamplerSettings) -> None:
 def check_collective(cfg: EngineConfig, s: SamplerSettings) -> None:
     """The collective transport's refusals, before any engine starts: GPU engines (its gloo
     engine is for CPU engines; vLLM's nccl and ipc backends are not wired yet), and a bucket
-    smaller than the model's largest tensor (fp32 at most: the bucket holds whole tensors)."""
+    smaller than the model's largest tensor (fp32 at most: the bucket holds whole tensors).
+    The engines' host-memory budget is checked by the launch (``check_kept``, which counts the
+    model's parameters with torch, which the controller never imports)."""
     if s.pool.num_gpus > 0:
         raise ConfigError(
             "sampler_transport: 'collective' runs on CPU sampler engines only for now (a gloo "

@@ -121,6 +121,18 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
     return out
 
 
+def parameter_count(m: ModelConfig) -> int:
+    """The parameters of the family's Hugging Face model equal to ``m``, counted on
+    transformers' meta device (no memory is taken; a tied embedding counts once)."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**hf_config(m))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def _rope_scaling(cfg: dict[str, Any], fam: Family, problems: list[str]) -> dict[str, Any]:
     """The ModelConfig fields of the checkpoint's RoPE scaling ({} for none)."""
     # transformers < 5 writes rope_theta / rope_scaling; 5 writes rope_parameters.

@@ -67,7 +67,11 @@ FAULT_PHASES = (
     "finish_window",
     "optimizer",
     "publish",
+    "broadcast_stall",
 )
+BROADCAST_STALL_S = 10.0
+"""How long rank 0 stops after the first bucket of a broadcast told to stall (a drill: an
+engine lost, or hung, while the others wait mid-broadcast)."""
 
 
 class InjectedFault(RuntimeError):
@@ -362,7 +366,8 @@ class RankWorker:
     def inject_fault(self, phase: str, times: int = 1) -> None:
         """Make the next ``times`` calls of ``phase`` raise: ``forward`` (before any work: the
         peers then block in a collective), ``accumulate_end`` (after phase 1, peers done) or
-        ``optimizer`` (phase 2)."""
+        ``optimizer`` (phase 2). ``broadcast_stall`` raises nothing: rank 0's next ``times``
+        broadcasts to the samplers stop ``BROADCAST_STALL_S`` after their first bucket."""
         if phase not in FAULT_PHASES:
             raise ValueError(f"phase must be one of {FAULT_PHASES}, not {phase!r}")
         self._faults[phase] = times
@@ -397,7 +402,12 @@ class RankWorker:
         return self._export().hf_weights(parts)
 
     def stage_collective(
-        self, parts: list[Any], bucket_bytes: int, receivers: int, generation: int
+        self,
+        parts: list[Any],
+        bucket_bytes: int,
+        receivers: int,
+        generation: int,
+        timeout_s: float,
     ) -> tuple[Any, int, dict[str, Any]]:
         """Rank 0, the collective transport: merge the parts as ``hf_weights`` does and keep
         them for ``broadcast_staged``; the plan, the bytes and where the group forms."""
@@ -409,7 +419,7 @@ class RankWorker:
         if self._weights_sender is None:
             self._weights_sender = collective.Sender()
         sender = self._weights_sender
-        rv = sender.rendezvous(_node_ip(), receivers, generation)
+        rv = sender.rendezvous(_node_ip(), receivers, generation, timeout_s)
         sender.stage(weights, plan)
         return plan, size, rv.to_dict()
 
@@ -417,7 +427,15 @@ class RankWorker:
         """Rank 0: send the staged version to the sampler engines (they receive meanwhile)."""
         if self._weights_sender is None:
             raise RuntimeError("broadcast_staged before stage_collective")
-        return int(self._weights_sender.send())
+        stall = None
+        if self._faults.get("broadcast_stall", 0) > 0:
+            self._faults["broadcast_stall"] -= 1
+
+            def stall(i: int) -> None:
+                if i == 0:
+                    time.sleep(BROADCAST_STALL_S)
+
+        return int(self._weights_sender.send(stall))
 
     def peft_weights(self, parts: list[Any], adapter: str) -> tuple[PeftAdapter, int]:
         return self._export().peft_weights(parts, adapter)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from trainctl.api import ConflictError, InternalError, NotReadyError, SampleRequest, SampleResult
 from trainctl.workers.sampler.transport import Shipment
@@ -102,7 +102,16 @@ class SamplerEngine(Protocol):
 
     async def resume(self) -> None: ...
 
-    async def load_weights(self, shipment: Shipment) -> Loaded: ...
+    async def load_weights(
+        self,
+        shipment: Shipment,
+        member: tuple[dict[str, Any], int] | None = None,
+        keep: Sequence[str] = (),
+    ) -> Loaded:
+        """Load ``shipment``: opened (``transport.open_shipment``), or received over the
+        group ``member`` names (its rendezvous and this engine's rank) while it is sent,
+        keeping in host memory the received versions whose shipment ids ``keep`` lists."""
+        ...
 
     async def load_adapter(self, shipment: Shipment, keep: Sequence[int]) -> Loaded: ...
 

@@ -18,6 +18,7 @@ Torch only: this module imports nothing from vLLM, so the sending side needs no 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -119,15 +120,23 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def send(group: Any, tensors: dict[str, Tensor], buckets: list[list[str]]) -> int:
-    """Broadcast ``tensors`` (rank 0's side) bucket by bucket; returns the bytes sent."""
+def send(
+    group: Any,
+    tensors: dict[str, Tensor],
+    buckets: list[list[str]],
+    after_bucket: Callable[[int], None] | None = None,
+) -> int:
+    """Broadcast ``tensors`` (rank 0's side) bucket by bucket; returns the bytes sent.
+    ``after_bucket(i)`` runs once bucket ``i`` went out (a drill's stall)."""
     sent = 0
-    for names in buckets:
+    for i, names in enumerate(buckets):
         flat = torch.cat(
             [tensors[n].detach().contiguous().view(-1).view(torch.uint8) for n in names]
         )
         group.broadcast(flat, 0).wait()
         sent += flat.numel()
+        if after_bucket is not None:
+            after_bucket(i)
     return sent
 
 
@@ -158,15 +167,18 @@ class Sender:
         self.group: Any = None
         self.staged: tuple[dict[str, Tensor], Plan] | None = None
 
-    def rendezvous(self, host: str, receivers: int, generation: int) -> Rendezvous:
-        """Where the group of ``generation`` forms (a new store for a new generation)."""
+    def rendezvous(
+        self, host: str, receivers: int, generation: int, timeout_s: float
+    ) -> Rendezvous:
+        """Where the group of ``generation`` forms (a new store for a new generation); each
+        of its broadcasts waits for a member at most ``timeout_s``."""
         if self.rv is None or self.rv.generation != generation:
             import socket
 
             self.close()
             self.listener = socket.create_server((host, 0), backlog=128)
             port = int(self.listener.getsockname()[1])
-            self.rv = Rendezvous.new(host, port, receivers, generation)
+            self.rv = Rendezvous.new(host, port, receivers, generation, timeout_s=timeout_s)
         return self.rv
 
     def close(self) -> None:
@@ -178,7 +190,7 @@ class Sender:
     def stage(self, tensors: dict[str, Tensor], version_plan: Plan) -> None:
         self.staged = (tensors, version_plan)
 
-    def send(self) -> int:
+    def send(self, after_bucket: Callable[[int], None] | None = None) -> int:
         """Broadcast the staged version to the group (formed first if new); the bytes sent."""
         if self.staged is None or self.rv is None:
             raise RuntimeError("nothing staged to send")
@@ -190,7 +202,7 @@ class Sender:
                 # with itself: this socket object must not close it again.
                 self.listener.detach()
                 self.listener = None
-            return send(self.group, tensors, version_plan.buckets)
+            return send(self.group, tensors, version_plan.buckets, after_bucket)
         except Exception:
             self.close()
             raise

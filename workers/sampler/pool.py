@@ -4,7 +4,8 @@
   ``SamplerEngine`` protocol; ``--sampler-backend`` picks the backend), an asynchronous
   actor that orders its own calls.
 - **Sync**: the controller hands over a ``Shipment`` of a step's HF-named tensors
-  (``transport.py``); every engine loads it. It is published in the window of versions
+  (``transport.py``); every engine loads it (or, for a broadcast, every member of the
+  transport's ``Link`` receives it). It is published in the window of versions
   (``window.py``: the newest ``--sampler-versions`` of the base and of each adapter), so a
   client pinned to a step keeps sampling it, and an engine recreated later loads the newest.
   An adapter's sync is the same with its PEFT tensors; each version of an adapter is its own
@@ -17,7 +18,8 @@
   cancelled) aborts its request on the engine; a sample that waits for the engine's turn
   past its queue timeout leaves unrun with a retryable 503.
 - **Recreate**: an engine that dies fails its in-flight requests with a retryable 503, and is
-  rebuilt in the background with the weights of the step the others serve. So is one that
+  rebuilt in the background with the weights of the step the others serve (over the
+  collective: with none, until the next sync reaches it). So is one that
   answers neither a call within ``call_timeout_s`` nor a ping then (a sample, a load: nothing
   waits on a sick engine for good), and one that answers ``EngineBrokenError``. A busy engine
   answers the ping: a sample waiting its turn is bounded by its queue timeout instead
@@ -33,7 +35,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -50,12 +52,12 @@ from trainctl.api import (
     SyncResult,
     TrainctlError,
 )
-from trainctl.api.errors import field_error
+from trainctl.api.errors import GoneError, field_error
 from trainctl.api.sampling import SyncMode
 from trainctl.workers.sampler import backend
 from trainctl.workers.sampler.backend import EngineBrokenError, Loaded
 from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE, SamplerSpec
-from trainctl.workers.sampler.transport import Shipment
+from trainctl.workers.sampler.transport import Link, Shipment
 from trainctl.workers.sampler.window import Window
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,10 @@ class _Engine:
     in_flight: int = 0
     last_error: str | None = None
     pid: int | None = None
+    kept: list[str] = field(default_factory=list)
+    """The ids of the collective shipments of the base this engine keeps in host memory,
+    oldest first (those of the window it received): a broadcast cannot be replayed, so only
+    these engines can serve a pinned request for one."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,9 @@ class SamplerPool:
         self._restarts: set[asyncio.Task[None]] = set()
         self.queued_tokens = 0
         """The tokens of the requests admitted and not yet answered (``max_queued_tokens``)."""
+        self._delivering: dict[str, asyncio.Event] = {}
+        """The collective shipments being received now, by id: a sample for one waits until
+        the engines have it (no engine can load it later: a broadcast is not replayed)."""
 
     @property
     def weights(self) -> Shipment | None:
@@ -170,7 +179,7 @@ class SamplerPool:
             max_restarts=0,
             runtime_env={"env_vars": env},
         ).remote(e.index, self.spec)
-        e.status, e.step, e.pid = "starting", None, None
+        e.status, e.step, e.pid, e.kept = "starting", None, None, []
 
     async def start(self) -> None:
         """Build every engine (placeholder weights); ``sync`` gives them real ones."""
@@ -221,33 +230,41 @@ class SamplerPool:
         shipment: Shipment,
         gather_s: float,
         new_line: bool = False,
-        collective: tuple[dict[str, Any], dict[int, int]] | None = None,
+        link: Link | None = None,
     ) -> SyncResult:
         """Publish ``shipment`` (the base's weights, or an adapter's) as its newest version,
         and have every live engine load it. An engine finishes the requests it is running
         first (never those waiting). ``new_line``: after a checkpoint load or a recovery, whose
-        steps name other weights than the window's (it is emptied first). ``collective``: the
-        group's rendezvous and each member engine's rank in it, for a shipment that arrives by
-        broadcast (``collective.py``); only those engines receive it."""
+        steps name other weights than the window's (it is emptied first). ``link``: the group a
+        shipment arrives by (``CollectiveTransport``); only its member engines receive it."""
         adapter = shipment.adapter
         previous = self.window.newest(adapter)
         self.window.publish(shipment, new_line)
         self._retry_failed()  # with this step
         live = [e for e in self.engines if e.status == "ready"]
-        if collective is not None:
-            live = [e for e in live if e.index in collective[1]]
+        if link is not None:
+            live = [e for e in live if e.index in link.ranks]
         t0 = time.perf_counter()
-        got = await asyncio.gather(
-            *(self._load(e, shipment, collective) for e in live), return_exceptions=True
-        )
-        loaded = [g for g in got if isinstance(g, Loaded)]
-        refused = [
-            g for g in got if isinstance(g, InternalError) and not isinstance(g, EngineBrokenError)
-        ]
-        if live and not loaded and len(refused) == len(live):
-            # Every engine refused them and serves the previous step still: so will a
-            # recreated one.
-            self.window.withdraw(shipment, previous)
+        delivered = self._delivering[shipment.id] = asyncio.Event()
+        try:
+            got = await asyncio.gather(
+                *(self._load(e, shipment, link) for e in live), return_exceptions=True
+            )
+            loaded = [g for g in got if isinstance(g, Loaded)]
+            refused = [
+                g
+                for g in got
+                if isinstance(g, InternalError) and not isinstance(g, EngineBrokenError)
+            ]
+            every_refused = bool(live) and len(refused) == len(live)
+            if not loaded and (every_refused or shipment.transport == "collective"):
+                # Every engine refused them and serves the previous step still: so will a
+                # recreated one. A broadcast that reached no engine is withdrawn too: it
+                # cannot be replayed, so nothing could ever serve it.
+                self.window.withdraw(shipment, previous)
+        finally:  # the samples waiting for it go on: to the engines that keep it, or not
+            del self._delivering[shipment.id]
+            delivered.set()
         self.last_sync = SyncResult(
             step=shipment.version,
             adapter=adapter,
@@ -313,21 +330,21 @@ class SamplerPool:
         self,
         e: _Engine,
         shipment: Shipment,
-        collective: tuple[dict[str, Any], dict[int, int]] | None = None,
+        link: Link | None = None,
     ) -> Loaded:
-        if collective is not None:
-            rendezvous, ranks = collective
-            ref = e.actor.receive_weights.remote(shipment, rendezvous, ranks[e.index])
-        elif shipment.adapter is None:
-            ref = e.actor.load_weights.remote(shipment)
+        window = [s.id for s in self.window.versions.get(shipment.adapter, {}).values()]
+        if shipment.adapter is None:
+            member = None if link is None else link.member(e.index)
+            ref = e.actor.load_weights.remote(shipment, member, window)
         else:
-            keep = self.window.steps(shipment.adapter)
-            ref = e.actor.load_adapter.remote(shipment, keep)
+            ref = e.actor.load_adapter.remote(shipment, self.window.steps(shipment.adapter))
         loaded: Loaded = await self._call(
             e, ref, f"the load of step {shipment.version}", wait_s=self.options.call_timeout_s
         )  # a load waits for the sample running, at most
         if shipment.adapter is None:
             e.step = loaded.step
+        if shipment.transport == "collective":  # the engine kept those of the window
+            e.kept = [i for i in [*e.kept, shipment.id] if i in window]
         return loaded
 
     async def remove_adapter(self, name: str) -> None:
@@ -343,12 +360,23 @@ class SamplerPool:
 
     # -- sampling ----------------------------------------------------------------------------
 
-    def _pick(self, base: int | None) -> _Engine:
-        """The engine for a request: the fewest in flight, counting ``SWAP_COST`` more for one
-        that holds another step of the base than ``base`` (None: any will do)."""
+    def _pick(self, version: Shipment) -> _Engine:
+        """The engine for a request of ``version``: the fewest in flight, counting
+        ``SWAP_COST`` more for one that holds another step of the base. A version that came
+        by broadcast goes to an engine that keeps it (a 410 if none does any more)."""
         ready = [e for e in self.engines if e.status == "ready" and e.step is not None]
         if not ready:
             raise NotReadyError("every sampler engine is being recreated; retry shortly")
+        base = version.version if version.adapter is None else None
+        if version.transport == "collective":
+            ready = [e for e in ready if version.id in e.kept]
+            if not ready:
+                raise GoneError(
+                    f"step: no sampler engine keeps the weights of step {version.version} any "
+                    "more (they came by broadcast, which cannot be replayed, and the engines "
+                    "that kept them were recreated since); sample a newer step",
+                    details={"field": "step", "step": version.version},
+                )
 
         def load(e: _Engine) -> tuple[int, int]:
             swap = SWAP_COST if base is not None and e.step != base else 0
@@ -399,6 +427,9 @@ class SamplerPool:
         that already answered its client, as Tinker's ``asample`` does with a future) it waits
         for room and for its turn."""
         version = self.version_of(req)  # a 410, 409 or 404 before waiting for anything
+        if (delivery := self._delivering.get(version.id)) is not None:
+            await delivery.wait()  # as the engines' requests wait while they receive
+            version = self.version_of(req)  # the newest may be the one before, if it failed
         while True:
             try:
                 tokens = self.admit(req)
@@ -407,7 +438,7 @@ class SamplerPool:
                 if not queue:
                     raise
                 await asyncio.sleep(0.05)
-        e = self._pick(version.version if version.adapter is None else None)
+        e = self._pick(version)
         request_id = uuid.uuid4().hex
         e.in_flight += 1
         self.queued_tokens += tokens

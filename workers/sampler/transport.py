@@ -1,25 +1,43 @@
 """How a version of the weights travels from the ranks to the sampler engines.
 
-A ``WeightTransport`` has two ends. ``send`` runs in the controller: it has the ranks gather
-one version (through a ``WeightSource``, which the control room implements with its rank
-group) and puts it where every engine can reach it, returning a ``Shipment``: a small record
-that names the transport and holds its handle, never the tensors. ``open`` runs where the
-weights are loaded, inside the engine's model worker, and gives the tensors back.
+What a version *is* (a ``Shipment``, kept in the pool's window: ``window.py``) is apart from
+how it *travels* (a ``WeightTransport``). A transport has three calls, all in the controller:
 
-So the tensors never travel as arguments of an engine's internal calls: a worker in another
-process (vLLM's ``AsyncLLM`` runs its model workers so, and hands ``collective_rpc``
-arguments over as plain lists) opens the shipment itself, from shared memory or a file.
-``object_store`` is the first transport: rank 0 puts the merged tensors in Ray's object store
-once, and each engine reads them from its node's shared memory (Ray copies them across nodes).
-It needs the worker to be a Ray process (true of an engine core in the actor's process). A
-GPU-to-GPU transport (NCCL between the ranks and the engines) plugs in beside it.
+- ``connect(engines)``: rendezvous with the engines that will receive (a no-op for a
+  transport whose engines fetch; for a broadcast, a new *generation* of the group whenever the
+  engines that are ready change: a start, a recreation, a send that failed);
+- ``send(source, version, adapter)``: has the ranks (a ``WeightSource``, which the controller
+  implements with its rank group) prepare one version, and returns its ``Shipment``: a small
+  record naming the transport with its handle, never the tensors;
+- ``deliver(source, shipment, receive)``: runs the transfer *with* the engines' receive
+  (``receive(link)`` has every engine load it; ``link`` says how each one joins): for a
+  broadcast the send and the receives block on one another, so neither can complete first.
+
+The engine side is the engine's ``load_weights(shipment, member)``: a shipment it can open
+(``open_shipment``, in the process that loads the weights, from shared memory or a file) or
+one it receives over a group (``member``: its part of the ``Link``). So the tensors never
+travel as arguments of an engine's internal calls (vLLM's model workers take
+``collective_rpc`` arguments as plain lists).
+
+- ``object_store``: rank 0 puts the merged tensors in Ray's object store once, and each engine
+  reads them from its node's shared memory (Ray copies them across nodes). Adapters (a few
+  MB) always travel so.
+- ``collective``: rank 0 broadcasts them over a gloo group to every engine's model worker
+  (``collective.py``; the engine side is ``vllm_backend/gloo_engine.py``). A broadcast cannot
+  be replayed: each engine keeps the window's versions it received in host memory.
+- ``local``: the tensors themselves as the handle, for an engine in the sending process.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
+
+log = logging.getLogger(__name__)
 
 Schema = dict[str, tuple[tuple[int, ...], str]]
 """A weight set's names, each with its shape and dtype."""
@@ -42,20 +60,71 @@ class Shipment:
     checkpoint load may bring the same step back with other weights)."""
 
 
+@dataclass(frozen=True)
+class Link:
+    """A transport's tie to the engines of one generation, as ``deliver`` hands it to their
+    receive: where the group forms, and each member engine's rank in it. Plain values."""
+
+    generation: int
+    rendezvous: dict[str, Any]
+    """``collective.Rendezvous.to_dict()``."""
+    ranks: dict[int, int]
+    """Each member engine's rank in the group, by engine index (the sender is rank 0)."""
+
+    def member(self, index: int) -> tuple[dict[str, Any], int] | None:
+        """What engine ``index`` needs to join (None: it is not a member)."""
+        rank = self.ranks.get(index)
+        return None if rank is None else (self.rendezvous, rank)
+
+
+class Engines(Protocol):
+    """The sampler engines, as a transport connects to them (the pool implements it)."""
+
+    async def members(self) -> list[tuple[int, int | None]]:
+        """``(index, pid)`` of each engine ready to receive now."""
+        ...
+
+
 class WeightSource(Protocol):
-    """The ranks, as a transport asks them for weights (the control room implements it)."""
+    """The ranks, as a transport asks them for weights (the controller implements it)."""
 
     async def to_object_store(self, adapter: str | None) -> tuple[Any, int]:
         """The current weights (``adapter``: its PEFT tensors), gathered on rank 0 and put in
         the object store once: the reference and the size in bytes."""
         ...
 
+    async def stage_broadcast(
+        self, bucket_bytes: int, receivers: int, generation: int, timeout_s: float
+    ) -> tuple[Any, int, dict[str, Any]]:
+        """The base's current weights gathered on rank 0 and kept there for
+        ``broadcast_staged``: the ``collective.Plan``, the bytes, and the rendezvous of the
+        group of ``generation`` (``receivers`` engines and rank 0), whose every broadcast
+        waits for a member at most ``timeout_s``."""
+        ...
+
+    async def broadcast_staged(self) -> int:
+        """Rank 0 broadcasts what it staged (the engines receive meanwhile); the bytes."""
+        ...
+
+
+T = TypeVar("T")
+Receive = Callable[[Link | None], Awaitable[T]]
+"""Every engine's receive of one shipment, given the link they join by (None: they fetch)."""
+
 
 class WeightTransport(Protocol):
     name: ClassVar[str]
 
+    async def connect(self, engines: Engines) -> None:
+        """Rendezvous with the engines that are ready (before each ``send``)."""
+        ...
+
     async def send(self, source: WeightSource, version: int, adapter: str | None) -> Shipment:
-        """Gather version ``version`` on the ranks and make it reachable by every engine."""
+        """Have the ranks prepare version ``version`` for the connected engines."""
+        ...
+
+    async def deliver(self, source: WeightSource, shipment: Shipment, receive: Receive[T]) -> T:
+        """The transfer of ``shipment``, run with the engines' ``receive``: its result."""
         ...
 
     def open(self, shipment: Shipment) -> Any:
@@ -64,7 +133,18 @@ class WeightTransport(Protocol):
         ...
 
 
-class ObjectStoreTransport:
+class FetchedTransport:
+    """What transports whose engines fetch the shipment themselves share: nothing to connect,
+    and a delivery that is the engines' loads alone."""
+
+    async def connect(self, engines: Engines) -> None:
+        return None
+
+    async def deliver(self, source: WeightSource, shipment: Shipment, receive: Receive[T]) -> T:
+        return await receive(None)
+
+
+class ObjectStoreTransport(FetchedTransport):
     """Rank 0 puts the merged tensors in Ray's object store once; every engine reads them."""
 
     name: ClassVar[str] = "object_store"
@@ -79,7 +159,7 @@ class ObjectStoreTransport:
         return ray.get(shipment.handle)
 
 
-class LocalTransport:
+class LocalTransport(FetchedTransport):
     """The tensors themselves as the handle: for an engine in the sending process (an engine
     driven without Ray: tests of one engine, notebooks)."""
 
@@ -98,9 +178,63 @@ class LocalTransport:
         return shipment.handle
 
 
+class CollectiveTransport:
+    """The base's weights broadcast by rank 0 over a gloo group to every member engine
+    (``collective.py``). Owns the group's generation and its members: a new generation forms
+    whenever the engines ready to receive change, or a send failed."""
+
+    name: ClassVar[str] = "collective"
+
+    def __init__(self, bucket_bytes: int, timeout_s: float = 300.0) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        """What a broadcast waits for a member that stopped (a hung receiver costs this once,
+        then the sync goes on without it)."""
+        self.generation = 0
+        self.members: list[tuple[int, int | None]] = []
+        """``(index, pid)`` of the engines of this generation (a recreated engine: another
+        pid, so another generation)."""
+        self.link: Link | None = None
+        """The last ``send``'s link, which its ``deliver`` hands to the receivers."""
+
+    async def connect(self, engines: Engines) -> None:
+        members = await engines.members()
+        if members != self.members:
+            self.generation += 1
+            self.members = members
+
+    async def send(self, source: WeightSource, version: int, adapter: str | None) -> Shipment:
+        if adapter is not None:
+            raise ValueError("adapters travel through the object store, not the collective")
+        plan, nbytes, rendezvous = await source.stage_broadcast(
+            self.bucket_bytes, len(self.members), self.generation, self.timeout_s
+        )
+        ranks = {index: rank for rank, (index, _) in enumerate(self.members, start=1)}
+        self.link = Link(self.generation, rendezvous, ranks)
+        return Shipment(self.name, version, None, int(nbytes), plan)
+
+    async def deliver(self, source: WeightSource, shipment: Shipment, receive: Receive[T]) -> T:
+        """Rank 0's broadcast, started before the engines' receive and awaited after it. A
+        send that failed is logged (the engines that missed it say why in the result) and
+        drops the generation: the next ``connect`` forms a new group."""
+        sending = asyncio.ensure_future(source.broadcast_staged())
+        try:
+            return await receive(self.link)
+        finally:
+            try:
+                await sending
+            except Exception as e:
+                log.warning("the collective send of step %d failed: %s", shipment.version, e)
+                self.members = []
+
+    def open(self, shipment: Shipment) -> Any:
+        raise RuntimeError("a collective shipment is received over its group, not opened")
+
+
 TRANSPORTS: dict[str, WeightTransport] = {
     t.name: t for t in (ObjectStoreTransport(), LocalTransport())
 }
+"""The transports whose shipments an engine opens (``open_shipment``)."""
 
 
 def open_shipment(shipment: Shipment) -> Any:

@@ -161,8 +161,6 @@ class VllmEngine:
         """The id of the shipment they were loaded from."""
         self.schema: Schema | None = None
         """The names, shapes and dtypes of the weights loaded (what the next load must have)."""
-        self.versions_kept = spec.versions
-        """Collective versions of the base kept in host memory for a swap back (the window)."""
         self._generation: int | None = None
         """The collective group's generation this engine's workers joined (None: none)."""
 
@@ -175,11 +173,25 @@ class VllmEngine:
         params = SamplingParams(max_tokens=2, logprobs=0, prompt_logprobs=0, detokenize=False)
         self.llm.generate([TokensPrompt(prompt_token_ids=[0, 1])], params, use_tqdm=False)
 
-    def load_weights(self, shipment: Shipment) -> Loaded:
+    def load_weights(
+        self,
+        shipment: Shipment,
+        member: tuple[dict[str, Any], int] | None = None,
+        keep: Sequence[str] = (),
+    ) -> Loaded:
         """Load a step's weights: every tensor of the model, under its HF name. A set whose
         names, shapes or dtypes differ from the last one loaded is refused before anything is
         copied (the engine keeps serving what it has); a load that fails half-way leaves the
-        engine broken (``EngineBrokenError``: the pool recreates it)."""
+        engine broken (``EngineBrokenError``: the pool recreates it). A collective shipment is
+        received over the group ``member`` names (``_receive``), and a copy kept in host
+        memory; ``keep``: the shipment ids whose copies to keep (the pool's window)."""
+        if shipment.transport == "collective":
+            if member is None:
+                raise InternalError(
+                    f"sampler {self.index}: step {shipment.version}'s weights arrive by "
+                    "broadcast, and this engine is not a member of the group"
+                )
+            return self._receive(shipment, *member, keep)
         t0 = time.perf_counter()
         step = shipment.version
         try:
@@ -196,7 +208,9 @@ class VllmEngine:
             )
         return self._loaded(step, per_worker[0].schema, shipment.id, t0)
 
-    def receive_weights(self, shipment: Shipment, rendezvous: dict[str, Any], rank: int) -> Loaded:
+    def _receive(
+        self, shipment: Shipment, rendezvous: dict[str, Any], rank: int, keep: Sequence[str]
+    ) -> Loaded:
         """Receive a step's weights over the collective (``collective.py``) through vLLM's
         own weight-sync sequence, while the sender broadcasts them: the group is joined once
         per generation, every bucket arrives before the model is touched, and a set whose
@@ -215,7 +229,7 @@ class VllmEngine:
             self._generation = rendezvous["generation"]
         update = {
             "schema": {n: [list(s), d] for n, (s, d) in schema.items()},
-            "buckets": plan.buckets, "version": shipment.id, "keep": self.versions_kept,
+            "buckets": plan.buckets, "version": shipment.id, "keep": list(keep),
         }  # fmt: skip
         try:
             rpc("start_weight_update")
@@ -243,7 +257,7 @@ class VllmEngine:
         if not all(kept):
             raise InternalError(
                 f"sampler {self.index} keeps no copy of step {version.version}'s weights (it "
-                f"keeps the newest {self.versions_kept} received); sample a newer step"
+                "keeps those of the samplers' window it received); sample a newer step"
             )
         assert self.schema is not None
         return self._loaded(version.version, self.schema, version.id, t0)

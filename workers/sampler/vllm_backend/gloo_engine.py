@@ -22,7 +22,7 @@ weights it had.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,9 +49,10 @@ class GlooUpdateInfo:
     """``collective.plan``'s buckets, in send order."""
     version: str = ""
     """The shipment's id: the received set is kept under it (``keep``)."""
-    keep: int = 0
-    """How many received versions to keep in host memory, newest first (a broadcast cannot
-    be replayed: a swap back to a pinned version reloads from here)."""
+    keep: list[str] = field(default_factory=list)
+    """The shipment ids of the versions to keep in host memory once this one is loaded (the
+    pool's window, this one included): a broadcast cannot be replayed, so a swap back to a
+    pinned version reloads from here."""
 
     def typed_schema(self) -> Schema:
         return {n: (tuple(shape), str(dtype)) for n, (shape, dtype) in self.schema.items()}
@@ -63,7 +64,8 @@ def _engine_class() -> type[Any]:
     class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):  # our own info classes
         """Receives a version over gloo, then loads it whole (the module docstring). Owns its
         generation's group, the buckets of the update under way, and the versions kept in
-        host memory for a swap back (``kept``: by shipment id, the newest ``keep`` of them)."""
+        host memory for a swap back (``kept``: by shipment id, those the update's ``keep``
+        names)."""
 
         init_info_cls = GlooInitInfo
         update_info_cls = GlooUpdateInfo
@@ -111,10 +113,9 @@ def _engine_class() -> type[Any]:
             refresh_cpu_embedding_gemms(self.model)
             if empty := empty_parameters(self.model):
                 raise RuntimeError(f"weights left empty after the update: {empty[:3]}")
-            if info is not None and info.keep > 0:
+            if info is not None:
                 self.kept[info.version] = weights
-                while len(self.kept) > info.keep:
-                    del self.kept[next(iter(self.kept))]
+                self.kept = {v: w for v, w in self.kept.items() if v in info.keep}
 
         def shutdown(self) -> None:
             self.group, self.received = None, {}

@@ -175,18 +175,18 @@ class VllmSampler:
     async def resume(self) -> None:
         await self._turns.resume()
 
-    async def load_weights(self, shipment: Shipment) -> Loaded:
-        beside = NEWEST_LANE if self._in_flight else None  # they go on with these weights
-        loaded: Loaded = await self._load(self._engine.load_weights, shipment, beside=beside)
-        return loaded
-
-    async def receive_weights(
-        self, shipment: Shipment, rendezvous: dict[str, Any], rank: int
+    async def load_weights(
+        self,
+        shipment: Shipment,
+        member: tuple[dict[str, Any], int] | None = None,
+        keep: Sequence[str] = (),
     ) -> Loaded:
-        """A collective shipment (``collective.py``): received while the sender broadcasts."""
-        beside = NEWEST_LANE if self._in_flight else None
+        """``member``: where this engine joins the group a collective shipment is broadcast
+        over (``transport.Link.member``); the engine receives while the sender sends, and
+        keeps the copies ``keep`` names."""
+        beside = NEWEST_LANE if self._in_flight else None  # they go on with these weights
         loaded: Loaded = await self._load(
-            self._engine.receive_weights, shipment, rendezvous, rank, beside=beside
+            self._engine.load_weights, shipment, member, keep, beside=beside
         )
         return loaded
 
