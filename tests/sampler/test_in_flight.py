@@ -6,10 +6,14 @@ given the same prefix, which needs vLLM to recompute the running sequences' keys
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
+
+import pytest
 
 from trainctl.api import SampleResult
 
-from helpers.servicekit import Service
+from helpers.servicekit import Service, running_service
 
 PROMPTS = [[1 + i, 2, 3, 4] for i in range(16)]
 MAX_TOKENS = 64
@@ -93,3 +97,79 @@ def test_the_async_example_learns_one_step_off_policy(in_flight: Service) -> Non
           f"staleness max {run.stale_max:.0f}, samplers idle {run.idle:.0%}")  # fmt: skip
     assert run.rewards[0] < 0.3 and run.reached(0.8)
     assert run.stale_max == 1.0  # off-policy by one step: never on-policy, never two behind
+
+
+@pytest.fixture(scope="module")
+def lora_in_flight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The embedded default (a frozen base) with room for two adapters and one sampler
+    engine updated in flight after every step."""
+    data = tmp_path_factory.mktemp("lora-in-flight")
+    flags = ("--dp", "1", "--samplers", "1", "--sampler-sync", "in_flight",
+             "--max-adapters", "2", "--lora-max-rank", "8")  # fmt: skip
+    with running_service(data, *flags) as svc:
+        yield svc
+
+
+def test_an_adapter_syncs_beside_its_long_sample_and_the_sample_goes_on_with_it(
+    lora_in_flight: Service,
+) -> None:
+    """An adapter's sync with a long sample running in its lane: it does not wait for the
+    sample (under 1 s, the sample still running), and the sample's tokens after it are the
+    new version's: ``token_steps`` shows both, in order, and each token's log-prob is the
+    trainer's adapter at that token's step."""
+    rows = [{"tokens": p * 4, "loss_mask": [1] * len(p) * 4} for p in PROMPTS[:4]]
+    with lora_in_flight.client() as tc:
+        tc.create_adapter("fly", rank=8, alpha=16.0)
+        tc.forward_backward(rows, adapter="fly")
+        before = tc.optim_step(lr=5e-2, adapter="fly").step
+        for _ in range(4):
+            tc.save_checkpoint("fly-before", overwrite=True)
+            got: list[SampleResult] = []
+
+            def sample(into: list[SampleResult] = got) -> None:
+                into.append(tc.sample(PROMPTS, n=16, max_tokens=MAX_TOKENS, temperature=1.0,
+                                      seed=7, adapter="fly", logprobs=True))  # fmt: skip
+
+            long = threading.Thread(target=sample)
+            long.start()
+            time.sleep(0.5)  # the sample is in the engine
+            tc.forward_backward(rows, adapter="fly")
+            after = tc.optim_step(lr=5e-2, adapter="fly")
+            still_running = long.is_alive()
+            sync = tc.info().samplers.last_sync  # type: ignore[union-attr]
+            long.join(300)
+            assert got, "the sample did not answer"
+            assert after.warnings == [] and sync is not None and sync.adapter == "fly", sync
+            assert sync.step == after.step == before + 1, sync
+            steps = [c.token_steps for ps in got[0].samples for c in ps.completions]
+            spanning = [s for s in steps if s is not None and len(set(s)) == 2]
+            if still_running and spanning:
+                break
+            before = after.step  # the sample ended before the sync: again
+        else:
+            raise AssertionError("no completion spanned the adapter's sync in four tries")
+        print(
+            f"the adapter's sync took {sync.load_s * 1e3:.0f} ms beside the sample; "
+            f"{len(spanning)} of {len(steps)} completions span steps {before} and {after.step}"
+        )
+        assert sync.load_s < 1.0
+        assert all(s == sorted(s) and set(s) == {before, after.step} for s in spanning)
+        assert got[0].step == before  # the step it was admitted with
+
+        seqs, owners = [], []
+        for prompt, ps in zip(PROMPTS, got[0].samples, strict=True):
+            for c in ps.completions:
+                seqs.append(prompt + c.tokens)
+                owners.append((len(prompt), c))
+        scored = {after.step: tc.logprobs(seqs, adapter="fly").logprobs}
+        tc.load_checkpoint("fly-before")
+        scored[before] = tc.logprobs(seqs, adapter="fly").logprobs
+        assert abs(scored[before][0][5] - scored[after.step][0][5]) > 1e-3  # the steps differ
+        gap = max(
+            abs(lp - scored[step][i][n + t])
+            for i, (n, c) in enumerate(owners)
+            for t, (lp, step) in enumerate(zip(c.logprobs or [], c.token_steps or [], strict=True))
+        )
+        print(f"largest gap to the trainer's adapter at each token's step: {gap:.2e}")
+        assert gap < 1e-4
+        tc.delete_adapter("fly")

@@ -14,7 +14,7 @@ from trainctl.api import SampleRequest, SampleResult
 from trainctl.workers.control.samplers import SamplerSettings, check_engines
 from trainctl.workers.engine.config import ConfigError, EngineConfig, LoraConfig, ModelConfig
 from trainctl.workers.sampler.pool import PoolOptions
-from trainctl.workers.sampler.vllm_backend.outputs import prompt_samples, token_steps
+from trainctl.workers.sampler.vllm_backend.outputs import prompt_samples, token_steps, version_label
 from trainctl.workers.sampler.vllm_backend.rules import env as engine_env
 
 MOE = ModelConfig(family="qwen3_moe", num_experts=4)
@@ -74,14 +74,14 @@ def test_captured_routes_come_back_on_each_completion_and_over_json() -> None:
     prompt, tokens = [5, 6, 7], [8, 9]
     routes = np.arange(4 * 2 * 2, dtype=np.int16).reshape(4, 2, 2) % 4  # 3 + 2 - 1 tokens fed
     req = SampleRequest(prompts=[prompt], max_tokens=2, logprobs=False, return_routes=True)
-    samples = prompt_samples(_vllm_output(prompt, tokens, routes), req, 3)
+    samples = prompt_samples(_vllm_output(prompt, tokens, routes), req, 3, True)
     got = samples.completions[0].routed_experts
     assert got == routes.tolist() and type(got[0][0][0]) is int
     result = SampleResult(samples=[samples], step=3, sampler=0, seconds=0.1)
     back = SampleResult.model_validate_json(result.model_dump_json())
     assert back.samples[0].completions[0].routed_experts == routes.tolist()
     plain = SampleRequest(prompts=[prompt], max_tokens=2, logprobs=False)
-    assert prompt_samples(_vllm_output(prompt, tokens, routes), plain, 3).completions[0] \
+    assert prompt_samples(_vllm_output(prompt, tokens, routes), plain, 3, True).completions[0] \
         .routed_experts is None  # fmt: skip
 
 
@@ -95,7 +95,7 @@ def test_routes_that_do_not_cover_the_fed_tokens_are_an_error(
 ) -> None:
     req = SampleRequest(prompts=[[5, 6, 7]], max_tokens=2, logprobs=False, return_routes=True)
     with pytest.raises(RuntimeError, match=words):
-        prompt_samples(_vllm_output([5, 6, 7], [8, 9], routes), req, 3)
+        prompt_samples(_vllm_output([5, 6, 7], [8, 9], routes), req, 3, True)
 
 
 def _span(version: str, start: int, end: int) -> SimpleNamespace:
@@ -103,20 +103,24 @@ def _span(version: str, start: int, end: int) -> SimpleNamespace:
 
 
 def test_each_token_gets_the_step_its_engine_labelled_it_with() -> None:
-    """vLLM's spans become one step per token (a version change inside a completion shows);
-    an adapter request, or a completion vLLM labelled nothing, takes the request's step; a
-    label that is no step, or spans that miss tokens, are errors, never a guess."""
+    """vLLM's spans become one step per token (a version change inside a completion shows),
+    of the base or of an adapter's newest slot, as the engine labelled its steps; a pinned
+    adapter request, or a completion vLLM labelled nothing, takes the request's step; a label
+    that names no such step, or spans that miss tokens, are errors, never a guess."""
+    first, second = version_label(3, {"a": 1}), version_label(4, {"a": 2, "b": 9})
     c = SimpleNamespace(
-        token_ids=[1, 2, 3, 4, 5], weight_versions=[_span("3", 0, 2), _span("4", 2, 5)]
+        token_ids=[1, 2, 3, 4, 5], weight_versions=[_span(first, 0, 2), _span(second, 2, 5)]
     )
     assert token_steps(c, 3, labelled=True) == [3, 3, 4, 4, 4]
+    assert token_steps(c, 1, True, adapter="a") == [1, 1, 2, 2, 2]
     assert token_steps(c, 7, labelled=False) == [7] * 5
     assert token_steps(SimpleNamespace(token_ids=[1, 2], weight_versions=None), 3, True) == [3, 3]
-    with pytest.raises(RuntimeError, match="'default'"):
-        token_steps(
-            SimpleNamespace(token_ids=[1], weight_versions=[_span("default", 0, 1)]), 3, True
-        )
+    for bad in ("default", version_label(None, {})):
+        with pytest.raises(RuntimeError, match="labelled tokens with weight version"):
+            token_steps(SimpleNamespace(token_ids=[1], weight_versions=[_span(bad, 0, 1)]), 3, True)
+    with pytest.raises(RuntimeError, match="labelled tokens with weight version"):
+        token_steps(c, 9, True, adapter="b")  # b had no newest slot at first
     with pytest.raises(RuntimeError, match="cover 2 tokens of 3"):
         token_steps(
-            SimpleNamespace(token_ids=[1, 2, 3], weight_versions=[_span("3", 0, 2)]), 3, True
+            SimpleNamespace(token_ids=[1, 2, 3], weight_versions=[_span(first, 0, 2)]), 3, True
         )

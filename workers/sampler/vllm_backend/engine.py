@@ -9,9 +9,8 @@ processing the platform applies after loading. No file of weights is written or 
 LoRA adapters (a service with ``--max-adapters``) are served with vLLM's LoRA support: the
 engine is built with ``enable_lora``, and ``load_adapter`` hands vLLM one version of an
 adapter in PEFT's format, as its own vLLM adapter (``name@step``), and drops the versions of
-that adapter the pool's window no longer keeps. vLLM reads an adapter from a directory, so
-its two files are written to a memory-backed one (``/dev/shm`` where it exists): a few MB per
-adapter version, never the base.
+that adapter the pool's window no longer keeps (``adapter_slots.py``, which also keeps each
+adapter's newest slot for in-flight updates).
 
 The engine holds one version of the base. A sample names the version it wants (a
 ``Shipment`` of the pool's window); one that the engine does not hold is loaded first, in the
@@ -40,11 +39,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,33 +59,16 @@ from trainctl.workers.sampler.transport import (
     Shipment,
     open_shipment,
     schema_mismatch,
-    schema_of,
 )
 from trainctl.workers.sampler.vllm_backend import gloo_engine
+from trainctl.workers.sampler.vllm_backend.adapter_slots import AdapterSlots
 from trainctl.workers.sampler.vllm_backend.folders import (
-    ADAPTER_DIR_PREFIX,
     CONFIG_DIR_PREFIX,
-    memory_dir,
     sweep_left_behind,
 )
-from trainctl.workers.sampler.vllm_backend.outputs import prompt_samples
+from trainctl.workers.sampler.vllm_backend.outputs import prompt_samples, version_label
 from trainctl.workers.sampler.vllm_backend.reload import reload
 from trainctl.workers.sampler.vllm_backend.rules import vllm_max_lora_rank
-
-
-@dataclass
-class _Served:
-    lora_id: int
-    step: int
-    path: Path
-    schema: Schema
-    shipment: str
-    """The id of the shipment it was loaded from."""
-
-    def request(self, name: str) -> Any:
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(f"{name}@{self.step}", self.lora_id, str(self.path))
 
 
 class VllmEngine:
@@ -124,7 +104,8 @@ class VllmEngine:
                 # The adapters' requests share the engine's batches (sampler.py's lanes): a
                 # step can hold each adapter once.
                 "max_loras": spec.max_adapters,
-                "max_cpu_loras": spec.max_adapters * spec.versions,  # each version its own
+                # Each version its own, and with in-flight updates each adapter's newest slot.
+                "max_cpu_loras": spec.max_adapters * (spec.versions + int(spec.in_flight)),
                 "max_lora_rank": vllm_max_lora_rank(spec.max_lora_rank),
             }
         if spec.weight_transfer == gloo_engine.BACKEND:
@@ -132,13 +113,7 @@ class VllmEngine:
             kwargs["weight_transfer_config"] = {"backend": spec.weight_transfer}
         if spec.return_routes:  # vLLM keeps the routes with its prefix cache's blocks
             kwargs |= {"enable_return_routed_experts": True, "enable_prefix_caching": True}
-        self._adapters_dir = tempfile.TemporaryDirectory(
-            prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=memory_dir()
-        )
-        self.adapters: dict[tuple[str, int], _Served] = {}
-        """Each adapter version held, by name and step."""
         self.adapters_enabled = bool(spec.max_adapters)
-        self._next_lora_id = 1
         self.llm = LLM(
             model=self._dir.name,
             load_format="dummy",  # the weights come from the trainer, never from disk
@@ -153,6 +128,8 @@ class VllmEngine:
             seed=spec.seed,
             **kwargs,
         )
+        self.adapters = AdapterSlots(self.llm, index, spec.in_flight)
+        """The adapters' versions held, and their newest slots (``adapter_slots.py``)."""
         self._warm_up()
         self.build_s = time.perf_counter() - t0
         self.step: int | None = None
@@ -278,11 +255,15 @@ class VllmEngine:
 
     def _loaded(self, step: int, schema: Schema, shipment: str, t0: float) -> Loaded:
         self.step, self.schema, self.shipment = step, schema, shipment
-        # vLLM labels every engine step from now on with this version: a completion's
-        # ``weight_versions`` spans give each token's step (``Completion.token_steps``).
-        self.llm.llm_engine.set_weight_version(str(step))
+        self._label()
         self._forget_cached_prefixes()
         return Loaded(step=step, seconds=time.perf_counter() - t0)
+
+    def _label(self) -> None:
+        """vLLM labels every engine step from now on with the versions this engine serves:
+        the base's step and each adapter's newest slot's. A completion's ``weight_versions``
+        spans give each token's step (``outputs.token_steps``)."""
+        self.llm.llm_engine.set_weight_version(version_label(self.step, self.adapters.steps()))
 
     def _forget_cached_prefixes(self) -> None:
         """Drop vLLM's prefix cache after a load: its blocks hold keys and values computed with
@@ -328,60 +309,25 @@ class VllmEngine:
             "the next one"
         )
 
-    def _versions_of(self, name: str) -> list[_Served]:
-        return [v for (n, _), v in self.adapters.items() if n == name]
-
-    def load_adapter(self, shipment: Shipment, keep: Sequence[int] = ()) -> Loaded:
+    def load_adapter(
+        self, shipment: Shipment, keep: Sequence[int] = (), newest: bool = False
+    ) -> Loaded:
         """Load the shipment's version of its adapter (replacing one of the same step in
-        place), then drop that adapter's versions whose steps are not in ``keep``."""
-        from safetensors.torch import save_file
-        from vllm.lora.request import LoRARequest
-
+        place), then drop that adapter's versions whose steps are not in ``keep``.
+        ``newest``: a sync's (the adapter's newest version): with in-flight updates it also
+        replaces the adapter's newest slot, and the requests running on it go on with it."""
         t0 = time.perf_counter()
         assert shipment.adapter is not None
-        name, step = shipment.adapter, shipment.version
         adapter: PeftAdapter = open_shipment(shipment)
-        held = self._versions_of(name)
-        if held and (problem := schema_mismatch(schema_of(adapter.tensors), held[0].schema)):
-            raise InternalError(
-                f"sampler {self.index} refused adapter {name!r} at step {step}, whose tensors "
-                f"do not match the version it serves (step {held[0].step}): {problem}"
-            )
-        old = self.adapters.get((name, step))
-        lora_id = old.lora_id if old is not None else self._next_lora_id
-        # A new directory per load: vLLM may re-read an evicted adapter from its path later.
-        path = Path(self._adapters_dir.name, f"{name}.{step}.{time.monotonic_ns()}")
-        path.mkdir()
-        (path / "adapter_config.json").write_text(json.dumps(adapter.config))
-        save_file(adapter.tensors, str(path / "adapter_model.safetensors"))
-        vllm_name = f"{name}@{step}"
-        if not self.llm.llm_engine.add_lora(
-            LoRARequest(vllm_name, lora_id, str(path), load_inplace=True)
-        ):
-            shutil.rmtree(path, ignore_errors=True)
-            raise RuntimeError(f"vLLM did not load adapter {vllm_name!r}")
-        if old is None:
-            self._next_lora_id += 1
-        else:
-            shutil.rmtree(old.path, ignore_errors=True)  # the copy it replaced
-        served = _Served(lora_id, step, path, schema_of(adapter.tensors), shipment.id)
-        self.adapters[(name, step)] = served
-        if old is not None:  # the same name and id with other factors: cached blocks are stale
-            self._forget_cached_prefixes()
-        for v in self._versions_of(name):
-            if v.step != step and v.step not in keep:
-                self._drop(name, v.step)
-        return Loaded(step=step, seconds=time.perf_counter() - t0)
-
-    def _drop(self, name: str, step: int) -> None:
-        served = self.adapters.pop((name, step))
-        self.llm.llm_engine.remove_lora(served.lora_id)
-        shutil.rmtree(served.path, ignore_errors=True)
+        if self.adapters.load(shipment, adapter, keep, newest):
+            self._forget_cached_prefixes()  # the same id with other factors: stale blocks
+        self._label()
+        return Loaded(step=shipment.version, seconds=time.perf_counter() - t0)
 
     def remove_adapter(self, name: str) -> None:
-        """Drop every version of ``name``."""
-        for v in self._versions_of(name):
-            self._drop(name, v.step)
+        """Drop every version of ``name``, and its newest slot."""
+        self.adapters.remove(name)
+        self._label()
 
     def _generate_then_score(self, prompts: list[Any], params: Any, lora: Any) -> list[Any]:
         """Prompt log-probs on an engine with LoRA enabled, one prompt per engine step.
@@ -411,12 +357,27 @@ class VllmEngine:
                 else:
                     self.load_weights(version)
             return None
-        served = self.adapters.get((version.adapter, version.version))
-        if served is None or served.shipment != version.id:
-            held = [v.step for v in self._versions_of(version.adapter)]
+        served = self.adapters.held(version)
+        if served is None:
+            held = [v.step for v in self.adapters.versions_of(version.adapter)]
             self.load_adapter(version, keep=held)
-            served = self.adapters[(version.adapter, version.version)]
+            served = self.adapters.versions[(version.adapter, version.version)]
         return served.request(version.adapter)
+
+    def _newest_slot(self, version: Shipment) -> tuple[Any, int]:
+        """vLLM's LoRA request for ``version``'s adapter's newest slot (in-flight updates), and
+        the step it holds: ``version``'s, or a newer one already synced; loaded first if the
+        slot is missing or older."""
+        if self.step is None:
+            raise NotReadyError("the sampler has no weights yet: they arrive with the first sync")
+        name = version.adapter
+        assert name is not None
+        slot = self.adapters.newest.get(name)
+        if slot is None or slot.step < version.version:
+            held = [v.step for v in self.adapters.versions_of(name)]
+            self.load_adapter(version, keep=held, newest=True)
+            slot = self.adapters.newest[name]
+        return slot.request(name), slot.step
 
     def _params(self, req: SampleRequest) -> Any:
         """vLLM's sampling parameters for ``req`` (its own checks: a 422)."""
@@ -468,15 +429,20 @@ class VllmEngine:
         """Add ``req``'s prompts to the engine, beside the requests it runs (of the same lane:
         the caller's ``Turns`` says so), without running them: ``advance`` does. Returns
         their ids in vLLM, one per prompt, in order, and the step they start with.
-        ``newest``: a request for the newest weights of the base beside others (in-flight
-        updates): it joins them with the weights they run, which an in-flight load may have
-        made newer than ``version``."""
+        ``newest``: a request for the newest weights beside others (in-flight updates): of
+        the base, it joins them with the weights they run, which an in-flight load may have
+        made newer than ``version``; of an adapter, it runs on the adapter's newest slot."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        joins = newest and self.step is not None and self.llm.llm_engine.has_unfinished_requests()
-        lora = None if joins else self._hold(version)
-        step = self.step if joins and self.step is not None else version.version
+        if newest and version.adapter is not None and self.adapters.in_flight:
+            lora, step = self._newest_slot(version)
+        else:
+            joins = (
+                newest and self.step is not None and self.llm.llm_engine.has_unfinished_requests()
+            )
+            lora = None if joins else self._hold(version)
+            step = self.step if joins and self.step is not None else version.version
         params = self._params(req)
         params.output_kind = RequestOutputKind.FINAL_ONLY  # an output when a prompt is done
         if req.prompt_logprobs:
@@ -513,11 +479,19 @@ class VllmEngine:
             self.llm.llm_engine.abort_request(list(ids))
 
     def result(
-        self, req: SampleRequest, outs: list[Any], step: int, seconds: float
+        self,
+        req: SampleRequest,
+        outs: list[Any],
+        step: int,
+        seconds: float,
+        newest_slot: bool = False,
     ) -> SampleResult:
-        """``req``'s answer from vLLM's outputs, one per prompt in order."""
+        """``req``'s answer from vLLM's outputs, one per prompt in order. Each token's step is
+        read from the engine's labels for a base request and one on an adapter's newest slot
+        (``newest_slot``), whose version may change while it runs."""
+        labelled = req.adapter is None or newest_slot
         return SampleResult(
-            samples=[prompt_samples(o, req, step) for o in outs],
+            samples=[prompt_samples(o, req, step, labelled) for o in outs],
             step=step,
             adapter=req.adapter,
             sampler=self.index,

@@ -13,8 +13,9 @@ always one version's, and base and adapter requests never share an engine batch.
 With in-flight updates (``SamplerSpec.in_flight``, ``--sampler-sync in_flight``) the requests
 for the newest weights of the base share one lane across versions, and a weight load runs
 beside them, between two engine steps: they go on with the new weights (``VllmEngine`` has
-vLLM recompute their prefixes), and each token's step is in ``Completion.token_steps``. A
-request pinned to a step still waits for its own version.
+vLLM recompute their prefixes), and each token's step is in ``Completion.token_steps``. So do
+the requests for the adapters' newest versions, on each adapter's newest slot, beside which an
+adapter's sync runs. A request pinned to a step still waits for its own version.
 
 The event loop stays free meanwhile: ``abort`` drops a waiting request at once and a running
 one at the next step boundary (a step takes milliseconds), a sample past its queue timeout
@@ -67,14 +68,21 @@ NEWEST_LANE = "newest"
 share the engine across versions: a weight load runs beside them, and they go on with it."""
 
 
+NEWEST_ADAPTERS_LANE = "newest adapters"
+"""With in-flight updates: the lane of every request for an adapter's newest version. They run
+on each adapter's newest slot (``adapter_slots.py``): an adapter's sync runs beside them, and
+they go on with its new version."""
+
+
 def _lane(version: Shipment, req: SampleRequest, in_flight: bool) -> str:
     """The requests that may share the engine's batches with this one: those of the same
     version of the base, or (for an adapter's) those of any adapter, or (with in-flight
-    updates) every request for the newest weights of the base. Base and adapter requests never
-    share a batch, nor do a pinned step's and the newest's."""
+    updates) every request for the newest weights of the base, or of any adapter. Base and
+    adapter requests never share a batch, nor do a pinned step's and the newest's."""
+    newest = in_flight and req.step is None
     if version.adapter is not None:
-        return ADAPTERS_LANE
-    return NEWEST_LANE if in_flight and req.step is None else version.id
+        return NEWEST_ADAPTERS_LANE if newest else ADAPTERS_LANE
+    return NEWEST_LANE if newest else version.id
 
 
 class VllmSampler:
@@ -119,7 +127,7 @@ class VllmSampler:
         lane = _lane(version, req, self._in_flight)
         async with self._turns.sample(request_id, queue_timeout_s, lane=lane):
             t0 = time.perf_counter()
-            newest = lane == NEWEST_LANE
+            newest = lane in (NEWEST_LANE, NEWEST_ADAPTERS_LANE)
             ids, step = await self._on_thread(self._engine.admit, request_id, req, version, newest)
             run = _Running(ids, asyncio.get_running_loop().create_future())
             self._running[request_id] = run
@@ -135,7 +143,8 @@ class VllmSampler:
                 del self._running[request_id]
                 for i in ids:
                     self._owner.pop(i, None)
-            return self._engine.result(req, outs, step, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            return self._engine.result(req, outs, step, seconds, lane == NEWEST_ADAPTERS_LANE)
 
     async def _step_while_running(self) -> None:
         """Step the engine while a request waits for outputs; hand each finished prompt's
@@ -191,7 +200,12 @@ class VllmSampler:
         return loaded
 
     async def load_adapter(self, shipment: Shipment, keep: Sequence[int]) -> Loaded:
-        loaded: Loaded = await self._load(self._engine.load_adapter, shipment, keep)
+        """An adapter's newest version (a sync): with in-flight updates, beside the requests
+        for the adapters' newest versions, which go on with it."""
+        beside = NEWEST_ADAPTERS_LANE if self._in_flight else None
+        loaded: Loaded = await self._load(
+            self._engine.load_adapter, shipment, keep, True, beside=beside
+        )
         return loaded
 
     async def remove_adapter(self, name: str) -> None:
