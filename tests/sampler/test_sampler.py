@@ -10,6 +10,7 @@ shows up there.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
 import tempfile
@@ -29,6 +30,7 @@ from trainctl.api import (
 from trainctl.clients._base import RetryPolicy
 from trainctl.workers.sampler.vllm_backend.folders import ADAPTER_DIR_PREFIX, CONFIG_DIR_PREFIX
 
+import one_engine_cases as cases
 from helpers.parity import PARITY, PROMPTS, WINDOW, gap, prompt_scores
 from helpers.servicekit import START_TIMEOUT_S, Service, fresh_home
 from helpers.snapshots import snapshots_hold_through_the_window
@@ -269,6 +271,27 @@ def test_manual_sync_and_a_family_at_tp2(qwen3_manual: Service) -> None:
         with pytest.raises(GoneError, match=r"step 0 .* oldest served is step 1"):
             tc.sample(prompts, max_tokens=2, step=0)
         assert np.abs(prompt_scores(tc, prompts, step=1) - new).max() <= PARITY
+
+
+def test_a_tp2_trainer_feeds_an_engine_by_broadcast_exactly(qwen3_manual: Service) -> None:
+    """After syncs over the collective from two TP shards: greedy samples and prompt and
+    sample log-probs equal a fresh engine's, loaded with the exported weights of that step
+    (fp32 on a CPU: 0.0)."""
+    request = {"prompts": PROMPTS, "n": 1, "max_tokens": 8, "temperature": 0.0,
+               "logprobs": True, "prompt_logprobs": True}  # fmt: skip
+    with qwen3_manual.client() as tc:
+        assert tc.train_batch([{"tokens": p, "loss_mask": [1] * len(p)} for p in PROMPTS])
+        synced = tc.sync_weights()
+        got = tc.sample(**request)
+        exported = tc.export_hf("tp2-exact")
+    assert synced.samplers == 1 and exported.step == got.step == synced.step > 0
+    with mp.get_context("spawn").Pool(1) as pool:
+        fresh = pool.apply_async(cases.fresh_engine_sample, (exported.path, got.step, request)).get(
+            timeout=600
+        )
+    tokens, lps = cases.flat_result(got)
+    assert len(lps) > 30 and tokens == fresh[0], (tokens, fresh[0])
+    assert max(abs(a - b) for a, b in zip(lps, fresh[1], strict=True)) == 0.0
 
 
 def test_sampling_refuses_what_the_sampler_cannot_do_and_changes_nothing(
