@@ -245,7 +245,9 @@ class SamplerPool:
         if link is not None:
             live = [e for e in live if e.index in link.ranks]
         t0 = time.perf_counter()
-        delivered = self._delivering[shipment.id] = asyncio.Event()
+        delivered = asyncio.Event()
+        if shipment.transport == "collective":  # no engine can load it later: samples wait
+            self._delivering[shipment.id] = delivered
         try:
             got = await asyncio.gather(
                 *(self._load(e, shipment, link) for e in live), return_exceptions=True
@@ -263,7 +265,7 @@ class SamplerPool:
                 # cannot be replayed, so nothing could ever serve it.
                 self.window.withdraw(shipment, previous)
         finally:  # the samples waiting for it go on: to the engines that keep it, or not
-            del self._delivering[shipment.id]
+            self._delivering.pop(shipment.id, None)
             delivered.set()
         self.last_sync = SyncResult(
             step=shipment.version,
@@ -332,8 +334,8 @@ class SamplerPool:
         shipment: Shipment,
         link: Link | None = None,
     ) -> Loaded:
-        window = [s.id for s in self.window.versions.get(shipment.adapter, {}).values()]
         if shipment.adapter is None:
+            window = [s.id for s in self.window.versions.get(None, {}).values()]
             member = None if link is None else link.member(e.index)
             ref = e.actor.load_weights.remote(shipment, member, window)
         else:
@@ -343,8 +345,8 @@ class SamplerPool:
         )  # a load waits for the sample running, at most
         if shipment.adapter is None:
             e.step = loaded.step
-        if shipment.transport == "collective":  # the engine kept those of the window
-            e.kept = [i for i in [*e.kept, shipment.id] if i in window]
+            if shipment.transport == "collective":  # the engine kept those of the window
+                e.kept = [i for i in [*e.kept, shipment.id] if i in window]
         return loaded
 
     async def remove_adapter(self, name: str) -> None:

@@ -65,11 +65,14 @@ class Link:
     """A transport's tie to the engines of one generation, as ``deliver`` hands it to their
     receive: where the group forms, and each member engine's rank in it. Plain values."""
 
-    generation: int
     rendezvous: dict[str, Any]
     """``collective.Rendezvous.to_dict()``."""
     ranks: dict[int, int]
     """Each member engine's rank in the group, by engine index (the sender is rank 0)."""
+
+    @property
+    def generation(self) -> int:
+        return int(self.rendezvous["generation"])
 
     def member(self, index: int) -> tuple[dict[str, Any], int] | None:
         """What engine ``index`` needs to join (None: it is not a member)."""
@@ -210,7 +213,7 @@ class CollectiveTransport:
             self.bucket_bytes, len(self.members), self.generation, self.timeout_s
         )
         ranks = {index: rank for rank, (index, _) in enumerate(self.members, start=1)}
-        self.link = Link(self.generation, rendezvous, ranks)
+        self.link = Link(rendezvous, ranks)
         return Shipment(self.name, version, None, int(nbytes), plan)
 
     async def deliver(self, source: WeightSource, shipment: Shipment, receive: Receive[T]) -> T:

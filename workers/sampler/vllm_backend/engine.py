@@ -348,8 +348,7 @@ class VllmEngine:
     def _hold(self, version: Shipment) -> Any:
         """Make ``version`` (of the base, or of an adapter) the one this call samples, loading
         it if this engine holds another: vLLM's LoRA request for it (None: the base)."""
-        if self.step is None:
-            raise NotReadyError("the sampler has no weights yet: they arrive with the first sync")
+        self._require_weights()
         if version.adapter is None:
             if self.shipment != version.id:  # a swap: another version of the window
                 if version.transport == "collective":
@@ -359,8 +358,7 @@ class VllmEngine:
             return None
         served = self.adapters.held(version)
         if served is None:
-            held = [v.step for v in self.adapters.versions_of(version.adapter)]
-            self.load_adapter(version, keep=held)
+            self._load_beside_held(version)
             served = self.adapters.versions[(version.adapter, version.version)]
         return served.request(version.adapter)
 
@@ -368,16 +366,25 @@ class VllmEngine:
         """vLLM's LoRA request for ``version``'s adapter's newest slot (in-flight updates), and
         the step it holds: ``version``'s, or a newer one already synced; loaded first if the
         slot is missing or older."""
-        if self.step is None:
-            raise NotReadyError("the sampler has no weights yet: they arrive with the first sync")
+        self._require_weights()
         name = version.adapter
         assert name is not None
         slot = self.adapters.newest.get(name)
         if slot is None or slot.step < version.version:
-            held = [v.step for v in self.adapters.versions_of(name)]
-            self.load_adapter(version, keep=held, newest=True)
+            self._load_beside_held(version, newest=True)
             slot = self.adapters.newest[name]
         return slot.request(name), slot.step
+
+    def _require_weights(self) -> None:
+        if self.step is None:
+            raise NotReadyError("the sampler has no weights yet: they arrive with the first sync")
+
+    def _load_beside_held(self, version: Shipment, newest: bool = False) -> None:
+        """Load an adapter's ``version`` in a sample's turn, keeping every version of it held
+        (the pool's next sync says which to drop)."""
+        assert version.adapter is not None
+        held = [v.step for v in self.adapters.versions_of(version.adapter)]
+        self.load_adapter(version, keep=held, newest=newest)
 
     def _params(self, req: SampleRequest) -> Any:
         """vLLM's sampling parameters for ``req`` (its own checks: a 422)."""
