@@ -273,8 +273,33 @@ class SyncResult(BaseModel):
     adapter: str | None = Field(None, description="The adapter synced; null: the base.")
     samplers: int = Field(description="Sampler engines that loaded it.")
     bytes: int = Field(description="Bytes of weights sent to each sampler.")
-    gather_s: float = Field(description="Seconds to assemble the HF-named tensors.")
+    gather_s: float = Field(
+        description="Seconds until the weights were ready to load: planned, and converted and "
+        "put in the object store by the ranks that own them (or staged for the collective)."
+    )
     load_s: float = Field(description="Seconds until the slowest sampler had loaded them.")
+    convert_s: float | None = Field(
+        None,
+        description="Seconds the slowest rank spent converting its own shards into buckets of "
+        "Hugging Face tensors (a sync of the base; null for an adapter's).",
+    )
+    transfer_s: float | None = Field(
+        None,
+        description="Seconds the slowest rank spent putting its buckets in the object store or "
+        "sending them to the samplers, its conversion included where they overlap.",
+    )
+    rank_peak_bytes: int | None = Field(
+        None,
+        description="Host memory the rank that added most added at its peak while converting "
+        "and sending: its resident set's high-water mark less its size before, counting the "
+        "shared-memory pages it wrote into Ray's object store (null for an adapter's sync, "
+        "or off Linux).",
+    )
+    rank_private_peak_bytes: int | None = Field(
+        None,
+        description="The same of the ranks' private memory alone (sampled every 2 ms): what "
+        "converting took, about one bucket (--sampler-bucket-mb) at most.",
+    )
     failures: list[str] = Field(
         default_factory=list,
         description="Why the engines that did not load it did not: one refused the weights "

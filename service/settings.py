@@ -327,17 +327,19 @@ class Settings(BaseSettings):
     sampler_transport: Literal["object_store", "collective"] = Field(
         "object_store",
         description="How the base's weights reach the sampler engines: 'object_store' (rank 0 "
-        "puts the merged weights in Ray's object store, each engine reads them) or "
-        "'collective' (rank 0 broadcasts them in buckets over a gloo group while the engines "
+        "puts its own buckets in Ray's object store, each engine reads them) or "
+        "'collective' (each owning rank sends its buckets over a gloo group while the engines "
         "receive them through vLLM's weight-sync API; CPU engines only; each engine keeps "
-        "--sampler-versions copies in host memory). Adapters always take the object store.",
+        "--sampler-versions copies in host memory). Either way no rank gathers the model. "
+        "Adapters always take the object store.",
     )
     sampler_bucket_mb: int = Field(
-        256,
+        64,
         ge=1,
         le=65536,
-        description="The collective transport's broadcast size in MiB; it must hold the "
-        "model's largest tensor.",
+        description="MiB of one bucket of a weight sync, either transport: what a rank "
+        "converts and sends at once, and so about its extra host memory during a sync (a "
+        "tensor larger than a bucket travels alone).",
     )
     sampler_host_memory_gib: float | None = Field(
         None,

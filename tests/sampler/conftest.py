@@ -35,12 +35,12 @@ def _vllm_installed() -> None:
 
 @pytest.fixture(scope="session")
 def sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    """The embedded default at dp=2, with two sampler engines synced after every step, keeping
-    ``WINDOW`` versions servable. Its untrained weights are saved as the checkpoint
-    ``untrained``, which a test may load to start again from the base model (Tinker's
-    ``create_model`` wants one)."""
+    """The embedded default at pp=2, with two sampler engines synced after every step through
+    the object store (each pipeline stage puts the weights it owns), keeping ``WINDOW``
+    versions servable. Its untrained weights are saved as the checkpoint ``untrained``, which a
+    test may load to start again from the base model (Tinker's ``create_model`` wants one)."""
     data = tmp_path_factory.mktemp("sampled")
-    flags = ("--dp", "2", "--samplers", "2", "--sampler-versions", str(WINDOW))
+    flags = ("--pp", "2", "--dp", "1", "--samplers", "2", "--sampler-versions", str(WINDOW))
     service = running_service(data, *flags)
     with until_last_use("sampled", "sampler", service) as svc:
         with svc.client() as tc:

@@ -211,14 +211,18 @@ class _Sender:
         import threading
 
         from trainctl.workers.sampler import collective
+        from trainctl.workers.sampler.stream import StreamPlan
 
         out: dict[str, Any] = {}
+        first = StreamPlan(plan.owners, plan.buckets[:buckets])  # the same tags, fewer
 
         def run() -> None:
             try:
                 if self.group is None:
                     self.group = collective.open_group(self.rv, 0)
-                out["sent"] = collective.send(self.group, weights, plan.buckets[:buckets])
+                out["sent"], _ = collective.send(
+                    self.group, first, 0, [1], lambda p: weights[p.name]
+                )
                 if buckets is not None:
                     self.group = None
             except Exception as e:  # reported, not raised: the test reads it
@@ -246,6 +250,7 @@ async def _collective_sync() -> dict[str, Any]:
     from trainctl.api import SampleRequest, TrainctlError
     from trainctl.workers.sampler import collective
     from trainctl.workers.sampler.spec import SamplerSpec
+    from trainctl.workers.sampler.stream import StreamPlan
     from trainctl.workers.sampler.transport import LocalTransport, Shipment, schema_of
     from trainctl.workers.sampler.vllm_backend.rules import env
     from trainctl.workers.sampler.vllm_backend.sampler import VllmSampler
@@ -280,11 +285,11 @@ async def _collective_sync() -> dict[str, Any]:
     # Two syncs on generation 1's group, one on generation 2's (the group re-formed).
     for generation, seed in ((1, 0), (1, 1), (2, 2)):
         if generation not in senders:
-            rv = collective.Rendezvous.new("127.0.0.1", port(), 1, generation, timeout_s=20)
+            rv = collective.Rendezvous.new("127.0.0.1", port(), 2, generation, timeout_s=20)
             senders[generation] = _Sender(rv)
         sender = senders[generation]
         weights = _hf_weights(seed)
-        plan = collective.Plan.of(schema_of(weights), 300 * 1024)  # several buckets
+        plan = StreamPlan.whole(schema_of(weights), 300 * 1024)  # several buckets
         shipment = Shipment("collective", seed + 1, None, 0, plan)
         shipments.append(shipment)
         t0 = time.perf_counter()
@@ -321,7 +326,7 @@ async def _collective_sync() -> dict[str, Any]:
     await engine.load_weights(served)
     before = flat_result(await engine.sample("before", req, served))
     weights = _hf_weights(3)
-    plan = collective.Plan.of(schema_of(weights), 300 * 1024)
+    plan = StreamPlan.whole(schema_of(weights), 300 * 1024)
     thread, sent = senders[2].send(weights, plan, buckets=1)
     try:
         await engine.load_weights(

@@ -1,14 +1,15 @@
 """The service with ``--sampler-transport collective``: a mixture-of-experts model (Qwen3-MoE,
-transformers' own) trained at ep=2, whose rank 0 broadcasts the merged weights over a gloo
-group while both engines receive them through vLLM's weight-sync API.
+transformers' own) trained at dp=2 x ep=2, whose two ranks each send the weights they own
+(rank 0 the dense ones and half the experts, rank 1 the other half) over a gloo group while
+both engines receive and assemble them through vLLM's weight-sync API.
 
 Every step reaches both engines, which answer alike; what they answer equals, exactly, a
 fresh engine loaded with the exported weights of that step; a client pinned to a replaced
 step gets it from the copy each engine kept. A killed engine comes back without weights (a
 broadcast cannot be replayed) and the next sync, over a group formed anew, reaches it, while a
 client pinned to the step before is served by the engine that kept it. An engine killed
-mid-broadcast (rank 0 told to stall after its first bucket) costs the others that sync alone:
-they keep serving the previous step, and the next sync reaches both.
+mid-send (rank 0 told to stall after its first bucket) costs the others nothing: the owners
+go on without it, the other engine loads that step, and the next sync reaches both.
 
 (vLLM's CPU build computes this MoE model's log-probs up to 0.1 from transformers' own, for
 any weights, through either transport: so the checks here compare engines with engines. The
@@ -40,7 +41,7 @@ from helpers.servicekit import Service, running_service
 @pytest.fixture(scope="module")
 def collective(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     data = tmp_path_factory.mktemp("collective")
-    # Larger than the tiny default, so that a broadcast in buckets of 1 MiB has three; heads
+    # Larger than the tiny default, so that buckets of 1 MiB are three (two of rank 0); heads
     # of 32, the narrowest vLLM's CPU attention takes.
     shape = dict(vocab_size=512, hidden_size=128, head_dim=32, moe_intermediate_size=128)
     tiny_model("qwen3_moe", data / "hf", **shape)
@@ -170,20 +171,22 @@ def test_an_engine_killed_mid_broadcast_costs_the_others_nothing(collective: Ser
         result: dict[str, Any] = {}
         training = threading.Thread(target=lambda: result.update(step=tc.train_batch(BATCH)))
         training.start()
-        # The step takes under a second here; rank 0 then stalls 10 s after the first of three
-        # buckets, which both engines have received: kill one mid-broadcast.
+        # The step takes under a second here; rank 0 then stalls 10 s after the first of its
+        # two buckets (rank 1 sends the third, its experts): kill one engine mid-send.
         time.sleep(5)
         os.kill(victim.pid, signal.SIGKILL)
-        # A sample meanwhile waits for the broadcast to end, then gets the previous step.
+        # A sample meanwhile waits for the send to end, then gets the new step from the
+        # engine that stayed: each owner sends to each engine, and goes on without one that
+        # left.
         again = tc.sample(**REQUEST)
-        assert (again.step, _flat(again)) == (served, answer)
+        assert again.step == served + 1 and _flat(again) != answer
         training.join(120)
         step = result["step"]
-        assert step.step == served + 1 and "loaded by 0 of 2" in " ".join(step.warnings), step
+        assert step.step == served + 1 and "loaded by 1 of 2" in " ".join(step.warnings), step
         info = tc.info()
-        assert info.samplers is not None and info.samplers.step == served, info.samplers
-        assert info.samplers.engines[0].step == served
-        assert info.samplers.versions[-1] == served  # no engine got it: withdrawn
+        assert info.samplers is not None and info.samplers.step == served + 1, info.samplers
+        assert info.samplers.engines[0].step == served + 1
+        assert info.samplers.versions[-1] == served + 1
         _wait_ready(tc, 1, victim.pid)
         step = tc.train_batch(BATCH)  # a new group, with the recreated engine
         assert step.warnings == [], step

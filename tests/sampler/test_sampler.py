@@ -273,20 +273,29 @@ def test_manual_sync_and_a_family_at_tp2(qwen3_manual: Service) -> None:
         assert np.abs(prompt_scores(tc, prompts, step=1) - new).max() <= PARITY
 
 
-def test_a_tp2_trainer_feeds_an_engine_by_broadcast_exactly(qwen3_manual: Service) -> None:
-    """After syncs over the collective from two TP shards: greedy samples and prompt and
+@pytest.mark.parametrize("layout", ["tp2 collective", "pp2 object store"])
+def test_a_sharded_trainer_feeds_its_engines_exactly(
+    layout: str, request: pytest.FixtureRequest
+) -> None:
+    """After a sync streamed from the ranks that own the weights (two TP shards over the
+    collective; two pipeline stages through the object store): greedy samples and prompt and
     sample log-probs equal a fresh engine's, loaded with the exported weights of that step
     (fp32 on a CPU: 0.0)."""
-    request = {"prompts": PROMPTS, "n": 1, "max_tokens": 8, "temperature": 0.0,
-               "logprobs": True, "prompt_logprobs": True}  # fmt: skip
-    with qwen3_manual.client() as tc:
-        assert tc.train_batch([{"tokens": p, "loss_mask": [1] * len(p)} for p in PROMPTS])
+    service: Service = request.getfixturevalue(
+        "qwen3_manual" if layout.startswith("tp2") else "sampled"
+    )
+    ask = {"prompts": PROMPTS, "n": 1, "max_tokens": 8, "temperature": 0.0,
+           "logprobs": True, "prompt_logprobs": True}  # fmt: skip
+    with service.client() as tc:
+        stepped = tc.train_batch([{"tokens": p, "loss_mask": [1] * len(p)} for p in PROMPTS])
         synced = tc.sync_weights()
-        got = tc.sample(**request)
-        exported = tc.export_hf("tp2-exact")
-    assert synced.samplers == 1 and exported.step == got.step == synced.step > 0
+        got = tc.sample(**ask)
+        exported = tc.export_hf(f"{layout.split()[0]}-exact")
+    assert stepped.warnings == [] and synced.samplers >= 1
+    assert synced.convert_s is not None and synced.rank_peak_bytes is not None
+    assert exported.step == got.step == synced.step > 0
     with mp.get_context("spawn").Pool(1) as pool:
-        fresh = pool.apply_async(cases.fresh_engine_sample, (exported.path, got.step, request)).get(
+        fresh = pool.apply_async(cases.fresh_engine_sample, (exported.path, got.step, ask)).get(
             timeout=600
         )
     tokens, lps = cases.flat_result(got)

@@ -1,6 +1,7 @@
-"""The collective transport's bucket plan and its group (``workers/sampler/collective.py``):
-whole tensors per bucket, the same plan from the same schema, a tensor larger than a bucket
-refused naming the flag; a group of three threads broadcasts a set exactly."""
+"""The streamed plan's buckets (``workers/sampler/stream.py``) and the collective's group
+(``workers/sampler/collective.py``): each owner's pieces in buckets, the owners interleaved;
+two owners and two receivers in one group of threads move a set exactly; the transport's
+delivery, generations and refusals."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from trainctl.workers.sampler import collective
+from trainctl.workers.sampler.stream import Piece, StreamPlan
 from trainctl.workers.sampler.transport import schema_of
 
 
@@ -26,44 +28,68 @@ def _weights() -> dict[str, torch.Tensor]:
     }
 
 
-def test_plan_keeps_whole_tensors_within_a_bucket_in_name_order() -> None:
-    schema = schema_of(_weights())
-    buckets = collective.plan(schema, 17_000)
-    assert [n for b in buckets for n in b] == sorted(schema)
-    assert len(buckets) > 1
-    for b in buckets:
-        assert sum(collective.nbytes(schema[n]) for n in b) <= 17_000
-    assert collective.plan(schema, 17_000) == buckets
-    with pytest.raises(ValueError, match=r"sampler_bucket_mb: z\.w is 0\.0 MiB"):
-        collective.plan(schema, 1000)
+def _halves(weights: dict[str, torch.Tensor]) -> tuple[StreamPlan, dict[int, Any]]:
+    """Two owners: rank 0 holds the first half of every tensor's rows, rank 3 the rest (a
+    one-row tensor whole on rank 0), as TP shards are; the plan and each owner's values."""
+    pieces: dict[int, list[Piece]] = {0: [], 3: []}
+    values: dict[int, dict[Any, torch.Tensor]] = {0: {}, 3: {}}
+    for name, t in sorted(weights.items()):
+        dtype, full = str(t.dtype).removeprefix("torch."), tuple(t.shape)
+        cut = t.shape[0] // 2 if t.shape[0] > 1 else t.shape[0]
+        for owner, (start, part) in ((0, (0, t[:cut])), (3, (cut, t[cut:]))):
+            if part.shape[0] == 0:
+                continue
+            p = Piece(name, 0, start, tuple(part.shape), dtype, full, direct=part.numel() > 1000)
+            pieces[owner].append(p)
+            values[owner][p.key] = part
+    return StreamPlan.of(pieces, 5_000), values
 
 
-def test_a_group_broadcasts_every_bucket_exactly() -> None:
+def test_the_plan_buckets_each_owner_and_interleaves_them() -> None:
+    plan, _ = _halves(_weights())
+    assert plan.owners == (0, 3) and len(plan.buckets) > 2
+    for b in plan.buckets:  # a bucket is one owner's, within the size, or one piece alone
+        assert b.nbytes <= 5_000 or len(b.pieces) == 1
+    assert [b.owner for b in plan.buckets[:2]] == [0, 3]  # the owners send side by side
+    assert plan.schema == schema_of(_weights())
+    tags = [t for i in range(len(plan.buckets)) for t in plan.tags(i)]
+    assert tags == list(range(len(tags)))
+    assert StreamPlan.from_dict(plan.to_dict()) == plan
+
+
+def test_two_owners_send_their_halves_to_two_receivers_exactly() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rv = collective.Rendezvous.new("127.0.0.1", port, 2, generation=7, timeout_s=30)
+    rv = collective.Rendezvous.new("127.0.0.1", port, 4, generation=7, timeout_s=30)
     weights = _weights()
-    p = collective.Plan.of(schema_of(weights), 17_000)
+    plan, values = _halves(weights)
     got: dict[int, dict[str, torch.Tensor]] = {}
+    sent: dict[int, int] = {}
 
     def receive(rank: int) -> None:
-        got[rank] = collective.receive(collective.open_group(rv, rank), p.schema, p.buckets)
+        got[rank] = collective.receive(collective.open_group(rv, rank), plan)
 
-    threads = [threading.Thread(target=receive, args=(r,)) for r in (1, 2)]
+    def send(rank: int, owner: int) -> None:
+        group = collective.open_group(rv, rank)
+        sent[owner], _ = collective.send(group, plan, owner, [2, 3], lambda p: values[owner][p.key])
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in (2, 3)]
+    threads.append(threading.Thread(target=send, args=(1, 3)))
     for t in threads:
         t.start()
-    sent = collective.send(collective.open_group(rv, 0), weights, p.buckets)
+    send(0, 0)
     for t in threads:
         t.join(30)
-    assert sent == sum(t.numel() * t.element_size() for t in weights.values())
-    for rank in (1, 2):
+    assert sum(sent.values()) == sum(t.numel() * t.element_size() for t in weights.values())
+    assert sent[0] > 0 and sent[3] > 0
+    for rank in (2, 3):
         assert got[rank].keys() == weights.keys()
         for name, t in weights.items():
             assert got[rank][name].dtype == t.dtype and torch.equal(got[rank][name], t), name
 
 
-def test_the_collective_transport_refuses_gpu_engines_and_a_bucket_too_small() -> None:
+def test_the_collective_transport_refuses_gpu_engines() -> None:
     from trainctl.workers.control.samplers import SamplerSettings, check_collective
     from trainctl.workers.engine.config import ConfigError, EngineConfig, ModelConfig
     from trainctl.workers.sampler.pool import PoolOptions
@@ -73,9 +99,7 @@ def test_the_collective_transport_refuses_gpu_engines_and_a_bucket_too_small() -
         return SamplerSettings(pool=pool, transport="collective", bucket_mb=bucket_mb)
 
     qwen3 = EngineConfig(model=ModelConfig(vocab_size=151936, hidden_size=1024))
-    check_collective(qwen3, settings(0, 1024))  # 594 MiB of embedding fits a 1 GiB bucket
-    with pytest.raises(ConfigError, match=r"sampler_bucket_mb: 256 MiB is smaller .* 594 MiB"):
-        check_collective(qwen3, settings(0, 256))
+    check_collective(qwen3, settings(0, 16))  # a tensor larger than a bucket travels alone
     with pytest.raises(ConfigError, match="sampler_transport: 'collective' runs on CPU"):
         check_collective(qwen3, settings(1, 1024))
 
@@ -118,18 +142,26 @@ class _Source:
         self.fail = False
         self.staged: list[tuple[int, int]] = []
 
-    async def stage_broadcast(self, bucket: int, receivers: int, generation: int, t: float) -> Any:
-        self.staged.append((receivers, generation))
-        return "plan", 10, {"generation": generation}
+    async def stream_plan(self, bucket_bytes: int) -> StreamPlan:
+        return StreamPlan.whole({"w": ((4,), "float32")}, bucket_bytes)
 
-    async def broadcast_staged(self) -> int:
+    async def open_collective(
+        self, plan: StreamPlan, receivers: int, generation: int, timeout_s: float
+    ) -> dict[str, Any]:
+        self.staged.append((receivers, generation))
+        return {"generation": generation}
+
+    async def send_collective(self) -> int:
         self.sending.set()
         await asyncio.wait_for(self.receiving.wait(), 5)
         if self.fail:
             raise RuntimeError("a receiver left the group")
         return 10
 
-    async def to_object_store(self, adapter: str | None) -> Any:
+    async def to_object_store(self, plan: StreamPlan) -> list[Any]:
+        raise AssertionError("the collective never uses the object store")
+
+    async def adapter_to_object_store(self, adapter: str) -> tuple[Any, int]:
         raise AssertionError("the collective never uses the object store")
 
 

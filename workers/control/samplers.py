@@ -2,11 +2,12 @@
 
 A sync is an operation (queued with the training calls, so it reads one step's weights). It
 runs through a ``WeightTransport`` (``workers/sampler/transport.py``): ``connect`` to the
-engines, ``send`` (the ranks send their canonical shards to rank 0, which merges them under
-their Hugging Face names, ``export_hf``'s mapping) and ``deliver`` (the engines' loads, with
-rank 0's broadcast for the collective transport). This class is the transports'
-``WeightSource``: it asks the rank group for what each one needs. An adapter's sync is the
-same with its factors alone, in PEFT's format, always through the object store: it is synced
+engines, ``send`` (every rank names the pieces of the Hugging Face tensors it owns, the plan
+puts them in buckets, and each owner converts and puts its own, or stages them for the
+collective: no rank gathers the model) and ``deliver`` (the engines' loads, with the owners'
+sends for the collective transport). This class is the transports' ``WeightSource``: it asks
+the rank group for what each one needs. An adapter's sync is its factors alone, in PEFT's
+format (a few MB, merged on rank 0), always through the object store: it is synced
 when created, after each of its steps (``after_step``), dropped from the samplers when
 deleted, and every adapter is synced again after a checkpoint load or a recovery. ``sample``
 is not an operation: it never touches the ranks, and runs beside training.
@@ -14,8 +15,10 @@ is not an operation: it never touches the ranks, and runs beside training.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -45,6 +48,7 @@ from trainctl.workers.sampler import backend
 from trainctl.workers.sampler.backend import SamplerNeeds, UnsupportedError
 from trainctl.workers.sampler.pool import PoolOptions, SamplerPool
 from trainctl.workers.sampler.spec import SamplerSpec
+from trainctl.workers.sampler.stream import Sent, StreamPlan
 from trainctl.workers.sampler.transport import (
     CollectiveTransport,
     ObjectStoreTransport,
@@ -72,8 +76,8 @@ class SamplerSettings:
     transport: Literal["object_store", "collective"] = "object_store"
     """``--sampler-transport``: how the base's weights reach the engines (adapters always
     travel through the object store)."""
-    bucket_mb: int = 256
-    """``--sampler-bucket-mb``: MiB of one broadcast of the collective transport."""
+    bucket_mb: int = 64
+    """``--sampler-bucket-mb``: MiB of one bucket of a sync: what an owner converts at once."""
     host_memory_gib: float = 0.0
     """``--sampler-host-memory-gib``, resolved: the host memory each engine may give the
     versions it keeps over the collective transport (0: unchecked)."""
@@ -107,11 +111,15 @@ class Samplers:
         self.transport: WeightTransport = (
             CollectiveTransport(settings.bucket_mb * 2**20, settings.pool.call_timeout_s)
             if settings.transport == "collective"
-            else ObjectStoreTransport()
+            else ObjectStoreTransport(settings.bucket_mb * 2**20)
         )
         """How the base's weights travel (``--sampler-transport``)."""
         self.adapter_transport: WeightTransport = ObjectStoreTransport()
         """How adapters' travel: a few MB each, always through the object store."""
+        self.sent: list[Sent] = []
+        """What each owner reported of the last base sync."""
+        self._owners: list[int] = []
+        """The ranks that staged a collective send (``open_collective``)."""
 
     @property
     def step(self) -> int:
@@ -180,6 +188,7 @@ class Samplers:
         step = self.step if adapter is None else self.adapters.entries[adapter].state.step
         transport = self.transport if adapter is None else self.adapter_transport
         await transport.connect(self.pool)
+        self.sent = []
         shipment = await transport.send(self, step, adapter)
         if h is not None:
             h.set_phase("loading weights into the samplers")
@@ -188,6 +197,13 @@ class Samplers:
         result = await transport.deliver(
             self, shipment, lambda link: pool.sync(shipment, gather_s, new_line, link)
         )
+        if self.sent:  # the owners side by side: the slowest's
+            result = result.model_copy(update={
+                "convert_s": max(s.convert_s for s in self.sent),
+                "transfer_s": max(s.transfer_s for s in self.sent),
+                "rank_peak_bytes": _most(s.peak_bytes for s in self.sent),
+                "rank_private_peak_bytes": _most(s.private_bytes for s in self.sent),
+            })  # fmt: skip
         newest = self.pool.window.newest(adapter)
         if newest is not None and newest.version == result.step:  # published, not withdrawn
             await self.staleness.served(adapter, result.step, new_line)
@@ -199,36 +215,53 @@ class Samplers:
         )  # fmt: skip
         return result
 
-    async def to_object_store(self, adapter: str | None) -> tuple[Any, int]:
-        """``WeightSource``: every rank sends its canonical shards to rank 0, which merges them
-        under their HF names (an adapter's: PEFT's) and puts them in the object store once."""
-        g = self.group
-        if adapter is None:
-            weights, size = g.gather_on_rank0(
-                RankWorker.canonical_shards, (), RankWorker.hf_weights, num_returns=2
-            )
-        else:
-            weights, size = g.gather_on_rank0(
-                RankWorker.canonical_shards, ("adapter", adapter), RankWorker.peft_weights,
-                (adapter,), num_returns=2,
-            )  # fmt: skip
-        return weights, int(await g.fetch(size, "gathering the weights for the samplers"))
+    async def stream_plan(self, bucket_bytes: int) -> StreamPlan:
+        """``WeightSource``: every rank says which pieces of the Hugging Face tensors it owns;
+        in buckets, checked to tile the model once (``StreamPlan.of``)."""
+        pieces = await self.group.call(RankWorker.stream_pieces)
+        return StreamPlan.of(dict(enumerate(pieces)), bucket_bytes)
 
-    async def stage_broadcast(
-        self, bucket_bytes: int, receivers: int, generation: int, timeout_s: float
-    ) -> tuple[Any, int, dict[str, Any]]:
-        """``WeightSource``: rank 0 merges the base's weights as for the object store and keeps
-        them for ``broadcast_staged`` (``RankWorker.stage_collective``)."""
+    async def to_object_store(self, plan: StreamPlan) -> list[Any]:
+        """``WeightSource``: each owner puts its buckets in the object store, side by side."""
+        out = await asyncio.gather(
+            *(self.group.call_one(r, RankWorker.stream_to_object_store, plan) for r in plan.owners)
+        )
+        self.sent = [sent for _, sent in out]
+        by_owner = {r: iter(refs) for r, (refs, _) in zip(plan.owners, out, strict=True)}
+        return [next(by_owner[b.owner]) for b in plan.buckets]
+
+    async def adapter_to_object_store(self, adapter: str) -> tuple[Any, int]:
+        """``WeightSource``: ``adapter``'s factors merged on rank 0 in PEFT's format."""
         g = self.group
-        staged = g.gather_on_rank0(
-            RankWorker.canonical_shards, (), RankWorker.stage_collective,
-            (bucket_bytes, receivers, generation, timeout_s),
+        weights, size = g.gather_on_rank0(
+            RankWorker.canonical_shards, ("adapter", adapter), RankWorker.peft_weights,
+            (adapter,), num_returns=2,
         )  # fmt: skip
-        plan, nbytes, rendezvous = await g.fetch(staged, "gathering the weights for the samplers")
-        return plan, int(nbytes), rendezvous
+        return weights, int(await g.fetch(size, "gathering the adapter for the samplers"))
 
-    async def broadcast_staged(self) -> int:
-        return int(await self.group.call_one(0, RankWorker.broadcast_staged))
+    async def open_collective(
+        self, plan: StreamPlan, receivers: int, generation: int, timeout_s: float
+    ) -> dict[str, Any]:
+        """``WeightSource``: rank 0 makes the group's rendezvous, every other owner joins
+        by it; each stages its buckets."""
+        g, (first, *others) = self.group, plan.owners
+        if first != 0:
+            raise RuntimeError(f"rank 0 owns no weights (the owners are {plan.owners})")
+        args = (plan, receivers, generation, timeout_s)
+        rv: dict[str, Any] = await g.call_one(0, RankWorker.open_collective, *args)
+        await asyncio.gather(
+            *(g.call_one(r, RankWorker.open_collective, *args, rv) for r in others)
+        )
+        self._owners = list(plan.owners)
+        return rv
+
+    async def send_collective(self) -> int:
+        """``WeightSource``: every owner sends its staged buckets; the bytes each engine got."""
+        out = await asyncio.gather(
+            *(self.group.call_one(r, RankWorker.send_collective) for r in self._owners)
+        )
+        self.sent = list(out)
+        return sum(s.nbytes for s in out)
 
     async def sync_after_change(
         self, adapter: str | None = None, new_line: bool = False
@@ -353,6 +386,11 @@ class Samplers:
 _NO_SAMPLERS = "this service has no samplers: start it with --samplers N"
 
 
+def _most(values: Iterable[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
 def check_window(versions: int, nbytes: int, capacity: float) -> None:
     """A ConfigError if ``versions`` copies of the weights (``nbytes`` each) cannot fit in
     Ray's object store (``capacity`` bytes; 0: unknown), where the window keeps them."""
@@ -395,21 +433,12 @@ def check_engines(cfg: EngineConfig, s: SamplerSettings) -> None:
 
 
 def check_collective(cfg: EngineConfig, s: SamplerSettings) -> None:
-    """The collective transport's refusals, before any engine starts: GPU engines (its gloo
-    engine is for CPU engines; vLLM's nccl and ipc backends are not wired yet), and a bucket
-    smaller than the model's largest tensor (fp32 at most: the bucket holds whole tensors).
-    The engines' host-memory budget is checked by the launch (``check_kept``, which counts the
-    model's parameters with torch, which the controller never imports)."""
+    """The collective transport's refusal before any engine starts: GPU engines (its gloo
+    engine is for CPU engines; vLLM's nccl and ipc backends are not wired yet). The engines'
+    host-memory budget is checked by the launch (``check_kept``, which counts the model's
+    parameters with torch, which the controller never imports)."""
     if s.pool.num_gpus > 0:
         raise ConfigError(
             "sampler_transport: 'collective' runs on CPU sampler engines only for now (a gloo "
             "group); GPU engines take --sampler-transport object_store"
-        )
-    m = cfg.model
-    widest = max(m.vocab_size, m.ffn_hidden_size, m.num_attention_heads * m.kv_channels)
-    largest = 4 * widest * m.hidden_size
-    if largest > s.bucket_mb * 2**20:
-        raise ConfigError(
-            f"sampler_bucket_mb: {s.bucket_mb} MiB is smaller than the model's largest tensor "
-            f"(up to {largest / 2**20:.0f} MiB in fp32); raise --sampler-bucket-mb"
         )

@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core.distributed import finalize_model_grads
-from torch import Tensor
+from torch import Tensor, nn
 
 from trainctl.api.models import LossConfig
 from trainctl.workers.engine import hf, lora, megatron_cpu, weights, zero
@@ -405,19 +405,24 @@ class EngineShard:
         rank holds other experts). Gradients under ZeRO are all-gathered first (a collective
         over DP x CP): each rank holds only its slice of them summed.
         """
-        out = {}
         if grads and self.zero:
             with megatron_cpu.cuda_to_cpu():
                 zero.gather_grads(self.chunks)
+        return {
+            name: (p.main_grad if grads else p).detach().clone()  # type: ignore[attr-defined]
+            for name, p in self.named_canonical(owned=owned)
+            if not (grads and not p.requires_grad)
+        }
+
+    def named_canonical(self, *, owned: bool = False) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters by canonical name, as they are (no copy); a tied
+        embedding's copy on the last stage left out. ``owned``: only replica 0's
+        (``canonical_shards``)."""
         for c in self.chunks:
             names = weights.canonical_names(
                 c.module, ep_rank=self.coords.ep, local_experts=self.local_experts
             )
             for name, p in c.module.named_parameters():
-                if weights.is_tied_copy(p) or (grads and not p.requires_grad):
+                if weights.is_tied_copy(p) or (owned and not self.dims.holds_replica0(name)):
                     continue
-                if owned and not self.dims.holds_replica0(name):
-                    continue
-                t = p.main_grad if grads else p
-                out[names[name]] = t.detach().clone()
-        return out
+                yield names[name], p

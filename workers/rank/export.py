@@ -1,6 +1,7 @@
 """The rank actor's exporter: the model (or an adapter) gathered from every rank's shards
-into whole tensors on one rank, written as a Hugging Face checkpoint or PEFT adapter, or kept
-in memory for the samplers."""
+into whole tensors on one rank, written as a Hugging Face checkpoint or PEFT adapter, or (an
+adapter's, a few MB) kept in memory for the samplers. The base's weights reach the samplers
+without a gather: ``stream.py``."""
 
 from __future__ import annotations
 
@@ -69,19 +70,11 @@ class Exporter:
                 files = hf_adapter.save_peft(Path(directory), full, m, spec)
         return [WrittenFile(name=f.name, size_bytes=f.stat().st_size) for f in files]
 
-    def hf_weights(self, parts: list[Any]) -> tuple[dict[str, Any], int]:
-        """On one rank: every rank's ``canonical_shards`` merged into the whole model under
-        its family's Hugging Face names (what ``write_hf`` writes, kept in memory), and their
-        size in bytes. Called with ``num_returns=2``: the tensors go to the sampler engines,
-        the size to the controller, which so never holds the weights itself."""
-        from trainctl.workers.engine import hf
-
-        tensors = hf.to_hf(self._merged(parts), self.engine.cfg.model)
-        return tensors, tensor_bytes(tensors)
-
     def peft_weights(self, parts: list[Any], adapter: str) -> tuple[PeftAdapter, int]:
-        """``hf_weights`` for one adapter: its factors from every rank, in PEFT's format (what
-        ``write_hf`` writes for it), and their size in bytes."""
+        """On one rank: ``adapter``'s factors from every rank, in PEFT's format (what
+        ``write_hf`` writes for it), and their size in bytes. Called with ``num_returns=2``:
+        the tensors go to the sampler engines, the size to the controller, which so never
+        holds them itself."""
         from trainctl.workers.engine import hf_adapter
 
         spec = self.engine.adapters.spec(adapter)

@@ -37,7 +37,9 @@ from trainctl.workers.rank import logs
 from trainctl.workers.rank.export import Exporter, Part, tensor_bytes
 from trainctl.workers.rank.logs import current_operation
 from trainctl.workers.rank.step_plan import StepPlan
+from trainctl.workers.rank.stream import WeightStreamer
 from trainctl.workers.sampler.spec import PeftAdapter
+from trainctl.workers.sampler.stream import Piece, Sent, StreamPlan
 
 if TYPE_CHECKING:
     from trainctl.workers.engine.shard import EngineShard
@@ -110,8 +112,8 @@ class RankWorker:
         self._staged: tuple[str, Any] | None = None
         """A checkpoint shard read by ``stage_checkpoint`` (and the adapter to load from it,
         and as what), waiting for ``apply_checkpoint``."""
-        self._weights_sender: Any = None
-        """Rank 0, ``--sampler-transport collective``: the sending end (``Sender``)."""
+        self.streamer: WeightStreamer | None = None
+        """This rank's side of the samplers' weight syncs."""
 
     @property
     def shard(self) -> EngineShard:
@@ -176,6 +178,7 @@ class RankWorker:
 
         self.engine = EngineShard(cfg)
         self.exporter = Exporter(self.engine)
+        self.streamer = WeightStreamer(self.engine)
         return RankMeta(
             coords=self.engine.coords,
             parameters=self.engine.num_parameters(),
@@ -398,35 +401,34 @@ class RankWorker:
     ) -> list[WrittenFile]:
         return self._export().write_hf(parts, directory, adapter, merged)
 
-    def hf_weights(self, parts: list[Any]) -> tuple[dict[str, Any], int]:
-        return self._export().hf_weights(parts)
+    # -- streamed weight syncs (the streamer's) -------------------------------------------------
 
-    def stage_collective(
+    def _streamer(self) -> WeightStreamer:
+        if self.streamer is None:
+            raise RuntimeError("this rank has no engine yet (build first)")
+        return self.streamer
+
+    def stream_pieces(self) -> list[Piece]:
+        return self._streamer().pieces()
+
+    def stream_to_object_store(self, plan: StreamPlan) -> tuple[list[Any], Sent]:
+        return self._streamer().to_object_store(plan)
+
+    def open_collective(
         self,
-        parts: list[Any],
-        bucket_bytes: int,
+        plan: StreamPlan,
         receivers: int,
         generation: int,
         timeout_s: float,
-    ) -> tuple[Any, int, dict[str, Any]]:
-        """Rank 0, the collective transport: merge the parts as ``hf_weights`` does and keep
-        them for ``broadcast_staged``; the plan, the bytes and where the group forms."""
-        from trainctl.workers.sampler import collective
-        from trainctl.workers.sampler.transport import schema_of
+        rv: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return self._streamer().open_collective(
+            plan, receivers, generation, timeout_s, _node_ip(), rv
+        )
 
-        weights, size = self._export().hf_weights(parts)
-        plan = collective.Plan.of(schema_of(weights), bucket_bytes)
-        if self._weights_sender is None:
-            self._weights_sender = collective.Sender()
-        sender = self._weights_sender
-        rv = sender.rendezvous(_node_ip(), receivers, generation, timeout_s)
-        sender.stage(weights, plan)
-        return plan, size, rv.to_dict()
-
-    def broadcast_staged(self) -> int:
-        """Rank 0: send the staged version to the sampler engines (they receive meanwhile)."""
-        if self._weights_sender is None:
-            raise RuntimeError("broadcast_staged before stage_collective")
+    def send_collective(self) -> Sent:
+        """Send this owner's staged buckets (``broadcast_stall``: rank 0 stops
+        ``BROADCAST_STALL_S`` after its first)."""
         stall = None
         if self._faults.get("broadcast_stall", 0) > 0:
             self._faults["broadcast_stall"] -= 1
@@ -435,7 +437,7 @@ class RankWorker:
                 if i == 0:
                     time.sleep(BROADCAST_STALL_S)
 
-        return int(self._weights_sender.send(stall))
+        return self._streamer().send(stall)
 
     def peft_weights(self, parts: list[Any], adapter: str) -> tuple[PeftAdapter, int]:
         return self._export().peft_weights(parts, adapter)

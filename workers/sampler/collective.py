@@ -1,12 +1,13 @@
-"""Weights over a collective: a gloo group between one sender (the trainer side) and the
-sampler engines' model workers, and a version's tensors broadcast through it in buckets.
+"""Weights over a collective: a gloo group of the ranks that own the weights and the
+sampler engines' model workers, and a version's buckets sent through it.
 
-The plan is known to every member before a byte moves: the sender makes it from the
-version's schema (``plan``), hands it to every receiver with the sync's one call, and both
-sides walk it in the same order. Each bucket is one flat byte buffer and one broadcast, never
-one call per tensor. A receiver keeps every bucket until the last has arrived, and only then
-does anything with them (``receive`` returns the whole set or raises): a send that breaks
-half-way leaves the weights it serves untouched.
+The plan (``stream.py``) is known to every member before a byte moves: the controller makes
+it, hands each owner its buckets and every receiver the whole plan with the sync's one call,
+and all walk it in the same order. Each owner sends its own buckets to every receiver, a few
+messages each (never one call per tensor), converting its next bucket while the last is on
+its way; the owners send side by side. A receiver assembles every bucket and only then does
+anything with them (``receive`` returns the whole set or raises): a send that breaks half-way
+leaves the weights it serves untouched.
 
 A group lives for one generation: it is formed when the engines start (or one is
 recreated), behind a store key prefixed with a secret (``Rendezvous.prefix``), as the ranks'
@@ -18,7 +19,8 @@ Torch only: this module imports nothing from vLLM, so the sending side needs no 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -27,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainctl.workers.sampler.transport import Schema
+from trainctl.workers.sampler.buckets import Assembler, Values, pack
+from trainctl.workers.sampler.stream import StreamPlan
 
 
 @dataclass(frozen=True)
@@ -39,29 +42,16 @@ class Rendezvous:
     port: int
     prefix: str
     world_size: int
-    """The sender (rank 0) and every receiver."""
+    """Every owner that sends (trainer rank 0 first) and every receiver."""
     generation: int
     timeout_s: float = 120.0
 
     @staticmethod
-    def new(host: str, port: int, receivers: int, generation: int, **kw: Any) -> Rendezvous:
-        return Rendezvous(host, port, secrets.token_hex(16), receivers + 1, generation, **kw)
+    def new(host: str, port: int, world: int, generation: int, **kw: Any) -> Rendezvous:
+        return Rendezvous(host, port, secrets.token_hex(16), world, generation, **kw)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A collective shipment's handle (``Shipment.handle``): what will be broadcast, in which
-    buckets. The tensors themselves are nowhere but on the sender until the broadcast."""
-
-    schema: Schema
-    buckets: list[list[str]]
-
-    @staticmethod
-    def of(schema: Schema, bucket_bytes: int) -> Plan:
-        return Plan(schema, plan(schema, bucket_bytes))
 
 
 def open_group(rv: Rendezvous, rank: int, listener: Any = None) -> Any:
@@ -87,99 +77,123 @@ def open_group(rv: Rendezvous, rank: int, listener: Any = None) -> Any:
     return group
 
 
-def plan(schema: Schema, bucket_bytes: int) -> list[list[str]]:
-    """The schema's names in buckets of at most ``bucket_bytes`` each, in name order (every
-    member computes the same from the same schema). A tensor larger than a bucket is
-    refused: a bucket holds whole tensors."""
-    out: list[list[str]] = [[]]
-    filled = 0
-    for name in sorted(schema):
-        size = nbytes(schema[name])
-        if size > bucket_bytes:
-            raise ValueError(
-                f"sampler_bucket_mb: {name} is {size / 2**20:.1f} MiB, more than one bucket "
-                f"({bucket_bytes / 2**20:.1f} MiB); raise the bucket size"
-            )
-        if filled + size > bucket_bytes and out[-1]:
-            out.append([])
-            filled = 0
-        out[-1].append(name)
-        filled += size
-    return [b for b in out if b]
-
-
-def nbytes(entry: tuple[tuple[int, ...], str]) -> int:
-    shape, dtype = entry
-    return _dtype(dtype).itemsize * int(torch.Size(shape).numel())
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return dtype
-
-
 def send(
     group: Any,
-    tensors: dict[str, Tensor],
-    buckets: list[list[str]],
+    plan: StreamPlan,
+    owner: int,
+    receivers: Sequence[int],
+    values: Values,
     after_bucket: Callable[[int], None] | None = None,
-) -> int:
-    """Broadcast ``tensors`` (rank 0's side) bucket by bucket; returns the bytes sent.
-    ``after_bucket(i)`` runs once bucket ``i`` went out (a drill's stall)."""
-    sent = 0
-    for i, names in enumerate(buckets):
-        flat = torch.cat(
-            [tensors[n].detach().contiguous().view(-1).view(torch.uint8) for n in names]
-        )
-        group.broadcast(flat, 0).wait()
-        sent += flat.numel()
+) -> tuple[int, float]:
+    """Owner ``owner``'s side of a sync: each of its buckets packed (``buckets.pack``) and
+    sent to every receiver (their ranks in the group), converting the next bucket while the
+    last one is on its way; the bytes sent to each, and the seconds converting. A receiver
+    that fails (it died, or stopped past the group's timeout) is dropped and the others get
+    every bucket; then a ``LostReceivers`` names it. ``after_bucket(i)`` runs once the
+    owner's bucket ``i`` is on its way (a drill's stall)."""
+    sent, convert_s = 0, 0.0
+    lost: dict[int, str] = {}
+    live = list(receivers)
+    in_flight: list[tuple[int, Any]] = []
+
+    def settle() -> None:
+        for dst, work in in_flight:
+            try:
+                work.wait()
+            except Exception as e:  # that receiver left: the others go on
+                lost.setdefault(dst, f"{type(e).__name__}: {e}")
+        live[:] = [d for d in live if d not in lost]
+        if not live:
+            raise LostReceivers(lost)
+
+    for k, (index, bucket) in enumerate(plan.of_owner(owner)):
+        t0 = time.perf_counter()
+        messages = pack(bucket, values)
+        convert_s += time.perf_counter() - t0
+        settle()
+        in_flight = []
+        for tag, m in zip(plan.tags(index), messages, strict=True):
+            for dst in live:
+                try:
+                    in_flight.append((dst, group.send([m], dst, tag)))
+                except Exception as e:
+                    lost.setdefault(dst, f"{type(e).__name__}: {e}")
+        sent += sum(m.numel() for m in messages)
         if after_bucket is not None:
-            after_bucket(i)
-    return sent
+            after_bucket(k)
+    settle()
+    if lost:
+        raise LostReceivers(lost)
+    return sent, convert_s
 
 
-def receive(group: Any, schema: Schema, buckets: list[list[str]]) -> dict[str, Tensor]:
-    """A receiver's side of ``send``: every bucket into its own buffer, then the tensors as
-    views of them. Returns only once all have arrived (a failed broadcast raises)."""
-    out: dict[str, Tensor] = {}
-    for names in buckets:
-        sizes = [nbytes(schema[n]) for n in names]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
-        group.broadcast(flat, 0).wait()
-        for name, part in zip(names, torch.split(flat, sizes), strict=True):
-            shape, dtype = schema[name]
-            out[name] = part.view(_dtype(dtype)).view(shape)
-    return out
+class LostReceivers(RuntimeError):
+    """Receivers of a send that failed, by their rank in the group, with why; the others got
+    everything."""
+
+    def __init__(self, lost: dict[int, str]) -> None:
+        self.lost = lost
+        why = "; ".join(f"rank {r}: {e}" for r, e in sorted(lost.items()))
+        super().__init__(f"{len(lost)} receiver(s) left the weights' group: {why}")
+
+
+def receive(group: Any, plan: StreamPlan) -> dict[str, Tensor]:
+    """A receiver's side of ``send``: every bucket of every owner received (all posted at
+    once, so the owners send side by side), assembled into whole tensors. Returns only once
+    all have arrived (a failed send raises)."""
+    assembler = Assembler(plan)
+    posted = []
+    for index, bucket in enumerate(plan.buckets):
+        src = plan.owners.index(bucket.owner)
+        buffers = assembler.buffers(index)
+        works = [
+            group.recv([b], src, tag) for b, tag in zip(buffers, plan.tags(index), strict=True)
+        ]
+        posted.append((index, buffers, works))
+    for index, buffers, works in posted:
+        for work in works:
+            work.wait()
+        assembler.placed_into(index, buffers)
+    return assembler.tensors()
 
 
 class Sender:
-    """The sending end of the collective, in the process that holds the merged weights (rank
-    0's actor). Owns the group of its generation and the one version staged for the next
-    send. A send that fails drops the group: the next sync forms a new generation."""
+    """An owner's end of the collective, in its rank's actor. Owns the group of its
+    generation (joined on the first send, kept for the next ones) and the plan staged for the
+    next send.
+    Trainer rank 0 is the group's rank 0 and hosts its store (``rendezvous``); every other
+    owner joins by what rank 0 made. A send that fails drops the group: the next sync forms
+    a new generation."""
 
     def __init__(self) -> None:
         self.rv: Rendezvous | None = None
+        self.rank = 0
+        """This owner's rank in the group."""
         self.listener: Any = None
-        """The socket the store listens on: the node's address only, never every interface
-        (torch's own store would take every one); keys are under the secret prefix too."""
+        """Rank 0: the socket the store listens on (the node's address only, never every
+        interface, which torch's own store would take; keys are under the secret prefix)."""
         self.group: Any = None
-        self.staged: tuple[dict[str, Tensor], Plan] | None = None
+        self.staged: tuple[StreamPlan, int, list[int], Values] | None = None
 
-    def rendezvous(
-        self, host: str, receivers: int, generation: int, timeout_s: float
-    ) -> Rendezvous:
-        """Where the group of ``generation`` forms (a new store for a new generation); each
-        of its broadcasts waits for a member at most ``timeout_s``."""
-        if self.rv is None or self.rv.generation != generation:
+    def rendezvous(self, host: str, world: int, generation: int, timeout_s: float) -> Rendezvous:
+        """Rank 0: where the group of ``generation`` (``world`` members) forms, a new store
+        for a new generation; each of its operations waits for a member at most
+        ``timeout_s``."""
+        if self.rv is None or (self.rv.generation, self.rv.world_size) != (generation, world):
             import socket
 
             self.close()
             self.listener = socket.create_server((host, 0), backlog=128)
             port = int(self.listener.getsockname()[1])
-            self.rv = Rendezvous.new(host, port, receivers, generation, timeout_s=timeout_s)
+            self.rv = Rendezvous.new(host, port, world, generation, timeout_s=timeout_s)
         return self.rv
+
+    def join(self, rv: dict[str, Any], rank: int) -> None:
+        """Every other owner: the group rank 0 made (a new one drops the old)."""
+        new = Rendezvous(**rv)
+        if new != self.rv:
+            self.close()
+            self.rv, self.rank = new, rank
 
     def close(self) -> None:
         self.group, self.rv = None, None
@@ -187,22 +201,24 @@ class Sender:
             self.listener.close()
             self.listener = None
 
-    def stage(self, tensors: dict[str, Tensor], version_plan: Plan) -> None:
-        self.staged = (tensors, version_plan)
+    def stage(self, plan: StreamPlan, owner: int, receivers: list[int], values: Values) -> None:
+        self.staged = (plan, owner, receivers, values)
 
-    def send(self, after_bucket: Callable[[int], None] | None = None) -> int:
-        """Broadcast the staged version to the group (formed first if new); the bytes sent."""
+    def send(self, after_bucket: Callable[[int], None] | None = None) -> tuple[int, float]:
+        """Send this owner's buckets of the staged plan (joining the group first if new);
+        the bytes sent to each receiver, and the seconds converting."""
         if self.staged is None or self.rv is None:
             raise RuntimeError("nothing staged to send")
-        (tensors, version_plan), self.staged = self.staged, None
+        (plan, owner, receivers, values), self.staged = self.staged, None
         try:
             if self.group is None:
-                self.group = open_group(self.rv, 0, self.listener)
-                # The store serves on the listener's descriptor from now on, and closes it
-                # with itself: this socket object must not close it again.
-                self.listener.detach()
-                self.listener = None
-            return send(self.group, tensors, version_plan.buckets, after_bucket)
+                self.group = open_group(self.rv, self.rank, self.listener)
+                if self.listener is not None:
+                    # The store serves on the listener's descriptor from now on, and closes
+                    # it with itself: this socket object must not close it again.
+                    self.listener.detach()
+                    self.listener = None
+            return send(self.group, plan, owner, receivers, values, after_bucket)
         except Exception:
             self.close()
             raise

@@ -19,11 +19,15 @@ one it receives over a group (``member``: its part of the ``Link``). So the tens
 travel as arguments of an engine's internal calls (vLLM's model workers take
 ``collective_rpc`` arguments as plain lists).
 
-- ``object_store``: rank 0 puts the merged tensors in Ray's object store once, and each engine
-  reads them from its node's shared memory (Ray copies them across nodes). Adapters (a few
-  MB) always travel so.
-- ``collective``: rank 0 broadcasts them over a gloo group to every engine's model worker
-  (``collective.py``; the engine side is ``vllm_backend/gloo_engine.py``). A broadcast cannot
+The base's weights are never gathered in one place: the ranks that own them convert their
+own shards to pieces of the Hugging Face tensors and send those in buckets, by a plan every
+receiver gets (``stream.py``); the engine assembles them.
+
+- ``object_store``: each owner puts its buckets in Ray's object store, one converted at a
+  time, and each engine reads them from its node's shared memory (Ray copies them across
+  nodes). Adapters (a few MB, gathered on rank 0) always travel so.
+- ``collective``: each owner sends its buckets over a gloo group to every engine's model
+  worker (``collective.py``; the engine side is ``vllm_backend/gloo_engine.py``). A send cannot
   be replayed: each engine keeps the window's versions it received in host memory.
 - ``local``: the tensors themselves as the handle, for an engine in the sending process.
 """
@@ -37,10 +41,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
-log = logging.getLogger(__name__)
+from trainctl.workers.sampler.stream import Schema, StreamPlan
 
-Schema = dict[str, tuple[tuple[int, ...], str]]
-"""A weight set's names, each with its shape and dtype."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,22 +94,31 @@ class Engines(Protocol):
 class WeightSource(Protocol):
     """The ranks, as a transport asks them for weights (the controller implements it)."""
 
-    async def to_object_store(self, adapter: str | None) -> tuple[Any, int]:
-        """The current weights (``adapter``: its PEFT tensors), gathered on rank 0 and put in
+    async def stream_plan(self, bucket_bytes: int) -> StreamPlan:
+        """Every owner's pieces of the base's Hugging Face tensors, in buckets
+        (``stream.py``); nothing is converted yet."""
+        ...
+
+    async def to_object_store(self, plan: StreamPlan) -> list[Any]:
+        """Every owner's buckets of ``plan`` put in the object store (side by side, one bucket
+        converted at a time on each): the references, in the plan's bucket order."""
+        ...
+
+    async def adapter_to_object_store(self, adapter: str) -> tuple[Any, int]:
+        """``adapter``'s factors in PEFT's format, gathered on rank 0 (a few MB) and put in
         the object store once: the reference and the size in bytes."""
         ...
 
-    async def stage_broadcast(
-        self, bucket_bytes: int, receivers: int, generation: int, timeout_s: float
-    ) -> tuple[Any, int, dict[str, Any]]:
-        """The base's current weights gathered on rank 0 and kept there for
-        ``broadcast_staged``: the ``collective.Plan``, the bytes, and the rendezvous of the
-        group of ``generation`` (``receivers`` engines and rank 0), whose every broadcast
-        waits for a member at most ``timeout_s``."""
+    async def open_collective(
+        self, plan: StreamPlan, receivers: int, generation: int, timeout_s: float
+    ) -> dict[str, Any]:
+        """Every owner stages its buckets of ``plan`` for ``send_collective``: the rendezvous
+        of the group of ``generation`` (the owners, then ``receivers`` engines), whose every
+        operation waits for a member at most ``timeout_s``."""
         ...
 
-    async def broadcast_staged(self) -> int:
-        """Rank 0 broadcasts what it staged (the engines receive meanwhile); the bytes."""
+    async def send_collective(self) -> int:
+        """Every owner sends what it staged (the engines receive meanwhile); the bytes."""
         ...
 
 
@@ -147,16 +159,54 @@ class FetchedTransport:
         return await receive(None)
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """An object-store shipment of the base's weights: the plan, and each of its buckets'
+    object (its messages' bytes, put by the owner that converted it)."""
+
+    plan: StreamPlan
+    refs: list[Any]
+
+    def open(self) -> dict[str, Any]:
+        """Every bucket fetched (zero-copy from this node's shared memory) and assembled."""
+        import warnings
+
+        import ray
+        import torch
+
+        from trainctl.workers.sampler.buckets import Assembler
+
+        assembler = Assembler(self.plan)
+        for index, ref in enumerate(self.refs):
+            arrays = ray.get(ref)
+            with warnings.catch_warnings():  # shared memory is read-only; it is only read
+                warnings.simplefilter("ignore", UserWarning)
+                assembler.fill(index, [torch.from_numpy(a) for a in arrays])
+            del arrays
+        return assembler.tensors()
+
+
 class ObjectStoreTransport(FetchedTransport):
-    """Rank 0 puts the merged tensors in Ray's object store once; every engine reads them."""
+    """Every owner puts its buckets in Ray's object store; every engine reads and assembles
+    them. An adapter's factors, a few MB, are gathered on rank 0 and put as one object. Owns
+    nothing but its bucket size."""
 
     name: ClassVar[str] = "object_store"
 
+    def __init__(self, bucket_bytes: int = 256 * 2**20) -> None:
+        self.bucket_bytes = bucket_bytes
+
     async def send(self, source: WeightSource, version: int, adapter: str | None) -> Shipment:
-        ref, nbytes = await source.to_object_store(adapter)
-        return Shipment(self.name, version, adapter, nbytes, ref)
+        if adapter is not None:
+            ref, nbytes = await source.adapter_to_object_store(adapter)
+            return Shipment(self.name, version, adapter, nbytes, ref)
+        plan = await source.stream_plan(self.bucket_bytes)
+        refs = await source.to_object_store(plan)
+        return Shipment(self.name, version, None, plan.nbytes, Streamed(plan, refs))
 
     def open(self, shipment: Shipment) -> Any:
+        if isinstance(shipment.handle, Streamed):
+            return shipment.handle.open()
         import ray
 
         return ray.get(shipment.handle)
@@ -209,18 +259,20 @@ class CollectiveTransport:
     async def send(self, source: WeightSource, version: int, adapter: str | None) -> Shipment:
         if adapter is not None:
             raise ValueError("adapters travel through the object store, not the collective")
-        plan, nbytes, rendezvous = await source.stage_broadcast(
-            self.bucket_bytes, len(self.members), self.generation, self.timeout_s
+        plan = await source.stream_plan(self.bucket_bytes)
+        rendezvous = await source.open_collective(
+            plan, len(self.members), self.generation, self.timeout_s
         )
-        ranks = {index: rank for rank, (index, _) in enumerate(self.members, start=1)}
+        first = len(plan.owners)  # the owners are the group's first ranks
+        ranks = {index: rank for rank, (index, _) in enumerate(self.members, start=first)}
         self.link = Link(rendezvous, ranks)
-        return Shipment(self.name, version, None, int(nbytes), plan)
+        return Shipment(self.name, version, None, plan.nbytes, plan)
 
     async def deliver(self, source: WeightSource, shipment: Shipment, receive: Receive[T]) -> T:
-        """Rank 0's broadcast, started before the engines' receive and awaited after it. A
+        """The owners' sends, started before the engines' receive and awaited after it. A
         send that failed is logged (the engines that missed it say why in the result) and
         drops the generation: the next ``connect`` forms a new group."""
-        sending = asyncio.ensure_future(source.broadcast_staged())
+        sending = asyncio.ensure_future(source.send_collective())
         try:
             return await receive(self.link)
         finally:

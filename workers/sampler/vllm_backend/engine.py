@@ -138,8 +138,9 @@ class VllmEngine:
         """The id of the shipment they were loaded from."""
         self.schema: Schema | None = None
         """The names, shapes and dtypes of the weights loaded (what the next load must have)."""
-        self._generation: int | None = None
-        """The collective group's generation this engine's workers joined (None: none)."""
+        self._generation: tuple[int, str] | None = None
+        """The collective group this engine's workers joined: its generation and store
+        prefix (None: none)."""
 
     def _warm_up(self) -> None:
         """One short generation, so that the first request does not pay for the engine's
@@ -201,13 +202,11 @@ class VllmEngine:
         if self.schema is not None and (problem := schema_mismatch(schema, self.schema)):
             raise self._refused(step, problem)
         rpc = self.llm.collective_rpc
-        if self._generation != rendezvous["generation"]:
+        group = (rendezvous["generation"], rendezvous["prefix"])  # a new store: a new group
+        if self._generation != group:
             rpc("init_weight_transfer_engine", args=({"rendezvous": rendezvous, "rank": rank},))
-            self._generation = rendezvous["generation"]
-        update = {
-            "schema": {n: [list(s), d] for n, (s, d) in schema.items()},
-            "buckets": plan.buckets, "version": shipment.id, "keep": list(keep),
-        }  # fmt: skip
+            self._generation = group
+        update = {"plan": plan.to_dict(), "version": shipment.id, "keep": list(keep)}
         try:
             rpc("start_weight_update")
             rpc("update_weights", args=(update,))

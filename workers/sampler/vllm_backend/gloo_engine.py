@@ -10,8 +10,8 @@ run on a CPU engine, over the group of ``workers/sampler/collective.py``:
 - ``init_transfer_engine``: joins the group of one generation (its ``Rendezvous`` and this
   worker's rank in it);
 - ``start_weight_update``: forgets anything a broken update left;
-- ``update_weights`` (``receive_weights``): every bucket of the plan, into memory; the model
-  is not touched;
+- ``update_weights`` (``receive_weights``): every owner's buckets of the plan, assembled in
+  memory; the model is not touched;
 - ``finish_weight_update``: the received set, checked against the model's parameters, is
   loaded through vLLM's in-place reload (the model's own ``load_weights`` and whatever the
   platform does after loading), then the CPU's tied-embedding GEMM is prepared again.
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from trainctl.workers.sampler import collective
-from trainctl.workers.sampler.transport import Schema
+from trainctl.workers.sampler.stream import StreamPlan
 
 BACKEND = "gloo"
 
@@ -43,19 +43,14 @@ class GlooInitInfo:
 
 @dataclass
 class GlooUpdateInfo:
-    schema: dict[str, list[Any]]
-    """Each tensor's ``[shape, dtype]`` (JSON-able: lists, not tuples)."""
-    buckets: list[list[str]]
-    """``collective.plan``'s buckets, in send order."""
+    plan: dict[str, Any]
+    """``StreamPlan.to_dict()``: every owner's buckets (JSON-able: lists, not tuples)."""
     version: str = ""
     """The shipment's id: the received set is kept under it (``keep``)."""
     keep: list[str] = field(default_factory=list)
     """The shipment ids of the versions to keep in host memory once this one is loaded (the
     pool's window, this one included): a broadcast cannot be replayed, so a swap back to a
     pinned version reloads from here."""
-
-    def typed_schema(self) -> Schema:
-        return {n: (tuple(shape), str(dtype)) for n, (shape, dtype) in self.schema.items()}
 
 
 def _engine_class() -> type[Any]:
@@ -92,7 +87,7 @@ def _engine_class() -> type[Any]:
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError("gloo weight transfer: init_weight_transfer_engine first")
-            got = collective.receive(self.group, update_info.typed_schema(), update_info.buckets)
+            got = collective.receive(self.group, StreamPlan.from_dict(update_info.plan))
             self.received |= got
             self.pending = update_info
 

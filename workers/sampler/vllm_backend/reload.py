@@ -29,6 +29,9 @@ class Reloaded:
 def reload(worker: Any, shipment: Shipment, want: Schema | None) -> Reloaded:
     """Run on vLLM's worker: open the shipment, check its tensors against ``want`` (the
     schema served), and load them through the model's own loading path."""
+    plan = getattr(shipment.handle, "plan", None)  # a streamed one: refused before fetching
+    if want is not None and plan is not None and (problem := schema_mismatch(plan.schema, want)):
+        return Reloaded(plan.schema, problem, [])
     tensors = open_shipment(shipment)
     schema = schema_of(tensors)
     if want is not None and (problem := schema_mismatch(schema, want)):
