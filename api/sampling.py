@@ -10,7 +10,14 @@ from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+)
 
 from trainctl.api.adapters import ADAPTER_NAME
 from trainctl.api.batch import TokenSequence
@@ -77,6 +84,17 @@ class SamplingParams(BaseModel):
         description="Also return the log-prob of every prompt token given the tokens before "
         "it (the first is null): scores given completions with the sampler's weights.",
     )
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v + n - 1 > MAX_SEED:
+            raise ValueError(
+                f"the sampler seeds completion i with seed + i, so with n = {n} the seed is at "
+                f"most 2^64 - {n}"
+            )
+        return v
 
     @field_validator("top_k")
     @classmethod

@@ -168,6 +168,8 @@ def create_app(
     tinker_routes.install(app, order_timeout_s=tinker_order_timeout_s, shares=shares)
     app.state.metrics.track_evictions(app.state.tinker.evicted)
     app.state.metrics.track_shares(shares)
+    if keys is not None:
+        app.state.metrics.track_keys(keys)
     if fault_injection:
         _install_fault_injection(app)
     app.openapi = _openapi(app)  # type: ignore[method-assign]

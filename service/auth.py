@@ -86,8 +86,8 @@ def authorize(request: Request) -> None:
         if tenant is not None:
             request.state.tenant = tenant
             return
-        if token is not None or keys is not None:
-            raise ForbiddenError("the API key is not valid")
+        if token is not None or keys is not None:  # unknown, or revoked: not authenticated
+            raise UnauthorizedError("the API key is not valid")
         return
     if token is None and keys is None:
         return
@@ -101,4 +101,4 @@ def authorize(request: Request) -> None:
             "a tenant key reaches the Tinker API (X-API-Key: tml-<key>); this route needs "
             "the service's own token"
         )
-    raise ForbiddenError("the bearer token is not valid")
+    raise UnauthorizedError("the bearer token is not valid")

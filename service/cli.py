@@ -27,6 +27,7 @@ from trainctl.service import ray_auth
 from trainctl.service.cluster import HEAD_ATTEMPTS, LocalRayHead
 from trainctl.service.ray_auth import StartupError
 from trainctl.service.settings import Settings
+from trainctl.service.tenants import read_keys
 from trainctl.workers.rank import logs
 
 log = logging.getLogger("trainctl.serve")
@@ -146,15 +147,22 @@ def _check_sampler_stack(s: Settings) -> None:
 
 
 def _check_keys_on_hangup(s: Settings) -> None:
-    """SIGHUP: read the tenant keys file again and log whether it parses (the gateway reads
-    it again itself once it changes: ``service/tenants.py``)."""
+    """SIGHUP: read the tenant keys file again and log what the gateway will make of it (it
+    reads the file again itself once it changes, failing closed: ``service/tenants.py``)."""
 
     def check(_signum: int, _frame: Any) -> None:
         try:
-            keys = s.tenant_keys() or {}
-        except (OSError, ValueError) as e:
-            log.error("SIGHUP: the tenant keys file does not load (%s); the gateway keeps the "
-                      "keys it read before", e)  # fmt: skip
+            keys, problems = (
+                read_keys(s.api_keys.read_text(), str(s.api_keys)) if s.api_keys else ({}, [])
+            )
+        except OSError as e:
+            log.error("SIGHUP: the tenant keys file cannot be read (%s): every tenant's key "
+                      "is revoked until it can", e)  # fmt: skip
+            return
+        for problem in problems:
+            log.error("SIGHUP: %s: this line grants nothing", problem)
+        if s.api_keys and not keys:
+            log.error("SIGHUP: the tenant keys file holds no key: every tenant's key is revoked")
             return
         log.info("SIGHUP: tenant keys file holds %d tenant(s)", len(set(keys.values())))
 

@@ -90,6 +90,24 @@ class GatewayMetrics:
         for table in evicted:
             g.labels(table).set_function(count(table))
 
+    def track_keys(self, keys: TenantKeys) -> None:
+        """``trainctl_api_keys_reloads{outcome}``: the tenant keys file's reloads since start,
+        by outcome (``applied``, ``partial``: bad lines refused, ``revoked``: every key)."""
+        registry = self.registry
+
+        class Collector:
+            def collect(self) -> Iterator[Metric]:
+                family = CounterMetricFamily(
+                    "trainctl_api_keys_reloads",
+                    "Reloads of the tenant keys file since start, by outcome.",
+                    labels=["outcome"],
+                )
+                for outcome, n in keys.outcomes.items():
+                    family.add_metric([outcome], n)
+                yield family
+
+        registry.register(Collector())
+
     def track_shares(self, shares: Shares) -> None:
         """``trainctl_tenant_evictions{tenant,table}`` and ``trainctl_tenant_refusals``: what
         each party's share of each table evicted of its own, and refused it (the operator's

@@ -15,8 +15,10 @@ is the operator's: it sees and changes everything, and it alone reaches the nati
 
 The file is read again when it changes (looked at once a second at most), so a Kubernetes
 Secret update or an edit takes effect without a restart; ``trainctl serve`` also checks it
-on SIGHUP and logs the result. A file that no longer parses keeps the keys read before, and
-the error is logged.
+on SIGHUP and logs the result. A reload fails closed: the good lines are the keys (so a
+removal takes effect even beside a typo), a bad line grants nothing, and a file that is gone,
+unreadable, empty or comments only revokes every tenant's key (``TenantKeys``). At start a
+file with a bad line, or with no key, is refused.
 """
 
 from __future__ import annotations
@@ -46,40 +48,67 @@ def visible(tenant: str | None, to: str | None) -> bool:
     return to is None or tenant == to
 
 
-def parse_keys(text: str, source: str = "api_keys") -> dict[str, str]:
-    """Key -> tenant from the file's text; a ValueError naming the line for anything else."""
+def read_keys(text: str, source: str = "api_keys") -> tuple[dict[str, str], list[str]]:
+    """Key -> tenant from the file's good lines, and what is wrong with each other line (a
+    bad line grants nothing: its key, if any, is not taken)."""
     keys: dict[str, str] = {}
+    twice: set[str] = set()
+    problems: list[str] = []
     for n, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
         if len(parts) != 2:
-            raise ValueError(f"{source}: line {n}: want 'TENANT KEY', got {len(parts)} fields")
+            problems.append(f"{source}: line {n}: want 'TENANT KEY', got {len(parts)} fields")
+            continue
         tenant, key = parts
         if not TENANT_NAME.fullmatch(tenant):
-            raise ValueError(
+            problems.append(
                 f"{source}: line {n}: tenant {tenant[:40]!r} is not a name (letters, digits, "
                 "'_', '-'; 32 at most; no '.')"
             )
-        if len(key) < MIN_KEY_CHARS:
-            raise ValueError(f"{source}: line {n}: the key is shorter than {MIN_KEY_CHARS}")
-        if key in keys:
-            raise ValueError(f"{source}: line {n}: this key is given twice")
-        keys[key] = tenant
+        elif len(key) < MIN_KEY_CHARS:
+            problems.append(f"{source}: line {n}: the key is shorter than {MIN_KEY_CHARS}")
+        elif key in keys or key in twice:
+            problems.append(f"{source}: line {n}: this key is given twice")
+            keys.pop(key, None)  # no holder gets it: which one was meant is not known
+            twice.add(key)
+        else:
+            keys[key] = tenant
+    return keys, problems
+
+
+def parse_keys(text: str, source: str = "api_keys") -> dict[str, str]:
+    """Key -> tenant, strictly (at start): a ValueError naming the first bad line, or saying
+    the file holds no key (a service whose tenants file grants nobody is a mistake)."""
+    keys, problems = read_keys(text, source)
+    if problems:
+        raise ValueError(problems[0])
     if not keys:
         raise ValueError(f"{source}: no keys in the file")
     return keys
 
 
 class TenantKeys:
-    """The keys file, read again when it changes. Owns the key -> tenant table."""
+    """The keys file, read again when it changes, failing closed. Owns the key -> tenant
+    table and the count of each reload's outcome (``outcomes``):
+
+    - ``applied``: every line parsed; the table is the file's;
+    - ``partial``: the good lines are the table (a removal takes effect), each bad line is
+      refused and logged;
+    - ``revoked``: the file is gone, unreadable, empty or comments only: no key is valid
+      until it holds keys again.
+    """
+
+    OUTCOMES = ("applied", "partial", "revoked")
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._keys = parse_keys(self.path.read_text(), str(self.path))
         self._seen = self._signature()
         self._checked = time.monotonic()
+        self.outcomes = dict.fromkeys(self.OUTCOMES, 0)
 
     def _signature(self) -> tuple[int, int, int] | None:
         try:
@@ -98,11 +127,22 @@ class TenantKeys:
             return
         self._seen = signature
         try:
-            self._keys = parse_keys(self.path.read_text(), str(self.path))
-        except (OSError, ValueError) as e:
-            log.error("api keys not reloaded, the keys read before stay: %s", e)
-            return
-        log.info("api keys reloaded: %d tenant(s)", len(set(self._keys.values())))
+            keys, problems = read_keys(self.path.read_text(), str(self.path))
+        except OSError as e:
+            keys, problems = {}, [f"{self.path}: {e.strerror or e}"]
+        self._keys = keys
+        if not keys:
+            outcome = "revoked"
+            why = "; ".join(problems) or f"{self.path}: no keys in the file"
+            log.error("api keys: every tenant's key revoked (%s)", why)
+        elif problems:
+            outcome = "partial"
+            log.error("api keys reloaded: %d tenant(s); %d bad line(s) grant nothing: %s",
+                      len(self.tenants), len(problems), "; ".join(problems))  # fmt: skip
+        else:
+            outcome = "applied"
+            log.info("api keys reloaded: %d tenant(s)", len(self.tenants))
+        self.outcomes[outcome] += 1
 
     @property
     def tenants(self) -> set[str]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from trainctl.api import (
     ConflictError,
@@ -38,6 +38,7 @@ from trainctl.api import (
     SyncResult,
     SyncWeightsRequest,
 )
+from trainctl.api.bounds import MAX_SEED
 from trainctl.api.loss import UNPUBLISHED_LOSSES
 from trainctl.api.sampling import MAX_SAMPLES_PER_PROMPT, Seed, Temperature, TopK, TopP
 from trainctl.service.auth import Access, access, tenant_of
@@ -94,6 +95,17 @@ class AsampleRequest(Body):
     prompt_alt_tokens_k: int = 0
     prompt_logprobs_last_n: int | None = None
     record_stability_info: bool | None = None
+
+    @field_validator("sampling_params")
+    @classmethod
+    def _seed_room(cls, p: TinkerSamplingParams, info: ValidationInfo) -> TinkerSamplingParams:
+        n = info.data.get("num_samples", 1)
+        if p.seed is not None and p.seed + n - 1 > MAX_SEED:
+            raise ValueError(
+                f"seed: the sampler seeds sample i with seed + i, so with num_samples = {n} "
+                f"the seed is at most 2^64 - {n}"
+            )
+        return p
 
 
 def sync_request(req: SaveForSampler, adapter: str | None) -> SyncWeightsRequest:

@@ -439,25 +439,40 @@ def test_the_native_api_is_the_operators_and_counts_each_tenant(
     assert 'trainctl_tenant_adapters{tenant="bob"}' in metrics
 
 
-def test_the_keys_file_is_read_again_when_it_changes(
+def test_the_keys_file_is_read_again_when_it_changes_and_fails_closed(
     svc: Service, runs: dict[str, Run], keys_file: Path
 ) -> None:
-    """bob's key removed and carol's added: bob is refused and carol let in within seconds,
-    no restart; a file that no longer parses keeps the keys read before. Leaves the file as
-    it was."""
+    """bob's key removed and carol's added: bob is refused (401) and carol let in within
+    seconds, no restart. A reload fails closed: beside a typo, carol's removal takes effect
+    and alice stays; a comment-only, an empty and a deleted file each revoke every key, the
+    first request more than a second after the change a 401. Leaves the file as it was."""
 
     def status(key: str) -> int:
         r = httpx.post(f"{svc.url}/api/v1/create_session", json={}, timeout=30,
                        headers={"X-API-Key": f"tml-{key}"})  # fmt: skip
         return r.status_code
 
+    def changed(text: str | None) -> None:
+        if text is None:
+            keys_file.unlink()
+        else:
+            keys_file.write_text(text)
+        time.sleep(1.1)  # the gateway looks at the file once a second at most
+
     carol = "carol-key-1234567890abcdef"
     try:
         keys_file.write_text(tenancy.keys_text({"alice": KEYS["alice"], "carol": carol}))
-        assert until(lambda: status(KEYS["bob"]) == 403 and status(carol) == 200)
-        keys_file.write_text("alice only-one-field\n")
-        time.sleep(1.5)
-        assert status(carol) == 200 and status(KEYS["alice"]) == 200  # the old keys stay
+        assert until(lambda: status(KEYS["bob"]) == 401 and status(carol) == 200)
+        changed(tenancy.keys_text({"alice": KEYS["alice"]}) + "dave only-one-field\n")
+        assert (status(carol), status(KEYS["alice"])) == (401, 200)  # the typo grants nothing
+        for text in ("# every tenant withdrawn\n", "", None):
+            changed(tenancy.keys_text(KEYS))
+            assert until(lambda: status(KEYS["alice"]) == 200)
+            changed(text)
+            assert (status(KEYS["alice"]), status(KEYS["bob"])) == (401, 401), repr(text)
+        metrics = httpx.get(f"{svc.url}/metrics", timeout=30).text
+        assert 'trainctl_api_keys_reloads_total{outcome="revoked"} 3.0' in metrics
+        assert 'trainctl_api_keys_reloads_total{outcome="partial"} 1.0' in metrics
     finally:
         keys_file.write_text(tenancy.keys_text(KEYS))
     assert until(lambda: status(KEYS["bob"]) == 200)

@@ -64,7 +64,7 @@ def test_auth_matrix(svc: Service) -> None:
     r = httpx.get(svc.url + "/v1/info")
     assert r.status_code == 401 and r.json()["type"] == "unauthorized"
     r = httpx.get(svc.url + "/v1/info", headers={"authorization": "Bearer wrong"})
-    assert r.status_code == 403 and TOKEN not in r.text and "wrong" not in r.text
+    assert r.status_code == 401 and TOKEN not in r.text and "wrong" not in r.text
     r = httpx.post(svc.url + "/v1/train_batch", json={"sequences": sft_batch(seed=1)})
     assert r.status_code == 401
     assert client(svc).info().step == 0

@@ -471,7 +471,7 @@ def _post(svc: Service, route: str, body: Any, key: str | None = KEY, **kw: Any)
 def test_raw_protocol_auth_config_and_schema(svc: Service) -> None:
     assert _post(svc, "client/dynamic_config", {"sdk_version": "0.38.0"}, key=None).json() == {}
     assert _post(svc, "create_session", {"tags": []}, key=None).status_code == 401
-    assert _post(svc, "create_session", {"tags": []}, key="tml-wrong").status_code == 403
+    assert _post(svc, "create_session", {"tags": []}, key="tml-wrong").status_code == 401
     assert _post(svc, "telemetry", {"events": []}).json() == {"status": "accepted"}
     caps = tinker.RestClient(base_url=svc.url, api_key=KEY).get_server_capabilities().result()
     assert [(m.model_name, m.trainable, m.sampleable) for m in caps.supported_models] == [

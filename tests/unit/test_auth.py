@@ -58,7 +58,7 @@ def test_every_route_refuses_a_missing_or_wrong_credential(
             else {"authorization": "Bearer not-it"}
         )  # fmt: skip
         denied = http.request(method, prefix + path, headers=wrong)
-        assert denied.status_code == 403, (method, prefix + path, denied.text)
+        assert denied.status_code == 401, (method, prefix + path, denied.text)
         assert TOKEN not in denied.text
 
 

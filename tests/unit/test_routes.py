@@ -239,7 +239,7 @@ def _check_auth(http: TestClient, fake: FakeController) -> None:
     r = http.post("/v1/train_batch", json=GOOD)
     assert r.status_code == 401 and r.json()["type"] == "unauthorized"
     r = http.post("/v1/train_batch", json=GOOD, headers={"authorization": "Bearer wrong"})
-    assert r.status_code == 403 and r.json()["type"] == "forbidden"
+    assert r.status_code == 401 and r.json()["type"] == "unauthorized"
     assert "s3cret" not in r.text and "wrong" not in r.text
     assert fake.calls == []
     r = http.post("/v1/train_batch", json=GOOD, headers={"authorization": "Bearer s3cret-token"})

@@ -132,3 +132,20 @@ def test_weights_saved_with_a_ttl_are_gone_once_it_passes(
     assert e.value.status == 410
     assert table.get("a:sample:1", None).step == 3
     assert ss.Expiry.after(None) is None
+
+
+def test_a_seed_whose_children_overflow_is_a_422_naming_it() -> None:
+    """vLLM seeds completion i of a request with ``seed + i``: a seed in the last n - 1 values
+    below 2^64 overflowed inside the engine's step (a 500 for the caller and every request
+    in that step). Native and Tinker requests alike."""
+    from trainctl.service.tinker.sampling_sessions import AsampleRequest
+
+    top = 2**64 - 1
+    with pytest.raises(ValidationError, match=r"seed\n.*with n = 2 the seed is at most 2\^64 - 2"):
+        SampleRequest(prompts=[[1]], n=2, seed=top)
+    assert SampleRequest(prompts=[[1]], n=2, seed=top - 1).seed == top - 1
+    assert SampleRequest(prompts=[[1]], n=1, seed=top).seed == top
+    body = {"prompt": {"chunks": []}, "sampling_params": {"seed": top}}
+    with pytest.raises(ValidationError, match=r"sampling_params\n.*num_samples = 3"):
+        AsampleRequest(**body, num_samples=3)
+    assert AsampleRequest(**body, num_samples=1).sampling_params.seed == top

@@ -46,9 +46,12 @@ def test_a_keys_file_that_does_not_parse_names_the_line(text: str, problem: str)
         tenants.parse_keys(text)
 
 
-def test_keys_are_read_again_when_the_file_changes_and_a_broken_file_keeps_the_old(
+def test_keys_are_read_again_when_the_file_changes_and_every_reload_fails_closed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A change takes effect; a bad line grants nothing while the good lines' removals take
+    effect; an empty, comment-only, unreadable or deleted file revokes every key. Each
+    reload's outcome is counted."""
     path = tmp_path / "keys"
     path.write_text(f"alice {A}  # a comment\nbob {B}\n")
     keys = tenants.TenantKeys(path)
@@ -58,12 +61,35 @@ def test_keys_are_read_again_when_the_file_changes_and_a_broken_file_keeps_the_o
         None,
     )
     monkeypatch.setattr(tenants, "RECHECK_S", 0.0)
-    path.write_text(f"carol {B}\n")
-    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # a later mtime, surely
+    later = iter(range(1, 100))
+
+    def write(text: str) -> None:
+        path.write_text(text)
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + next(later) * 10**9))
+
+    write(f"carol {B}\n")
     assert (keys.tenant_of(A), keys.tenant_of(B)) == (None, "carol")
-    path.write_text("carol\n")  # broken: the keys read before stay
-    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
-    assert keys.tenant_of(B) == "carol" and keys.tenants == {"carol"}
+    write(f"alice {A}\ndave short\n")  # carol revoked beside a typo: she is out
+    assert (keys.tenant_of(A), keys.tenant_of(B)) == ("alice", None)
+    assert keys.outcomes == {"applied": 1, "partial": 1, "revoked": 0}
+    for text in ("", "# nobody\n\n"):
+        write(f"alice {A}\n")
+        assert keys.tenant_of(A) == "alice"
+        write(text)
+        assert keys.tenant_of(A) is None and keys.tenants == set()
+    write(f"alice {A}\n")
+    assert keys.tenant_of(A) == "alice"
+    path.unlink()  # a Secret withdrawn (an unreadable file reads the same: no keys)
+    assert keys.tenant_of(A) is None and keys.tenants == set()
+    assert keys.outcomes["revoked"] == 3
+    write(f"alice {A}\n")  # back: the keys are valid again
+    assert keys.tenant_of(A) == "alice"
+
+
+def test_a_key_given_twice_grants_neither_holder() -> None:
+    keys, problems = tenants.read_keys(f"alice {A}\nbob {A}\ncarol {B}\ndave {A}\n")
+    assert keys == {B: "carol"}
+    assert problems == [f"api_keys: line {n}: this key is given twice" for n in (2, 4)]
 
 
 def test_another_tenants_sessions_models_futures_and_paths_are_unknown() -> None:
