@@ -323,8 +323,10 @@ def _policy_step_as_token_steps(i: int, row: Mapping[str, Any]) -> Mapping[str, 
         raise field_error(
             f"sequences[{i}].{POLICY_STEP}", "give policy_step or token_steps, not both"
         )
-    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-        raise field_error(f"sequences[{i}].{POLICY_STEP}", f"must be a step >= 0, got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or not 0 <= step < 2**63:
+        raise field_error(
+            f"sequences[{i}].{POLICY_STEP}", f"must be a step in [0, 2^63), got {step!r}"
+        )
     tokens = out.get("tokens")
     out["token_steps"] = np.full(0 if tokens is None else len(tokens), step, np.int64)
     return out

@@ -108,7 +108,8 @@ def main() -> None:
             stop.set()
             flooder.join()
             elapsed = time.monotonic() - t0
-            metrics = httpx.get(f"{svc.url}/metrics", timeout=30).text
+            operator = {"Authorization": "Bearer operator-token-5f1e2d3c4b5a6978"}
+            metrics = httpx.get(f"{svc.url}/metrics", headers=operator, timeout=30).text
             sc.close("success").result()
         finally:
             svc.stop()

@@ -25,11 +25,11 @@ from pydantic import BaseModel, Field
 from trainctl.api import API_VERSION, SampleRequest, TrainctlError
 from trainctl.api.operations import ROUTED
 from trainctl.service import routes
-from trainctl.service.auth import Access, access, authorize
+from trainctl.service.auth import Access, access, authorize, is_operator
 from trainctl.service.codec import BODY_GRACE_S, BODY_TIMEOUT_S
 from trainctl.service.controller_client import ControllerAPI
 from trainctl.service.errors import install_error_handlers
-from trainctl.service.metrics import GatewayMetrics, tenant_usage
+from trainctl.service.metrics import GatewayMetrics, pseudonymous_tenants, tenant_usage
 from trainctl.service.shares import Bounds, Shares
 from trainctl.service.tenants import TenantKeys
 from trainctl.service.tinker import routes as tinker_routes
@@ -68,7 +68,10 @@ def _install_metrics(app: FastAPI, open_metrics: bool) -> None:
             tail = b""
         with contextlib.suppress(TrainctlError):  # the controller may not be ready yet
             await tenant_usage(request)  # sets the adapters-per-tenant gauge
-        return Response(metrics.text() + tail, media_type="text/plain; version=0.0.4")
+        text = metrics.text()
+        if not is_operator(request):  # an open scrape learns counts, not who the tenants are
+            text = pseudonymous_tenants(text, metrics.secret)
+        return Response(text + tail, media_type="text/plain; version=0.0.4")
 
 
 def _openapi(app: FastAPI) -> Any:

@@ -58,6 +58,17 @@ def _matches(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
+def is_operator(request: Request) -> bool:
+    """Whether ``request`` carries the service's token (``Authorization: Bearer``), or the
+    service has none (whoever reaches it is the operator). For an open route that shows the
+    operator more (``/metrics``' tenant names)."""
+    token: str | None = request.app.state.api_token
+    if token is None:
+        return getattr(request.app.state, "api_keys", None) is None
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and _matches(given.strip(), token)
+
+
 def tenant_of(request: Request) -> str | None:
     """The tenant a request acts for (``authorize`` set it); None: the operator, or a
     service without tenant keys."""

@@ -175,7 +175,7 @@ def test_a_tenant_flooding_every_table_meets_only_its_own_share(
         assert beat.status_code == 200, beat.text
         assert r.sample() == samples[r.tenant]  # the same weights, the same seed
         assert r.train() == 2
-    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    metrics = httpx.get(f"{url}/metrics", timeout=30, headers=_bearer()).text
     for line in (
         'trainctl_tenant_refusals_total{table="sessions",tenant="carol"} 113.0',
         'trainctl_tenant_refusals_total{table="parked",tenant="carol"} 1.0',
@@ -246,3 +246,8 @@ def test_a_tenant_deletes_its_own_checkpoint_and_no_other_tenant_can(
     assert on_disk.is_dir()
     a.sc.create_rest_client().delete_checkpoint_from_tinker_path(export).result()
     assert not on_disk.exists()
+
+
+def _bearer() -> dict[str, str]:
+    """The operator's: ``/metrics`` shows the tenants' names to it alone."""
+    return {"Authorization": f"Bearer {OPERATOR}"}

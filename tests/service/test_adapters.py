@@ -434,9 +434,14 @@ def test_the_native_api_is_the_operators_and_counts_each_tenant(
     assert info.tenants is not None and set(info.tenants) == {"alice", "bob"}
     for usage in info.tenants.values():
         assert usage.requests > 5 and usage.bytes > 0 and usage.adapters >= 1
-    metrics = httpx.get(f"{svc.url}/metrics", timeout=30).text
+    operator = {"Authorization": f"Bearer {OPERATOR}"}
+    metrics = httpx.get(f"{svc.url}/metrics", headers=operator, timeout=30).text
     assert 'trainctl_tenant_requests_total{tenant="alice"}' in metrics
     assert 'trainctl_tenant_adapters{tenant="bob"}' in metrics
+    # Open to anyone (Prometheus scrapes it): the counts, under pseudonyms, not the names.
+    scraped = httpx.get(f"{svc.url}/metrics", timeout=30).text
+    assert "alice" not in scraped and "bob" not in scraped
+    assert scraped.count('trainctl_tenant_requests_total{tenant="t-') == 2
 
 
 def test_the_keys_file_is_read_again_when_it_changes_and_fails_closed(

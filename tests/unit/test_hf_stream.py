@@ -154,3 +154,17 @@ def test_streamed_object_store_messages_are_read_only_numpy_safely() -> None:
         warnings.simplefilter("ignore")
         assembler.fill(0, [torch.from_numpy(np.asarray(a)) for a in arrays])
     assert torch.equal(assembler.tensors()["a"], src)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_piece_said_to_be_a_view_is_one_and_the_rest_are_copies(
+    family: str, tmp_path: Path
+) -> None:
+    """What travels without a copy (``view``) is told from shapes alone, before any byte is
+    touched: it must be exactly the pieces whose values share the parameter's memory."""
+    m, canonical = _model(family, tmp_path)
+    pieces = list(owned_pieces(iter(canonical.items()), m, tp_rank=0, tp=1))
+    storage = {t.untyped_storage().data_ptr() for t in canonical.values()}
+    shares = [h.tensor().untyped_storage().data_ptr() in storage for h in pieces]
+    assert [h.view for h in pieces] == shares
+    assert any(shares) and not all(shares)  # q/k/v regrouped: copies

@@ -121,8 +121,10 @@ def test_steps_below_minus_one_and_both_spellings_are_refused_at_the_gateway() -
         SequenceBatch.from_sequences([{"tokens": [1, 2], "token_steps": [0, -2]}])
     with pytest.raises(InvalidRequestError, match="policy_step or token_steps, not both"):
         SequenceBatch.from_sequences([{"tokens": [1, 2], "token_steps": [0, 0], "policy_step": 0}])
-    with pytest.raises(InvalidRequestError, match=r"sequences\[0\].policy_step: must be a step"):
-        SequenceBatch.from_sequences([{"tokens": [1, 2], "policy_step": -3}])
+    for bad in (-3, 2**63, 10**30):  # past int64: a 422, not an overflow into a 500
+        with pytest.raises(InvalidRequestError, match=r"sequences\[0\].policy_step: must be"):
+            SequenceBatch.from_sequences([{"tokens": [1, 2], "policy_step": bad}])
+    assert SequenceBatch.from_sequences([{"tokens": [1, 2], "policy_step": 2**63 - 1}])
 
 
 def test_policy_step_is_every_tokens_step_in_json_and_token_steps_survive_the_wire() -> None:

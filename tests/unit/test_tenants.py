@@ -403,3 +403,21 @@ def test_adapter_slots_hold_a_quota_per_tenant_and_come_back_with_their_sessions
         assert state.shares.refused["alice", "adapters"] == 1
 
     asyncio.run(run())
+
+
+def test_an_open_metrics_scrape_names_no_tenant() -> None:
+    """``/metrics`` answers without the token by default: every tenant label there is a
+    pseudonym, stable for the gateway's life; the operator's label stays."""
+    from trainctl.service.metrics import pseudonymous_tenants
+
+    text = (
+        b'trainctl_tenant_requests_total{tenant="alice"} 3.0\n'
+        b'trainctl_tenant_refusals_total{table="sessions",tenant="_operator"} 1.0\n'
+        b'trainctl_tenant_adapters{tenant="alice"} 1.0\n'
+    )
+    out = pseudonymous_tenants(text, b"s" * 32).decode()
+    assert "alice" not in out and 'tenant="_operator"' in out
+    names = {line.split('tenant="')[1].split('"')[0] for line in out.splitlines()}
+    assert len(names) == 2 and any(n.startswith("t-") and len(n) == 14 for n in names)
+    assert pseudonymous_tenants(text, b"s" * 32).decode() == out  # the same series each time
+    assert pseudonymous_tenants(text, b"t" * 32).decode() != out  # another gateway's secret

@@ -81,7 +81,6 @@ def _whole(p: Tensor, theirs: tuple[str, ...], fuse: Fuse, m: ModelConfig) -> It
     """A tensor this rank holds whole: each of its Hugging Face parts, whole. Parts that
     ``hf.split`` has to copy (q, k and v, regrouped) are made when the first is asked for,
     and each is let go once taken: a sync holds them only while their bucket is packed."""
-    base = p.untyped_storage().data_ptr()
     parts: dict[int, Tensor] = {}
 
     def values(j: int) -> Tensor:
@@ -89,10 +88,10 @@ def _whole(p: Tensor, theirs: tuple[str, ...], fuse: Fuse, m: ModelConfig) -> It
             parts.update(enumerate(hf.split(p, fuse, m)))
         return parts.pop(j).contiguous()
 
-    for j, (name, part) in enumerate(zip(theirs, hf.split(p, fuse, m), strict=True)):
+    probe = p.to("meta")  # shapes, and which parts are views, without copying a byte
+    for j, (name, part) in enumerate(zip(theirs, hf.split(probe, fuse, m), strict=True)):
         shape = tuple(part.shape)
-        view = part.is_contiguous() and part.untyped_storage().data_ptr() == base
-        del part
+        view = part.is_contiguous() and (part is probe or part._base is probe)
         yield HfPiece(name, 0, 0, shape, partial(values, j), shape, p.dtype, view)
 
 
