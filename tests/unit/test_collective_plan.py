@@ -151,7 +151,7 @@ class _Source:
         self.staged.append((receivers, generation))
         return {"generation": generation}
 
-    async def send_collective(self) -> int:
+    async def send_collective(self, plan: StreamPlan) -> int:
         self.sending.set()
         await asyncio.wait_for(self.receiving.wait(), 5)
         if self.fail:

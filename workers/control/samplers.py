@@ -118,8 +118,6 @@ class Samplers:
         """How adapters' travel: a few MB each, always through the object store."""
         self.sent: list[Sent] = []
         """What each owner reported of the last base sync."""
-        self._owners: list[int] = []
-        """The ranks that staged a collective send (``open_collective``)."""
 
     @property
     def step(self) -> int:
@@ -252,13 +250,13 @@ class Samplers:
         await asyncio.gather(
             *(g.call_one(r, RankWorker.open_collective, *args, rv) for r in others)
         )
-        self._owners = list(plan.owners)
         return rv
 
-    async def send_collective(self) -> int:
-        """``WeightSource``: every owner sends its staged buckets; the bytes each engine got."""
+    async def send_collective(self, plan: StreamPlan) -> int:
+        """``WeightSource``: every owner of ``plan`` sends its staged buckets; the bytes each
+        engine got."""
         out = await asyncio.gather(
-            *(self.group.call_one(r, RankWorker.send_collective) for r in self._owners)
+            *(self.group.call_one(r, RankWorker.send_collective) for r in plan.owners)
         )
         self.sent = list(out)
         return sum(s.nbytes for s in out)

@@ -5,9 +5,9 @@ another rank's weights: a rank holds its own shards and the bucket it is convert
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -160,8 +160,5 @@ class HostPeak:
 def as_piece(h: HfPiece) -> Piece:
     """The plan's record of an engine-side piece: where it goes, and whether it can travel
     as it is (a contiguous view of at least ``DIRECT`` bytes)."""
-    from trainctl.workers.sampler.stream import itemsize
-
-    dtype = str(h.dtype).removeprefix("torch.")
-    nbytes = itemsize(dtype) * math.prod(h.shape)
-    return Piece(h.name, h.dim, h.start, h.shape, dtype, h.full, h.view and nbytes >= DIRECT)
+    piece = Piece(h.name, h.dim, h.start, h.shape, str(h.dtype).removeprefix("torch."), h.full)
+    return replace(piece, direct=h.view and piece.nbytes >= DIRECT)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from trainctl.workers.sampler.stream import Bucket, Piece, StreamPlan
+from trainctl.workers.sampler.stream import Bucket, Piece, StreamPlan, alone
 
 Values = Callable[[Piece], Tensor]
 """The sender's side of a piece: its values (a view of a parameter, or converted)."""
@@ -30,10 +30,10 @@ def pack(bucket: Bucket, values: Values) -> list[Tensor]:
     buffer, each direct piece's own bytes as they are."""
     out = []
     for message in bucket.messages():
-        if len(message) == 1 and message[0].direct:
-            t = values(message[0])
+        if direct := alone(message):
+            t = values(direct)
             if not t.is_contiguous():
-                raise ValueError(f"{message[0].name}: a direct piece must be contiguous")
+                raise ValueError(f"{direct.name}: a direct piece must be contiguous")
             out.append(as_bytes(t))
         else:  # one buffer, each piece copied into its place as it is made
             sizes = [p.nbytes for p in message]
@@ -67,13 +67,18 @@ class Assembler:
         """Where piece ``p`` goes in its full tensor (a view; contiguous for a row block)."""
         return self.full[p.name].narrow(p.dim, p.start, p.shape[p.dim])
 
+    @staticmethod
+    def _in_place(message: tuple[Piece, ...]) -> Piece | None:
+        """The piece a message is received straight into its place (a direct row block)."""
+        p = alone(message)
+        return p if p is not None and p.dim == 0 else None
+
     def buffers(self, index: int) -> list[Tensor]:
         """Bucket ``index``'s messages' receive buffers: for a direct row block its place in
         the full tensor, else a buffer that ``placed`` copies from."""
         out = []
         for message in self.plan.buckets[index].messages():
-            p = message[0]
-            if len(message) == 1 and p.direct and p.dim == 0:
+            if p := self._in_place(message):
                 out.append(as_bytes(self._target(p)))
             else:
                 out.append(torch.empty(sum(q.nbytes for q in message), dtype=torch.uint8))
@@ -84,7 +89,7 @@ class Assembler:
         place yet where it goes."""
         messages = self.plan.buckets[index].messages()
         for message, buf in zip(messages, buffers, strict=True):
-            if len(message) == 1 and message[0].direct and message[0].dim == 0:
+            if self._in_place(message):
                 continue  # received in place
             parts = torch.split(buf, [p.nbytes for p in message])
             for p, part in zip(message, parts, strict=True):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
 Schema = dict[str, tuple[tuple[int, ...], str]]
@@ -91,6 +92,11 @@ class Bucket:
         return ([packed] if packed else []) + [(p,) for p in self.pieces if p.direct]
 
 
+def alone(message: tuple[Piece, ...]) -> Piece | None:
+    """The direct piece a message is (None: a packed message)."""
+    return message[0] if len(message) == 1 and message[0].direct else None
+
+
 @dataclass(frozen=True)
 class StreamPlan:
     """One sync's buckets, every owner's, in the order a receiver takes them (owners
@@ -133,10 +139,14 @@ class StreamPlan:
         """``rank``'s buckets with their index in the plan (the tag of their messages)."""
         return [(i, b) for i, b in enumerate(self.buckets) if b.owner == rank]
 
+    @cached_property
+    def _first_tags(self) -> list[int]:
+        """Each bucket's first message tag: the messages of the buckets before it."""
+        return list(itertools.accumulate((len(b.messages()) for b in self.buckets), initial=0))
+
     def tags(self, index: int) -> list[int]:
         """The message tags of bucket ``index``: unique in the plan."""
-        first = sum(len(b.messages()) for b in self.buckets[:index])
-        return list(range(first, first + len(self.buckets[index].messages())))
+        return list(range(self._first_tags[index], self._first_tags[index + 1]))
 
     def check(self) -> None:
         """A ValueError unless every tensor's pieces tile it exactly: one dtype, one full

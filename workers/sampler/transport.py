@@ -117,8 +117,9 @@ class WeightSource(Protocol):
         operation waits for a member at most ``timeout_s``."""
         ...
 
-    async def send_collective(self) -> int:
-        """Every owner sends what it staged (the engines receive meanwhile); the bytes."""
+    async def send_collective(self, plan: StreamPlan) -> int:
+        """Every owner of ``plan`` sends what it staged (the engines receive meanwhile); the
+        bytes."""
         ...
 
 
@@ -272,7 +273,7 @@ class CollectiveTransport:
         """The owners' sends, started before the engines' receive and awaited after it. A
         send that failed is logged (the engines that missed it say why in the result) and
         drops the generation: the next ``connect`` forms a new group."""
-        sending = asyncio.ensure_future(source.send_collective())
+        sending = asyncio.ensure_future(source.send_collective(shipment.handle))
         try:
             return await receive(self.link)
         finally:
