@@ -9,6 +9,7 @@ from trainctl.api.adapters import (
 )
 from trainctl.api.batch import SequenceBatch, TokenSequence
 from trainctl.api.errors import (
+    CheckpointInvalidError,
     ConflictError,
     ErrorBody,
     ErrorType,
@@ -31,6 +32,7 @@ from trainctl.api.errors import (
 from trainctl.api.fields import PER_TOKEN_FIELDS, FieldKind, TokenField
 from trainctl.api.models import (
     API_VERSION,
+    CheckpointFile,
     CheckpointInfo,
     CheckpointList,
     EvalBatchRequest,
@@ -54,7 +56,9 @@ from trainctl.api.models import (
     ProfileFile,
     RankInfo,
     RecoveryInfo,
+    RestoreInfo,
     Sequence,
+    SkippedCheckpoint,
     StepResult,
     TenantUsage,
     TrainBatchRequest,
@@ -91,7 +95,9 @@ __all__ = [
     "PER_TOKEN_FIELDS",
     "AdapterInfo",
     "AdapterList",
+    "CheckpointFile",
     "CheckpointInfo",
+    "CheckpointInvalidError",
     "CheckpointList",
     "Completion",
     "ConflictError",
@@ -139,6 +145,7 @@ __all__ = [
     "RateLimitedError",
     "RecoveryInfo",
     "RequestTimeoutError",
+    "RestoreInfo",
     "SampleRequest",
     "SampleResult",
     "SamplerInfo",
@@ -148,6 +155,7 @@ __all__ = [
     "Sequence",
     "SequenceBatch",
     "ServerError",
+    "SkippedCheckpoint",
     "StepResult",
     "SyncResult",
     "SyncWeightsRequest",

@@ -10,6 +10,7 @@ Every error body is ``{"type": ..., "message": ..., "details": ...}``; ``type`` 
     ├── ForbiddenError          403
     ├── NotFoundError           404
     ├── ConflictError           409  idempotency key reused, stale expected_step, ...
+    │   └── CheckpointInvalidError   a checkpoint that does not verify or fit (names the file)
     ├── GoneError               410  it was served, and is no longer kept (a weights step
     │                                past the samplers' window)
     ├── RequestTimeoutError     408  the body did not arrive in time
@@ -123,6 +124,12 @@ class NotFoundError(TrainctlError):
 
 class ConflictError(TrainctlError):
     type = ErrorType.CONFLICT
+
+
+class CheckpointInvalidError(ConflictError):
+    """A checkpoint's files do not prove the content its manifest names (changed, mixed with
+    another save's, unreadable, non-finite) or do not fit this model; ``details`` name the
+    checkpoint, the file and why. Nothing was loaded."""
 
 
 class GoneError(TrainctlError):

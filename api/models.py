@@ -92,6 +92,16 @@ def owner_field() -> Any:
     )
 
 
+class CheckpointFile(BaseModel):
+    """One rank file of a checkpoint as the save wrote it; a load checks the file against it."""
+
+    size_bytes: int
+    sha256: str = Field(description="Of the file's bytes, hashed as they were written.")
+    moments: int = Field(
+        0, description="AdamW moment tensors it holds (a load with optimizer needs them all)."
+    )
+
+
 class CheckpointInfo(BaseModel):
     """A saved training state: weights, optimizer state and step of every rank (or, with
     ``adapter``, one adapter's)."""
@@ -124,6 +134,32 @@ class CheckpointInfo(BaseModel):
     size_bytes: int
     sequence: int = Field(
         0, description="Save order: the highest is the latest, whatever its step."
+    )
+    save_id: str | None = Field(
+        None,
+        description="This save's id, which every rank file carries (null: saved before "
+        "checkpoints carried digests; such a checkpoint loads unverified).",
+    )
+    files: dict[str, CheckpointFile] | None = Field(
+        None,
+        description="Each rank file by name. A load verifies every file against it, "
+        "whatever the layout it loads into, before any rank changes state.",
+    )
+
+
+class SkippedCheckpoint(BaseModel):
+    """A checkpoint a start or a recovery passed over: it does not verify or load here."""
+
+    checkpoint_id: str
+    reason: str
+
+
+class RestoreInfo(BaseModel):
+    """The checkpoint a start restored (``--resume``), and the newer ones it passed over."""
+
+    checkpoint_id: str | None = Field(description="None: started from the start weights.")
+    skipped: list[SkippedCheckpoint] = Field(
+        default_factory=list, description="Newest first, each with why it was passed over."
     )
 
 
@@ -181,6 +217,10 @@ class RecoveryInfo(BaseModel):
     restored_checkpoint: str | None = Field(description="None: restarted from the start weights.")
     step_before: int = Field(description="The step the model had reached before the failure.")
     step_after: int = Field(description="The step restored.")
+    skipped: list[SkippedCheckpoint] = Field(
+        default_factory=list,
+        description="Newer checkpoints passed over (damaged, or not loadable here), newest first.",
+    )
 
     @property
     def steps_lost(self) -> int:
@@ -222,6 +262,10 @@ class Info(BaseModel):
     )
     steps_lost: int = Field(
         default=0, description="Steps undone by recoveries (0: nothing was ever lost)."
+    )
+    resumed: RestoreInfo | None = Field(
+        default=None,
+        description="What this start restored (null: started with --resume none).",
     )
     samplers: SamplersInfo | None = Field(
         default=None, description="The sampler engines (null: started with --samplers 0)."

@@ -57,7 +57,8 @@ def _step(eng: Any) -> None:
 def _rank(
     rank: int, world: int, port: int, job: dict[str, Any], out: Any
 ) -> None:  # pragma: no cover - a spawned process
-    from trainctl.workers.engine.reshard import Reader
+    from trainctl.api import CheckpointInfo
+    from trainctl.workers.engine.checkpoint import files
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -65,27 +66,34 @@ def _rank(
     )
     eng = _engine(job["layout"], job["quick"])
     directory = Path(job["directory"])
-    path = directory / f"rank-{rank:05d}.pt"
     reshardable = job["format"] == "reshardable"
     dist.barrier()
     if job["save"]:
         _step(eng)
         dist.barrier()
+    written, verify_s = None, 0.0
     t0 = time.perf_counter()
     with PeakRSS() as memory:
-        if job["save"]:
+        if job["save"]:  # hashed as it is written, as the service saves
             state = eng.checkpoint.reshardable_state() if reshardable else eng.checkpoint.state()
-            torch.save(state, path)
-        elif reshardable:
-            staged = eng.checkpoint.stage_reshardable(Reader.open(directory))
-            eng.checkpoint.apply_reshardable(staged)
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            eng.checkpoint.load(state)
+            written = files.write(state, directory, rank, HEADER)
+        else:  # proved first (this rank's share of the files), as the service loads
+            info = CheckpointInfo.model_validate(job["info"])
+            files.prove(directory, info, files.share(directory, info, rank, world), optimizer=True)
+            verify_s = time.perf_counter() - t0
+            if reshardable:
+                staged = eng.checkpoint.stage_reshardable(files.reader(directory))
+                eng.checkpoint.apply_reshardable(staged)
+            else:
+                eng.checkpoint.load(files.read(directory / files.name(rank), "bench"))
     seconds = time.perf_counter() - t0
     dist.barrier()
-    out.put((rank, seconds, eng.num_parameters(), memory.peak_above_start))
+    out.put((rank, seconds, eng.num_parameters(), memory.peak_above_start, verify_s, written))
     dist.destroy_process_group()
+
+
+HEADER = {"save_id": "bench", "step": 1, "layout": {}}
+"""What every rank file of the bench's one save carries."""
 
 
 def _world(layout: dict[str, int]) -> int:
@@ -95,9 +103,10 @@ def _world(layout: dict[str, int]) -> int:
     return n
 
 
-def _run(job: dict[str, Any]) -> tuple[float, int, int]:
-    """The slowest rank's seconds, the parameters of one rank, and the most resident memory
-    (bytes) a rank added while it saved or loaded."""
+def _run(job: dict[str, Any]) -> dict[str, Any]:
+    """The slowest rank's seconds (and of its proof of the files, for a load), the
+    parameters of one rank, the most resident memory (bytes) a rank added while it saved or
+    loaded, and the files a save wrote."""
     world = _world(job["layout"])
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -108,22 +117,36 @@ def _run(job: dict[str, Any]) -> tuple[float, int, int]:
     got = [out.get(timeout=1800) for _ in procs]
     for p in procs:
         p.join()
-    return max(g[1] for g in got), max(g[2] for g in got), max(g[3] for g in got)
+    return {
+        "seconds": max(g[1] for g in got), "parameters": max(g[2] for g in got),
+        "bytes": max(g[3] for g in got), "verify_s": max(g[4] for g in got),
+        "written": [g[5] for g in sorted(got, key=lambda g: g[0]) if g[5] is not None],
+    }  # fmt: skip
 
 
 def checkpoint_case(
     fmt: str, write: dict[str, int], reads: list[dict[str, int]], directory: str, quick: bool
 ) -> dict[str, Any]:
     """Save at ``write`` in format ``fmt``, then load at each of ``reads``: the size on disk,
-    the save's and each load's seconds (the slowest rank's) and each load's resident memory
-    (the most a rank added)."""
+    the save's and each load's seconds (the slowest rank's), each load's proof of the files
+    (digests, header, finite values, moments) and resident memory (the most a rank added)."""
+    from trainctl.api import CheckpointFile, CheckpointInfo
+
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     base = {"format": fmt, "directory": directory, "quick": quick}
-    save_s, params, _ = _run({**base, "layout": write, "save": True})
-    size = sum(f.stat().st_size for f in d.glob("rank-*.pt"))
-    loads = [_run({**base, "layout": r, "save": False}) for r in reads]
+    saved = _run({**base, "layout": write, "save": True})
+    written = saved["written"]
+    info = CheckpointInfo(
+        checkpoint_id="bench", step=HEADER["step"], created_at=0.0, layout=HEADER["layout"],
+        weights_digest="", size_bytes=sum(f.size_bytes for f in written),
+        save_id=HEADER["save_id"], format=fmt,
+        files={f.name: CheckpointFile(size_bytes=f.size_bytes, sha256=f.sha256,
+                                      moments=f.moments) for f in written},
+    )  # fmt: skip
+    loads = [_run({**base, "layout": r, "save": False, "info": info.model_dump()}) for r in reads]
     return {
-        "size_bytes": size, "save_s": save_s, "parameters": params,
-        "load_s": [s for s, _, _ in loads], "load_bytes": [b for _, _, b in loads],
+        "size_bytes": info.size_bytes, "save_s": saved["seconds"],
+        "parameters": saved["parameters"], "load_s": [x["seconds"] for x in loads],
+        "load_bytes": [x["bytes"] for x in loads], "verify_s": [x["verify_s"] for x in loads],
     }  # fmt: skip

@@ -28,9 +28,9 @@ def resharded_run(
     from trainctl.api.models import LossConfig
     from trainctl.workers.control.plan import plan_step
     from trainctl.workers.engine.boundary import AdapterSpec
+    from trainctl.workers.engine.checkpoint import files
     from trainctl.workers.engine.config import EngineConfig
     from trainctl.workers.engine.lora import is_lora
-    from trainctl.workers.engine.reshard import Reader
     from trainctl.workers.engine.shard import EngineShard
 
     load, save, adapter = opts.get("load", False), opts.get("save", False), opts.get("adapter")
@@ -39,7 +39,7 @@ def resharded_run(
     only = opts.get("only")  # the adapter saved and loaded alone; loaded as ``into``
     into = opts.get("into") or only
     if load:
-        saved = Reader.open(Path(directory))
+        saved = files.reader(Path(directory))
         staged = eng.checkpoint.stage_reshardable(saved, only, into)
         eng.checkpoint.apply_reshardable(staged, optimizer=optimizer)
     elif adapter is not None:

@@ -1,7 +1,7 @@
-"""The reshardable checkpoint (workers/engine/reshard.py): a run trained 3 steps at layout A,
-saved, loaded at layout B and trained 2 more equals the same 5 steps at A - losses, grad
-norms, an eval loss and every parameter, within 1e-5 - for dense models, MoE experts, Gated
-DeltaNet and LoRA adapters."""
+"""The reshardable checkpoint (workers/engine/checkpoint/reshard.py): a run trained 3 steps
+at layout A, saved, loaded at layout B and trained 2 more equals the same 5 steps at A -
+losses, grad norms, an eval loss and every parameter, within 1e-5 - for dense models, MoE
+experts, Gated DeltaNet and LoRA adapters."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -44,6 +45,45 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 
 def client(s: Service) -> TrainctlClient:
     return TrainctlClient(s.url, api_token=TOKEN, timeout=300)
+
+
+def _copy_checkpoint(root: Path, src: str, dst: str, **manifest: object) -> Path:
+    """Checkpoint ``src`` of the checkpoint directory ``root`` copied as ``dst``, saved after
+    every other (the newest), with ``manifest``'s fields changed: what a damaged checkpoint
+    looks like on disk."""
+    import shutil
+
+    shutil.copytree(root / src, root / dst)
+    m = json.loads((root / dst / "manifest.json").read_text())
+    newest = max(json.loads(p.read_text())["sequence"] for p in root.glob("*/manifest.json"))
+    m |= {"checkpoint_id": dst, "sequence": newest + 1, **manifest}
+    (root / dst / "manifest.json").write_text(json.dumps(m))
+    return root / dst
+
+
+def _rewrite(path: Path, change: Any, *, fix_digest: bool = False) -> None:
+    """Rank file ``path`` loaded, changed by ``change(state)`` and saved again by hand;
+    ``fix_digest``: its manifest entry made to match (only the content checks are left)."""
+    import hashlib
+
+    import torch
+
+    state = torch.load(path, weights_only=True)
+    change(state)
+    torch.save(state, path)
+    if fix_digest:
+        mpath = path.parent / "manifest.json"
+        m = json.loads(mpath.read_text())
+        data = path.read_bytes()
+        m["files"][path.name] |= {
+            "size_bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+        mpath.write_text(json.dumps(m))
+
+
+def _first_piece(state: dict[str, Any]) -> dict[str, Any]:
+    return next(iter(state["pieces"].values()))
 
 
 def _arm_fault(svc: Service, *, rank: int, phase: str) -> TrainctlClient:
@@ -125,6 +165,58 @@ def test_checkpoint_round_trip_is_bit_for_bit(svc: Service) -> None:
         first.loss,
         first.metrics["grad_norm:value"],
     )
+
+
+def test_damaged_checkpoints_are_refused_naming_the_file_and_change_nothing(svc: Service) -> None:
+    """The probe's five damages (issue 65, M7), each loaded at run time: a 409 naming the file
+    and why; the service's step and weights stay as they were."""
+    import shutil
+
+    c = client(svc)
+    c.train_batch(sft_batch(seed=41))
+    a = c.save_checkpoint("pristine", overwrite=True)
+    c.train_batch(sft_batch(seed=42))
+    b = c.save_checkpoint("later", overwrite=True)
+    c.train_batch(sft_batch(seed=43))
+    before = c.info()
+    ckpts = svc.data_dir / "checkpoints"
+    nan = _copy_checkpoint(ckpts, "pristine", "bad-nan")  # NaN weights, saved by hand
+    _rewrite(nan / "rank-00000.pt", lambda s: _first_piece(s)["param"].fill_(float("nan")))
+    mixed = _copy_checkpoint(ckpts, "pristine", "bad-mixed")  # one file of the later save
+    shutil.copy(svc.data_dir / "checkpoints" / "later" / "rank-00001.pt", mixed)
+    foreign = _copy_checkpoint(ckpts, "pristine", "bad-foreign")  # ...with its digest too
+    shutil.copy(svc.data_dir / "checkpoints" / "later" / "rank-00001.pt", foreign)
+    m = json.loads((foreign / "manifest.json").read_text())
+    m["files"]["rank-00001.pt"] = json.loads(
+        (svc.data_dir / "checkpoints" / "later" / "manifest.json").read_text()
+    )["files"]["rank-00001.pt"]
+    (foreign / "manifest.json").write_text(json.dumps(m))
+    _copy_checkpoint(ckpts, "pristine", "bad-step", step=999)  # a forged manifest step
+    bare = _copy_checkpoint(ckpts, "pristine", "bad-moments")  # AdamW moments dropped
+    drop = lambda s: [p.pop(k) for p in s["pieces"].values() for k in ("exp_avg", "exp_avg_sq")]  # noqa: E731
+    _rewrite(bare / "rank-00000.pt", drop, fix_digest=True)
+    expected = {
+        "bad-nan": ("rank-00000.pt", "the save wrote"),
+        "bad-mixed": ("rank-00001.pt", "the save wrote"),
+        "bad-foreign": ("rank-00001.pt", f"belongs to save {b.save_id}"),
+        "bad-step": ("rank-00000.pt", f"written at step {a.step}, the manifest says 999"),
+        "bad-moments": ("rank-00000.pt", "AdamW moment tensors"),
+    }
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    for name, (file, why) in expected.items():
+        r = httpx.post(f"{svc.url}/v1/checkpoints/{name}/load", json={}, headers=headers,
+                       timeout=180)  # fmt: skip
+        error = r.json()
+        assert r.status_code == 409 and error["type"] == "conflict", (name, r.text)
+        assert file in error["message"] and why in error["message"], (name, error)
+        assert error["details"]["file"] == file, error
+        info = c.info()
+        assert info.step == before.step, name
+        assert digest(info.weights_digest) == digest(before.weights_digest), name
+    c.load_checkpoint("bad-moments", optimizer=False)  # no moments asked for: it loads
+    assert c.info().step == a.step
+    for name in expected:
+        shutil.rmtree(svc.data_dir / "checkpoints" / name)
 
 
 def test_a_failing_rank_applies_nothing_on_any_rank(svc: Service) -> None:
@@ -228,10 +320,17 @@ def test_a_tp2_service_resumes_the_dp2_runs_checkpoint(svc: Service, tmp_path: P
     want = [c.train_batch(b).loss for b in batches]
     want_lp = c.logprobs(sft_batch(seed=34)).logprobs
     shutil.copytree(svc.data_dir / "checkpoints" / "handoff", tmp_path / "checkpoints" / "handoff")
+    # A newer checkpoint with a torn file: the start passes over it (issue 65, M8).
+    torn = _copy_checkpoint(tmp_path / "checkpoints", "handoff", "torn")
+    (torn / "rank-00001.pt").write_bytes((torn / "rank-00001.pt").read_bytes()[:4096])
     with running_service(tmp_path, "--dp=1", "--tp=2") as other:
         tc = other.client()
         info = tc.info()
         assert info.step == saved.step and info.layout["tp"] == 2 and info.layout["dp"] == 1
+        assert info.resumed is not None and info.resumed.checkpoint_id == "handoff", info.resumed
+        assert [k.checkpoint_id for k in info.resumed.skipped] == ["torn"], info.resumed
+        assert "rank-00001.pt" in info.resumed.skipped[0].reason
+        assert "passing over checkpoint torn" in other.log()
         got = [tc.train_batch(b).loss for b in batches]
         got_lp = tc.logprobs(sft_batch(seed=34)).logprobs
     assert np.allclose(got, want, rtol=1e-5, atol=1e-5), (got, want)
@@ -240,8 +339,12 @@ def test_a_tp2_service_resumes_the_dp2_runs_checkpoint(svc: Service, tmp_path: P
 
 
 def test_a_killed_rank_is_replaced_and_the_latest_checkpoint_restored(svc: Service) -> None:
+    """... the newest that proves its content: a newer damaged one is passed over once
+    (issue 65, M8), never retried."""
     c = client(svc)
     saved = c.save_checkpoint()
+    damaged = _copy_checkpoint(svc.data_dir / "checkpoints", saved.checkpoint_id, "damaged")
+    _rewrite(damaged / "rank-00000.pt", lambda s: _first_piece(s)["param"].mul_(2))
     c.train_batch(sft_batch(seed=24))  # a step after the checkpoint: it will be lost
     victim = c.info().ranks[1].pid
     assert victim is not None
@@ -267,7 +370,12 @@ def test_a_killed_rank_is_replaced_and_the_latest_checkpoint_restored(svc: Servi
     c.wait_ready(timeout=180)
     info = c.info()
     assert info.recovery is not None and info.recovery.restored_checkpoint == saved.checkpoint_id
+    assert [k.checkpoint_id for k in info.recovery.skipped] == ["damaged"], info.recovery
+    assert "recovery failed" not in svc.log()  # restored at the first try: no retry loop
     assert info.step == saved.step and info.steps_lost >= 1
     assert digest(info.weights_digest) == digest(saved.weights_digest)
     assert all(rk.pid != victim for rk in info.ranks)
     assert c.train_batch(sft_batch(seed=26)).step == saved.step + 1
+    import shutil
+
+    shutil.rmtree(damaged)

@@ -161,11 +161,17 @@ def test_checkpoint_and_profile_files_are_never_unpickled_as_code(tmp_path: Path
 
     marker = tmp_path / "ran"
     torch.save({"chunks": [_Payload(str(marker))]}, tmp_path / "rank-00000.pt")
+    from trainctl.api import CheckpointInfo, CheckpointInvalidError
+
     worker = RankWorker(rank=0, world_size=1)
-    with pytest.raises(pickle.UnpicklingError):
-        worker.stage_checkpoint(str(tmp_path))
-    with pytest.raises(pickle.UnpicklingError):  # the reshardable format reads every rank file
-        worker.stage_checkpoint(str(tmp_path), None, None, True)
+    for fmt in ("per_rank", "reshardable"):  # a checkpoint saved before digests: read as is
+        info = CheckpointInfo(
+            checkpoint_id="x", step=0, created_at=0.0, layout={}, weights_digest="",
+            size_bytes=0, format=fmt,
+        )  # fmt: skip
+        refused = r"rank-00000\.pt: the file cannot be read \(it holds objects"
+        with pytest.raises(CheckpointInvalidError, match=refused):
+            worker.stage_checkpoint(str(tmp_path), info)
     with pytest.raises(pickle.UnpicklingError):
         memory_timeline("snapshot.pickle", pickle.dumps(_Payload(str(marker))))
     assert not marker.exists()

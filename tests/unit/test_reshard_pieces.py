@@ -1,4 +1,4 @@
-"""The reshardable format's pieces (workers/engine/reshard.py), without ranks: a tensor
+"""The reshardable format's pieces (workers/engine/checkpoint/reshard.py), without ranks: a tensor
 written in ranges by several TP and ZeRO ranks is cut again for another TP, whatever its
 shard rule, from the pieces that shard overlaps alone; a gap is an error naming the tensor."""
 
@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from trainctl.workers.engine import reshard, weights
-from trainctl.workers.engine.reshard import Pieces
+from trainctl.workers.engine import weights
+from trainctl.workers.engine.checkpoint import reshard
+from trainctl.workers.engine.checkpoint.reshard import Pieces
 
 NAMES = {
     "dim 0": "decoder.layers.0.self_attention.linear_qkv.weight",

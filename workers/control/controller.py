@@ -38,6 +38,7 @@ from trainctl.api import (
     Operation,
     OperationKind,
     RankInfo,
+    RestoreInfo,
     SampleRequest,
     SampleResult,
     TrainctlError,
@@ -133,6 +134,7 @@ class Controller:
         self.checkpoints = CheckpointStore(root / "checkpoints", keep=options.keep_checkpoints)
         self.checkpoint_every_steps = options.checkpoint_every_steps
         self.resume = options.resume
+        self.resumed: RestoreInfo | None = None
         self.on_gpus = options.rank_num_gpus > 0
         self.group: RankGroup = group or RankGroup(
             self.cfg, num_cpus=options.rank_num_cpus, num_gpus=options.rank_num_gpus
@@ -219,15 +221,13 @@ class Controller:
         self.checkpoints.sweep_partial()
         for d in self.saves.export_partials():  # a crash's leftovers
             shutil.rmtree(d, ignore_errors=True)
-        start = self.saves.latest() if self.resume == "latest" else None
-        if self.resume not in (None, "latest"):
-            _, start = self.checkpoints.path(self.resume)  # not found: the start fails, saying so
-        if start is not None:
-            await self.saves.load(start.checkpoint_id)
-            log.info(
-                "resumed from checkpoint %s (step %d, written at %s)",
-                start.checkpoint_id, self.step, start.layout,
-            )  # fmt: skip
+        if self.resume == "latest":  # the newest that proves its content and loads here
+            self.resumed = await self.saves.restore_latest()
+        elif self.resume is not None:  # that one, or the start fails saying why
+            await self.saves.load(self.resume)
+            self.resumed = RestoreInfo(checkpoint_id=self.resume)
+        if self.resumed is not None and self.resumed.checkpoint_id is not None:
+            log.info("resumed from checkpoint %s (step %d)", self.resumed.checkpoint_id, self.step)
         await self.samplers.start()
         self.serving.ready = True
         log.info("%d ranks ready in %.1fs", self.group.world_size, time.perf_counter() - t0)
@@ -404,6 +404,7 @@ class Controller:
             limits=self.limits,
             recovery=self.recovery.last,
             steps_lost=self.recovery.steps_lost,
+            resumed=self.resumed,
             samplers=None if self.samplers.pool is None else self.samplers.pool.info(),
         )
 

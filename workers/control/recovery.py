@@ -1,6 +1,7 @@
 """The controller's failure recovery: when the rank group is lost (a rank died, peers are
 stuck, an update half applied), stop taking work, replace every rank actor and restore the
-latest checkpoint, ahead of every queued operation; retried while the cluster has no room."""
+newest checkpoint that proves its content (a damaged one is passed over, never retried),
+ahead of every queued operation; retried while the cluster has no room."""
 
 from __future__ import annotations
 
@@ -89,19 +90,17 @@ class Recovery:
         self.serving.waiting = None
         self.version.bump()
         await self.group.spawn()
-        latest = self.saves.latest()
-        if latest is not None:
-            h.set_phase(f"restoring {latest.checkpoint_id}")
-            await self.saves.load(latest.checkpoint_id)
-        else:
+        restored = await self.saves.restore_latest(h)  # a damaged newest: the one before
+        if restored.checkpoint_id is None:
             self.state.step = 0
             await self.adapters.reread()  # fresh ranks: no adapters
         self.last = RecoveryInfo(
             at=time.time(),
             cause=cause,
-            restored_checkpoint=latest.checkpoint_id if latest else None,
+            restored_checkpoint=restored.checkpoint_id,
             step_before=step_before,
             step_after=self.step,
+            skipped=restored.skipped,
         )
         self.steps_lost += step_before - self.step
         warning = await self.samplers.sync_after_load()

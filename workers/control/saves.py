@@ -2,9 +2,12 @@
 load in two phases (stage everywhere, then apply: a bad shard changes nothing), and the
 Hugging Face export (every rank's canonical shards merged and written on rank 0).
 
-Checkpoints are written reshardable by default (``workers/engine/reshard.py``): any layout
-of the same model loads them, whole or one adapter alone. Those written with
-``--checkpoint-format per_rank`` (and before it existed) load only into their own layout."""
+Checkpoints are written reshardable by default (``workers/engine/checkpoint/reshard.py``):
+any layout of the same model loads them, whole or one adapter alone. Those written with
+``--checkpoint-format per_rank`` (and before it existed) load only into their own layout.
+Every rank file is hashed as it is written and proved before a load changes anything
+(``workers/engine/checkpoint/files.py``); a start or a recovery walks back past checkpoints
+that do not prove their content (``restore_latest``)."""
 
 from __future__ import annotations
 
@@ -13,12 +16,15 @@ import json
 import logging
 import os
 import shutil
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from trainctl.api import (
+    CheckpointFile,
     CheckpointInfo,
+    CheckpointInvalidError,
     ConflictError,
     DeleteCheckpointRequest,
     Deleted,
@@ -27,7 +33,9 @@ from trainctl.api import (
     InvalidRequestError,
     LoadCheckpointRequest,
     NotFoundError,
+    RestoreInfo,
     SaveCheckpointRequest,
+    SkippedCheckpoint,
     TrainctlError,
     WorkerError,
 )
@@ -95,13 +103,31 @@ class Saves:
         return info.layout == self.layout()
 
     def latest(self) -> CheckpointInfo | None:
-        """The service's latest whole checkpoint that loads here (what a start and a recovery
-        restore)."""
-        found = [
-            c for c in self.checkpoints.list().checkpoints
-            if c.adapter is None and self.fits(c)
-        ]  # fmt: skip
+        """The service's latest whole checkpoint of this model or layout (unproved)."""
+        found = self.restorable()
         return found[-1] if found else None
+
+    def restorable(self) -> list[CheckpointInfo]:
+        """The service's whole checkpoints of this model or layout, oldest save first."""
+        return [
+            c for c in self.checkpoints.list().checkpoints if c.adapter is None and self.fits(c)
+        ]
+
+    async def restore_latest(self, h: Handle | None = None) -> RestoreInfo:
+        """Load the newest whole checkpoint that proves its content and loads here, passing
+        over each newer one that does not (logged, and listed in the answer): what a start
+        (``--resume latest``) and a recovery restore. A checkpoint is tried once; none
+        loaded: the ranks keep the weights they started with."""
+        skipped: list[SkippedCheckpoint] = []
+        for c in reversed(self.restorable()):
+            try:
+                await self.load(c.checkpoint_id, h)
+            except CheckpointInvalidError as e:
+                log.warning("passing over checkpoint %s: %s", c.checkpoint_id, e.message)
+                skipped.append(SkippedCheckpoint(checkpoint_id=c.checkpoint_id, reason=e.message))
+                continue
+            return RestoreInfo(checkpoint_id=c.checkpoint_id, skipped=skipped)
+        return RestoreInfo(checkpoint_id=None, skipped=skipped)
 
     def save_op(self, req: SaveCheckpointRequest) -> Runner:
         store = self.checkpoints.scoped(req.owner)  # 422 now for a bad owner
@@ -129,8 +155,11 @@ class Saves:
             store.check_name(name, overwrite)  # again: one may have been saved since
         step = self.step if adapter is None else self.adapters.state(adapter).step
         tmp = store.begin(step)
+        header = {"save_id": uuid.uuid4().hex, "step": step, "layout": self.layout()}
         try:
-            await self.group.call(RankWorker.save_checkpoint, str(tmp), adapter, self.reshardable)
+            written = await self.group.call(
+                RankWorker.save_checkpoint, str(tmp), adapter, self.reshardable, header
+            )
             if adapter is None:
                 digests = await self.version.digests()
             else:
@@ -140,6 +169,12 @@ class Saves:
                 "weights_digest": self.group.digest_of(digests),
                 "format": "reshardable" if self.reshardable else "per_rank",
                 "precision": self.precision, "model": self.model(),
+                "save_id": header["save_id"],
+                "files": {
+                    f.name: CheckpointFile(size_bytes=f.size_bytes, sha256=f.sha256,
+                                           moments=f.moments)
+                    for f in written
+                },
             }  # fmt: skip
             saved = await asyncio.to_thread(store.commit, tmp, info, name)
         except BaseException:
@@ -212,9 +247,8 @@ class Saves:
         # the load fails and every rank keeps the weights it had.
         try:
             await self.group.call(
-                RankWorker.stage_checkpoint, str(path), adapter, into,
-                info.format == "reshardable",
-            )  # fmt: skip
+                RankWorker.stage_checkpoint, str(path), info, adapter, into, optimizer
+            )
         except TrainctlError:
             await self.group.call_quietly(RankWorker.drop_staged)
             raise

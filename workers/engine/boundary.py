@@ -222,10 +222,13 @@ class RankMeta:
 
 @dataclass(frozen=True, kw_only=True)
 class WrittenFile:
-    """A file a rank wrote (a checkpoint shard, an export file)."""
+    """A file a rank wrote (a checkpoint shard, an export file): its name, size and, for a
+    checkpoint shard, the sha256 of its bytes and the AdamW moment tensors it holds."""
 
     name: str
     size_bytes: int
+    sha256: str = ""
+    moments: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -76,6 +76,7 @@ class Exporter:
         the tensors go to the sampler engines, the size to the controller, which so never
         holds them itself."""
         from trainctl.workers.engine import hf_adapter
+        from trainctl.workers.engine.checkpoint.files import tensor_bytes
 
         spec = self.engine.adapters.spec(adapter)
         config, tensors = hf_adapter.to_peft(self._merged(parts), self.engine.cfg.model, spec)
@@ -101,14 +102,3 @@ class Exporter:
                     own = json.loads(path.read_text())
                     config |= {k: own[k] for k in ("eos_token_id", "bos_token_id") if k in own}
         return config
-
-
-def tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor in a nested state (a checkpoint's, a set of weights)."""
-    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
-        return int(obj.numel() * obj.element_size())
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0

@@ -8,10 +8,8 @@ a timeout, so a dead peer becomes an error instead of a hang), then builds the e
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import shutil
 import tempfile
 import time
 import warnings
@@ -20,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainctl.api import CheckpointInfo, TrainctlError
 from trainctl.workers.engine.boundary import (
     AdapterInfo,
     AdapterSpec,
@@ -34,7 +33,7 @@ from trainctl.workers.engine.boundary import (
 )
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.rank import logs
-from trainctl.workers.rank.export import Exporter, Part, tensor_bytes
+from trainctl.workers.rank.export import Exporter, Part
 from trainctl.workers.rank.logs import current_operation
 from trainctl.workers.rank.step_plan import StepPlan
 from trainctl.workers.rank.stream import WeightStreamer
@@ -280,57 +279,56 @@ class RankWorker:
     # -- checkpoints and export ----------------------------------------------------------------
 
     def save_checkpoint(
-        self, directory: str, adapter: str | None = None, reshardable: bool = False
+        self,
+        directory: str,
+        adapter: str | None = None,
+        reshardable: bool = False,
+        header: dict[str, Any] | None = None,
     ) -> WrittenFile:
         """Write this rank's shard of the training state (``adapter``: that adapter's alone)
         into ``directory`` (not yet final: the controller renames the directory once every
-        rank has written); ``reshardable``: in the format any layout loads
-        (``workers/engine/reshard.py``)."""
-        import torch
+        rank has written), hashed as it is written, with ``header`` (the save's id, step and
+        layout); ``reshardable``: in the format any layout loads
+        (``workers/engine/checkpoint/reshard.py``)."""
+        from trainctl.workers.engine.checkpoint import files
 
-        path = Path(directory) / f"rank-{self.rank:05d}.pt"
-        tmp = path.with_suffix(".pt.partial")
         ckpt = self.shard.checkpoint
         state = ckpt.reshardable_state(adapter) if reshardable else ckpt.state(adapter)
-        needed = tensor_bytes(state)
-        if shutil.disk_usage(directory).free < needed:
-            raise _no_space(self.rank, needed, directory)
-        try:
-            torch.save(state, tmp)
-        except (OSError, RuntimeError) as e:
-            # torch's writer reports a full disk in its own words ("unexpected pos ..."):
-            # say what happened when the volume is what ran out.
-            full = shutil.disk_usage(directory).free < (1 << 20)
-            tmp.unlink(missing_ok=True)
-            if full or getattr(e, "errno", None) == errno.ENOSPC:
-                raise _no_space(self.rank, needed, directory) from None
-            raise
-        os.replace(tmp, path)
-        return WrittenFile(name=path.name, size_bytes=path.stat().st_size)
+        return files.write(state, Path(directory), self.rank, header or {})
 
     def stage_checkpoint(
         self,
         directory: str,
+        info: CheckpointInfo,
         adapter: str | None = None,
         into: str | None = None,
-        reshardable: bool = False,
+        optimizer: bool = True,
     ) -> None:
-        """Phase 1 of a load: read this rank's shard and check it fits (``adapter``: that
-        adapter's part, loaded as ``into``), changing nothing (only tensors and plain
-        containers are unpickled: ``weights_only``). ``reshardable``: cut this rank's shard
-        out of every rank file of a checkpoint written at any layout."""
-        import torch
+        """Phase 1 of a load, changing nothing: prove this rank's share of the checkpoint's
+        files against its manifest ``info`` (every file is proved by one rank, whatever the
+        writer's layout), then read this rank's shard and check it fits (``adapter``: that
+        adapter's part, loaded as ``into``). Only tensors and plain containers are unpickled
+        (``weights_only``). A reshardable checkpoint: this rank's shard is cut out of every
+        rank file, written at any layout. A problem is a ``CheckpointInvalidError`` (409)
+        naming the file and why."""
+        from trainctl.workers.engine.checkpoint import files
 
-        from trainctl.workers.engine.reshard import Reader
-
-        if reshardable:
-            saved = Reader.open(Path(directory))
-            staged = self.shard.checkpoint.stage_reshardable(saved, adapter, into)
-            self._staged = ("reshardable", staged)
-            return
-        path = Path(directory) / f"rank-{self.rank:05d}.pt"
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        self.shard.checkpoint.check(state, adapter, into)
+        path, cid = Path(directory), info.checkpoint_id
+        files.prove(
+            path, info, files.share(path, info, self.rank, self.world_size), optimizer=optimizer
+        )
+        ckpt = self.shard.checkpoint
+        try:
+            if info.format == "reshardable":
+                staged = ckpt.stage_reshardable(files.reader(path, cid), adapter, into)
+                self._staged = ("reshardable", staged)
+                return
+            state = files.read(path / files.name(self.rank), cid)
+            ckpt.check(state, adapter, into)
+        except TrainctlError:
+            raise
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:  # it does not fit here
+            raise files.invalid(cid, None, str(e)) from None
         self._staged = ("per_rank", (state, adapter, into))
 
     def apply_checkpoint(self, optimizer: bool = True) -> int:
@@ -444,16 +442,6 @@ class RankWorker:
 
     def hf_config(self) -> dict[str, Any]:
         return self._export().hf_config()
-
-
-def _no_space(rank: int, needed: int, directory: str) -> OSError:
-    free = shutil.disk_usage(directory).free
-    return OSError(
-        errno.ENOSPC,
-        f"No space left on device: rank {rank}'s checkpoint shard needs about "
-        f"{needed / 2**20:.1f} MiB and the checkpoint volume has {free / 2**20:.1f} MiB free; "
-        "free space (fewer --keep-checkpoints, a larger volume) and save again",
-    )
 
 
 def _node_ip() -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -265,14 +264,14 @@ class Reader:
     adapters: dict[str, tuple[dict[str, Any], int, Pieces]]
 
     @classmethod
-    def open(cls, directory: Path) -> Reader:
-        paths = sorted(directory.glob("rank-*.pt"))
-        if not paths:
-            raise ValueError(f"checkpoint {directory.name}: no rank files")
-        files = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in paths]
-        for f, path in zip(files, paths, strict=True):
+    def of(cls, files: list[dict[str, Any]], where: str = "checkpoint") -> Reader:
+        """The reader of a checkpoint's rank files (``files.read``, ``mmap``-backed), in rank
+        order; a ValueError unless every one is of this format."""
+        if not files:
+            raise ValueError(f"{where}: no rank files")
+        for i, f in enumerate(files):
             if f.get("format") != FORMAT:
-                raise ValueError(f"checkpoint {directory.name}: {path.name} is not {FORMAT}")
+                raise ValueError(f"{where}: rank file {i} is not {FORMAT}")
         first = files[0]
         adapters = {
             name: (a["spec"], int(a["step"]), Pieces(f["adapters"][name]["pieces"] for f in files))

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainctl.workers.engine import reshard, weights, zero
+from trainctl.workers.engine import weights, zero
 from trainctl.workers.engine.adapter_bank import AdapterBank, Slot, renamed
 from trainctl.workers.engine.boundary import AdapterSpec
+from trainctl.workers.engine.checkpoint import reshard
 from trainctl.workers.engine.optimizer import ShardOptimizer
 from trainctl.workers.engine.parallel import ShardContext
 
