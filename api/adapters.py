@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainctl.api.bounds import MAX_ALPHA_PER_RANK, MAX_LORA_RANK, MAX_SEED
+from trainctl.api.bounds import MAX_ALPHA_PER_RANK, MAX_LORA_RANK, Seed
 from trainctl.api.errors import field_error
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -53,7 +53,7 @@ class CreateAdapterRequest(BaseModel):
         description="What it adapts: attention (q/k/v and out), the MLP (gate/up and down), "
         "the unembedding (LM head).",
     )
-    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of A's initialisation.")
+    seed: Seed = Field(0, description="Seed of A's initialisation.")
 
     @model_validator(mode="after")
     def _scale(self) -> CreateAdapterRequest:

@@ -3,13 +3,21 @@ naming the field at the gateway, never an error inside an engine."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from pydantic import Field, Strict
+
 MAX_SEED = 2**64 - 1
 """The largest seed a torch generator takes (an unsigned 64-bit integer): sampling seeds and
 an adapter's initialisation seed. vLLM reads a negative sampling seed as "unseeded"."""
 
-MAX_TEMPERATURE = 1e4
-"""The largest sampling temperature: far past where sampling is already uniform; a larger one
-only overflows the logits."""
+Seed = Annotated[int, Strict(), Field(ge=0, le=MAX_SEED)]
+"""A seed (sampling, an adapter's initialisation): equal seeds, equal results. Strict: ``"1"``,
+``true`` and ``1.0`` are refused, not read as 1."""
+
+MAX_TEMPERATURE = 2.0
+"""The largest sampling temperature: vLLM's own limit (and OpenAI's), so a request past it is
+a 422 here, never a refusal inside an engine's step."""
 
 MAX_ALPHA_PER_RANK = 1e4
 """An adapter's ``alpha`` is at most this times its rank: its update is scaled by

@@ -14,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    Strict,
     StringConstraints,
     ValidationInfo,
     field_validator,
@@ -21,7 +22,7 @@ from pydantic import (
 
 from trainctl.api.adapters import ADAPTER_NAME
 from trainctl.api.batch import TokenSequence
-from trainctl.api.bounds import MAX_SEED, MAX_TEMPERATURE
+from trainctl.api.bounds import MAX_SEED, MAX_TEMPERATURE, Seed
 from trainctl.api.errors import field_error
 from trainctl.api.fields import NO_STEP
 from trainctl.api.training import ModelLimits
@@ -35,11 +36,10 @@ MAX_STOP_CHARS = 256
 MAX_QUEUE_TIMEOUT_S = 86400.0
 """The longest wait a sample request may ask for (``queue_timeout_s``): a day."""
 
-TokenId = Annotated[int, Field(ge=-(2**31), lt=2**31)]
-"""A token id as JSON carries it: an int32 (``check_limits`` holds it to the vocabulary)."""
+TokenId = Annotated[int, Strict(), Field(ge=-(2**31), lt=2**31)]
+"""A token id as JSON carries it: an int32 (``check_limits`` holds it to the vocabulary);
+strict: ``"1"``, ``true`` and ``1.0`` are refused."""
 
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
-"""A sampling seed: equal seeds, equal samples."""
 Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=-1, lt=2**31)]

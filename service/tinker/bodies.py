@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainctl.api import ConflictError, CreateAdapterRequest, Info, InvalidRequestError
-from trainctl.api.bounds import MAX_LORA_RANK, MAX_SEED
+from trainctl.api.bounds import MAX_LORA_RANK, Seed
 from trainctl.api.operations import fingerprint
 
 
@@ -24,7 +24,7 @@ class CreateSession(Body):
 
 class LoraConfig(Body):
     rank: int = Field(0, ge=0, le=MAX_LORA_RANK)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: Seed | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True

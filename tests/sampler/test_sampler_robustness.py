@@ -53,6 +53,44 @@ def test_an_unsigned_64_bit_overflow_seed_is_a_422_and_the_engine_keeps_serving(
         assert synced.samplers == 1 and synced.failures == []
 
 
+def test_a_seed_whose_children_overflow_is_a_422_and_bystanders_answer(
+    lora_sampled: Service,
+) -> None:
+    """vLLM seeds child i of a request with seed + i: 2^64 - 1 with n = 2 overflows inside the
+    engine's step, failing every request of that step. It is refused at the gateway (native
+    and Tinker), while requests sent beside it answer 200; 2^64 - 1 with n = 1 is legal. A
+    temperature past vLLM's limit is a 422 naming it, not a 500 from the engine."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    top = 2**64 - 1
+    url = lora_sampled.url
+    bystander = {"prompts": [[1, 2, 3], [4, 5]], "max_tokens": 6, "n": 2, "seed": 3}
+    bad = {"prompts": [[1, 2, 3]], "max_tokens": 6, "n": 2, "seed": top}
+    tinker = {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 4, "seed": top}, "num_samples": 2, "base_model": "x",
+    }  # fmt: skip
+    with ThreadPoolExecutor(8) as pool:
+        sent = [pool.submit(httpx.post, f"{url}/v1/sample", json=bystander, timeout=120)
+                for _ in range(4)]  # fmt: skip
+        refused = [pool.submit(httpx.post, f"{url}/v1/sample", json=bad, timeout=120)
+                   for _ in range(2)]  # fmt: skip
+        tinkered = pool.submit(httpx.post, f"{url}/api/v1/asample", json=tinker, timeout=120,
+                               headers={"x-api-key": "tml-x"})  # fmt: skip
+        answers = [f.result() for f in sent]
+        for f in refused:
+            r = f.result()
+            assert r.status_code == 422 and r.json()["details"]["field"] == "seed", r.text
+        r = tinkered.result()
+        assert r.status_code in (400, 422) and "seed" in r.text, r.text
+    assert all(a.status_code == 200 for a in answers), [a.text[:200] for a in answers]
+    assert len({str(a.json()["samples"]) for a in answers}) == 1  # the same seed, the same
+    legal = httpx.post(f"{url}/v1/sample", json={**bad, "n": 1}, timeout=120)
+    assert legal.status_code == 200, legal.text
+    hot = httpx.post(f"{url}/v1/sample", json={**bystander, "temperature": 3.0}, timeout=60)
+    assert hot.status_code == 422 and hot.json()["details"]["field"] == "temperature", hot.text
+
+
 def test_base_requests_get_no_adapters_weights(lora_sampled: Service) -> None:
     """An adapter with a large alpha on attention, the MLP and the unembedding, trained once,
     is in the engine's LoRA slot; base prompt and generated log-probs still equal the trainer's

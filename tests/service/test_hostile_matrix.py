@@ -200,3 +200,58 @@ def test_every_sampling_and_adapter_field_refuses_its_edges_naming_the_field(
                     wrong.append((path, field, edge, r.status_code, r.text[:160]))
     assert not wrong, "\n".join(map(str, wrong))
     assert sent >= 100, sent  # the table is not silently empty
+
+
+LOOSE: dict[str, bytes] = {"string": b'"1"', "true": b"true", "float": b"1.0"}
+"""What a lax parser reads as the integer 1; token ids and seeds refuse each (issue 65)."""
+STRICT_FIELDS: list[tuple[str, bytes, str]] = [
+    # route, the JSON body (V is replaced by each loose value), the field the error names
+    ("/v1/sample", b'{"prompts": [[1, V]], "max_tokens": 4}', "prompts"),
+    ("/v1/sample", b'{"prompts": [[1, 2]], "max_tokens": 4, "stop_token_ids": [V]}',
+     "stop_token_ids"),
+    ("/v1/sample", b'{"prompts": [[1, 2]], "max_tokens": 4, "seed": V}', "seed"),
+    ("/v1/train_batch", b'{"sequences": [{"tokens": [1, V, 3]}]}', "tokens"),
+    ("/v1/eval_batch", b'{"sequences": [{"tokens": [V, 2, 3]}]}', "tokens"),
+    ("/v1/adapters", b'{"name": "strict", "rank": 8, "seed": V}', "seed"),
+    ("/api/v1/asample", ASAMPLE + b' "sampling_params": {"max_tokens": 4, "seed": V}}', "seed"),
+    ("/api/v1/create_model", b'{"session_id": "s", "model_seq_id": 0, "base_model": "m",'
+                             b' "lora_config": {"rank": 8, "seed": V}}', "seed"),
+]  # fmt: skip
+TOP = str(2**64 - 1).encode()
+BOUNDS: list[tuple[str, bytes, str]] = [
+    # seed + n - 1 past 2^64 - 1: vLLM seeds child i with seed + i
+    ("/v1/sample", b'{"prompts": [[1, 2]], "max_tokens": 4, "n": 2, "seed": ' + TOP + b"}",
+     "seed"),
+    ("/api/v1/asample", ASAMPLE + b' "sampling_params": {"max_tokens": 4, "seed": ' + TOP
+     + b'}, "num_samples": 2}', "seed"),
+    # past vLLM's own limit: refused here, not inside the engine
+    ("/v1/sample", b'{"prompts": [[1, 2]], "max_tokens": 4, "temperature": 2.5}', "temperature"),
+    ("/api/v1/asample", ASAMPLE + b' "sampling_params": {"max_tokens": 4, "temperature": 2.5}}',
+     "temperature"),
+    # integers past int64
+    ("/v1/train_batch", b'{"sequences": [{"tokens": [1, 2, 3], "policy_step": '
+     + str(2**63).encode() + b"}]}", "policy_step"),
+    ("/v1/sample", b'{"prompts": [[1, 2]], "max_tokens": 4, "expected_step": '
+     + str(2**63).encode() + b"}", "expected_step"),
+]  # fmt: skip
+
+
+def test_loose_integers_and_the_last_bounds_are_each_a_4xx_naming_the_field(
+    service: Service,
+) -> None:
+    """Token ids and seeds sent as "1", true or 1.0, a seed whose children overflow, a
+    temperature vLLM refuses and integers past int64 (issue 65, item 4): each a 4xx naming
+    the field, native and Tinker, and the model unchanged."""
+    tc = service.client()
+    before = tc.info()
+    wrong, sent = [], 0
+    cases = [(p, t.replace(b"V", raw), f) for p, t, f in STRICT_FIELDS for raw in LOOSE.values()]
+    for path, body, field in [*cases, *BOUNDS]:
+        r = _send(service, "POST", path, content=body, headers={"content-type": "application/json"})
+        sent += 1
+        if not (400 <= r.status_code < 500 and field in r.text):
+            wrong.append((path, body[:90], r.status_code, r.text[:200]))
+    assert not wrong, "\n".join(map(str, wrong))
+    assert sent == len(STRICT_FIELDS) * len(LOOSE) + len(BOUNDS)
+    after = tc.info()
+    assert (after.step, after.weights_digest) == (before.step, before.weights_digest)

@@ -52,6 +52,7 @@ from trainctl.api import (
     SampleRequest,
     SampleResult,
 )
+from trainctl.api.errors import field_error
 from trainctl.workers.sampler.backend import EngineBrokenError, Loaded
 from trainctl.workers.sampler.spec import PeftAdapter, SamplerSpec
 from trainctl.workers.sampler.transport import (
@@ -402,8 +403,8 @@ class VllmEngine:
                 logprobs=0 if req.logprobs else None,
                 detokenize=bool(req.stop),  # text only where a string stop must be found
             )
-        except (ValueError, TypeError) as e:  # vLLM's own checks of the parameters
-            raise InvalidRequestError(f"sampling parameters: {e}") from None
+        except (ValueError, TypeError) as e:  # vLLM's own checks: a 422 naming the field
+            raise field_error(getattr(e, "parameter", None) or "sampling_params", str(e)) from None
 
     def runs_alone(self, req: SampleRequest) -> bool:
         """Whether ``req`` must have the engine to itself: prompt log-probs on an engine with
