@@ -84,6 +84,7 @@ from trainctl.api.sampling import (
     SamplerInfo,
     SamplersInfo,
     SamplingParams,
+    Served,
     SyncResult,
     SyncWeightsRequest,
 )
@@ -154,6 +155,7 @@ __all__ = [
     "SaveCheckpointRequest",
     "Sequence",
     "SequenceBatch",
+    "Served",
     "ServerError",
     "SkippedCheckpoint",
     "StepResult",

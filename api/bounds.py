@@ -15,6 +15,10 @@ Seed = Annotated[int, Strict(), Field(ge=0, le=MAX_SEED)]
 """A seed (sampling, an adapter's initialisation): equal seeds, equal results. Strict: ``"1"``,
 ``true`` and ``1.0`` are refused, not read as 1."""
 
+Int64 = Annotated[int, Field(ge=0, lt=2**63)]
+"""A count or a step a request names (a Tinker ``seq_id``, an ``expected_step``): at most
+int64's, as numpy and torch hold it, so a larger one is a 422 here, never an overflow later."""
+
 MAX_TEMPERATURE = 2.0
 """The largest sampling temperature: vLLM's own limit (and OpenAI's), so a request past it is
 a 422 here, never a refusal inside an engine's step."""

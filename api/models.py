@@ -205,7 +205,10 @@ class ExportResult(BaseModel):
     name: str
     owner: str | None = Field(default=None, description="Whose name it is; None: the service's.")
     step: int
-    path: str = Field(description="Server-side directory: load it with transformers or vLLM.")
+    path: str = Field(
+        description="Its directory on the server, relative to the service's data directory "
+        "(--data-dir), e.g. exports/step-000010: load it with transformers or vLLM there."
+    )
     files: dict[str, int] = Field(description="File name -> size in bytes.")
 
 

@@ -366,3 +366,12 @@ class SamplersInfo(BaseModel):
     )
     engines: list[SamplerInfo]
     last_sync: SyncResult | None = None
+
+
+class Served(BaseModel):
+    """What is served, read from the controller alone (no rank is asked): the model's name
+    and the samplers' versions. A sampling client's creation reads this, not ``info``, whose
+    weights digests every rank hashes once per step."""
+
+    model_name: str
+    samplers: SamplersInfo | None = None

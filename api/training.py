@@ -182,6 +182,7 @@ class _ExpectedStep(BaseModel):
     expected_step: int | None = Field(
         default=None,
         ge=0,
+        lt=2**63,
         description="Apply only if the model is at this step when the operation runs "
         "(409 otherwise, the model untouched): guards against a stale or duplicated update.",
     )

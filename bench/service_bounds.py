@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.tables.common import publish  # noqa: E402
 from trainctl.service.local import LocalService  # noqa: E402
 
 TINKER_KEY = {"X-API-Key": "tml-bench"}
@@ -98,11 +99,7 @@ def main() -> None:
         f"| {name} | {a:.1f} | {b:.1f} | {c:.1f} | {c - b:+.1f} | {held} |"
         for name, (a, b, c), held in rows
     )
-    print("\n" + table)
-    if n == 100_000 and len(tables) == len(TABLES):
-        out = ROOT / "bench" / "results" / "service_bounds.md"
-        out.write_text(table + "\n")
-        print(f"wrote {out}")
+    publish(table, "service_bounds", keep=n == 100_000 and len(tables) == len(TABLES))
 
 
 TABLES = ("controller", "sessions", "handles")

@@ -23,12 +23,12 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.tables.common import lora_client, publish  # noqa: E402
 from trainctl.service.local import LocalService  # noqa: E402
 
 KEYS = {
@@ -61,7 +61,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=60.0)
     args = p.parse_args()
-    import tinker
     from tinker import types
 
     with tempfile.TemporaryDirectory(prefix="trainctl-flood-") as tmp:
@@ -79,15 +78,7 @@ def main() -> None:
         )
         svc.start()
         try:
-            sc = tinker.ServiceClient(base_url=svc.url, api_key=f"tml-{KEYS['bob']}")
-            base = sc.get_server_capabilities().supported_models[0].model_name
-            tc = sc.create_lora_training_client(base_model=base, rank=4).result()
-            session = tc.model_id.split(":", 1)[0]
-            datum = types.Datum(
-                model_input=types.ModelInput.from_ints(TOKENS[:-1]),
-                loss_fn_inputs={"target_tokens": np.array(TOKENS[1:]),
-                                "weights": np.ones(len(TOKENS) - 1, np.float32)},
-            )  # fmt: skip
+            sc, tc, session, datum = lora_client(svc.url, f"tml-{KEYS['bob']}", TOKENS)
             stop, codes = threading.Event(), Counter[int]()
             flooder = threading.Thread(target=flood, args=(svc.url, stop, codes))
             flooder.start()
@@ -125,11 +116,7 @@ def main() -> None:
         f"{beats[200]} / {sum(beats.values()) - beats[200]} |\n\n"
         + "\n".join(f"    {ln}" for ln in refused + evicted)
     )
-    print("\n" + table)
-    if args.seconds >= 60:
-        out = ROOT / "bench" / "results" / "tenant_flood.md"
-        out.write_text(table + "\n")
-        print(f"wrote {out}")
+    publish(table, "tenant_flood", keep=args.seconds >= 60)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,34 @@ def measure(fn: str, module: str = "cases", **kwargs: Any) -> dict[str, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def lora_client(url: str, api_key: str, tokens: list[int]) -> tuple[Any, Any, str, Any]:
+    """Through the real ``tinker`` SDK: a service client, a LoRA training client (rank 4) on
+    the served model, its session id, and one cross-entropy datum of ``tokens``."""
+    import numpy as np
+    import tinker
+    from tinker import types
+
+    sc = tinker.ServiceClient(base_url=url, api_key=api_key)
+    base = sc.get_server_capabilities().supported_models[0].model_name
+    tc = sc.create_lora_training_client(base_model=base, rank=4).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": np.array(tokens[1:]),
+                        "weights": np.ones(len(tokens) - 1, np.float32)},
+    )  # fmt: skip
+    return sc, tc, tc.model_id.split(":", 1)[0], datum
+
+
+def publish(text: str, name: str, *, keep: bool) -> None:
+    """A standalone script's table, printed; ``keep`` (a full run): also written to
+    ``bench/results/NAME.md``, where docs/benchmarks.md takes it from."""
+    print("\n" + text)
+    if keep:
+        out = ROOT / "bench" / "results" / f"{name}.md"
+        out.write_text(text + "\n")
+        print(f"wrote {out}")
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]

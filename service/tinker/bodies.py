@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainctl.api import ConflictError, CreateAdapterRequest, Info, InvalidRequestError
-from trainctl.api.bounds import MAX_LORA_RANK, Seed
+from trainctl.api.bounds import MAX_LORA_RANK, Int64, Seed
 from trainctl.api.operations import fingerprint
 
 
@@ -36,7 +36,7 @@ class OptimizerConfig(Body):
 
 class CreateModelRequest(Body):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: Int64
     base_model: str
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -56,7 +56,7 @@ class ModelCall(Body):
     """A call on a model handle, in its ``seq_id`` order."""
 
     model_id: str
-    seq_id: int
+    seq_id: Int64
 
 
 class OptimStep(ModelCall):
@@ -73,19 +73,19 @@ class LoadWeights(Body):
     path: str
     optimizer: bool
     model_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Int64 | None = None
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: Int64 | None = None
     base_model: str | None = None
     optimizer_config: OptimizerConfig | None = None
 
 
 class SaveForSampler(ModelCall):
     path: str | None = None
-    sampling_session_seq_id: int | None = Field(default=None, ge=0)
+    sampling_session_seq_id: Int64 | None = None
     """Set (and ``path`` not) by ``save_weights_and_get_sampling_client``."""
     kind: str = "snapshot"
-    ttl_seconds: int | None = Field(default=None, ge=1)
+    ttl_seconds: int | None = Field(default=None, ge=1, lt=2**31)
     """How long the saved weights stay servable; past it, their sampling clients get a
     410. None: for as long as the samplers' window holds their step."""
 

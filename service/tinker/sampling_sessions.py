@@ -30,15 +30,15 @@ from pydantic import Field, ValidationInfo, field_validator
 from trainctl.api import (
     ConflictError,
     GoneError,
-    Info,
     InvalidRequestError,
     NotFoundError,
     SampleRequest,
     SampleResult,
+    Served,
     SyncResult,
     SyncWeightsRequest,
 )
-from trainctl.api.bounds import MAX_SEED
+from trainctl.api.bounds import MAX_SEED, Int64
 from trainctl.api.loss import UNPUBLISHED_LOSSES
 from trainctl.api.sampling import MAX_SAMPLES_PER_PROMPT, Seed, Temperature, TopK, TopP
 from trainctl.service.auth import Access, access, tenant_of
@@ -63,7 +63,7 @@ STOP_REASON = {"stop": 0, "length": 1}
 
 class CreateSamplingSession(Body):
     session_id: str
-    sampling_session_seq_id: int = Field(ge=0)
+    sampling_session_seq_id: Int64
     base_model: str | None = None
     model_path: str | None = None
 
@@ -87,13 +87,13 @@ class AsampleRequest(Body):
     base_model: str | None = None
     model_path: str | None = None
     sampling_session_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Int64 | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
+    topk_prompt_logprobs: Int64 = 0
+    topk_sample_logprobs: Int64 = 0
     target_prompt_logprobs: Any = None
-    prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = None
+    prompt_alt_tokens_k: Int64 = 0
+    prompt_logprobs_last_n: Int64 | None = None
     record_stability_info: bool | None = None
 
     @field_validator("sampling_params")
@@ -156,7 +156,7 @@ def _controller(request: Request) -> ControllerAPI:
 
 
 async def _pinned(
-    request: Request, info: Info, model_path: str | None, base_model: str | None
+    request: Request, info: Served, model_path: str | None, base_model: str | None
 ) -> PinnedWeights:
     """The adapter (None: the base), step and expiry of the weights a sampling client asks
     for; 404/422 if there are none, 410 if they expired."""
@@ -188,14 +188,14 @@ async def _pinned(
     raise InvalidRequestError(f"model_path: {model_path!r} names no weights")
 
 
-def _need_samplers(info: Info) -> None:
+def _need_samplers(info: Served) -> None:
     if info.samplers is None:
         raise ConflictError(
             "this service has no samplers: start it with --samplers N to sample through Tinker"
         )
 
 
-def _check_served(step: int, adapter: str | None, info: Info) -> None:
+def _check_served(step: int, adapter: str | None, info: Served) -> None:
     """A 410 if the samplers' window no longer holds ``step`` (404: the adapter, at all)."""
     samplers = info.samplers
     if samplers is None:
@@ -334,7 +334,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
     req, _ = validated(raw, CreateSamplingSession)
     state: TinkerState = request.app.state.tinker
     state.session(req.session_id, tenant_of(request))
-    info = await _controller(request).info()
+    info = await _controller(request).served()
     pinned = await _pinned(request, info, req.model_path, req.base_model)
     _check_served(pinned.step, pinned.adapter, info)
     s = sampling_clients(request).add(
@@ -355,7 +355,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
 @access(Access.TINKER)
 async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
     s = sampling_clients(request).get(sampler_id, tenant_of(request))
-    base_model = s.base_model or (await _controller(request).info()).model_name
+    base_model = s.base_model or (await _controller(request).served()).model_name
     return {"sampler_id": s.sampling_session_id, "base_model": base_model,
             "model_path": s.model_path}  # fmt: skip
 
@@ -370,7 +370,7 @@ async def asample(request: Request) -> dict[str, Any]:
         session = sampling_clients(request).get(req.sampling_session_id, tenant_of(request))
         adapter, step, inflight = session.adapter, session.step, session.inflight
     else:
-        info = await _controller(request).info()
+        info = await _controller(request).served()
         pinned = await _pinned(request, info, req.model_path, req.base_model)
         adapter, step = pinned.adapter, pinned.step
     native = native_request(req, None if inflight else step, adapter)

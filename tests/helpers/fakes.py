@@ -25,6 +25,7 @@ from trainctl.api import (
     NotFoundError,
     OperationKind,
     ProfileFile,
+    Served,
     StepResult,
     TrainBatchRequest,
 )
@@ -162,6 +163,9 @@ class FakeController:
             versions={},
             limits=self.limits,
         )
+
+    async def served(self) -> Served:
+        return Served(model_name=(await self.info()).model_name)
 
     async def is_ready(self) -> bool:
         return self.ready

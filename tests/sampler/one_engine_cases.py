@@ -203,7 +203,12 @@ class _Sender:
     the group on its first send and keeps it for the next ones (as a service would)."""
 
     def __init__(self, rv: Any) -> None:
+        import socket
+
+        from trainctl.workers import rendezvous
+
         self.rv, self.group = rv, None
+        self.gate = rendezvous.Gate(socket.create_server((rv.host, rv.port)), rv.prefix)
 
     def send(self, weights: dict[str, Any], plan: Any, buckets: int | None = None) -> Any:
         """Broadcast ``plan``'s first ``buckets`` buckets (None: all) in a thread; with a
@@ -219,11 +224,12 @@ class _Sender:
         def run() -> None:
             try:
                 if self.group is None:
-                    self.group = collective.open_group(self.rv, 0)
+                    self.group = collective.open_group(self.rv, 0, self.gate)
                 out["sent"], _ = collective.send(
-                    self.group, first, 0, [1], lambda p: weights[p.name]
+                    self.group.group, first, 0, [1], lambda p: weights[p.name]
                 )
-                if buckets is not None:
+                if buckets is not None:  # the sender dies: its group and gate go
+                    self.gate.close()
                     self.group = None
             except Exception as e:  # reported, not raised: the test reads it
                 out["error"] = repr(e)

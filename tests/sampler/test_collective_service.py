@@ -121,9 +121,9 @@ def test_an_engine_fed_by_broadcast_equals_a_fresh_engine_exactly(collective: Se
         exported = tc.export_hf("collective-exact")
     assert exported.step == got.step > 0
     with mp.get_context("spawn").Pool(1) as pool:
-        fresh = pool.apply_async(cases.fresh_engine_sample, (exported.path, got.step, request)).get(
-            timeout=600
-        )
+        fresh = pool.apply_async(
+            cases.fresh_engine_sample, (str(collective.data_dir / exported.path), got.step, request)
+        ).get(timeout=600)
     tokens, lps = _flat(got)
     assert len(lps) > 30 and tokens == fresh[0], (tokens, fresh[0])
     assert max(abs(a - b) for a, b in zip(lps, fresh[1], strict=True)) == 0.0

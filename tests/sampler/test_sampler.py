@@ -295,9 +295,9 @@ def test_a_sharded_trainer_feeds_its_engines_exactly(
     assert synced.convert_s is not None and synced.rank_peak_bytes is not None
     assert exported.step == got.step == synced.step > 0
     with mp.get_context("spawn").Pool(1) as pool:
-        fresh = pool.apply_async(cases.fresh_engine_sample, (exported.path, got.step, ask)).get(
-            timeout=600
-        )
+        fresh = pool.apply_async(
+            cases.fresh_engine_sample, (str(service.data_dir / exported.path), got.step, ask)
+        ).get(timeout=600)
     tokens, lps = cases.flat_result(got)
     assert len(lps) > 30 and tokens == fresh[0], (tokens, fresh[0])
     assert max(abs(a - b) for a, b in zip(lps, fresh[1], strict=True)) == 0.0

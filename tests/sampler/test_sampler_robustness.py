@@ -80,7 +80,7 @@ def test_a_seed_whose_children_overflow_is_a_422_and_bystanders_answer(
         answers = [f.result() for f in sent]
         for f in refused:
             r = f.result()
-            assert r.status_code == 422 and r.json()["details"]["field"] == "seed", r.text
+            assert r.status_code == 422 and r.json()["message"].startswith("seed"), r.text
         r = tinkered.result()
         assert r.status_code in (400, 422) and "seed" in r.text, r.text
     assert all(a.status_code == 200 for a in answers), [a.text[:200] for a in answers]
@@ -88,7 +88,7 @@ def test_a_seed_whose_children_overflow_is_a_422_and_bystanders_answer(
     legal = httpx.post(f"{url}/v1/sample", json={**bad, "n": 1}, timeout=120)
     assert legal.status_code == 200, legal.text
     hot = httpx.post(f"{url}/v1/sample", json={**bystander, "temperature": 3.0}, timeout=60)
-    assert hot.status_code == 422 and hot.json()["details"]["field"] == "temperature", hot.text
+    assert hot.status_code == 422 and hot.json()["message"].startswith("temperature"), hot.text
 
 
 def test_base_requests_get_no_adapters_weights(lora_sampled: Service) -> None:

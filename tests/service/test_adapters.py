@@ -120,9 +120,9 @@ def test_exports_load_in_transformers_and_peft(svc: Service) -> None:
     from peft import PeftModel
 
     c = _client(svc)
-    base = Path(c.export_hf("base").path)
-    peft_dir = Path(c.export_hf("a-peft", adapter="a").path)
-    merged_dir = Path(c.export_hf("a-merged", adapter="a", merged=True).path)
+    base = svc.data_dir / c.export_hf("base").path  # paths are relative to the data dir
+    peft_dir = svc.data_dir / c.export_hf("a-peft", adapter="a").path
+    merged_dir = svc.data_dir / c.export_hf("a-merged", adapter="a", merged=True).path
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {
         p.name for p in peft_dir.iterdir()
     }

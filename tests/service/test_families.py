@@ -51,11 +51,11 @@ def test_a_family_trains_replays_routes_and_exports_through_the_service(tmp_path
     assert want < before  # the step changed the weights that are exported
 
     given, written = (
-        load_file(str(d / "model.safetensors")) for d in (source, Path(exported.path))
+        load_file(str(d / "model.safetensors")) for d in (source, a.data_dir / exported.path)
     )
     assert {k: v.dtype for k, v in written.items()} == {k: v.dtype for k, v in given.items()}
 
-    got = _restarted_eval(Path(exported.path), batch)
+    got = _restarted_eval(a.data_dir / exported.path, batch)
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 

@@ -233,6 +233,11 @@ BOUNDS: list[tuple[str, bytes, str]] = [
      + str(2**63).encode() + b"}]}", "policy_step"),
     ("/v1/sample", b'{"prompts": [[1, 2]], "max_tokens": 4, "expected_step": '
      + str(2**63).encode() + b"}", "expected_step"),
+    ("/v1/optim_step", b'{"expected_step": ' + str(2**63).encode() + b"}", "expected_step"),
+    ("/api/v1/create_sampling_session", b'{"session_id": "s", "base_model": "m",'
+     b' "sampling_session_seq_id": ' + str(2**63).encode() + b"}", "sampling_session_seq_id"),
+    ("/api/v1/create_model", b'{"session_id": "s", "base_model": "m", "model_seq_id": '
+     + str(2**63).encode() + b"}", "model_seq_id"),
 ]  # fmt: skip
 
 

@@ -292,8 +292,10 @@ def test_export_loads_in_transformers_and_imports_back(svc: Service, tmp_path: P
     batch = sft_batch(seed=23)
     exported = c.export_hf()
     assert set(exported.files) == {"config.json", "model.safetensors"}
+    assert exported.path == f"exports/{exported.name}"  # no server path shown
+    path = svc.data_dir / exported.path
     ours = c.logprobs(batch).logprobs
-    model = LlamaForCausalLM.from_pretrained(exported.path, dtype=torch.float64).eval()
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
     with torch.no_grad():
         for seq, lp in zip(batch, ours, strict=True):
             ids = torch.tensor([seq["tokens"]])
@@ -301,7 +303,7 @@ def test_export_loads_in_transformers_and_imports_back(svc: Service, tmp_path: P
             ref = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
             assert np.allclose(lp[1:], ref.numpy(), rtol=1e-4, atol=1e-4)
     want = c.eval_batch(batch).loss
-    with running_service(tmp_path, "--dp=1", f"--init-hf={exported.path}") as other:
+    with running_service(tmp_path, "--dp=1", f"--init-hf={path}") as other:
         got = other.client().eval_batch(batch).loss
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 

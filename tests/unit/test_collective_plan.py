@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from trainctl.workers import rendezvous
 from trainctl.workers.sampler import collective
 from trainctl.workers.sampler.stream import Piece, StreamPlan
 from trainctl.workers.sampler.transport import schema_of
@@ -58,21 +59,24 @@ def test_the_plan_buckets_each_owner_and_interleaves_them() -> None:
 
 
 def test_two_owners_send_their_halves_to_two_receivers_exactly() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    rv = collective.Rendezvous.new("127.0.0.1", port, 4, generation=7, timeout_s=30)
+    listener = socket.create_server(("127.0.0.1", 0))
+    rv = collective.Rendezvous.new(
+        "127.0.0.1", listener.getsockname()[1], 4, generation=7, timeout_s=30
+    )
+    gate = rendezvous.Gate(listener, rv.prefix)  # rank 0's: only members get through
     weights = _weights()
     plan, values = _halves(weights)
     got: dict[int, dict[str, torch.Tensor]] = {}
     sent: dict[int, int] = {}
 
     def receive(rank: int) -> None:
-        got[rank] = collective.receive(collective.open_group(rv, rank), plan)
+        got[rank] = collective.receive(collective.open_group(rv, rank).group, plan)
 
     def send(rank: int, owner: int) -> None:
-        group = collective.open_group(rv, rank)
-        sent[owner], _ = collective.send(group, plan, owner, [2, 3], lambda p: values[owner][p.key])
+        joined = collective.open_group(rv, rank, gate if rank == 0 else None)
+        sent[owner], _ = collective.send(
+            joined.group, plan, owner, [2, 3], lambda p: values[owner][p.key]
+        )
 
     threads = [threading.Thread(target=receive, args=(r,)) for r in (2, 3)]
     threads.append(threading.Thread(target=send, args=(1, 3)))
@@ -81,6 +85,8 @@ def test_two_owners_send_their_halves_to_two_receivers_exactly() -> None:
     send(0, 0)
     for t in threads:
         t.join(30)
+    gate.close()
+    assert gate.refused == 0
     assert sum(sent.values()) == sum(t.numel() * t.element_size() for t in weights.values())
     assert sent[0] > 0 and sent[3] > 0
     for rank in (2, 3):

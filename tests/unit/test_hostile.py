@@ -293,10 +293,12 @@ def test_the_rendezvous_store_listens_on_the_node_address_only() -> None:
     dist.destroy_process_group()
 
 
-def test_someone_who_reaches_the_rendezvous_store_can_name_none_of_its_keys() -> None:
-    """The re-probe's case: the store takes set and delete from anyone who connects. gloo's
-    rendezvous keys (rank addresses, ``0//cpu//0/0``) could be replaced or deleted; under the
-    group's secret prefix a stranger cannot name them."""
+def test_someone_who_reaches_the_rendezvous_store_can_set_nothing() -> None:
+    """The re-probes' cases: torch's store takes set and delete from anyone who connects, so
+    gloo's rendezvous keys (rank addresses, ``0//cpu//0/0``) could be replaced or deleted, and
+    anything planted. The store listens on loopback behind a gate that wants the group's
+    secret: a stranger at the rank's address reaches nothing, and every key is under the
+    secret's prefix besides."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -309,12 +311,22 @@ def test_someone_who_reaches_the_rendezvous_store_can_name_none_of_its_keys() ->
     worker.init_process_group(host, port, secret, "gloo", 5)
     try:
         dist.new_group([0])  # megatron's groups: more keys
-        stranger = TCPStore(host, port, 1, is_master=False, timeout=timedelta(seconds=5))
-        assert stranger.num_keys() >= 2  # the group's keys are there ...
+        store = worker._store
+        keys = store.num_keys()
+        assert keys >= 2  # the group's keys are there ...
         # ... but not under any name a stranger can know
-        assert not stranger.check(["0//cpu//0/0"]) and not stranger.check(["0//1//cpu//0/0"])
+        assert not store.check(["0//cpu//0/0"]) and not store.check(["0//1//cpu//0/0"])
+        with pytest.raises(Exception):  # noqa: B017 - torch raises its own error kinds
+            stranger = TCPStore(host, port, 1, is_master=False, timeout=timedelta(seconds=3))
+            stranger.set("planted", b"x")
+        deadline = time.monotonic() + 10
+        while worker._gate.refused == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert worker._gate.refused >= 1
+        assert store.num_keys() == keys and not store.check(["planted"])
     finally:
         dist.destroy_process_group()
+        worker.shutdown()
 
 
 def test_a_cpu_memory_profile_stops_recording_at_its_time_cap(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from trainctl.api import (
     RestoreInfo,
     SampleRequest,
     SampleResult,
+    Served,
     TrainctlError,
     WorkerError,
 )
@@ -376,7 +377,7 @@ class Controller:
         per_rank: list[str | None] = [None] * len(meta) if digests is None else [*digests]
         cfg = self.cfg
         return Info(
-            model_name=Path(cfg.init_hf).name if cfg.init_hf else DEFAULT_MODEL_NAME,
+            model_name=self._model_name(),
             model=dict(cfg.to_dict()["model"]),
             layout=self.saves.layout(),
             engine={
@@ -405,8 +406,17 @@ class Controller:
             recovery=self.recovery.last,
             steps_lost=self.recovery.steps_lost,
             resumed=self.resumed,
-            samplers=None if self.samplers.pool is None else self.samplers.pool.info(),
+            samplers=(await self.served()).samplers,
         )
+
+    def _model_name(self) -> str:
+        return Path(self.cfg.init_hf).name if self.cfg.init_hf else DEFAULT_MODEL_NAME
+
+    async def served(self) -> Served:
+        """The model's name and the samplers' versions, from the controller alone: what a
+        sampling client's creation needs, without ``info``'s digests from every rank."""
+        pool = self.samplers.pool
+        return Served(model_name=self._model_name(), samplers=None if pool is None else pool.info())
 
     async def is_ready(self) -> bool:
         return self.serving.taking_work

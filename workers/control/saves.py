@@ -355,7 +355,7 @@ class Saves:
             name=name,
             owner=req.owner,
             step=step,
-            path=str(target),
+            path=str(target.relative_to(self.export_root.parent)),
             files={f.name: f.size_bytes for f in files},
         )
 

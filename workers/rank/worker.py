@@ -106,8 +106,10 @@ class RankWorker:
         self.exporter: Exporter | None = None
         self._faults: dict[str, int] = {}
         self._store: Any = None
-        self._listener: Any = None
-        """Rank 0: the socket the rendezvous store listens on (kept open while it lives)."""
+        self._gate: Any = None
+        """Rank 0: the gate in front of the rendezvous store (``rendezvous_address``)."""
+        self._door: Any = None
+        """Every other rank: its way to rank 0's gate."""
         self._staged: tuple[str, Any] | None = None
         """A checkpoint shard read by ``stage_checkpoint`` (and the adapter to load from it,
         and as what), waiting for ``apply_checkpoint``."""
@@ -122,48 +124,46 @@ class RankWorker:
         return self.engine
 
     def rendezvous_address(self, timeout_s: float) -> tuple[str, int, str]:
-        """Called on rank 0: start the rendezvous store on a port the OS picks (no race with
-        other processes for a 'free' port) and return its address and the group's secret.
-        The store listens on the node's cluster address only (torch's own server would listen
-        on every interface): we bind the socket and hand it over.
+        """Called on rank 0: start the group's rendezvous store and return where the other
+        ranks reach it, and the group's secret (which travels over Ray only).
 
-        torch's store takes ``set`` and ``delete`` from anyone who reaches it, and it cannot
-        list its keys. So every key the group uses is under a prefix made of a random secret,
-        which travels to the ranks over Ray only: someone else who connects cannot name, read,
-        replace or delete any of them (``init_process_group``)."""
+        torch's store takes ``set`` and ``delete`` from anyone who reaches it. So it listens
+        on loopback alone, behind a gate on the node's cluster address (a port the OS picks:
+        no race for a 'free' port) that admits a connection only once it has shown the
+        secret (``workers/rendezvous.py``); the others go through a door of their own. And
+        every key the group uses is under a prefix made of the secret as well
+        (``init_process_group``)."""
         import secrets
         import socket
 
         import ray
-        from torch._C._distributed_c10d import TCPStore
+
+        from trainctl.workers import rendezvous
 
         node_ip: Callable[[], str] = ray.util.get_node_ip_address  # untyped in Ray
         host = node_ip()
-        self._listener = socket.create_server((host, 0), backlog=128)
-        port = self._listener.getsockname()[1]
-        self._store = TCPStore(
-            host,
-            port,
-            self.world_size,
-            is_master=True,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=self._listener.fileno(),
-        )
-        return host, int(self._store.port), secrets.token_hex(16)
+        secret = secrets.token_hex(16)
+        self._store = rendezvous.master_store(self.world_size, timeout_s)
+        self._gate = rendezvous.Gate(socket.create_server((host, 0), backlog=128), secret)
+        self._gate.open(int(self._store.port))
+        return host, self._gate.port, secret
 
     def init_process_group(
         self, host: str, port: int, secret: str, backend: str, timeout_s: float
     ) -> None:
         import torch
         import torch.distributed as dist
-        from torch._C._distributed_c10d import PrefixStore, TCPStore
+        from torch._C._distributed_c10d import PrefixStore
+
+        from trainctl.workers import rendezvous
 
         backend = process_group_backend(backend, cuda=torch.cuda.is_available())
-        timeout = timedelta(seconds=timeout_s)
         store = self._store
-        if store is None:
-            store = TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
+        if store is None:  # through a door to rank 0's gate
+            store, self._door = rendezvous.member_store(
+                host, port, secret, self.world_size, timeout_s
+            )
+        timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
             store=PrefixStore(f"trainctl-{secret}", store),  # keys no one else can name
@@ -383,6 +383,9 @@ class RankWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        for relay in (self._gate, self._door):
+            if relay is not None:
+                relay.close()
 
     # -- exports (the exporter's) ---------------------------------------------------------------
 

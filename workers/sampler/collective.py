@@ -21,7 +21,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from trainctl.workers import rendezvous
 from trainctl.workers.sampler.buckets import Assembler, Values, pack
 from trainctl.workers.sampler.stream import StreamPlan
 
@@ -54,16 +55,35 @@ class Rendezvous:
         return asdict(self)
 
 
-def open_group(rv: Rendezvous, rank: int, listener: Any = None) -> Any:
-    """This member's gloo group (rank 0: the sender, whose process hosts the store, on
-    ``listener`` where given: a socket bound to the node's address alone). Blocks until every
-    member has joined, at most ``rv.timeout_s``."""
+@dataclass
+class Joined:
+    """A member's gloo group and what reaches its store (rank 0: the store itself, behind
+    the sender's gate; the others: a door to that gate). Owns them: ``close`` when done."""
+
+    group: Any
+    store: Any
+    door: rendezvous.Door | None = None
+
+    def close(self) -> None:
+        if self.door is not None:
+            self.door.close()
+
+
+def open_group(rv: Rendezvous, rank: int, gate: rendezvous.Gate | None = None) -> Joined:
+    """This member's gloo group (rank 0: the sender, whose process hosts the store behind
+    ``gate``, which only members that know ``rv.prefix`` get through; the others reach it
+    through a door). Blocks until every member has joined, at most ``rv.timeout_s``."""
     timeout = timedelta(seconds=rv.timeout_s)
-    listen = {"master_listen_fd": listener.fileno()} if rank == 0 and listener else {}
-    store = dist.TCPStore(
-        rv.host, rv.port, world_size=rv.world_size, is_master=rank == 0, timeout=timeout,
-        wait_for_workers=False, **listen,
-    )  # fmt: skip
+    door = None
+    if rank == 0:
+        if gate is None:
+            raise ValueError("the group's rank 0 hosts the store: it needs its gate")
+        store = rendezvous.master_store(rv.world_size, rv.timeout_s)
+        gate.open(int(store.port))
+    else:
+        store, door = rendezvous.member_store(
+            rv.host, rv.port, rv.prefix, rv.world_size, rv.timeout_s
+        )
     prefixed = dist.PrefixStore(f"trainctl-weights/{rv.prefix}/{rv.generation}", store)
     group: Any = dist.ProcessGroupGloo(prefixed, rank, rv.world_size, timeout)
     # A group that moves nothing must fail here, not serve stale weights (vLLM's own NCCL
@@ -74,7 +94,7 @@ def open_group(rv: Rendezvous, rank: int, listener: Any = None) -> Any:
         raise RuntimeError(
             f"the weights' group moved nothing: generation {int(token)}, not {rv.generation}"
         )
-    return group
+    return Joined(group, store, door)
 
 
 def send(
@@ -169,10 +189,10 @@ class Sender:
         self.rv: Rendezvous | None = None
         self.rank = 0
         """This owner's rank in the group."""
-        self.listener: Any = None
-        """Rank 0: the socket the store listens on (the node's address only, never every
-        interface, which torch's own store would take; keys are under the secret prefix)."""
-        self.group: Any = None
+        self.gate: rendezvous.Gate | None = None
+        """Rank 0: the gate in front of the store, on the node's address alone (never every
+        interface, which torch's own store would take), admitting members only."""
+        self.group: Joined | None = None
         self.staged: tuple[StreamPlan, int, list[int], Values] | None = None
 
     def rendezvous(self, host: str, world: int, generation: int, timeout_s: float) -> Rendezvous:
@@ -183,9 +203,9 @@ class Sender:
             import socket
 
             self.close()
-            self.listener = socket.create_server((host, 0), backlog=128)
-            port = int(self.listener.getsockname()[1])
-            self.rv = Rendezvous.new(host, port, world, generation, timeout_s=timeout_s)
+            rv = Rendezvous.new(host, 0, world, generation, timeout_s=timeout_s)
+            self.gate = rendezvous.Gate(socket.create_server((host, 0), backlog=128), rv.prefix)
+            self.rv = replace(rv, port=self.gate.port)
         return self.rv
 
     def join(self, rv: dict[str, Any], rank: int) -> None:
@@ -196,10 +216,11 @@ class Sender:
             self.rv, self.rank = new, rank
 
     def close(self) -> None:
-        self.group, self.rv = None, None
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
+        if self.group is not None:
+            self.group.close()
+        if self.gate is not None:
+            self.gate.close()
+        self.group, self.rv, self.gate = None, None, None
 
     def stage(self, plan: StreamPlan, owner: int, receivers: list[int], values: Values) -> None:
         self.staged = (plan, owner, receivers, values)
@@ -212,13 +233,8 @@ class Sender:
         (plan, owner, receivers, values), self.staged = self.staged, None
         try:
             if self.group is None:
-                self.group = open_group(self.rv, self.rank, self.listener)
-                if self.listener is not None:
-                    # The store serves on the listener's descriptor from now on, and closes
-                    # it with itself: this socket object must not close it again.
-                    self.listener.detach()
-                    self.listener = None
-            return send(self.group, plan, owner, receivers, values, after_bucket)
+                self.group = open_group(self.rv, self.rank, self.gate)
+            return send(self.group.group, plan, owner, receivers, values, after_bucket)
         except Exception:
             self.close()
             raise

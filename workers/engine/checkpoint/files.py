@@ -205,7 +205,7 @@ def prove(directory: Path, info: CheckpointInfo, files: list[str], *, optimizer:
         if info.save_id is not None:
             _prove_header(state.get(HEADER), info, file)
         for at, _, t in _tensors({k: v for k, v in state.items() if k != HEADER}):
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if not _finite(t):
                 kind = "NaN" if bool(torch.isnan(t).any()) else "an infinity"
                 raise invalid(info, file, f"{at} holds {kind}")
         if optimizer and want is not None and moments(state) < want.moments:
@@ -214,6 +214,15 @@ def prove(directory: Path, info: CheckpointInfo, files: list[str], *, optimizer:
                 f"it holds {moments(state)} AdamW moment tensors, the save wrote "
                 f"{want.moments} (load with optimizer=false to start the optimizer afresh)",
             )  # fmt: skip
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite: its sum first (one NaN or infinity makes the
+    sum one, and summing allocates nothing), the values one by one only when the sum is not
+    finite (then one is there, or the sum overflowed)."""
+    if not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def _prove_bytes(path: Path, info: CheckpointInfo, size: int, sha256: str) -> None:

@@ -75,6 +75,8 @@ def _engine_class() -> type[Any]:
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             rv = collective.Rendezvous(**init_info.rendezvous)
+            if self.group is not None:  # a new generation: the old group's door closes
+                self.group.close()
             self.group = collective.open_group(rv, init_info.rank)
 
         def start_weight_update(self) -> None:
@@ -87,7 +89,7 @@ def _engine_class() -> type[Any]:
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError("gloo weight transfer: init_weight_transfer_engine first")
-            got = collective.receive(self.group, StreamPlan.from_dict(update_info.plan))
+            got = collective.receive(self.group.group, StreamPlan.from_dict(update_info.plan))
             self.received |= got
             self.pending = update_info
 
