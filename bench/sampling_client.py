@@ -56,14 +56,14 @@ def main() -> None:
         try:
             sc, tc, session, datum = lora_client(svc.url, KEY, TOKENS)
             http = httpx.Client(base_url=svc.url, timeout=60, headers={"X-API-Key": KEY})
-            sdk, raw, info, seq = [], [], [], 10_000
+            sdk, raw, info, floor, seq = [], [], [], [], 10_000
             path = ""
             for i in range(args.steps):
                 tc.forward_backward([datum], "cross_entropy").result()
                 tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
                 path = tc.save_weights_for_sampler(name=f"s{i}").result().path
                 t0 = time.perf_counter()
-                sc.create_sampling_client(model_path=path)
+                sc.create_sampling_client(model_path=path).result()
                 sdk.append(time.perf_counter() - t0)
                 seq += 1
                 t0 = time.perf_counter()
@@ -74,6 +74,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 http.get("/v1/info").raise_for_status()
                 info.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                http.get("/api/v1/healthz").raise_for_status()
+                floor.append(time.perf_counter() - t0)
 
             def creations(k: int) -> list[float]:
                 out = []
@@ -107,6 +110,7 @@ def main() -> None:
         f"| SDK `create_sampling_client` | 1 | {_ms(sdk)} |\n"
         f"| `POST /api/v1/create_sampling_session` | 1 | {_ms(raw)} |\n"
         f"| `GET /v1/info` after the step (the old path's read) | 1 | {_ms(info)} |\n"
+        f"| `GET /api/v1/healthz` (HTTP through Serve, no work: the floor) | 1 | {_ms(floor)} |\n"
         f"| `POST /api/v1/create_sampling_session` | {THREADS} | {_ms(together)} "
         f"({len(together) / wall:.0f} creations/s) |\n"
     )
