@@ -62,7 +62,7 @@ def lora_client(url: str, api_key: str, tokens: list[int]) -> tuple[Any, Any, st
 
 def publish(text: str, name: str, *, keep: bool) -> None:
     """A standalone script's table, printed; ``keep`` (a full run): also written to
-    ``bench/results/NAME.md``, where docs/benchmarks.md takes it from."""
+    ``bench/results/<name>.md``, where docs/benchmarks.md takes it from."""
     print("\n" + text)
     if keep:
         out = ROOT / "bench" / "results" / f"{name}.md"
