@@ -22,7 +22,7 @@ from pydantic import (
 
 from trainctl.api.adapters import ADAPTER_NAME
 from trainctl.api.batch import TokenSequence
-from trainctl.api.bounds import MAX_SEED, MAX_TEMPERATURE, Seed
+from trainctl.api.bounds import MAX_SEED, MAX_TEMPERATURE, Int64, Seed
 from trainctl.api.errors import field_error
 from trainctl.api.fields import NO_STEP
 from trainctl.api.training import ModelLimits
@@ -110,10 +110,8 @@ class SampleRequest(SamplingParams):
     prompts: list[list[TokenId]] = Field(
         min_length=1, description="Token ids of each prompt (at least one token each)."
     )
-    expected_step: int | None = Field(
+    expected_step: Int64 | None = Field(
         None,
-        ge=0,
-        lt=2**63,
         description="Sample only with the weights of this optimizer step (the adapter's step "
         "with `adapter`): 409 if the version sampled (the newest, or `step`) is another.",
     )
@@ -123,10 +121,8 @@ class SampleRequest(SamplingParams):
         description="Sample with this LoRA adapter on the base (its newest synced step); "
         "none: the base model.",
     )
-    step: int | None = Field(
+    step: Int64 | None = Field(
         None,
-        ge=0,
-        lt=2**63,
         description="Sample with the weights of this step (the adapter's step with `adapter`): "
         "one of the versions the samplers keep (`info.samplers.versions`, "
         "--sampler-versions). 410 once it has left that window, 409 before it is synced; "

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainctl.api.adapters import ADAPTER_DOC, ADAPTER_NAME
 from trainctl.api.batch import SequenceBatch
+from trainctl.api.bounds import Int64
 from trainctl.api.errors import ConflictError, field_error
 from trainctl.api.loss import LossConfig, LossKind
 
@@ -179,10 +180,8 @@ class _BatchRequest(_SequencesRequest):
 class _ExpectedStep(BaseModel):
     """A call that steps the optimizer: ``expected_step`` guards it."""
 
-    expected_step: int | None = Field(
+    expected_step: Int64 | None = Field(
         default=None,
-        ge=0,
-        lt=2**63,
         description="Apply only if the model is at this step when the operation runs "
         "(409 otherwise, the model untouched): guards against a stale or duplicated update.",
     )

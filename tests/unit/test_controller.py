@@ -243,8 +243,8 @@ def test_what_loads_here_follows_the_format_and_the_model(tmp_path: Path) -> Non
         _rewrite(tmp_path, "per-rank", layout=foreign, format="per_rank")
         _rewrite(tmp_path, "other-model", model={**c.saves.model(), "hidden_size": 64})
         _rewrite(tmp_path, "newest", layout=foreign, format="per_rank")  # (of another layout)
-        latest = c.saves.latest()
-        assert latest is not None and latest.checkpoint_id == "other-layout"
+        found = c.saves.restorable()  # newest last: what restore_latest tries first
+        assert found and found[-1].checkpoint_id == "other-layout"
 
         for name, words in (("per-rank", "per-rank format"), ("other-model", "hidden_size 64")):
             with pytest.raises(ConflictError, match=words):

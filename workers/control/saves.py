@@ -102,11 +102,6 @@ class Saves:
             return info.model is None or _same_model(info.model, self.model())
         return info.layout == self.layout()
 
-    def latest(self) -> CheckpointInfo | None:
-        """The service's latest whole checkpoint of this model or layout (unproved)."""
-        found = self.restorable()
-        return found[-1] if found else None
-
     def restorable(self) -> list[CheckpointInfo]:
         """The service's whole checkpoints of this model or layout, oldest save first."""
         return [

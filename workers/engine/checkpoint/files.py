@@ -51,13 +51,7 @@ def rank_files(directory: Path) -> list[Path]:
 
 def tensor_bytes(obj: Any) -> int:
     """Bytes of every tensor in a nested state (a checkpoint's, a set of weights)."""
-    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
-        return int(obj.numel() * obj.element_size())
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
+    return sum(t.numel() * t.element_size() for _, _, t in _tensors(obj))
 
 
 def _tensors(obj: Any, at: str = "") -> Iterator[tuple[str, str, torch.Tensor]]:
@@ -133,14 +127,13 @@ def _no_space(rank: int, needed: int, directory: Path) -> OSError:
 def read(path: Path, checkpoint_id: str, *, mmap: bool = False) -> dict[str, Any]:
     """A rank file's state (tensors and plain containers only); one that cannot be read is a
     ``CheckpointInvalidError`` naming it."""
-    info = checkpoint_id
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
-        raise invalid(info, path.name, "the file is missing") from None
+        raise invalid(checkpoint_id, path.name, "the file is missing") from None
     except pickle.UnpicklingError:
         raise invalid(
-            info,
+            checkpoint_id,
             path.name,
             "the file cannot be read (it holds objects other than tensors and "
             "plain containers, which a weights-only load refuses)",
@@ -151,9 +144,11 @@ def read(path: Path, checkpoint_id: str, *, mmap: bool = False) -> dict[str, Any
             "its zip archive is torn or it is no torch file" if "zip" in text
             else f"{type(e).__name__}: {text.splitlines()[0][:120] if text else ''}"
         )  # fmt: skip
-        raise invalid(info, path.name, f"the file cannot be read ({why})") from None
+        raise invalid(checkpoint_id, path.name, f"the file cannot be read ({why})") from None
     if not isinstance(state, dict):
-        raise invalid(info, path.name, f"it holds a {type(state).__name__}, not a rank's state")
+        raise invalid(
+            checkpoint_id, path.name, f"it holds a {type(state).__name__}, not a rank's state"
+        )
     return state
 
 
@@ -214,7 +209,7 @@ def _prove_one(path: Path, info: CheckpointInfo, *, optimizer: bool) -> None:
     state = read(path, info.checkpoint_id, mmap=True)
     if info.save_id is not None:
         _prove_header(state.get(HEADER), info, file)
-    for at, _, t in _tensors({k: v for k, v in state.items() if k != HEADER}):
+    for at, _, t in _tensors(state):  # the header holds no tensor
         if not _finite(t):
             kind = "NaN" if bool(torch.isnan(t).any()) else "an infinity"
             raise invalid(info, file, f"{at} holds {kind}")
