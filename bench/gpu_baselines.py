@@ -10,6 +10,7 @@ arithmetic's precision and the kernels differ.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,28 @@ def _model(checkpoint: Path, baseline: Baseline, dev: str) -> Any:
     return net.train()
 
 
+def _fits(backward: Callable[[list[list[int]]], float], groups: list[list[int]], opt: Any) -> bool:
+    """Whether one forward/backward over ``groups`` fits on the GPU with room left for AdamW's
+    two moments per parameter (3% of the card kept free); the gradients are dropped after, so
+    the weights and the optimizer are as before. Always true on a CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return True
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        backward(groups)
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    moments = 2 * sum(p.numel() * p.element_size() for p in params)
+    _, total = torch.cuda.mem_get_info()
+    return torch.cuda.max_memory_allocated() + moments <= 0.97 * total
+
+
 def transformers_step(
     baseline: str,
     checkpoint: str,
@@ -129,30 +152,32 @@ def transformers_step(
     predicted = sum(n - 1 for n in lengths)
     clip = optimizer["clip_grad"]
 
-    def step_with(groups: list[list[int]]) -> tuple[float, float]:
+    def backward(groups: list[list[int]]) -> float:
         total = torch.zeros((), device=dev)
         for rows in groups:
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=b.fp32_masters and cuda):
                 loss = net(**padded(ids, rows), num_items_in_batch=predicted).loss
             loss.backward()
             total += loss.detach().float()
+        return float(total)
+
+    def step_with(groups: list[list[int]]) -> tuple[float, float]:
+        loss = backward(groups)
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(total), float(norm)
+        return loss, float(norm)
 
-    groups: list[list[int]] = []
-    first: tuple[float, float] | None = None
-    for budget in sorted(set(micro_tokens), reverse=True):
-        groups = micro_batches(lengths, budget)
-        try:
-            first = step_with(groups)  # step 1, from the checkpoint's weights
-            break
-        except torch.OutOfMemoryError:
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-    if first is None:
+    # The largest micro-batch whose forward/backward leaves room for AdamW's moments (made at
+    # the first step), tried without a step so step 1 still starts from the checkpoint.
+    budgets = sorted(set(micro_tokens), reverse=True)
+    groups = next(
+        (g for g in (micro_batches(lengths, t) for t in budgets) if _fits(backward, g, opt)),
+        None,
+    )
+    if groups is None:
         raise OutOfMemory(f"{baseline}: no micro-batch of {sorted(set(micro_tokens))} fits")
+    first = step_with(groups)  # step 1, from the checkpoint's weights
     run = Run(losses=[first[0]], grad_norms=[first[1]])
 
     def step() -> None:
