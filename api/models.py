@@ -212,14 +212,33 @@ class ExportResult(BaseModel):
     files: dict[str, int] = Field(description="File name -> size in bytes.")
 
 
+RecoverySource = Literal["peer", "checkpoint", "start"]
+
+
 class RecoveryInfo(BaseModel):
     """The last time the worker group was rebuilt after a failure."""
 
     at: float = Field(description="Unix seconds.")
     cause: str
-    restored_checkpoint: str | None = Field(description="None: restarted from the start weights.")
+    source: RecoverySource = Field(
+        "checkpoint",
+        description="Where the new ranks' state came from: 'peer' (the surviving ranks' "
+        "memory: no step lost), 'checkpoint' (the newest one that loads) or 'start' (the "
+        "start weights: no checkpoint loaded).",
+    )
+    peer_fallback: str | None = Field(
+        None,
+        description="Why the state did not come from the surviving ranks (None: it did, or "
+        "recovery from peers is off).",
+    )
+    restored_checkpoint: str | None = Field(
+        description="The checkpoint loaded; None: from the surviving ranks or the start weights."
+    )
     step_before: int = Field(description="The step the model had reached before the failure.")
-    step_after: int = Field(description="The step restored.")
+    step_after: int = Field(
+        description="The step restored: the survivors' (one more than step_before when they "
+        "had applied the update in flight), else the checkpoint's."
+    )
     skipped: list[SkippedCheckpoint] = Field(
         default_factory=list,
         description="Newer checkpoints passed over (damaged, or not loadable here), newest first.",
@@ -227,7 +246,7 @@ class RecoveryInfo(BaseModel):
 
     @property
     def steps_lost(self) -> int:
-        return self.step_before - self.step_after
+        return max(0, self.step_before - self.step_after)
 
 
 class TenantUsage(BaseModel):

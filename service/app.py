@@ -103,15 +103,19 @@ def _install_fault_injection(app: FastAPI) -> None:
         rank: int = Field(ge=0)
         phase: str = Field(
             description="forward, accumulate_end, forward_backward_end, finish_window, "
-            "optimizer, publish, or broadcast_stall (rank 0 stops 10 s after the first bucket "
-            "of its next broadcast to the samplers)"
+            "optimizer, optimizer_end (after the rank's update, before the ZeRO-1 all-gather), "
+            "publish, or broadcast_stall (rank 0 stops 10 s after the first bucket of its next "
+            "broadcast to the samplers)"
         )
         times: int = Field(1, ge=1, le=100)
+        kill: bool = Field(
+            False, description="The rank's process dies there (SIGKILL) instead of raising."
+        )
 
     @app.post(f"/{API_VERSION}/debug/faults", include_in_schema=False)
     async def inject_fault(req: FaultRequest, request: Request) -> dict[str, str]:
         controller: ControllerAPI = request.app.state.controller
-        await controller.inject_fault(req.rank, req.phase, req.times)
+        await controller.inject_fault(req.rank, req.phase, req.times, req.kill)
         log.warning(
             "fault injected: rank %d fails in %s (%d time(s))", req.rank, req.phase, req.times
         )

@@ -71,6 +71,7 @@ def controller_options(s: Settings, *, rank_num_gpus: float) -> ControllerOption
         keep_checkpoints=s.keep_checkpoints,
         resume=s.resume_target(),
         checkpoint_format=s.checkpoint_format,
+        peer_recovery=s.peer_recovery,
         metrics_log=s.metrics_log,
         max_staleness=s.max_staleness,
     )

@@ -294,6 +294,13 @@ class Settings(BaseSettings):
         "loads here: reshardable ones of any layout, per-rank ones of this layout), a "
         "checkpoint's name, or none (start afresh; true/false mean latest/none).",
     )
+    peer_recovery: bool = Field(
+        True,
+        description="When a rank is lost, rebuild from the surviving ranks' state in memory "
+        "(no step lost) before falling back to the newest checkpoint; needs a replicated "
+        "optimizer (--distributed-optimizer off) and a survivor of every TP/PP/EP coordinate. "
+        "false: always the checkpoint.",
+    )
     checkpoint_format: Literal["reshardable", "per_rank"] = Field(
         "reshardable",
         description="How whole-state checkpoints are written: reshardable (any layout of the "

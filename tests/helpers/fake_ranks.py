@@ -9,13 +9,29 @@ from pathlib import Path
 from typing import Any
 
 from trainctl.api import WorkerError
-from trainctl.workers.engine.boundary import Applied, RankCoords, RankMeta, WrittenFile
+from trainctl.workers.engine.boundary import (
+    Applied,
+    PeerStep,
+    RankCoords,
+    RankMeta,
+    WrittenFile,
+)
 from trainctl.workers.engine.config import EngineConfig
 
 
 class FakeRankGroup:
-    def __init__(self, world_size: int = 2) -> None:
+    def __init__(self, world_size: int = 2, *, replicated_optimizer: bool = False) -> None:
         self.world_size = world_size
+        self.cfg = EngineConfig.from_dict(
+            {"layout": {"dp": world_size},
+             "distributed_optimizer": "off" if replicated_optimizer else "auto"}
+        )  # fmt: skip
+        """As the real group's: at dp > 1 ZeRO-1 is on unless ``replicated_optimizer``, so
+        recovery from peers falls back to the checkpoint unless asked."""
+        self.dead: set[int] = set()
+        """Ranks that give no answer to a survey (``answers``)."""
+        self.place_errors: list[BaseException] = []
+        """Raised by the next calls of ``place`` (the cluster has no room), one per call."""
         self.version = 0
         """What the ranks hold: +1 per applied step; saved and loaded by checkpoints."""
         self.calls: list[str] = []
@@ -26,7 +42,8 @@ class FakeRankGroup:
         self.staged = 0
 
     async def place(self) -> None:
-        pass
+        if self.place_errors:
+            raise self.place_errors.pop(0)
 
     async def spawn(self) -> None:
         self.calls.append("spawn")
@@ -78,12 +95,24 @@ class FakeRankGroup:
             if rank == 0:
                 self.version = self.staged
             return self.staged
+        if name == "stage_peers":  # the survivors' copies: each one its version
+            self.staged = int(args[0])
+            return None
         if name == "weights_digest":
             return hashlib.sha256(f"{rank}:{self.version}".encode()).hexdigest()
         return None
 
     def put(self, value: Any) -> Any:
         return value
+
+    async def answers(self, method: Any, *, timeout_s: float) -> dict[int, Any]:
+        self.calls.append(method.__name__)
+        alive = [r for r in range(self.world_size) if r not in self.dead]
+        return {r: PeerStep(step=self.version, adapters={}) for r in alive}
+
+    async def keep(self, ranks: list[int], method: Any, *, timeout_s: float) -> Any:
+        self.calls.append(method.__name__)
+        return [self.version] * len(ranks), [self.version] * len(ranks)
 
     async def call_quietly(self, method: Any) -> None:
         self.calls.append(method.__name__)
@@ -100,11 +129,13 @@ class FakeRankGroup:
         return 10
 
 
-def controller(data: Path, world_size: int = 2, **kwargs: Any) -> tuple[Any, FakeRankGroup]:
+def controller(
+    data: Path, world_size: int = 2, *, replicated_optimizer: bool = False, **kwargs: Any
+) -> tuple[Any, FakeRankGroup]:
     """A real ``Controller`` over a ``FakeRankGroup``; call ``await c.start()`` first."""
     from trainctl.workers.control.controller import Controller, ControllerOptions
 
-    fake = FakeRankGroup(world_size)
+    fake = FakeRankGroup(world_size, replicated_optimizer=replicated_optimizer)
     options = ControllerOptions(data_root=str(data), rank_num_cpus=1, **kwargs)
     c = Controller(EngineConfig(), options, group=fake)  # type: ignore[arg-type]
     return c, fake

@@ -275,10 +275,15 @@ def test_a_rank_failing_in_the_optimizer_update_rolls_back_to_the_checkpoint(
     t0 = time.monotonic()
     with pytest.raises(NotReadyError, match="rank 1 failed in apply"):
         once.train_batch(sft_batch(seed=28))
-    assert time.monotonic() - t0 < 30  # the collective timeout is 120 s
+    # No wait for the collective timeout (120 s): the error comes once the group is rebuilt,
+    # inside the call.
+    assert time.monotonic() - t0 < 90
     c.wait_ready(timeout=180)
     info = c.info()
-    # Rank 0 had applied the update, rank 1 had not: both are back at the checkpoint.
+    # Rank 0 had applied the update, rank 1 had not: both are back at the checkpoint (ZeRO-1
+    # keeps one copy of each optimizer range, so the survivors cannot stand in).
+    assert info.recovery is not None and info.recovery.source == "checkpoint"
+    assert info.recovery.peer_fallback is not None and "ZeRO-1" in info.recovery.peer_fallback
     assert info.step == saved.step and digest(info.weights_digest) == digest(saved.weights_digest)
     assert len({digest(rk.weights_digest) for rk in info.ranks}) == 1
     assert info.recovery is not None and info.recovery.step_before == saved.step + 1
@@ -372,6 +377,7 @@ def test_a_killed_rank_is_replaced_and_the_latest_checkpoint_restored(svc: Servi
     c.wait_ready(timeout=180)
     info = c.info()
     assert info.recovery is not None and info.recovery.restored_checkpoint == saved.checkpoint_id
+    assert info.recovery.source == "checkpoint" and "ZeRO-1" in (info.recovery.peer_fallback or "")
     assert [k.checkpoint_id for k in info.recovery.skipped] == ["damaged"], info.recovery
     assert "recovery failed" not in svc.log()  # restored at the first try: no retry loop
     assert info.step == saved.step and info.steps_lost >= 1

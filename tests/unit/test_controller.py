@@ -8,12 +8,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from trainctl.api import (
     ConflictError,
     ExportRequest,
     LoadCheckpointRequest,
     Normalization,
+    NotReadyError,
     OperationKind,
     OptimStepRequest,
     SaveCheckpointRequest,
@@ -273,3 +275,103 @@ def test_what_loads_here_follows_the_format_and_the_model(tmp_path: Path) -> Non
     missing, _ = controller(tmp_path, resume="nowhere")
     with pytest.raises(NotFoundError):
         asyncio.run(missing.start())
+
+
+@pytest.mark.parametrize("replicated", [True, False])
+def test_a_lost_rank_is_rebuilt_from_its_peers_unless_zero1_holds_one_copy(
+    tmp_path: Path, replicated: bool
+) -> None:
+    """Three steps, a checkpoint at step 2, a rank lost in phase 1 of the fourth: with a
+    replicated optimizer the survivors' state comes back (step 3, nothing lost); under ZeRO-1
+    the checkpoint does (step 2, one step lost), saying why."""
+    c, ranks = controller(tmp_path, replicated_optimizer=replicated, checkpoint_every_steps=2)
+
+    async def main() -> None:
+        await c.start()
+        for _ in range(3):
+            await _step(c)
+        ranks.fail["finish_window"] = [GroupLostError("rank 1 died", cause="rank 1 died")]
+        with pytest.raises(GroupLostError):
+            await _step(c)
+        await c.queue.idle()
+        rec = c.recovery.last
+        assert rec is not None
+        if replicated:
+            assert (rec.source, rec.restored_checkpoint, rec.peer_fallback) == ("peer", None, None)
+            assert c.step == 3 and ranks.version == 3 and c.recovery.steps_lost == 0
+            assert {"peer_step", "peer_state", "stage_peers"} <= set(ranks.calls)
+        else:
+            assert (rec.source, rec.restored_checkpoint) == ("checkpoint", "step-000002")
+            assert rec.peer_fallback is not None and "ZeRO-1" in rec.peer_fallback
+            assert c.step == 2 and ranks.version == 2 and c.recovery.steps_lost == 1
+            assert "peer_state" not in ranks.calls
+
+    asyncio.run(main())
+
+
+def test_no_survivor_of_a_coordinate_falls_back_to_the_checkpoint(tmp_path: Path) -> None:
+    c, ranks = controller(tmp_path, replicated_optimizer=True, checkpoint_every_steps=2)
+
+    async def main() -> None:
+        await c.start()
+        for _ in range(3):
+            await _step(c)
+        ranks.dead = {0, 1}  # every replica of the one coordinate
+        ranks.fail["finish_window"] = [GroupLostError("ranks died", cause="ranks died")]
+        with pytest.raises(GroupLostError):
+            await _step(c)
+        await c.queue.idle()
+        rec = c.recovery.last
+        assert rec is not None and rec.source == "checkpoint" and c.step == 2
+        assert rec.peer_fallback == "no rank survived"
+
+    asyncio.run(main())
+
+
+def test_a_rank_lost_in_the_update_before_applying_fails_retryable_and_frees_the_key(
+    tmp_path: Path,
+) -> None:
+    """The update failed and the survivors are at the step before it: rebuilt inside the
+    call from them, the step not applied, the error retryable and the key free again."""
+    c, ranks = controller(tmp_path, replicated_optimizer=True)
+
+    async def main() -> None:
+        await c.start()
+        await _step(c)
+        ranks.fail["apply"] = [GroupLostError("rank 1 died", cause="rank 1 died in apply")]
+        with pytest.raises(NotReadyError, match="survivors' state, which had not applied it"):
+            await _step(c, key="k")
+        assert c.recovery.last is not None and c.recovery.last.source == "peer"
+        assert c.step == 1 and c.serving.ready
+        again = await _step(c, key="k")  # the same key runs afresh, once
+        assert again.step == 2 and ranks.version == 2
+
+    asyncio.run(main())
+
+
+def test_the_survivors_copy_waits_for_room_and_is_restored_on_the_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cluster has no room for the new ranks at first: the survivors are gone by the
+    retry, so it restores the copy taken before the first try (taken once)."""
+    from trainctl.workers.control import recovery
+    from trainctl.workers.engine.config import ConfigError
+
+    monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.05)
+    c, ranks = controller(tmp_path, replicated_optimizer=True, checkpoint_every_steps=2)
+
+    async def main() -> None:
+        await c.start()
+        for _ in range(3):
+            await _step(c)
+        ranks.place_errors = [ConfigError("no room for 2 ranks")]
+        ranks.fail["finish_window"] = [GroupLostError("rank 1 died", cause="rank 1 died")]
+        with pytest.raises(GroupLostError):
+            await _step(c)
+        while not c.serving.ready:
+            await asyncio.sleep(0.05)
+        rec = c.recovery.last
+        assert rec is not None and rec.source == "peer" and c.step == 3, rec
+        assert ranks.calls.count("peer_state") == 1 and c.recovery.steps_lost == 0
+
+    asyncio.run(main())

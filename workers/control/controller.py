@@ -103,6 +103,8 @@ class ControllerOptions:
     """At start, load ``latest`` (the latest checkpoint that loads here, if any) or the
     checkpoint of that name; None: start afresh."""
     checkpoint_format: str = "reshardable"
+    peer_recovery: bool = True
+    """Rebuild a lost group from the survivors' state before a checkpoint (``peers.py``)."""
     """How whole-state saves are written: ``reshardable`` (any layout loads them) or
     ``per_rank`` (their own layout only)."""
     metrics_log: str | None = None
@@ -164,7 +166,7 @@ class Controller:
         self.steps = Steps(
             self.cfg, self.group, self.state, after_train=self._after_train,
             adapter_state=self.adapters.state if self.cfg.lora.enabled else None,
-            staleness=self.staleness,
+            staleness=self.staleness, recover=lambda h, cause: self.recovery.now(h, cause),
         )  # fmt: skip
         self.recorder = ProfileRecorder(self.group, self.profiles, self.state)
         self.start_lock = asyncio.Lock()
@@ -184,7 +186,7 @@ class Controller:
         self.recovery = Recovery(
             serving=self.serving, group=self.group, queue=self.queue, state=self.state,
             adapters=self.adapters, saves=self.saves, samplers=self.samplers,
-            version=self.version, info=self.info,
+            version=self.version, info=self.info, from_peers=options.peer_recovery,
         )  # fmt: skip
         self.queue.listeners.append(self.metrics.observe)
         self.trackers = TrackerLog(open_trackers(options.metrics_log, root))
@@ -346,11 +348,11 @@ class Controller:
     async def list_adapters(self) -> AdapterList:
         return self.adapters.list()
 
-    async def inject_fault(self, rank: int, phase: str, times: int) -> None:
+    async def inject_fault(self, rank: int, phase: str, times: int, kill: bool = False) -> None:
         if not 0 <= rank < self.group.world_size:
             raise InvalidRequestError(f"rank: {rank} is not in [0, {self.group.world_size})")
         try:
-            await self.group.call_one(rank, RankWorker.inject_fault, phase, times)
+            await self.group.call_one(rank, RankWorker.inject_fault, phase, times, kill)
         except WorkerError as e:
             raise InvalidRequestError(f"phase: {e.message.split(': ', 2)[-1]}") from None
 

@@ -212,8 +212,8 @@ class RankGroup:
         except ray.exceptions.RayActorError as e:
             cause = f"a rank died during {what}"
             raise GroupLostError(
-                f"{cause}; nothing was applied. The workers are being rebuilt from the latest "
-                "checkpoint: retry shortly",
+                f"{cause}; nothing was applied. The workers are being rebuilt (from the "
+                "surviving ranks' state, else the latest checkpoint): retry shortly",
                 details={"error": str(e).splitlines()[0]},
                 cause=cause,
             ) from None
@@ -253,8 +253,8 @@ class RankGroup:
             stuck = f", {len(pending)} rank(s) stuck" if pending else ""
             cause = f"{what} during {name}{stuck}"
             raise GroupLostError(
-                f"{cause}; nothing was applied. The workers are being rebuilt from the latest "
-                "checkpoint: retry shortly",
+                f"{cause}; nothing was applied. The workers are being rebuilt (from the "
+                "surviving ranks' state, else the latest checkpoint): retry shortly",
                 details={"ranks": dead or sorted(causes), "method": name, "causes": causes},
                 cause=cause,
             )
@@ -268,6 +268,47 @@ class RankGroup:
             + (f" (and {len(causes) - 1} more rank(s))" if len(causes) > 1 else ""),
             details={"method": name, "ranks": {str(r): c for r, c in causes.items()}},
         )
+
+    async def answers(self, method: Callable[[RankWorker], R], *, timeout_s: float) -> dict[int, R]:
+        """``method`` on every rank; the answers of the ranks that gave one within
+        ``timeout_s``, by rank. A dead, stuck or failing rank gives none (a survey after a
+        failure, not a step: nothing here is a ``GroupLostError``)."""
+        tasks = [asyncio.ensure_future(getattr(r, method.__name__).remote()) for r in self.ranks]
+        if not tasks:
+            return {}
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for t in pending:
+            t.cancel()
+        return {
+            rank: t.result()
+            for rank, t in enumerate(tasks)
+            if t.done() and not t.cancelled() and t.exception() is None
+        }
+
+    async def keep(
+        self,
+        ranks: list[int],
+        method: Callable[[RankWorker], tuple[R, Any]],
+        *,
+        timeout_s: float,
+    ) -> tuple[list[R], list[Any]]:
+        """``method`` (two returns: a small one, then a large one) on each of ``ranks``: the
+        small returns, awaited, and references to the large ones, left in the object store
+        and never fetched here. They are owned by this process, so they outlive the ranks
+        that made them (until these references are dropped). A failure is a
+        ``WorkerError``."""
+        calls = [
+            getattr(self.ranks[r], method.__name__).options(num_returns=2).remote() for r in ranks
+        ]
+        try:
+            small = await asyncio.wait_for(
+                asyncio.gather(*[c[0] for c in calls]), timeout=timeout_s
+            )
+        except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
+            raise WorkerError(
+                f"{method.__name__} on ranks {ranks} failed: {type(e).__name__}: {e}"
+            ) from None
+        return list(small), [c[1] for c in calls]
 
     async def call_quietly(self, method: Callable[..., Any]) -> None:
         """``method`` on every rank that still answers; failures ignored (cleanup)."""

@@ -1,7 +1,10 @@
 """The controller's failure recovery: when the rank group is lost (a rank died, peers are
-stuck, an update half applied), stop taking work, replace every rank actor and restore the
-newest checkpoint that proves its content (a damaged one is passed over, never retried),
-ahead of every queued operation; retried while the cluster has no room."""
+stuck, an update half applied), stop taking work, copy the training state the surviving
+ranks hold (``peers.py``), replace every rank actor and restore that copy: no step lost.
+Where the survivors cannot stand in (ZeRO-1 without replicas, a model-parallel coordinate
+lost with all its replicas, survivors at different steps), restore the newest checkpoint
+that proves its content instead (a damaged one is passed over, never retried). Ahead of
+every queued operation; retried while the cluster has no room."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from trainctl.api import Info, OperationKind, RecoveryInfo
+from trainctl.api import Info, OperationKind, RecoveryInfo, TrainctlError
+from trainctl.workers.control import peers
 from trainctl.workers.control.adapter_registry import Adapters
 from trainctl.workers.control.op_queue import Handle, OperationQueue
 from trainctl.workers.control.rank_group import RankGroup
@@ -19,6 +23,7 @@ from trainctl.workers.control.saves import Saves
 from trainctl.workers.control.serving import Serving, WeightsVersion
 from trainctl.workers.control.steps import ModelState
 from trainctl.workers.engine.config import ConfigError
+from trainctl.workers.rank.worker import RankWorker
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +48,18 @@ class Recovery:
         samplers: Samplers,
         version: WeightsVersion,
         info: Callable[[], Awaitable[Info]],
+        from_peers: bool = True,
     ) -> None:
         self.serving, self.group, self.queue, self.state = serving, group, queue, state
         self.adapters, self.saves, self.samplers = adapters, saves, samplers
         self.version, self.info = version, info
+        self.from_peers = from_peers
+        """Try the survivors' state before a checkpoint (``--peer-recovery``)."""
         self.last: RecoveryInfo | None = None
         self.steps_lost = 0
+        self._copy: peers.PeerCopy | None = None
+        """The survivors' copy of a rebuild not yet done, kept across its retries (the
+        survivors are gone by then: the cluster had no room for their replacements)."""
 
     @property
     def step(self) -> int:
@@ -68,19 +79,47 @@ class Recovery:
             self.queue.submit(OperationKind.RECOVER, run, front=True)
 
     async def _recover(self, h: Handle, cause: str, step_before: int) -> Info:
-        """Replace every rank actor and restore the latest checkpoint; retried while it fails
-        (e.g. the cluster has no room yet for a replacement)."""
+        """The queued rebuild: replace every rank actor and restore the state; what ``info``
+        says after."""
+        await self._retried(h, cause, step_before)
+        return await self.info()
+
+    async def now(self, h: Handle, cause: str) -> RecoveryInfo:
+        """Rebuild the group at once, inside the running operation (an update failed half
+        way: whether the step stands depends on what the survivors hold); the record of it.
+        If the rebuild fails, the usual retried recovery is queued and this raises."""
+        step_before = self.step
+        self.serving.ready = False
+        log.error("worker group lost (%s): rebuilding", cause)
+        return await self._retried(h, cause, step_before)
+
+    async def _retried(self, h: Handle, cause: str, step_before: int) -> RecoveryInfo:
+        """``_replace``; if it fails (e.g. the cluster has no room yet for a replacement),
+        queued again in ``RECOVERY_RETRY_S``."""
         try:
-            return await self._rebuild(h, cause, step_before)
+            return await self._replace(h, cause, step_before)
         except Exception:
             log.exception("recovery failed; trying again in %.0fs", RECOVERY_RETRY_S)
             loop = asyncio.get_running_loop()
             loop.call_later(RECOVERY_RETRY_S, self._queue, cause, step_before)
             raise
 
-    async def _rebuild(self, h: Handle, cause: str, step_before: int) -> Info:
+    async def _replace(self, h: Handle, cause: str, step_before: int) -> RecoveryInfo:
+        """Copy the survivors' state, replace every rank, restore the copy (or the newest
+        checkpoint that loads), sync the samplers; serve again."""
+        self.state.window = None  # no rank keeps gradients
+        copy: peers.PeerCopy | peers.NoPeerCopy = peers.NoPeerCopy("recovery from peers is off")
+        if self._copy is not None:  # a retry: the copy taken before the first try
+            copy = self._copy
+        elif self.from_peers:
+            h.set_phase("copying the survivors' state")
+            copy = await peers.copy_from_survivors(
+                self.group,
+                zero=self.group.cfg.use_distributed_optimizer,
+                timeout_s=self.group.cfg.collective_timeout_s,
+            )
+            self._copy = copy if isinstance(copy, peers.PeerCopy) else None
         h.set_phase("rebuilding workers")
-        self.state.window = None  # the new ranks hold no gradients
         self.group.kill(release=True)
         try:  # placed anew: a lost node's placement group cannot come back
             await self.group.place()
@@ -90,27 +129,55 @@ class Recovery:
         self.serving.waiting = None
         self.version.bump()
         await self.group.spawn()
-        restored = await self.saves.restore_latest(h)  # a damaged newest: the one before
-        if restored.checkpoint_id is None:
-            self.state.step = 0
-            await self.adapters.reread()  # fresh ranks: no adapters
-        self.last = RecoveryInfo(
-            at=time.time(),
-            cause=cause,
-            restored_checkpoint=restored.checkpoint_id,
-            step_before=step_before,
-            step_after=self.step,
-            skipped=restored.skipped,
-        )
-        self.steps_lost += step_before - self.step
+        if isinstance(copy, peers.PeerCopy):
+            self._copy = None  # tried once: restored, or the checkpoint's turn
+            try:
+                await self._restore_copy(h, copy)
+            except TrainctlError as e:
+                log.error("the survivors' copy did not load (%s): restoring a checkpoint", e)
+                copy = peers.NoPeerCopy(f"the survivors' copy did not load: {e.message}")
+        if isinstance(copy, peers.PeerCopy):
+            self.last = RecoveryInfo(
+                at=time.time(), cause=cause, source="peer", restored_checkpoint=None,
+                step_before=step_before, step_after=self.step,
+            )  # fmt: skip
+        else:
+            if self.from_peers:
+                log.warning("not from the survivors: %s", copy.reason)
+            restored = await self.saves.restore_latest(h)  # a damaged newest: the one before
+            if restored.checkpoint_id is None:
+                self.state.step = 0
+                await self.adapters.reread()  # fresh ranks: no adapters
+            self.last = RecoveryInfo(
+                at=time.time(), cause=cause,
+                source="checkpoint" if restored.checkpoint_id else "start",
+                peer_fallback=copy.reason if self.from_peers else None,
+                restored_checkpoint=restored.checkpoint_id, step_before=step_before,
+                step_after=self.step, skipped=restored.skipped,
+            )  # fmt: skip
+        self.steps_lost += self.last.steps_lost
         warning = await self.samplers.sync_after_load()
         if warning:
             log.warning("after recovery: %s", warning)
         self.serving.ready = True
         log.warning(
-            "recovered: at step %d (was %d; %d step(s) lost)",
+            "recovered from %s: at step %d (was %d; %d step(s) lost)",
+            self.last.source,
             self.step,
             step_before,
-            step_before - self.step,
+            self.last.steps_lost,
         )
-        return await self.info()
+        return self.last
+
+    async def _restore_copy(self, h: Handle, copy: peers.PeerCopy) -> None:
+        """The new ranks cut their shards out of the survivors' copies (phase 1 changes
+        nothing), then apply them; the copies are dropped after."""
+        h.set_phase(f"restoring step {copy.step} from surviving rank(s) {copy.ranks}")
+        try:
+            await self.group.call(RankWorker.stage_peers, *copy.states)
+        except TrainctlError:
+            await self.group.call_quietly(RankWorker.drop_staged)
+            raise
+        await self.group.call(RankWorker.apply_checkpoint, True)
+        self.state.step = copy.step
+        await self.adapters.reread()  # the survivors' adapters, at their steps

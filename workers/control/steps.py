@@ -16,8 +16,11 @@ in a collective for a rank that already failed:
 
 If phase 1 fails, all drop their gradients: the step is applied nowhere. If phase 2 or 3 fails
 on some rank, the ranks may disagree (some updated, some not; or a gather cut short), so the
-group is restored from the latest checkpoint: again the step is applied nowhere. Phase 3 never
-starts after a failed phase 2, so a failed update costs no collective timeout.
+group is rebuilt at once, inside the call (``recover``): from the survivors' state when they
+agree, and then the step stands if they had all applied it (the call answers its result, so
+its idempotency key keeps it: a retry never applies it twice) and is not applied if none had;
+else from the latest checkpoint, where the step is applied nowhere. Phase 3 never starts after
+a failed phase 2, so a failed update costs no collective timeout.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from trainctl.api import (
     LogProbsResult,
     LossConfig,
     Normalization,
+    NotReadyError,
     OptimStepRequest,
+    RecoveryInfo,
     StepResult,
     TrainBatchRequest,
     TrainctlError,
@@ -98,6 +103,11 @@ class Window:
         return normalizer(self.normalization, self.loss_tokens, self.loss_sequences)
 
 
+def _norm(norms: list[float | None]) -> float:
+    """Phase 1's global gradient norm (every rank that computed one has the same)."""
+    return next((n for n in norms if n is not None), 0.0)
+
+
 def normalizer(normalization: Normalization, loss_tokens: int, loss_sequences: int) -> float:
     """The batch-wide divisor that a deferred plan (``plan.sequence_scales``) leaves out."""
     if normalization is Normalization.TOKEN_MEAN:
@@ -131,6 +141,7 @@ class Steps:
         after_train: Callable[[Handle, str | None], Awaitable[list[str]]],
         adapter_state: Callable[[str], ModelState] | None = None,
         staleness: Staleness | None = None,
+        recover: Callable[[Handle, str], Awaitable[RecoveryInfo]] | None = None,
     ) -> None:
         self.cfg, self.group, self.state = cfg, group, state
         self.staleness = staleness or Staleness(None, tracks_samplers=False)
@@ -142,6 +153,9 @@ class Steps:
         self.adapter_state = adapter_state
         """A LoRA adapter's own step and window (``workers/control/adapter_registry.py``); a name it
         does not know is a 404."""
+        self.recover = recover
+        """Rebuild the group now, inside the call (``Recovery.now``); None: a failed update
+        is a ``GroupLostError`` and the group is rebuilt after the call."""
 
     def state_of(self, adapter: str | None) -> ModelState:
         """The model a call reads and steps: the base, or the adapter it names."""
@@ -241,10 +255,11 @@ class Steps:
         except TrainctlError:
             await self._discard(state)
             raise
-        await self._check_norms(state, [r.grad_norm for r in reports])
+        norms = [r.grad_norm for r in reports]
+        await self._check_norms(state, norms)
         result = step_result(plan, reports, step=state.step, t_plan=t_plan)
         result.metrics.update(stale)
-        await self._apply(h, state, result, None, plan.adapter)
+        await self._apply(h, state, result, None, plan.adapter, _norm(norms))
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 
@@ -262,38 +277,79 @@ class Steps:
         result: StepResult,
         hyper: dict[str, float] | None,
         adapter: str | None,
+        norm: float,
     ) -> None:
-        """Phases 2 and 3 of a step (every rank's phase 1 succeeded), into ``result``."""
+        """Phases 2 and 3 of a step (every rank's phase 1 succeeded, with global norm
+        ``norm``), into ``result``."""
         h.set_phase("optimizer_step")
+        before = state.step
+        applied, published = None, None
         try:
             applied = await self.group.call(RankWorker.apply, h.op.id, hyper)
             if self.cfg.use_distributed_optimizer:
                 # Only now that every rank has updated its shard: the all-gather.
                 h.set_phase("parameter_gather")
                 published = await self.group.call(RankWorker.publish, h.op.id)
-        except WorkerError as e:
-            # Some ranks may have applied the update and others not: only a restore makes
-            # them agree again, so the step is rolled back with everything since the checkpoint.
+        except (WorkerError, GroupLostError) as e:
+            # Some ranks may have applied the update and others not: only a rebuild makes
+            # them agree again.
             where = "optimizer update" if h.op.phase == "optimizer_step" else "parameter all-gather"
-            cause = f"{e.message} (in the {where})"
-            raise GroupLostError(
-                f"{cause}; the workers are being restored from the latest checkpoint, so the "
-                "step is not applied: retry shortly",
-                details=e.details,
-                cause=cause,
-            ) from None
-        state.step += 1
+            cause = f"{e.cause if isinstance(e, GroupLostError) else e.message} (in the {where})"
+            if self.recover is None:
+                raise GroupLostError(
+                    f"{cause}; the workers are being restored from the latest checkpoint, so "
+                    "the step is not applied: retry shortly",
+                    details=e.details,
+                    cause=cause,
+                ) from None
+            await self._rebuilt_after_update(h, cause, before, adapter)
+            result.warnings.append(
+                f"{cause}; every rank had applied the update, so the step stands: the workers "
+                "were rebuilt from the survivors' state"
+            )
+        state = self.state_of(adapter)  # a rebuild re-reads the adapters' records
+        if applied is not None:
+            state.step += 1
         h.applied = True  # from here on the call answers its result, never a retryable error
         result.step = state.step
         t_after = time.perf_counter()
         result.warnings.extend(await self.after_train(h, adapter))
         # a scheduled checkpoint and the samplers' sync (after_step, in_flight), if any
         result.timings["after_step_s"] = time.perf_counter() - t_after
-        result.metrics["grad_norm:value"] = applied[0].grad_norm
+        result.metrics["grad_norm:value"] = applied[0].grad_norm if applied else norm
         result.metrics["lr:value"] = (hyper or {}).get("lr", self.cfg.optimizer.lr)
-        result.timings["optimizer_max_s"] = max(a.seconds for a in applied)
-        if self.cfg.use_distributed_optimizer:
+        if applied is not None:
+            result.timings["optimizer_max_s"] = max(a.seconds for a in applied)
+        if published is not None:
             result.timings["parameter_gather_max_s"] = max(published)
+
+    async def _rebuilt_after_update(
+        self, h: Handle, cause: str, before: int, adapter: str | None
+    ) -> None:
+        """The group rebuilt after an update failed on some rank: returns if the step stands
+        (the survivors had all applied it), else raises a retryable error (nothing applied:
+        the survivors had not, or a checkpoint was restored)."""
+        assert self.recover is not None
+        try:
+            rec = await self.recover(h, cause)
+        except Exception as e:
+            raise NotReadyError(
+                f"{cause}; rebuilding the workers failed ({e}), so the step is not applied: "
+                "retry once the service is ready"
+            ) from None
+        if rec.source == "peer" and self.state_of(adapter).step == before + 1:
+            return
+        where = (
+            "the survivors' state, which had not applied it"
+            if rec.source == "peer"
+            else f"checkpoint {rec.restored_checkpoint}"
+            if rec.restored_checkpoint
+            else "the start weights"
+        )
+        raise NotReadyError(
+            f"{cause}; the workers were rebuilt from {where}, so the step is not applied: retry it",
+            details={"recovery_source": rec.source, "step": self.state_of(adapter).step},
+        )
 
     def _no_window(self, state: ModelState, what: str) -> None:
         w = state.window
@@ -374,6 +430,7 @@ class Steps:
             await self._discard(state)
             raise
         await self._check_norms(state, list(norms))
+        norm = _norm(list(norms))
         loss = w.raw_loss / w.divisor()
         result = StepResult(
             loss=loss,
@@ -382,7 +439,7 @@ class Steps:
                      "loss_tokens:sum": float(w.loss_tokens), **w.staleness},
             timings={"gradient_reduce_s": time.perf_counter() - t0},
         )  # fmt: skip
-        await self._apply(h, state, result, hyper, req.adapter)
+        await self._apply(h, state, result, hyper, req.adapter, norm)
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 

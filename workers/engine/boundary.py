@@ -221,6 +221,15 @@ class RankMeta:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PeerStep:
+    """What a surviving rank of a lost group holds: the base's optimizer step and each
+    adapter's (``workers/control/peers.py`` restores from survivors only if they agree)."""
+
+    step: int
+    adapters: dict[str, int]
+
+
+@dataclass(frozen=True, kw_only=True)
 class WrittenFile:
     """A file a rank wrote (a checkpoint shard, an export file): its name, size and, for a
     checkpoint shard, the sha256 of its bytes and the AdamW moment tensors it holds."""

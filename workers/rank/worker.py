@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import tempfile
 import time
 import warnings
@@ -26,6 +27,7 @@ from trainctl.workers.engine.boundary import (
     LogProbsPart,
     OwnedShards,
     PartResult,
+    PeerStep,
     RankMeta,
     RankProfile,
     StepReport,
@@ -67,6 +69,7 @@ FAULT_PHASES = (
     "forward_backward_end",
     "finish_window",
     "optimizer",
+    "optimizer_end",
     "publish",
     "broadcast_stall",
 )
@@ -105,6 +108,8 @@ class RankWorker:
         self.engine: EngineShard | None = None
         self.exporter: Exporter | None = None
         self._faults: dict[str, int] = {}
+        self._kills: set[str] = set()
+        """Phases whose injected fault kills the process (``inject_fault(kill=True)``)."""
         self._store: Any = None
         self._gate: Any = None
         """Rank 0: the gate in front of the rendezvous store (``rendezvous_address``)."""
@@ -214,7 +219,9 @@ class RankWorker:
         with _operation(op_id):
             self._check_fault("optimizer")
             opt = OptimizerConfig(**hyper) if hyper is not None else None
-            return self.shard.apply(opt)
+            applied = self.shard.apply(opt)
+            self._check_fault("optimizer_end")  # updated here, not yet answered or published
+            return applied
 
     def forward_backward(
         self, plan: StepPlan, op_id: str = "-", backward: bool = True
@@ -347,6 +354,32 @@ class RankWorker:
     def drop_staged(self) -> None:
         self._staged = None
 
+    # -- recovery from live peers (workers/control/peers.py) -----------------------------------
+
+    def peer_step(self) -> PeerStep:
+        """A survivor of a lost group: drop the gradients of the step that failed (its
+        collectives cannot finish) and say which steps this rank's state is at."""
+        self.shard.optim.zero_grad()
+        return PeerStep(
+            step=int(self.shard.step),
+            adapters={i.spec.name: i.step for i in self.shard.adapters.infos()},
+        )
+
+    def peer_state(self) -> tuple[int, dict[str, Any]]:
+        """A survivor's whole training state in the reshardable format, every piece written as
+        if this rank were DP replica 0 (it stands in for the replicas that died); no
+        collective. Called with two returns: the step is read, the state stays in the object
+        store for the new ranks."""
+        return int(self.shard.step), self.shard.checkpoint.reshardable_state(as_replica0=True)
+
+    def stage_peers(self, *states: dict[str, Any]) -> None:
+        """Phase 1 of a restore from live peers: this rank's shard cut out of the survivors'
+        states (``peer_state``), changing nothing; ``apply_checkpoint`` applies it."""
+        from trainctl.workers.engine.checkpoint import reshard
+
+        reader = reshard.Reader.of(list(states), "peers")
+        self._staged = ("reshardable", self.shard.checkpoint.stage_reshardable(reader))
+
     # -- adapters (workers/engine/adapter_bank.py) -----------------------------------------------
 
     def create_adapter(self, spec: AdapterSpec) -> None:
@@ -364,18 +397,27 @@ class RankWorker:
 
     # -- fault injection (operators and tests, through Ray only: not on the HTTP API) ---------
 
-    def inject_fault(self, phase: str, times: int = 1) -> None:
+    def inject_fault(self, phase: str, times: int = 1, kill: bool = False) -> None:
         """Make the next ``times`` calls of ``phase`` raise: ``forward`` (before any work: the
-        peers then block in a collective), ``accumulate_end`` (after phase 1, peers done) or
-        ``optimizer`` (phase 2). ``broadcast_stall`` raises nothing: rank 0's next ``times``
-        broadcasts to the samplers stop ``BROADCAST_STALL_S`` after their first bucket."""
+        peers then block in a collective), ``accumulate_end`` (after phase 1, peers done),
+        ``optimizer`` (phase 2, before the update), ``optimizer_end`` (after this rank's
+        update, before it answers and before the ZeRO-1 all-gather). ``kill``: the process
+        dies there instead (SIGKILL: a crash, nothing cleaned up). ``broadcast_stall``
+        raises nothing: rank 0's next ``times`` broadcasts to the samplers stop
+        ``BROADCAST_STALL_S`` after their first bucket."""
         if phase not in FAULT_PHASES:
             raise ValueError(f"phase must be one of {FAULT_PHASES}, not {phase!r}")
         self._faults[phase] = times
+        self._kills.discard(phase)
+        if kill:
+            self._kills.add(phase)
 
     def _check_fault(self, phase: str) -> None:
         if self._faults.get(phase, 0) > 0:
             self._faults[phase] -= 1
+            if phase in self._kills:
+                log.error("injected crash in %s on rank %d", phase, self.rank)
+                os.kill(os.getpid(), signal.SIGKILL)
             raise InjectedFault(f"injected fault in {phase} on rank {self.rank}")
 
     def shutdown(self) -> None:

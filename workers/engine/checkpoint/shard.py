@@ -159,15 +159,18 @@ class ShardCheckpoint:
 
     # -- the reshardable format (reshard.py) ---------------------------------------------------
 
-    def _params(self, *, tied: bool, lora: bool | None = None) -> list[reshard.Param]:
+    def _params(
+        self, *, tied: bool, lora: bool | None = None, as_replica0: bool = False
+    ) -> list[reshard.Param]:
         """This rank's parameters for the reshardable format; ``lora``: only the adapter
-        sites (True) or only the base (False)."""
+        sites (True) or only the base (False); ``as_replica0``: every one counted as DP
+        replica 0's (a survivor standing in for its lost replicas)."""
         from trainctl.workers.engine.lora import is_lora
 
         out = reshard.params_of(
             self.chunks, reshard.optimizer_slots(self.optim.optimizer),
             ep_rank=self.coords.ep, local_experts=self.local_experts,
-            replica0=self.dims.holds_replica0, tied=tied,
+            replica0=_every if as_replica0 else self.dims.holds_replica0, tied=tied,
         )  # fmt: skip
         return [p for p in out if lora is None or is_lora(p.canon) == lora]
 
@@ -176,7 +179,9 @@ class ShardCheckpoint:
             params, tp_rank=self.coords.tp, tp=self.cfg.layout.tp, zero=self.optim.zero
         )
 
-    def _adapter_pieces(self, bank: AdapterBank, name: str) -> dict[str, Any]:
+    def _adapter_pieces(
+        self, bank: AdapterBank, name: str, as_replica0: bool = False
+    ) -> dict[str, Any]:
         """Adapter ``name``'s spec, step and pieces: made active for the read (its AdamW
         state is the optimizer's then), and the active one put back after."""
         was = bank.active
@@ -184,14 +189,18 @@ class ShardCheckpoint:
         out = {
             "spec": bank.slots[name].spec.to_dict(),
             "step": bank.slots[name].step,
-            "pieces": self._pieces(self._params(tied=False, lora=True)),
+            "pieces": self._pieces(self._params(tied=False, lora=True, as_replica0=as_replica0)),
         }
         bank.activate(was)
         return out
 
-    def reshardable_state(self, adapter: str | None = None) -> dict[str, Any]:
+    def reshardable_state(
+        self, adapter: str | None = None, *, as_replica0: bool = False
+    ) -> dict[str, Any]:
         """This rank's pieces of the whole training state, every adapter's included, and the
-        writer's scalars; ``adapter``: that adapter alone."""
+        writer's scalars; ``adapter``: that adapter alone. ``as_replica0``: every piece this
+        rank holds, as DP replica 0 would write it (recovery from live peers; under ZeRO-1 a
+        rank holds only its own range of the optimizer state, so it stands in for no one)."""
         meta = {"step": self.optim.step, "layout": dataclasses.asdict(self.cfg.layout)}
         if adapter is not None:
             bank = self._bank()
@@ -201,10 +210,11 @@ class ShardCheckpoint:
                 "meta": {**meta, "adapter_only": adapter},
             }  # fmt: skip
         names = list(self.adapters.slots) if self.adapters is not None else []
+        base = self._params(tied=False, lora=False, as_replica0=as_replica0)
         return {
             "format": reshard.FORMAT,
-            "pieces": self._pieces(self._params(tied=False, lora=False)),
-            "adapters": {n: self._adapter_pieces(self._bank(), n) for n in names},
+            "pieces": self._pieces(base),
+            "adapters": {n: self._adapter_pieces(self._bank(), n, as_replica0) for n in names},
             "meta": meta,
         }
 
@@ -271,6 +281,10 @@ class ShardCheckpoint:
         self.optim.zero_grad()
         self.optim.step = staged.step
         torch.manual_seed(reshard.rng_seed(self.cfg.model.seed, staged.step, self.coords.rank))
+
+
+def _every(_name: str) -> bool:
+    return True
 
 
 def _check_whole(only: str | None, adapter: str | None) -> None:
