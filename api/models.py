@@ -212,6 +212,16 @@ class ExportResult(BaseModel):
     files: dict[str, int] = Field(description="File name -> size in bytes.")
 
 
+class SaveInFlight(BaseModel):
+    """A checkpoint being written in the background (``--async-save``): listed once every
+    rank's file is written and the checkpoint committed."""
+
+    step: int
+    started_at: float = Field(description="Unix seconds.")
+    stall_s: float = Field(description="Seconds the step waited while the ranks copied the state.")
+    seconds: float = Field(description="Seconds since it started.")
+
+
 RecoverySource = Literal["peer", "checkpoint", "start"]
 
 
@@ -284,6 +294,14 @@ class Info(BaseModel):
     )
     steps_lost: int = Field(
         default=0, description="Steps undone by recoveries (0: nothing was ever lost)."
+    )
+    save_in_flight: SaveInFlight | None = Field(
+        default=None, description="The checkpoint being written in the background (--async-save)."
+    )
+    last_save_error: str | None = Field(
+        default=None,
+        description="Why the last background save failed (null: it did not); cleared by the "
+        "next one that succeeds.",
     )
     resumed: RestoreInfo | None = Field(
         default=None,

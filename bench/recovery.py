@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
 import re
 import signal
@@ -35,8 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.checkpoint_cases import MODEL  # noqa: E402
-from bench.tables.common import publish  # noqa: E402
-from trainctl.service.local import LocalService  # noqa: E402
+from bench.tables.common import model_service, publish, table  # noqa: E402
 
 SOURCES = {"peer": (), "checkpoint": ("--peer-recovery", "false")}
 MARKS = (
@@ -77,11 +75,7 @@ def _run(source: str, model: dict[str, int] | None, kills: int) -> dict[str, Any
     length = min(200, (model or {}).get("max_seq_len", 256) - 1)
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["--dp", "2", "--distributed-optimizer", "off", *SOURCES[source]]
-        if model is not None:
-            cfg = Path(tmp) / "engine.json"
-            cfg.write_text(json.dumps({"model": model}))
-            flags += ["--engine-config", str(cfg)]
-        svc = LocalService(Path(tmp) / "data", *flags, start_timeout_s=900)
+        svc = model_service(tmp, model, flags)
         with svc, svc.client() as c:
             params = int(c.info().engine["parameters_per_replica"])
             c.train_batch(_batch(0, 4, length, vocab))
@@ -130,14 +124,16 @@ def main() -> None:
     rows = []
     for source in SOURCES:
         r = _run(source, model, kills)
-        t = r["times"]
-        rows.append(
-            f"| {source} | {r['params'] / 1e6:.0f}M | {statistics.median(t):.1f} | "
-            f"{min(t):.1f} / {max(t):.1f} | {r['parts']['copy']:.1f} | "
-            f"{r['parts']['rebuild']:.1f} | {r['parts']['restore']:.1f} | "
-            f"{', '.join(sorted(set(r['sources'])))} | {max(r['lost'])} | {r['save_s']:.1f} |"
-        )
-    table = (
+        t, parts = r["times"], r["parts"]
+        rows.append([
+            source, f"{r['params'] / 1e6:.0f}M", f"{statistics.median(t):.1f}",
+            f"{min(t):.1f} / {max(t):.1f}", f"{parts['copy']:.1f}", f"{parts['rebuild']:.1f}",
+            f"{parts['restore']:.1f}", ", ".join(sorted(set(r["sources"]))), str(max(r["lost"])),
+            f"{r['save_s']:.1f}",
+        ])  # fmt: skip
+    headers = ["restored from", "model", "kill → ready s (median)", "min / max", "copy s",
+               "rebuild s", "restore s", "recovery.source", "steps lost", "save s"]  # fmt: skip
+    text = (
         f"### A rank SIGKILLed mid-step, to ready again: from the survivor's memory or from "
         f"the checkpoint (dp2, replicated optimizer, {kills} kill(s) each)\n\n"
         "Seconds from the kill to `GET /v1/ready` answering 200 (the rebuild: new rank "
@@ -147,15 +143,9 @@ def main() -> None:
         "log): copy = the survivors' state into the object store; rebuild = new rank actors, "
         "process group and engine build; restore = the state cut and applied (from the copy, "
         "or proved and read from the checkpoint's files). The rest of kill → ready is the "
-        "failure surfacing and the samplers' sync.\n\n"
-        "| restored from | model | kill → ready s (median) | min / max | copy s | rebuild s "
-        "| restore s | recovery.source | steps lost | save s |\n|"
-        + "---|" * 10
-        + "\n"
-        + "\n".join(rows)
-        + "\n"
+        "failure surfacing and the samplers' sync.\n\n" + table(headers, rows) + "\n"
     )
-    publish(table, "recovery", keep=not args.quick)
+    publish(text, "recovery", keep=not args.quick)
 
 
 if __name__ == "__main__":

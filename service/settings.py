@@ -284,6 +284,13 @@ class Settings(BaseSettings):
     checkpoint_every_steps: int = Field(
         0, ge=0, description="Save a checkpoint every N optimizer steps (0: only when asked)."
     )
+    async_save: bool = Field(
+        False,
+        description="Write scheduled checkpoints (--checkpoint-every-steps) in the background: "
+        "the step waits only while the ranks copy their state; the checkpoint is listed once "
+        "every rank's file is written (info.save_in_flight meanwhile, info.last_save_error if "
+        "it failed).",
+    )
     keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept on disk.")
     checkpoint_on_exit: bool = Field(
         False, description="On SIGTERM, after draining, save a checkpoint if the model changed."

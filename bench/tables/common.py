@@ -89,3 +89,17 @@ def relative_rows(runs: list[tuple[str, dict[str, float]]]) -> list[list[str]]:
         ]
         for label, r in runs
     ]
+
+
+def model_service(tmp: str, model: dict[str, int] | None, flags: list[str]) -> Any:
+    """`trainctl serve FLAGS` (not started) in the directory ``tmp``, on ``model``'s shape
+    (an engine config written there; None: the embedded model), with a start timeout for a
+    model of a few hundred MB on this machine."""
+    from trainctl.service.local import LocalService
+
+    flags = list(flags)
+    if model is not None:
+        cfg = Path(tmp) / "engine.json"
+        cfg.write_text(json.dumps({"model": model}))
+        flags += ["--engine-config", str(cfg)]
+    return LocalService(Path(tmp) / "data", *flags, start_timeout_s=900)

@@ -30,6 +30,13 @@ class FakeRankGroup:
         recovery from peers falls back to the checkpoint unless asked."""
         self.dead: set[int] = set()
         """Ranks that give no answer to a survey (``answers``)."""
+        self.writing: dict[int, tuple[Path, int]] = {}
+        """A background save per rank: its file and the version copied when it started."""
+        self.polls: dict[int, int] = {}
+        self.write_polls = 0
+        """Polls a background write answers "not yet" before it is written."""
+        self.write_error: BaseException | None = None
+        """What a background write fails with (a full disk)."""
         self.place_errors: list[BaseException] = []
         """Raised by the next calls of ``place`` (the cluster has no room), one per call."""
         self.version = 0
@@ -83,6 +90,19 @@ class FakeRankGroup:
         if name == "save_checkpoint":
             path = Path(args[0]) / f"rank-{rank:05d}.pt"
             path.write_text(str(self.version))
+            return WrittenFile(name=path.name, size_bytes=path.stat().st_size)
+        if name == "start_checkpoint":  # copied now, "written" after ``write_polls`` polls
+            self.writing[rank] = (Path(args[0]) / f"rank-{rank:05d}.pt", self.version)
+            self.polls[rank] = self.write_polls
+            return 0.01
+        if name == "checkpoint_written":
+            if self.polls.get(rank, 0) > 0:
+                self.polls[rank] -= 1
+                return None
+            if self.write_error is not None:
+                raise self.write_error
+            path, version = self.writing[rank]
+            path.write_text(str(version))
             return WrittenFile(name=path.name, size_bytes=path.stat().st_size)
         if name == "load_checkpoint":  # one phase: each rank reads and applies its shard
             if rank == 0:

@@ -375,3 +375,57 @@ def test_the_survivors_copy_waits_for_room_and_is_restored_on_the_retry(
         assert ranks.calls.count("peer_state") == 1 and c.recovery.steps_lost == 0
 
     asyncio.run(main())
+
+
+def test_a_background_save_commits_after_the_step_and_is_listed_only_then(
+    tmp_path: Path,
+) -> None:
+    """--async-save: the step answers while the ranks still write; info shows the save in
+    flight; the checkpoint is listed once every rank's file is written, with the state the
+    ranks copied at the step (not what they hold later)."""
+    c, ranks = controller(tmp_path, checkpoint_every_steps=2, async_save=True)
+
+    async def main() -> None:
+        await c.start()
+        ranks.write_polls = 5
+        await _step(c)
+        second = await _step(c)  # the scheduled save of step 2 starts, in the background
+        assert second.step == 2 and not second.warnings
+        flight = (await c.info()).save_in_flight
+        assert flight is not None and flight.step == 2
+        assert (await c.list_checkpoints()).checkpoints == []  # not listed before it is whole
+        await _step(c)  # training goes on during the write
+        await c.saves.flight.settle()
+        info = await c.info()
+        assert info.save_in_flight is None and info.last_save_error is None
+        (saved,) = (await c.list_checkpoints()).checkpoints
+        assert (saved.checkpoint_id, saved.step) == ("step-000002", 2)
+        assert (tmp_path / "checkpoints" / "step-000002" / "rank-00000.pt").read_text() == "2"
+        assert c.state.last_checkpoint_step == 2
+
+    asyncio.run(main())
+
+
+def test_a_failed_background_save_shows_in_info_and_leaves_nothing_listed(
+    tmp_path: Path,
+) -> None:
+    c, ranks = controller(tmp_path, checkpoint_every_steps=1, async_save=True)
+
+    async def main() -> None:
+        await c.start()
+        ranks.write_error = OSError(28, "No space left on device")
+        first = await _step(c)
+        assert first.step == 1
+        await c.saves.flight.settle()
+        info = await c.info()
+        assert info.last_save_error is not None
+        assert "step 1" in info.last_save_error and "No space left" in info.last_save_error
+        assert (await c.list_checkpoints()).checkpoints == []
+        assert list((tmp_path / "checkpoints").glob(".partial-*")) == []  # aborted, removed
+        ranks.write_error = None
+        await _step(c)  # the next one succeeds and clears the error
+        await c.saves.flight.settle()
+        assert (await c.info()).last_save_error is None
+        assert [k.step for k in (await c.list_checkpoints()).checkpoints] == [2]
+
+    asyncio.run(main())

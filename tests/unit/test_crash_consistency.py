@@ -1,6 +1,9 @@
 """Checkpoints under SIGKILL: a process saving checkpoints in a loop is killed at 20 random
 moments (one data directory, as restarts would find it); after each kill, only complete
-checkpoints are listed, the latest loads whole, and no torn file is ever read."""
+checkpoints are listed, the latest loads whole, and no torn file is ever read. The same with
+background saves (``--async-save``: each rank's file written by a thread while training
+goes on, the checkpoint committed once both are written), at 4 kills (each a fresh process
+that imports torch)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainctl.api import CheckpointInfo
 from trainctl.workers.control.checkpoints import CheckpointStore
 
 SAVER = r"""
@@ -45,24 +49,33 @@ def _complete(store: CheckpointStore, checkpoint_id: str) -> bool:
     )
 
 
+def _kill_at_random(
+    saver: str, root: Path, step: int, rng: random.Random
+) -> tuple[list[CheckpointInfo], CheckpointStore]:
+    """Run ``saver`` from ``step`` until it saved once, SIGKILL it at a random moment after,
+    and look as a restart would: the checkpoints listed (at least one), and the store."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", saver, str(root), str(step)],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    proc.stdout.readline()  # at least one save done: the kill lands mid-run
+    time.sleep(rng.uniform(0.0, 0.3))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    store = CheckpointStore(root, keep=3)  # a restart
+    found = store.list().checkpoints
+    assert found, "every run saved at least once"
+    return found, store
+
+
 def test_twenty_random_kills_never_leave_a_torn_checkpoint(tmp_path: Path) -> None:
     rng = random.Random(20261124)
     root = tmp_path / "checkpoints"
     step, kills, listed = 0, 0, 0
     for _ in range(20):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", SAVER, str(root), str(step)],
-            stdout=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
-        assert proc.stdout is not None
-        proc.stdout.readline()  # at least one save done: the kill lands mid-run
-        time.sleep(rng.uniform(0.0, 0.3))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        found, store = _kill_at_random(SAVER, root, step, rng)
         kills += 1
-        store = CheckpointStore(root, keep=3)  # a restart
-        found = store.list().checkpoints
-        assert found, "every run saved at least once"
         for c in found:
             assert _complete(store, c.checkpoint_id), c
         latest = store.latest()
@@ -74,3 +87,62 @@ def test_twenty_random_kills_never_leave_a_torn_checkpoint(tmp_path: Path) -> No
         assert not list(root.glob(".partial-*"))
         step = latest.step
     assert kills == 20 and step >= 20 and listed >= 20
+
+
+ASYNC_SAVER = r"""
+import sys, time
+from pathlib import Path
+import torch
+from trainctl.workers.control.checkpoints import CheckpointStore
+from trainctl.workers.engine.checkpoint import files
+from trainctl.workers.rank.background_save import BackgroundSave
+
+store = CheckpointStore(Path(sys.argv[1]), keep=3)
+step = int(sys.argv[2])
+live = torch.zeros(1 << 18)
+ranks = [BackgroundSave(), BackgroundSave()]
+while True:
+    step += 1
+    live.fill_(step)  # the step: the state each save must hold is this one
+    tmp = store.begin(step)
+    header = {"save_id": f"s{step}", "step": step, "layout": {"dp": 2}}
+    for rank, save in enumerate(ranks):
+        save.start(files.snapshot({"w": live}), tmp, rank, header)
+    written = [None, None]
+    while None in written:  # training goes on meanwhile: the live state moves on
+        live.add_(0.5)
+        written = [save.written() for save in ranks]
+        time.sleep(0.001)
+    info = {"step": step, "layout": {"dp": 2}, "weights_digest": str(step), "save_id": f"s{step}",
+            "format": "per_rank",
+            "files": {w.name: {"size_bytes": w.size_bytes, "sha256": w.sha256, "moments": 0}
+                      for w in written}}
+    store.commit(tmp, info)
+    print(step, flush=True)
+"""
+
+
+def test_random_kills_of_background_saves_never_leave_a_torn_checkpoint(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    from trainctl.workers.engine.checkpoint import files
+
+    rng = random.Random(20261128)
+    root = tmp_path / "checkpoints"
+    step = 0
+    for _ in range(4):
+        found, store = _kill_at_random(ASYNC_SAVER, root, step, rng)
+        for c in found:  # each proves its bytes and header, and holds its own step's state
+            path, info = store.path(c.checkpoint_id)
+            files.prove(path, info, sorted(info.files), optimizer=False)
+            for name in info.files:
+                w = files.read(path / name, c.checkpoint_id)["w"]
+                assert torch.equal(w, torch.full_like(w, float(c.step))), (c.checkpoint_id, name)
+        latest = store.latest()  # what a recovery restores: the newest complete one
+        assert latest is not None and latest.step == max(c.step for c in found)
+        store.sweep_partial()
+        assert not list(root.glob(".partial-*"))
+        step = latest.step
+    assert step >= 4

@@ -98,6 +98,8 @@ class ControllerOptions:
     """Where memory profiles go (default: ``data_root/profiles``)."""
     max_queued_operations: int = 64
     checkpoint_every_steps: int = 0
+    async_save: bool = False
+    """Scheduled checkpoints written in the background (``Saves.save_in_background``)."""
     keep_checkpoints: int = 3
     resume: str | None = "latest"
     """At start, load ``latest`` (the latest checkpoint that loads here, if any) or the
@@ -136,6 +138,7 @@ class Controller:
         self.profiles = ProfileStore(options.profile_root or str(root / "profiles"))
         self.checkpoints = CheckpointStore(root / "checkpoints", keep=options.keep_checkpoints)
         self.checkpoint_every_steps = options.checkpoint_every_steps
+        self.async_save = options.async_save
         self.resume = options.resume
         self.resumed: RestoreInfo | None = None
         self.on_gpus = options.rank_num_gpus > 0
@@ -262,6 +265,7 @@ class Controller:
                 log.info("saved checkpoint %s on the way out", saved.checkpoint_id)
             except Exception:
                 log.exception("could not save a checkpoint on shutdown")
+        await self.saves.flight.settle()  # a background save is committed before the ranks go
         self.group.kill(release=True)
         if self.samplers.pool is not None:
             self.samplers.pool.kill()
@@ -328,7 +332,10 @@ class Controller:
         if not self.checkpoint_every_steps or self.step % self.checkpoint_every_steps:
             return None
         try:
-            await self.saves.save(h)
+            if self.async_save:
+                await self.saves.save_in_background(h)
+            else:
+                await self.saves.save(h)
         except GroupLostError as e:
             self.recovery.begin(e.cause)
             return (
@@ -407,6 +414,8 @@ class Controller:
             limits=self.limits,
             recovery=self.recovery.last,
             steps_lost=self.recovery.steps_lost,
+            save_in_flight=self.saves.flight.info(),
+            last_save_error=self.saves.flight.last_error,
             resumed=self.resumed,
             samplers=(await self.served()).samplers,
         )

@@ -108,6 +108,7 @@ class Recovery:
         """Copy the survivors' state, replace every rank, restore the copy (or the newest
         checkpoint that loads), sync the samplers; serve again."""
         self.state.window = None  # no rank keeps gradients
+        await self.saves.flight.settle()  # committed if every file was written, else dropped
         copy: peers.PeerCopy | peers.NoPeerCopy = peers.NoPeerCopy("recovery from peers is off")
         if self._copy is not None:  # a retry: the copy taken before the first try
             copy = self._copy

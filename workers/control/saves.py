@@ -46,13 +46,18 @@ from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.profile_store import replace_dir
 from trainctl.workers.control.rank_group import RankGroup
+from trainctl.workers.control.save_flight import SaveFlight
 from trainctl.workers.control.serving import WeightsVersion
 from trainctl.workers.control.steps import ModelState
+from trainctl.workers.engine.boundary import WrittenFile
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.engine.families import export_problem
 from trainctl.workers.rank.worker import RankWorker
 
 log = logging.getLogger(__name__)
+
+Commit = Callable[[list[WrittenFile]], Awaitable[CheckpointInfo]]
+"""What makes the ranks' written files a checkpoint (manifest, fsync, rename)."""
 
 PARTIAL_EXPORT = ".partial-"
 """An export being written (or left by a crash, and swept at start)."""
@@ -81,6 +86,8 @@ class Saves:
         self.reshardable, self.precision = reshardable, precision
         self.group, self.state, self.adapters = group, state, adapters
         self.version, self.after_load = version, after_load
+        self.flight = SaveFlight(group)
+        """The save written in the background, if any (``save(background=True)``)."""
 
     @property
     def step(self) -> int:
@@ -142,42 +149,75 @@ class Saves:
         owner: str | None = None,
     ) -> CheckpointInfo:
         """Save the whole training state (``adapter``: that adapter alone) under ``owner``'s
-        names (None: the service's own)."""
+        names (None: the service's own); after the save in flight, if any."""
         if h is not None:
             h.set_phase("writing checkpoint")
+        written, commit, _ = await self._write(RankWorker.save_checkpoint, name, overwrite,
+                                               adapter, owner)  # fmt: skip
+        return await commit(written)
+
+    async def save_in_background(self, h: Handle | None = None) -> None:
+        """Save the whole training state with ``--async-save``: every rank copies its state
+        (the step waits for that alone) and writes it in a thread; the checkpoint is committed
+        once every file is written (``SaveFlight``). After the save in flight, if any."""
+        if h is not None:
+            h.set_phase("copying the state for a background save")
+        step = self.step
+        stalls, commit, abort = await self._write(RankWorker.start_checkpoint)
+        self.flight.launch(step, max(float(s) for s in stalls), commit, abort)
+
+    async def _write(
+        self,
+        write: Callable[..., Any],
+        name: str | None = None,
+        overwrite: bool = False,
+        adapter: str | None = None,
+        owner: str | None = None,
+    ) -> tuple[list[Any], Commit, Callable[[], None]]:
+        """Every rank's ``write`` (``save_checkpoint``, or ``start_checkpoint`` in the
+        background) into a fresh temporary directory: its answers, the commit that makes the
+        written files a checkpoint, and the abort that drops them."""
+        await self.flight.settle()
         store = self.checkpoints.scoped(owner)
         if name is not None:
             store.check_name(name, overwrite)  # again: one may have been saved since
         step = self.step if adapter is None else self.adapters.state(adapter).step
         tmp = store.begin(step)
         header = {"save_id": uuid.uuid4().hex, "step": step, "layout": self.layout()}
+        background = write is RankWorker.start_checkpoint
         try:
-            written = await self.group.call(
-                RankWorker.save_checkpoint, str(tmp), adapter, self.reshardable, header
-            )
-            if adapter is None:
-                digests = await self.version.digests()
-            else:
+            out = await self.group.call(write, str(tmp), adapter, self.reshardable, header)
+            digests: list[str] | None = None  # in the background: hashed by the writers
+            if adapter is not None:
                 digests = await self.group.call(RankWorker.adapter_digest, adapter)
-            info = {
-                "step": step, "layout": self.layout(), "adapter": adapter,
-                "weights_digest": self.group.digest_of(digests),
-                "format": "reshardable" if self.reshardable else "per_rank",
-                "precision": self.precision, "model": self.model(),
-                "save_id": header["save_id"],
-                "files": {
-                    f.name: CheckpointFile(size_bytes=f.size_bytes, sha256=f.sha256,
-                                           moments=f.moments)
-                    for f in written
-                },
-            }  # fmt: skip
-            saved = await asyncio.to_thread(store.commit, tmp, info, name)
+            elif not background:
+                digests = await self.version.digests()
         except BaseException:
             store.abort(tmp)
             raise
-        if adapter is None:
-            self.state.last_checkpoint_step = self.step
-        return saved
+        info = {
+            "step": step, "layout": self.layout(), "adapter": adapter,
+            "format": "reshardable" if self.reshardable else "per_rank",
+            "precision": self.precision, "model": self.model(), "save_id": header["save_id"],
+        }  # fmt: skip
+
+        async def commit(written: list[WrittenFile]) -> CheckpointInfo:
+            files = {
+                f.name: CheckpointFile(size_bytes=f.size_bytes, sha256=f.sha256, moments=f.moments)
+                for f in written
+            }
+            ours = digests if digests is not None else [f.weights_digest for f in written]
+            full = {**info, "weights_digest": self.group.digest_of(ours), "files": files}
+            try:
+                saved = await asyncio.to_thread(store.commit, tmp, full, name)
+            except BaseException:
+                store.abort(tmp)
+                raise
+            if adapter is None:
+                self.state.last_checkpoint_step = step
+            return saved
+
+        return out, commit, lambda: store.abort(tmp)
 
     def load_op(self, req: LoadCheckpointRequest) -> Runner:
         _, info = self.checkpoints.scoped(req.owner).path(req.checkpoint_id)  # 404 now
@@ -234,6 +274,7 @@ class Saves:
         """Load ``owner``'s checkpoint: the whole state, or (``adapter``) that adapter alone,
         as ``into`` (default: its own name), leaving the base and every other adapter as they
         are."""
+        await self.flight.settle()  # its commit may prune, or be the checkpoint asked for
         path, info = self.checkpoints.scoped(owner).path(checkpoint_id)
         self._check_load(checkpoint_id, info, adapter, into)
         if h is not None:
@@ -286,6 +327,7 @@ class Saves:
         self._deletable(req)
 
         async def run(h: Handle) -> Deleted:
+            await self.flight.settle()
             path, size = self._deletable(req)
             await asyncio.to_thread(discard, path)
             what = "export" if req.export else "checkpoint"
@@ -323,6 +365,7 @@ class Saves:
             )
 
     async def _write_export(self, req: ExportRequest, h: Handle) -> ExportResult:
+        await self.flight.settle()  # the ranks' write threads would compete with the export
         step = self.step if req.adapter is None else self.adapters.state(req.adapter).step
         prefix = (
             "" if req.adapter is None else f"{req.adapter}-{'merged' if req.merged else 'peft'}-"

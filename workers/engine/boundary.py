@@ -238,6 +238,9 @@ class WrittenFile:
     size_bytes: int
     sha256: str = ""
     moments: int = 0
+    weights_digest: str = ""
+    """A background checkpoint write: this rank's ``weights_digest`` at the copied step,
+    hashed by the writing thread (a synchronous save asks the ranks for it instead)."""
 
 
 @dataclass(frozen=True, kw_only=True)

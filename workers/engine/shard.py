@@ -392,7 +392,11 @@ class EngineShard:
     def weights_digest(self) -> str:
         """sha256 over this rank's parameters (name order): equal digests, equal weights. With
         adapters, the base's alone (``adapter_digest`` for an adapter's)."""
-        return weights.digest((n, p) for n, p in self._parameters() if not lora.is_lora(n))
+        return weights.digest(self.base_parameters())
+
+    def base_parameters(self) -> list[tuple[str, Tensor]]:
+        """The parameters ``weights_digest`` hashes, in its order (live tensors)."""
+        return [(n, p) for n, p in self._parameters() if not lora.is_lora(n)]
 
     def canonical_shards(self, *, grads: bool = False, owned: bool = False) -> dict[str, Tensor]:
         """This rank's parameter (or gradient) shards by canonical name

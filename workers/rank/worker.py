@@ -35,6 +35,7 @@ from trainctl.workers.engine.boundary import (
 )
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.rank import logs
+from trainctl.workers.rank.background_save import BackgroundSave
 from trainctl.workers.rank.export import Exporter, Part
 from trainctl.workers.rank.logs import current_operation
 from trainctl.workers.rank.step_plan import StepPlan
@@ -120,6 +121,8 @@ class RankWorker:
         and as what), waiting for ``apply_checkpoint``."""
         self.streamer: WeightStreamer | None = None
         """This rank's side of the samplers' weight syncs."""
+        self.saving = BackgroundSave()
+        """This rank's checkpoint write in the background (``start_checkpoint``)."""
 
     @property
     def shard(self) -> EngineShard:
@@ -302,6 +305,34 @@ class RankWorker:
         ckpt = self.shard.checkpoint
         state = ckpt.reshardable_state(adapter) if reshardable else ckpt.state(adapter)
         return files.write(state, Path(directory), self.rank, header or {})
+
+    def start_checkpoint(
+        self,
+        directory: str,
+        adapter: str | None = None,
+        reshardable: bool = False,
+        header: dict[str, Any] | None = None,
+    ) -> float:
+        """``save_checkpoint`` in the background (``--async-save``): copy this rank's state
+        and base weights now (the seconds it took: all the step waits for), then write and
+        hash the state, and hash the weights (the manifest's digest), in a thread;
+        ``checkpoint_written`` says when it is done."""
+        from trainctl.workers.engine.checkpoint import files
+
+        t0 = time.perf_counter()
+        ckpt = self.shard.checkpoint
+        if reshardable:  # pieces are fp32 host copies already
+            state = ckpt.reshardable_state(adapter)
+        else:  # the live tensors: copied, since training goes on while they are written
+            state = files.snapshot(ckpt.state(adapter))
+        base = None if adapter is not None else files.snapshot(self.shard.base_parameters())
+        self.saving.start(state, Path(directory), self.rank, header or {}, base)
+        return time.perf_counter() - t0
+
+    def checkpoint_written(self) -> WrittenFile | None:
+        """The file of the background write once done, None while it runs; its error if it
+        failed."""
+        return self.saving.written()
 
     def stage_checkpoint(
         self,

@@ -66,6 +66,18 @@ def _tensors(obj: Any, at: str = "") -> Iterator[tuple[str, str, torch.Tensor]]:
             yield from _tensors(v, f"{at}[{i}]")
 
 
+def snapshot(obj: Any) -> Any:
+    """``obj`` with every tensor copied (detached, same device and dtype) and its containers
+    rebuilt: what a background write takes, so that training may change the live state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
 def moments(state: Any) -> int:
     """The AdamW moment tensors in a rank's state (either format)."""
     return sum(1 for _, key, _ in _tensors(state) if key in MOMENTS)
