@@ -105,10 +105,10 @@ class ControllerOptions:
     """At start, load ``latest`` (the latest checkpoint that loads here, if any) or the
     checkpoint of that name; None: start afresh."""
     checkpoint_format: str = "reshardable"
-    peer_recovery: bool = True
-    """Rebuild a lost group from the survivors' state before a checkpoint (``peers.py``)."""
     """How whole-state saves are written: ``reshardable`` (any layout loads them) or
     ``per_rank`` (their own layout only)."""
+    peer_recovery: bool = True
+    """Rebuild a lost group from the survivors' state before a checkpoint (``peers.py``)."""
     metrics_log: str | None = None
     max_staleness: int | None = None
     """Refuse training data more than this many steps behind the trainer, and pace sampling

@@ -87,7 +87,7 @@ class Saves:
         self.group, self.state, self.adapters = group, state, adapters
         self.version, self.after_load = version, after_load
         self.flight = SaveFlight(group)
-        """The save written in the background, if any (``save(background=True)``)."""
+        """The save written in the background, if any (``save_in_background``)."""
 
     @property
     def step(self) -> int:
@@ -152,8 +152,7 @@ class Saves:
         names (None: the service's own); after the save in flight, if any."""
         if h is not None:
             h.set_phase("writing checkpoint")
-        written, commit, _ = await self._write(RankWorker.save_checkpoint, name, overwrite,
-                                               adapter, owner)  # fmt: skip
+        written, commit, _ = await self._write(False, name, overwrite, adapter, owner)
         return await commit(written)
 
     async def save_in_background(self, h: Handle | None = None) -> None:
@@ -163,20 +162,20 @@ class Saves:
         if h is not None:
             h.set_phase("copying the state for a background save")
         step = self.step
-        stalls, commit, abort = await self._write(RankWorker.start_checkpoint)
+        stalls, commit, abort = await self._write(True)
         self.flight.launch(step, max(float(s) for s in stalls), commit, abort)
 
     async def _write(
         self,
-        write: Callable[..., Any],
+        background: bool,
         name: str | None = None,
         overwrite: bool = False,
         adapter: str | None = None,
         owner: str | None = None,
     ) -> tuple[list[Any], Commit, Callable[[], None]]:
-        """Every rank's ``write`` (``save_checkpoint``, or ``start_checkpoint`` in the
-        background) into a fresh temporary directory: its answers, the commit that makes the
-        written files a checkpoint, and the abort that drops them."""
+        """Every rank's ``save_checkpoint`` (``background``: ``start_checkpoint``) into a
+        fresh temporary directory: their answers, the commit that makes the written files a
+        checkpoint, and the abort that drops them."""
         await self.flight.settle()
         store = self.checkpoints.scoped(owner)
         if name is not None:
@@ -184,7 +183,7 @@ class Saves:
         step = self.step if adapter is None else self.adapters.state(adapter).step
         tmp = store.begin(step)
         header = {"save_id": uuid.uuid4().hex, "step": step, "layout": self.layout()}
-        background = write is RankWorker.start_checkpoint
+        write = RankWorker.start_checkpoint if background else RankWorker.save_checkpoint
         try:
             out = await self.group.call(write, str(tmp), adapter, self.reshardable, header)
             digests: list[str] | None = None  # in the background: hashed by the writers

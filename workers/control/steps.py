@@ -283,7 +283,7 @@ class Steps:
         ``norm``), into ``result``."""
         h.set_phase("optimizer_step")
         before = state.step
-        applied, published = None, None
+        applied, published, rebuilt = None, None, False
         try:
             applied = await self.group.call(RankWorker.apply, h.op.id, hyper)
             if self.cfg.use_distributed_optimizer:
@@ -303,12 +303,13 @@ class Steps:
                     cause=cause,
                 ) from None
             await self._rebuilt_after_update(h, cause, before, adapter)
+            rebuilt = True  # the survivors' step, one more than before: counted by the rebuild
             result.warnings.append(
                 f"{cause}; every rank had applied the update, so the step stands: the workers "
                 "were rebuilt from the survivors' state"
             )
         state = self.state_of(adapter)  # a rebuild re-reads the adapters' records
-        if applied is not None:
+        if not rebuilt:
             state.step += 1
         h.applied = True  # from here on the call answers its result, never a retryable error
         result.step = state.step

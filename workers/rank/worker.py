@@ -390,7 +390,7 @@ class RankWorker:
     def peer_step(self) -> PeerStep:
         """A survivor of a lost group: drop the gradients of the step that failed (its
         collectives cannot finish) and say which steps this rank's state is at."""
-        self.shard.optim.zero_grad()
+        self.discard()
         return PeerStep(
             step=int(self.shard.step),
             adapters={i.spec.name: i.step for i in self.shard.adapters.infos()},
