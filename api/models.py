@@ -253,6 +253,11 @@ class RecoveryInfo(BaseModel):
         default_factory=list,
         description="Newer checkpoints passed over (damaged, or not loadable here), newest first.",
     )
+    layout: dict[str, int] | None = Field(
+        default=None,
+        description="The layout the new ranks run: fewer DP replicas than configured when the "
+        "live nodes could not hold it (--on-node-loss shrink).",
+    )
 
     @property
     def steps_lost(self) -> int:
@@ -278,9 +283,15 @@ class Info(BaseModel):
         "from one (init_hf), 'trainctl-tiny' for the embedded default.",
     )
     model: dict[str, float | int | str | list[str]]
-    layout: dict[str, int]
+    layout: dict[str, int] = Field(
+        description="The layout the ranks run now: the configured one, or fewer DP replicas "
+        "while the live nodes cannot hold it (--on-node-loss shrink)."
+    )
+    configured_layout: dict[str, int] | None = Field(
+        default=None, description="The layout asked for at start (--dp, --tp, ...)."
+    )
     engine: dict[str, float | int | str]
-    world_size: int
+    world_size: int = Field(description="Ranks running now (the current layout's).")
     step: int
     weights_digest: str | None = Field(
         description="sha256 over the DP-replica-0 shards: equal digests, equal weights. "

@@ -72,6 +72,7 @@ def controller_options(s: Settings, *, rank_num_gpus: float) -> ControllerOption
         resume=s.resume_target(),
         checkpoint_format=s.checkpoint_format,
         peer_recovery=s.peer_recovery,
+        on_node_loss=s.on_node_loss,
         async_save=s.async_save,
         metrics_log=s.metrics_log,
         max_staleness=s.max_staleness,

@@ -308,6 +308,14 @@ class Settings(BaseSettings):
         "optimizer (--distributed-optimizer off) and a survivor of every TP/PP/EP coordinate. "
         "false: always the checkpoint.",
     )
+    on_node_loss: Literal["wait", "shrink"] = Field(
+        "wait",
+        description="When a lost node leaves too few slots for the layout: wait (503 until the "
+        "cluster holds it again), or shrink (go on at once with the most DP replicas the live "
+        "nodes hold, tp/cp/pp/ep kept, from the surviving ranks' state or the newest "
+        "checkpoint; back to the configured layout after the first checkpoint once the nodes "
+        "hold it). shrink needs --checkpoint-format reshardable.",
+    )
     checkpoint_format: Literal["reshardable", "per_rank"] = Field(
         "reshardable",
         description="How whole-state checkpoints are written: reshardable (any layout of the "
@@ -484,6 +492,18 @@ class Settings(BaseSettings):
                 "hold would wait in Serve's proxy instead of answering the samplers' 429; "
                 f"raise --max-ongoing-requests to at least {self.sampler_max_queued} or lower "
                 "--sampler-max-queued"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _shrink_loads_any_layout(self) -> Settings:
+        """A shrunk service restores and saves on another layout than the configured one:
+        only reshardable checkpoints load into both."""
+        if self.on_node_loss == "shrink" and self.checkpoint_format == "per_rank":
+            raise ValueError(
+                "on_node_loss: shrink restarts on fewer DP replicas, and per_rank checkpoints "
+                "load into their own layout only; take --checkpoint-format reshardable or "
+                "--on-node-loss wait"
             )
         return self
 

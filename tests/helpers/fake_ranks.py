@@ -16,7 +16,7 @@ from trainctl.workers.engine.boundary import (
     RankMeta,
     WrittenFile,
 )
-from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.config import ConfigError, EngineConfig
 
 
 class FakeRankGroup:
@@ -37,6 +37,10 @@ class FakeRankGroup:
         """Polls a background write answers "not yet" before it is written."""
         self.write_error: BaseException | None = None
         """What a background write fails with (a full disk)."""
+        self.shrunk = False
+        """The ranks run fewer DP replicas than configured (``place(shrink=True)``)."""
+        self.room = True
+        """Whether the live nodes hold the configured layout (a test takes a node away)."""
         self.place_errors: list[BaseException] = []
         """Raised by the next calls of ``place`` (the cluster has no room), one per call."""
         self.version = 0
@@ -48,9 +52,19 @@ class FakeRankGroup:
         self.meta: list[RankMeta] = []
         self.staged = 0
 
-    async def place(self) -> None:
+    @property
+    def configured(self) -> EngineConfig:
+        return self.cfg
+
+    def holds_configured(self) -> bool:
+        return self.room
+
+    async def place(self, *, shrink: bool = False) -> None:
         if self.place_errors:
             raise self.place_errors.pop(0)
+        if not self.room and not shrink:
+            raise ConfigError("the live nodes give too few slots")
+        self.shrunk = not self.room
 
     async def spawn(self) -> None:
         self.calls.append("spawn")
@@ -87,6 +101,8 @@ class FakeRankGroup:
             if rank == 0:
                 self.version += 1
             return Applied(grad_norm=1.0, seconds=0.01)
+        if name == "publish":  # ZeRO-1's all-gather of the updated shards: its seconds
+            return 0.01
         if name == "save_checkpoint":
             path = Path(args[0]) / f"rank-{rank:05d}.pt"
             path.write_text(str(self.version))

@@ -85,6 +85,24 @@ def test_a_sampler_bound_the_gateway_cannot_reach_is_refused_naming_both_flags()
     ]
 
 
+def test_shrink_with_per_rank_checkpoints_is_refused_at_start_in_one_line() -> None:
+    """A shrunk service restores and saves on fewer replicas: per-rank checkpoints load into
+    their own layout only. The default format shrinks."""
+    from trainctl.service.settings import Settings
+
+    assert Settings(on_node_loss="shrink").checkpoint_format == "reshardable"
+    r = trainctl(
+        "serve", "--on-node-loss", "shrink", "--checkpoint-format", "per_rank",
+        capture_output=True,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "trainctl: invalid settings: on_node_loss: shrink restarts on fewer DP replicas, and "
+        "per_rank checkpoints load into their own layout only; take --checkpoint-format "
+        "reshardable or --on-node-loss wait"
+    ]
+
+
 def test_serve_on_a_taken_port_is_one_line(tmp_path: Path) -> None:
     import socket
 

@@ -429,3 +429,43 @@ def test_a_failed_background_save_shows_in_info_and_leaves_nothing_listed(
         assert [k.step for k in (await c.list_checkpoints()).checkpoints] == [2]
 
     asyncio.run(main())
+
+
+def test_a_lost_node_shrinks_and_the_group_grows_back_after_a_checkpoint_outside_a_window(
+    tmp_path: Path,
+) -> None:
+    """``--on-node-loss shrink``: a lost rank with too few slots left comes back on fewer
+    replicas (the survivors' state, nothing lost). With the slots back, an explicit save while
+    a ``forward_backward`` window is open grows nothing; the next step's checkpoint does, and
+    the failure's record and ``steps_lost`` stay as they were."""
+    c, ranks = controller(
+        tmp_path, replicated_optimizer=True, on_node_loss="shrink", checkpoint_every_steps=1
+    )
+
+    async def main() -> None:
+        await c.start()
+        await _step(c)
+        ranks.room = False  # a node leaves: the configured layout no longer fits
+        ranks.fail["finish_window"] = [GroupLostError("rank 1 died", cause="rank 1 died")]
+        with pytest.raises(GroupLostError):
+            await _step(c)
+        await c.queue.idle()
+        lost = c.recovery.last
+        assert ranks.shrunk and lost is not None and lost.source == "peer" and c.step == 1
+        assert c.serving.taking_work and c.recovery.steps_lost == 0
+
+        ranks.room = True  # the node is back
+        spawns = ranks.calls.count("spawn")
+        _gradients(c)  # a forward_backward part waits for its optim_step
+        await c.run(OperationKind.SAVE_CHECKPOINT, SaveCheckpointRequest())
+        await c.queue.idle()
+        assert ranks.shrunk and ranks.calls.count("spawn") == spawns  # not inside the window
+        c.state.window = None
+
+        await _step(c)  # its checkpoint, then the grow, ahead of anything queued
+        await c.queue.idle()
+        assert not ranks.shrunk and ranks.calls.count("spawn") == spawns + 1
+        assert c.step == 2 and ranks.version == 2 and c.serving.taking_work
+        assert c.recovery.last == lost and c.recovery.steps_lost == 0
+
+    asyncio.run(main())

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from trainctl.workers.control.placement import Node, plan
-from trainctl.workers.engine.config import ConfigError
+from trainctl.workers.control.placement import Node, fewer_replicas, plan
+from trainctl.workers.engine.config import ConfigError, ModelConfig, ParallelLayout
 
 
 def _nodes(*slots: int) -> list[Node]:
@@ -56,3 +58,41 @@ def test_with_moe_whole_expert_parallel_groups_stay_on_a_node_too() -> None:
     assert [list(p.ranks) for p in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ConfigError, match="run of 4 ranks holding whole tensor-parallel"):
         plan(8, 2, _nodes(2, 2, 2, 2), ep=4)
+
+
+# -- --on-node-loss shrink: fewer DP replicas, every model-parallel group kept ----------------
+
+
+def _model(**kw: int) -> ModelConfig:
+    return ModelConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    ("layout", "slots", "dp"),
+    [
+        (ParallelLayout(dp=3), (1, 1), 2),  # a node of three lost
+        (ParallelLayout(dp=3), (1, 1, 1), 3),  # all there: the layout itself
+        (ParallelLayout(dp=3, tp=2), (2, 2, 1), 2),  # the odd slot holds no TP group
+        (ParallelLayout(dp=4, tp=2, pp=2), (4, 3, 4), 2),  # pp=2 x tp=2: 4 ranks a replica
+    ],
+)
+def test_the_most_replicas_the_nodes_hold_with_tp_and_pp_kept(
+    layout: ParallelLayout, slots: tuple[int, ...], dp: int
+) -> None:
+    got = fewer_replicas(layout, _model(num_layers=2), _nodes(*slots))
+    assert got == dataclasses.replace(layout, dp=dp)
+
+
+def test_expert_parallel_groups_stay_whole_when_replicas_go() -> None:
+    """Each EP group of two on one node. With pp=2 one replica is one rank a stage, half an
+    EP group (ep=2 must divide dp * cp * tp = 1): a node of two slots holds no layout."""
+    moe = _model(num_experts=4, num_layers=2)
+    got = fewer_replicas(ParallelLayout(dp=6, ep=2), moe, _nodes(2, 2, 1))
+    assert got == ParallelLayout(dp=4, ep=2)  # five slots: two whole EP groups
+    with pytest.raises(ConfigError, match="4 ranks need 4 slots"):
+        fewer_replicas(ParallelLayout(dp=2, pp=2, ep=2), moe, _nodes(2))
+
+
+def test_when_not_one_replica_fits_the_configured_layout_is_refused_with_its_numbers() -> None:
+    with pytest.raises(ConfigError, match="tp=2: a tensor-parallel group must sit on one node"):
+        fewer_replicas(ParallelLayout(dp=2, tp=2), _model(), _nodes(1, 1))

@@ -50,6 +50,10 @@ class Adapters:
         entry.last_used = time.time()
         return entry.state
 
+    def open_windows(self) -> list[str]:
+        """The adapters with ``forward_backward`` gradients waiting for their ``optim_step``."""
+        return [name for name, e in self.entries.items() if e.state.window is not None]
+
     def _entry(self, name: str) -> Entry:
         if not self.enabled:
             raise field_error(

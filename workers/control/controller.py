@@ -109,6 +109,9 @@ class ControllerOptions:
     ``per_rank`` (their own layout only)."""
     peer_recovery: bool = True
     """Rebuild a lost group from the survivors' state before a checkpoint (``peers.py``)."""
+    on_node_loss: str = "wait"
+    """When the live nodes cannot hold the layout after a loss: ``wait`` for them, or
+    ``shrink`` to fewer DP replicas until they can (``Recovery.shrink``)."""
     metrics_log: str | None = None
     max_staleness: int | None = None
     """Refuse training data more than this many steps behind the trainer, and pace sampling
@@ -167,7 +170,7 @@ class Controller:
             observe=self.metrics.observe_staleness,
         )
         self.steps = Steps(
-            self.cfg, self.group, self.state, after_train=self._after_train,
+            self.group, self.state, after_train=self._after_train,
             adapter_state=self.adapters.state if self.cfg.lora.enabled else None,
             staleness=self.staleness, recover=lambda h, cause: self.recovery.now(h, cause),
         )  # fmt: skip
@@ -180,16 +183,18 @@ class Controller:
             adapters=self.adapters, serving=self.serving, staleness=self.staleness,
         )  # fmt: skip
         self.saves = Saves(
-            cfg=self.cfg, checkpoints=self.checkpoints, export_root=root / "exports",
+            checkpoints=self.checkpoints, export_root=root / "exports",
             group=self.group, state=self.state, adapters=self.adapters, version=self.version,
             after_load=self.samplers.sync_after_load,
             reshardable=options.checkpoint_format == "reshardable",
             precision=self.cfg.resolved_precision(cuda=options.rank_num_gpus > 0),
+            after_commit=lambda: self.recovery.grow_soon(),
         )  # fmt: skip
         self.recovery = Recovery(
             serving=self.serving, group=self.group, queue=self.queue, state=self.state,
             adapters=self.adapters, saves=self.saves, samplers=self.samplers,
             version=self.version, info=self.info, from_peers=options.peer_recovery,
+            shrink=options.on_node_loss == "shrink",
         )  # fmt: skip
         self.queue.listeners.append(self.metrics.observe)
         self.trackers = TrackerLog(open_trackers(options.metrics_log, root))
@@ -389,6 +394,7 @@ class Controller:
             model_name=self._model_name(),
             model=dict(cfg.to_dict()["model"]),
             layout=self.saves.layout(),
+            configured_layout=dict(cfg.to_dict()["layout"]),
             engine={
                 "max_tokens_per_microbatch": cfg.max_tokens_per_microbatch,
                 "logprob_chunk_size": cfg.resolved_chunk_size(cuda=self.on_gpus),
@@ -397,7 +403,7 @@ class Controller:
                 "weight_decay": cfg.optimizer.weight_decay,
                 "parameters_per_replica": self.group.parameters_per_replica(),
             },
-            world_size=cfg.layout.world_size,
+            world_size=self.group.world_size,
             step=self.step,
             weights_digest=None if digests is None else self.group.digest_of(digests),
             ranks=[  # while recovering: no digests (the ranks may be gone)

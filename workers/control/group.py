@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from trainctl.api import NotReadyError, TrainctlError, WorkerError
+from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.rank.worker import RankWorker
 
 P = ParamSpec("P")
@@ -39,6 +40,11 @@ def _group_lost(message: str, details: Any, cause: str) -> GroupLostError:
 class Group(Protocol):
     """Calls on every rank at once."""
 
+    @property
+    def cfg(self) -> EngineConfig:
+        """The config the ranks run, its layout the current one."""
+        ...
+
     def put(self, value: Any) -> Any:
         """``value`` as the ranks receive it (Ray: one object-store copy for all ranks)."""
 
@@ -57,6 +63,10 @@ class LocalGroup:
 
     def __init__(self, worker: RankWorker) -> None:
         self.worker = worker
+
+    @property
+    def cfg(self) -> EngineConfig:
+        return self.worker.shard.cfg
 
     def put(self, value: Any) -> Any:
         return value

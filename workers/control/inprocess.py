@@ -84,7 +84,7 @@ class InProcessEngine:
         self.worker.build(cfg)
         self.cfg: EngineConfig = self.worker.shard.cfg
         self.state = ModelState()
-        self.steps = Steps(self.cfg, LocalGroup(self.worker), self.state, after_train=_no_hook)
+        self.steps = Steps(LocalGroup(self.worker), self.state, after_train=_no_hook)
 
     @property
     def engine(self) -> Any:

@@ -12,10 +12,11 @@ Pure (no Ray): ``RankGroup`` reads the nodes from Ray and turns each node's rank
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from trainctl.workers.engine.config import ConfigError
+from trainctl.workers.engine.config import ConfigError, ModelConfig, ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,23 @@ def plan(world: int, tp: int, nodes: list[Node], ep: int = 1) -> list[NodeRanks]
             f"{usable} ({_describe(nodes)}): add nodes or lower the parallel sizes"
         )
     return out
+
+
+def fewer_replicas(layout: ParallelLayout, model: ModelConfig, nodes: list[Node]) -> ParallelLayout:
+    """The layout with the most DP replicas, ``layout``'s at most, that ``nodes`` hold and
+    the model takes: tp, cp, pp, ep and vp kept, so whole replicas go and every model-parallel
+    group stays as it was (``--on-node-loss shrink``). ``layout`` itself when it fits; a
+    ``ConfigError`` (``plan``'s, for ``layout``) when not even one replica does."""
+    for dp in range(layout.dp, 0, -1):
+        smaller = dataclasses.replace(layout, dp=dp)
+        try:
+            smaller.validate(model)  # ep must still divide dp * cp * tp
+            plan(smaller.world_size, smaller.tp, nodes, ep=smaller.ep)
+        except ConfigError:
+            continue
+        return smaller
+    plan(layout.world_size, layout.tp, nodes, ep=layout.ep)  # raises, naming the numbers
+    raise AssertionError("unreachable: a layout that places also shrinks to itself")
 
 
 def _describe(nodes: list[Node]) -> str:

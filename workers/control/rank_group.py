@@ -10,6 +10,7 @@ raised and left the group healthy is a ``WorkerError`` naming it. Imports no tor
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import os
@@ -28,7 +29,7 @@ from trainctl.api import NotReadyError, TrainctlError, WorkerError
 from trainctl.workers.control import placement
 from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.engine.boundary import RankMeta
-from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.config import ConfigError, EngineConfig
 from trainctl.workers.rank.worker import RankWorker
 from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE
 
@@ -48,7 +49,12 @@ class RankGroup:
     ``RankMeta`` and the classification of their failures."""
 
     def __init__(self, cfg: EngineConfig, *, num_cpus: float, num_gpus: float = 0.0) -> None:
+        self.configured = cfg
+        """The config asked for at start, its layout included."""
         self.cfg = cfg
+        """The config the ranks run: ``configured``, or with fewer DP replicas while the live
+        nodes cannot hold it (``place(shrink=True)``). The one owner of the current layout:
+        the step plans and the checkpoints' headers read it here."""
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.ranks: list[Any] = []
         self.meta: list[RankMeta] = []
@@ -79,13 +85,39 @@ class RankGroup:
                 out.append(placement.Node(n["NodeID"], n.get("NodeManagerAddress", "?"), slots))
         return sorted(out, key=lambda n: (n.address, n.node_id))
 
-    async def place(self) -> None:
+    @property
+    def shrunk(self) -> bool:
+        """Whether the ranks run fewer DP replicas than configured."""
+        return self.cfg.layout != self.configured.layout
+
+    def holds_configured(self) -> bool:
+        """Whether the live nodes hold the configured layout (counting the slots the ranks
+        hold now as free: a rebuild releases them first)."""
+        lay = self.configured.layout
+        try:
+            placement.plan(lay.world_size, lay.tp, self.nodes(), ep=lay.ep)
+        except ConfigError:
+            return False
+        return True
+
+    async def place(self, *, shrink: bool = False) -> None:
         """Reserve one bundle per rank, each node's ranks in one ``STRICT_PACK`` placement
-        group pinned to it (``placement.py``); a ``ConfigError`` naming the numbers if the
-        cluster cannot hold the layout."""
+        group pinned to it (``placement.py``), for the configured layout; ``shrink``: for the
+        largest one with fewer DP replicas that the live nodes hold, if the configured one
+        does not fit (``cfg`` says which). A ``ConfigError`` naming the numbers if the
+        cluster cannot hold it."""
+        nodes = self.nodes()
+        lay = self.configured.layout
+        if shrink:
+            lay = placement.fewer_replicas(lay, self.configured.model, nodes)
+        self.plan = placement.plan(lay.world_size, lay.tp, nodes, ep=lay.ep)
+        if lay != self.cfg.layout:
+            log.warning(
+                "the ranks run %s (configured: %s)", lay.describe(),
+                self.configured.layout.describe(),
+            )  # fmt: skip
+        self.cfg = dataclasses.replace(self.configured, layout=lay)
         world = self.world_size
-        lay = self.cfg.layout
-        self.plan = placement.plan(world, lay.tp, self.nodes(), ep=lay.ep)
         bundle = {"CPU": self.num_cpus}
         if self.num_gpus:
             bundle["GPU"] = self.num_gpus  # one rank per GPU on GPU nodes

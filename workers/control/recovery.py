@@ -49,12 +49,19 @@ class Recovery:
         version: WeightsVersion,
         info: Callable[[], Awaitable[Info]],
         from_peers: bool = True,
+        shrink: bool = False,
     ) -> None:
         self.serving, self.group, self.queue, self.state = serving, group, queue, state
         self.adapters, self.saves, self.samplers = adapters, saves, samplers
         self.version, self.info = version, info
         self.from_peers = from_peers
         """Try the survivors' state before a checkpoint (``--peer-recovery``)."""
+        self.shrink = shrink
+        """Come back on fewer DP replicas when the live nodes cannot hold the configured
+        layout, and grow back after the first checkpoint once they can (``--on-node-loss
+        shrink``); else wait for the nodes."""
+        self._growing = False
+        """A grow is queued (``grow_soon``)."""
         self.last: RecoveryInfo | None = None
         self.steps_lost = 0
         self._copy: peers.PeerCopy | None = None
@@ -93,16 +100,51 @@ class Recovery:
         log.error("worker group lost (%s): rebuilding", cause)
         return await self._retried(h, cause, step_before)
 
-    async def _retried(self, h: Handle, cause: str, step_before: int) -> RecoveryInfo:
+    def grow_soon(self) -> None:
+        """After a whole checkpoint is committed: if the ranks run fewer DP replicas than
+        configured and the live nodes hold the configured layout again, queue the rebuild
+        that grows back, ahead of everything (``_grow``)."""
+        if self._growing or not self.group.shrunk or not self.serving.taking_work:
+            return
+        if self.group.holds_configured():
+            self._growing = True
+            self.queue.submit(OperationKind.RECOVER, self._grow, front=True)
+
+    async def _grow(self, h: Handle) -> Info:
+        """Back to the configured layout, from the live ranks' state (the checkpoint just
+        committed holds the same step, so a fallback to it loses nothing). Never inside a
+        ``forward_backward`` window, nor when a step was applied after the checkpoint and it
+        must fall back (then the next checkpoint tries again)."""
+        self._growing = False
+        await self.saves.flight.settle()  # a background save: committed first
+        windows = self.state.window is not None or self.adapters.open_windows()
+        current = self.step == self.state.last_checkpoint_step
+        if not self.group.shrunk or windows or not current or not self.group.holds_configured():
+            log.info("not growing back now (a window is open, or a step since the checkpoint)")
+            return await self.info()
+        cause = f"growing back to the configured layout ({self.group.configured.layout.describe()})"
+        self.serving.ready = False
+        log.warning("%s: rebuilding", cause)
+        await self._retried(h, cause, self.step, failure=False)
+        return await self.info()
+
+    async def _retried(
+        self, h: Handle, cause: str, step_before: int, *, failure: bool = True
+    ) -> RecoveryInfo:
         """``_replace``; if it fails (e.g. the cluster has no room yet for a replacement),
-        queued again in ``RECOVERY_RETRY_S``."""
+        queued again in ``RECOVERY_RETRY_S`` (as a failure's recovery: the ranks are gone).
+        ``failure``: the record becomes ``last`` (a grow's does not)."""
         try:
-            return await self._replace(h, cause, step_before)
+            got = await self._replace(h, cause, step_before)
         except Exception:
             log.exception("recovery failed; trying again in %.0fs", RECOVERY_RETRY_S)
             loop = asyncio.get_running_loop()
             loop.call_later(RECOVERY_RETRY_S, self._queue, cause, step_before)
             raise
+        if failure:
+            self.last = got
+        self.steps_lost += got.steps_lost
+        return got
 
     async def _replace(self, h: Handle, cause: str, step_before: int) -> RecoveryInfo:
         """Copy the survivors' state, replace every rank, restore the copy (or the newest
@@ -123,7 +165,7 @@ class Recovery:
         h.set_phase("rebuilding workers")
         self.group.kill(release=True)
         try:  # placed anew: a lost node's placement group cannot come back
-            await self.group.place()
+            await self.group.place(shrink=self.shrink)
         except ConfigError as e:
             self.serving.waiting = f"waiting for the cluster to hold the workers again: {e}"
             raise
@@ -138,9 +180,9 @@ class Recovery:
                 log.error("the survivors' copy did not load (%s): restoring a checkpoint", e)
                 copy = peers.NoPeerCopy(f"the survivors' copy did not load: {e.message}")
         if isinstance(copy, peers.PeerCopy):
-            self.last = RecoveryInfo(
+            record = RecoveryInfo(
                 at=time.time(), cause=cause, source="peer", restored_checkpoint=None,
-                step_before=step_before, step_after=self.step,
+                step_before=step_before, step_after=self.step, layout=self.saves.layout(),
             )  # fmt: skip
         else:
             if self.from_peers:
@@ -149,26 +191,26 @@ class Recovery:
             if restored.checkpoint_id is None:
                 self.state.step = 0
                 await self.adapters.reread()  # fresh ranks: no adapters
-            self.last = RecoveryInfo(
+            record = RecoveryInfo(
                 at=time.time(), cause=cause,
                 source="checkpoint" if restored.checkpoint_id else "start",
                 peer_fallback=copy.reason if self.from_peers else None,
                 restored_checkpoint=restored.checkpoint_id, step_before=step_before,
-                step_after=self.step, skipped=restored.skipped,
+                step_after=self.step, skipped=restored.skipped, layout=self.saves.layout(),
             )  # fmt: skip
-        self.steps_lost += self.last.steps_lost
         warning = await self.samplers.sync_after_load()
         if warning:
             log.warning("after recovery: %s", warning)
         self.serving.ready = True
         log.warning(
-            "recovered from %s: at step %d (was %d; %d step(s) lost)",
-            self.last.source,
+            "recovered from %s on %s: at step %d (was %d; %d step(s) lost)",
+            record.source,
+            self.group.cfg.layout.describe(),
             self.step,
             step_before,
-            self.last.steps_lost,
+            record.steps_lost,
         )
-        return self.last
+        return record
 
     async def _restore_copy(self, h: Handle, copy: peers.PeerCopy) -> None:
         """The new ranks cut their shards out of the survivors' copies (phase 1 changes

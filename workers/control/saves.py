@@ -71,7 +71,6 @@ class Saves:
     def __init__(
         self,
         *,
-        cfg: EngineConfig,
         checkpoints: CheckpointStore,
         export_root: Path,
         group: RankGroup,
@@ -81,17 +80,25 @@ class Saves:
         after_load: Callable[[str | None], Awaitable[str | None]],
         reshardable: bool = True,
         precision: str | None = None,
+        after_commit: Callable[[], None] = lambda: None,
     ) -> None:
-        self.cfg, self.checkpoints, self.export_root = cfg, checkpoints, export_root
+        self.checkpoints, self.export_root = checkpoints, export_root
         self.reshardable, self.precision = reshardable, precision
         self.group, self.state, self.adapters = group, state, adapters
         self.version, self.after_load = version, after_load
+        self.after_commit = after_commit
+        """Called once a whole-state checkpoint is committed (a shrunk layout grows back)."""
         self.flight = SaveFlight(group)
         """The save written in the background, if any (``save_in_background``)."""
 
     @property
     def step(self) -> int:
         return self.state.step
+
+    @property
+    def cfg(self) -> EngineConfig:
+        """The config the ranks run now: its layout goes into every checkpoint's header."""
+        return self.group.cfg
 
     def layout(self) -> dict[str, int]:
         return dict(self.cfg.to_dict()["layout"])
@@ -214,6 +221,7 @@ class Saves:
                 raise
             if adapter is None:
                 self.state.last_checkpoint_step = step
+                self.after_commit()
             return saved
 
         return out, commit, lambda: store.abort(tmp)

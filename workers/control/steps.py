@@ -117,6 +117,10 @@ def normalizer(normalization: Normalization, loss_tokens: int, loss_sequences: i
     return 1.0
 
 
+Planned = Callable[[], tuple[StepPlan, float]]
+"""A call's dispatch plan and the seconds it took, for the layout the ranks run when asked."""
+
+
 @dataclass
 class ModelState:
     """What the controller knows of the model the ranks hold."""
@@ -134,7 +138,6 @@ class Steps:
 
     def __init__(
         self,
-        cfg: EngineConfig,
         group: Group,
         state: ModelState,
         *,
@@ -143,7 +146,7 @@ class Steps:
         staleness: Staleness | None = None,
         recover: Callable[[Handle, str], Awaitable[RecoveryInfo]] | None = None,
     ) -> None:
-        self.cfg, self.group, self.state = cfg, group, state
+        self.group, self.state = group, state
         self.staleness = staleness or Staleness(None, tracks_samplers=False)
         """The steps a batch claims, checked when its call runs (``staleness.py``)."""
         self.after_train = after_train
@@ -156,6 +159,11 @@ class Steps:
         self.recover = recover
         """Rebuild the group now, inside the call (``Recovery.now``); None: a failed update
         is a ``GroupLostError`` and the group is rebuilt after the call."""
+
+    @property
+    def cfg(self) -> EngineConfig:
+        """The config the ranks run now (its layout shrinks while a node is lost)."""
+        return self.group.cfg
 
     def state_of(self, adapter: str | None) -> ModelState:
         """The model a call reads and steps: the base, or the adapter it names."""
@@ -200,22 +208,35 @@ class Steps:
                 "adapter to train; the base alone is for forward passes",
             )
 
+    def _planned(self, make: Callable[[], tuple[StepPlan, float]]) -> Planned:
+        """``make()`` now, so that a batch the layout cannot take is refused before it
+        queues; made again when the call runs if the ranks' layout changed meanwhile (a lost
+        node shrank it, or it grew back: the plan splits the batch over the DP replicas)."""
+        layout = self.cfg.layout
+        made = make()
+        return lambda: made if self.cfg.layout == layout else make()
+
     def train(self, req: TrainBatchRequest) -> Runs[StepResult]:
         self._check_trainable(req.adapter)
-        plan, t_plan = self.plan(req.sequences, req.loss, req.packing, adapter=req.adapter)
-        return lambda h: self._train(h, req, plan, t_plan)
+        planned = self._planned(
+            lambda: self.plan(req.sequences, req.loss, req.packing, adapter=req.adapter)
+        )
+        return lambda h: self._train(h, req, *planned())
 
     def eval(self, req: EvalBatchRequest) -> Runs[StepResult]:
-        plan, t_plan = self.plan(req.sequences, req.loss, req.packing, adapter=req.adapter)
-        return lambda h: self._eval(h, req, plan, t_plan)
+        planned = self._planned(
+            lambda: self.plan(req.sequences, req.loss, req.packing, adapter=req.adapter)
+        )
+        return lambda h: self._eval(h, req, *planned())
 
     def forward_backward(self, req: ForwardBackwardRequest) -> Runs[ForwardBackwardResult]:
         if not req.forward_only:
             self._check_trainable(req.adapter)
-        plan, t_plan = self.plan(
-            req.sequences, req.loss, req.packing, deferred_normalizer=True, adapter=req.adapter
+        seqs, loss, packing, adapter = req.sequences, req.loss, req.packing, req.adapter
+        planned = self._planned(
+            lambda: self.plan(seqs, loss, packing, deferred_normalizer=True, adapter=adapter)
         )
-        return lambda h: self._forward_backward(h, req, plan, t_plan)
+        return lambda h: self._forward_backward(h, req, *planned())
 
     def optim_step(self, req: OptimStepRequest) -> Runs[StepResult]:
         from trainctl.workers.engine.config import OptimizerConfig
@@ -235,8 +256,10 @@ class Steps:
         tokens_only = req.sequences.without(
             *(k for k in req.sequences.present if k != "routed_experts")
         )
-        plan, _ = self.plan(tokens_only, LossConfig(), req.packing, adapter=req.adapter)
-        return lambda h: self._logprobs(h, req, plan)
+        planned = self._planned(
+            lambda: self.plan(tokens_only, LossConfig(), req.packing, adapter=req.adapter)
+        )
+        return lambda h: self._logprobs(h, req, planned()[0])
 
     # -- running (in turn) ---------------------------------------------------------------------
 
