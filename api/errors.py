@@ -85,11 +85,20 @@ class TrainctlError(Exception):
     retry_after_s: float | None = None
     """Sent as ``Retry-After`` where set (429, 503)."""
 
-    def __init__(self, message: str, details: Any = None, *, status: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        details: Any = None,
+        *,
+        status: int | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.details = details
         self._status = status
+        if retry_after_s is not None:  # else the class's
+            self.retry_after_s = retry_after_s
 
     @property
     def status(self) -> int:
@@ -105,7 +114,8 @@ class TrainctlError(Exception):
         return ErrorBody(type=self.type, message=self.message, details=self.details)
 
     def __reduce__(self) -> tuple[Any, ...]:  # survive pickling through Ray
-        return (_rebuild, (type(self), self.message, self.details, self._status))
+        args = (type(self), self.message, self.details, self._status, self.retry_after_s)
+        return (_rebuild, args)
 
     def __str__(self) -> str:
         return f"{self.status} {self.type.value}: {self.message}"
@@ -181,9 +191,13 @@ class InternalError(ServerError):
 
 
 def _rebuild(
-    cls: type[TrainctlError], message: str, details: Any, status: int | None
+    cls: type[TrainctlError],
+    message: str,
+    details: Any,
+    status: int | None,
+    retry_after_s: float | None = None,
 ) -> TrainctlError:
-    return cls(message, details, status=status)
+    return cls(message, details, status=status, retry_after_s=retry_after_s)
 
 
 ERROR_CLASSES: dict[ErrorType, type[TrainctlError]] = {

@@ -7,7 +7,8 @@
 
 - **collective**: a sender thread sends the Hugging Face-named tensors over the gloo group
   (``workers/sampler/collective.py``, buckets of ``--bucket-mb``) while the engine receives
-  them through vLLM's weight-sync sequence (``gloo_engine.py``), assembles and reloads;
+  them through vLLM's weight-sync sequence
+  (``workers/sampler/vllm_backend/gloo_engine.py``), assembles and reloads;
 - **object store**: each bucket put in Ray's object store (``ray.put``) and the engine's
   worker reading, assembling and reloading them;
 - **in-memory reload**: the same tensors handed to the engine in this process (no transport

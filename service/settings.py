@@ -496,6 +496,15 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _trackers_open(self) -> Settings:
+        """``--metrics-log``'s places and libraries, checked before anything starts (the
+        controller opens the trackers much later, once Ray and the ranks are up)."""
+        from trainctl.workers.control.trackers import check_trackers
+
+        check_trackers(self.metrics_log, self.data_dir)
+        return self
+
+    @model_validator(mode="after")
     def _shrink_loads_any_layout(self) -> Settings:
         """A shrunk service restores and saves on another layout than the configured one:
         only reshardable checkpoints load into both."""

@@ -166,12 +166,11 @@ def over_share(
 ) -> RateLimitedError:
     """The 429 of a party over its share of ``table``, counted."""
     shares.refuse(tenant, table)
-    err = RateLimitedError(
+    return RateLimitedError(
         f"{whose(tenant)} {holds}, its whole share: {shares.describe(table)}; {fix}",
         details={"table": table, "share": shares.of(table), "tenant": tenant},
+        retry_after_s=2.0,
     )
-    err.retry_after_s = 2.0
-    return err
 
 
 @dataclass(eq=False)

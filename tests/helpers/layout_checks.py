@@ -3,8 +3,8 @@ HTTP: log-probs put back together from CP shards and DP ranks in the caller's or
 train step's loss, grad norm and eval losses, and per-request packing. The batches share
 prefixes (a GRPO group, multi-turn siblings), so a tree service computes fewer tokens.
 
-``test_layouts.py`` runs them at dp2 x cp2 and tp2 x pp2; ``test_service.py`` at dp2 on the
-shared service, first, while it is at step 0."""
+``tests/service/test_layouts.py`` runs them at dp2 x cp2 and tp2 x pp2;
+``tests/service/test_service.py`` at dp2 on the shared service, first, while it is at step 0."""
 
 from __future__ import annotations
 

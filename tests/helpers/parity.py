@@ -15,7 +15,7 @@ PARITY = 1e-4
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9], [40, 41, 42, 43, 44, 45], [5]]
 SAMPLER_TIMEOUT_S = 20.0
 """``lora_sampled``'s --sampler-timeout-s (conftest.py): a call not answered by then marks the
-engine stopped (``test_sampler_robustness.py`` stops one)."""
+engine stopped (``tests/sampler/test_sampler_robustness.py`` stops one)."""
 MAX_QUEUED = 12
 """``lora_sampled``'s --sampler-max-queued: more samples at once answer 429."""
 MAX_QUEUED_TOKENS = 50_000

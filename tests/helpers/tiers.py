@@ -4,7 +4,7 @@ A tier's costly resources (the rank pools of ``distributed/``, the running servi
 ``sampler/`` and ``service/``) are session fixtures, so that every module of the tier shares
 them. Left to the end of the session they would stay up beside every later tier: idle Ray
 clusters, vLLM engines and rank processes slowed the unit tier about fourfold in a CI run. A
-fixture hands its teardown to ``close_with_tier``; the root ``conftest.py`` calls
+fixture hands its teardown to ``close_with_tier``; the root ``tests/conftest.py`` calls
 ``end_tier`` once the run leaves the tier's folder (and the fixture's own teardown, at the end
 of the session, then finds nothing left to do).
 
@@ -85,7 +85,7 @@ def until_last_use(
     fixture: str, tier: str, resource: contextlib.AbstractContextManager[T]
 ) -> Iterator[T]:
     """``until_tier_ends``, and exited sooner: once the last test that uses ``fixture`` is
-    done (``record_last_uses`` and ``end_uses``, called by the root ``conftest.py``)."""
+    done (``record_last_uses`` and ``end_uses``, called by the root ``tests/conftest.py``)."""
     value, stack = _entered(tier, resource)
     last = _last_use.get(fixture)
     if last is not None:

@@ -81,15 +81,13 @@ async def _jam_then_refused_load() -> dict[str, Any]:
     return out
 
 
-def abort_and_pause() -> dict[str, Any]:
+def aborts() -> dict[str, Any]:
     """The protocol's ordering: a request aborted while it waits for its turn is dropped, one
-    running is stopped at the engine's next step (and the engine serves the next); a paused
-    engine holds new samples, still loads weights, and the held sample runs on resume, with the
-    version it named (not the one loaded meanwhile)."""
-    return asyncio.run(_abort_and_pause())
+    running is stopped at the engine's next step (and the engine serves the next)."""
+    return asyncio.run(_aborts())
 
 
-async def _abort_and_pause() -> dict[str, Any]:
+async def _aborts() -> dict[str, Any]:
     from trainctl.api import SampleRequest, TrainctlError
     from trainctl.workers.sampler.transport import LocalTransport
 
@@ -116,14 +114,6 @@ async def _abort_and_pause() -> dict[str, Any]:
         if name == "running":
             out["running_gone_after_s"] = time.monotonic() - t0
     out["after_abort"] = len((await engine.sample("after", short, v1)).samples)
-    await engine.pause()
-    held = asyncio.create_task(engine.sample("held", short, v1))
-    await asyncio.sleep(1.0)
-    out["held_while_paused"] = not held.done()
-    await engine.load_weights(LocalTransport.ship(2, _hf_weights(1)))
-    out["step_while_paused"] = engine._engine.step
-    await engine.resume()
-    out["held_step"] = (await asyncio.wait_for(held, 60)).step
     return out
 
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from helpers.batches import sft_shared_batch
-from helpers.servicekit import Service, running_service
+from helpers.servicekit import Service, fresh_home, running_service
 from helpers.single_process import close, single_process
 
 SLOTS_PER_NODE = 2
@@ -91,7 +91,7 @@ def test_a_layout_the_nodes_cannot_hold_is_refused_at_start(
     engine.write_text(json.dumps({"model": {"num_query_groups": 4}}))
     svc = Service(
         data, f"--ray-address={cluster.address}", "--rank-num-cpus=1",
-        f"--engine-config={engine}", *flags, start_timeout_s=120,
+        f"--engine-config={engine}", *flags, start_timeout_s=120, env=fresh_home(data),
     )  # fmt: skip
     with pytest.raises(RuntimeError):
         svc.start()

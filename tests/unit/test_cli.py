@@ -85,6 +85,40 @@ def test_a_sampler_bound_the_gateway_cannot_reach_is_refused_naming_both_flags()
     ]
 
 
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (("--metrics-log", "tensorboard:/srv/x"),
+         "metrics_log: '/srv/x' leaves the data directory; name a directory inside it"),
+        (("--metrics-log", "mlflow:../up"),
+         "metrics_log: '../up' leaves the data directory; name a directory inside it"),
+        (("--sampler-backend", "sglang"),
+         "--sampler-backend: Input should be 'vllm'"),
+    ],
+)  # fmt: skip
+def test_a_flag_error_exits_2_in_one_line_before_ray_starts(
+    tmp_path: Path, flags: tuple[str, ...], line: str
+) -> None:
+    """What a new user meets first: a bad flag is one line naming it, within seconds, and no
+    Ray process is started (a tracker outside the data directory used to start Ray and die
+    in the controller's constructor, the reason only in a traceback)."""
+    import time
+
+    import psutil
+
+    t0 = time.monotonic()
+    r = trainctl("serve", "--data-dir", str(tmp_path), *flags, capture_output=True)
+    took = time.monotonic() - t0
+    assert r.returncode == 2 and took < 5, (r.returncode, took, r.stderr)
+    assert r.stderr.strip().splitlines() == [f"trainctl: invalid settings: {line}"]
+    started = [
+        p.info["name"] for p in psutil.process_iter(["name", "create_time"])
+        if (p.info["create_time"] or 0) >= time.time() - took - 1
+        and any(k in (p.info["name"] or "") for k in ("raylet", "gcs_server"))
+    ]  # fmt: skip
+    assert not started and not (tmp_path / "ray").exists(), started
+
+
 def test_shrink_with_per_rank_checkpoints_is_refused_at_start_in_one_line() -> None:
     """A shrunk service restores and saves on fewer replicas: per-rank checkpoints load into
     their own layout only. The default format shrinks."""

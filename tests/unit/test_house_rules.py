@@ -102,8 +102,8 @@ def test_every_class_with_state_says_what_it_owns() -> None:
 
 def test_test_modules_have_names_of_their_own() -> None:
     """pytest imports every test directory's modules into one namespace: two helpers named
-    alike (``engine_cases.py`` in two tiers) made one tier import the other's, and failed every
-    distributed test in one CI run."""
+    alike (an ``engine_cases`` module in two tiers) made one tier import the other's, and failed
+    every distributed test in one CI run."""
     seen: dict[str, list[str]] = {}
     for path in sorted((ROOT / "tests").rglob("*.py")):
         if path.name not in ("conftest.py", "__init__.py"):
@@ -169,3 +169,29 @@ def test_remote_actors_are_called_through_their_one_door() -> None:
                 side_doors.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert all(p.exists() for p in DOORS), DOORS
     assert not side_doors, "calls past the door:\n" + "\n".join(side_doors)
+
+
+def test_the_gateways_door_to_the_controller_is_the_controllers_own_signature() -> None:
+    """The gateway reaches the controller actor by method name (``RayController``), typed by
+    the ``ControllerAPI`` protocol: every member must be a ``Controller`` method with the same
+    parameters and return type, or a renamed or retyped method would fail only at run time.
+    (Ray's actor wrapper adds a ``_ray_trace_ctx`` keyword to each method: not ours.)"""
+    import inspect
+
+    from trainctl.service.controller_client import ControllerAPI
+    from trainctl.workers.control.controller import Controller
+
+    def ours(method: object) -> inspect.Signature:
+        sig = inspect.signature(method)  # type: ignore[arg-type]
+        return sig.replace(parameters=[p for p in sig.parameters.values()
+                                       if p.name != "_ray_trace_ctx"])  # fmt: skip
+
+    members = [n for n, v in vars(ControllerAPI).items() if inspect.iscoroutinefunction(v)]
+    assert len(members) >= 17, members
+    differ = {
+        name: (str(ours(getattr(ControllerAPI, name))), str(ours(getattr(Controller, name, None))))
+        for name in members
+        if not inspect.iscoroutinefunction(getattr(Controller, name, None))
+        or ours(getattr(ControllerAPI, name)) != ours(getattr(Controller, name))
+    }
+    assert not differ, differ

@@ -91,6 +91,25 @@ def test_a_full_queue_answers_rate_limited_with_a_retry_delay() -> None:
     asyncio.run(main())
 
 
+def test_the_queues_retry_delay_survives_the_trip_to_the_gateway() -> None:
+    """The delay is the queue's estimate (8 s runs, 2 queued: 4 s), not the class's 1 s,
+    and it survives pickling, as the error crosses from the controller actor through Ray."""
+    import pickle
+
+    async def main() -> None:
+        q, m = OperationQueue(max_queued=2, avg_run_s=8.0), Model()
+        for i in range(2):
+            q.submit("train_batch", m.runner(str(i), delay=0.02))
+        with pytest.raises(RateLimitedError) as e:
+            q.submit("train_batch", m.runner("x"))
+        crossed = pickle.loads(pickle.dumps(e.value))
+        assert (e.value.retry_after_s, crossed.retry_after_s) == (4.0, 4.0)
+        assert type(crossed) is RateLimitedError and crossed.message == e.value.message
+        await q.idle()
+
+    asyncio.run(main())
+
+
 def test_a_retryable_failure_frees_the_key_and_a_final_one_keeps_it() -> None:
     async def main() -> None:
         q, m = OperationQueue(), Model()

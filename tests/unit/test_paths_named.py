@@ -45,3 +45,44 @@ def test_every_named_path_exists() -> None:
                 elif name and path.suffix == ".py" and not _defines(path, name):
                     missing.append(f"{where}: `{target}` defines no {name}")
     assert not missing, "\n".join(missing)
+
+
+BARE = re.compile(r"(?<![\w/.-])`{1,2}([A-Za-z_]\w*\.py)`{1,2}")
+"""A file named without its folder, in backticks."""
+
+
+def test_a_bare_file_name_in_code_is_a_file_of_the_same_folder() -> None:
+    """In the code's docstrings and comments, a bare file name in backticks means the file
+    beside the one that names it; any other file is written with its folder."""
+    stale = [
+        f"{src.relative_to(ROOT)}:{lineno}: ``{m.group(1)}`` is not in {src.parent.name}/"
+        for src in _sources()
+        if src.suffix == ".py"
+        for lineno, line in enumerate(src.read_text().splitlines(), 1)
+        for m in BARE.finditer(line)
+        if m.group(1) != "__init__.py" and not (src.parent / m.group(1)).exists()
+    ]
+    assert not stale, "\n".join(stale)
+
+
+PRODUCT = ("api", "clients", "service", "workers")
+CODE_MAP = re.compile(r"^\| `([\w/]+/)` \| `trainctl[\w.]*` \| (.*) \|$", re.M)
+
+
+def test_every_product_module_is_named_in_the_code_map() -> None:
+    """docs/architecture.md's code map names every module of the package, in the row of its
+    folder (the deepest row above it): a module added without a line there fails here."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    rows = dict(CODE_MAP.findall(page))
+    missing = []
+    for top in PRODUCT:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if path.name == "__init__.py" or "__pycache__" in rel:
+                continue
+            if f"`{rel}`" in page:
+                continue  # named with its folder (the table of mechanisms)
+            folder = max((f for f in rows if rel.startswith(f)), key=len, default=None)
+            if folder is None or f"`{path.name}`" not in rows[folder]:
+                missing.append(f"{rel} (row {folder})")
+    assert not missing, "not in the code map:\n" + "\n".join(missing)

@@ -92,26 +92,6 @@ def test_an_aborted_or_timed_out_sample_never_runs_and_the_next_one_does() -> No
     assert "waited 0.05 s" in str(late) and "did not run" in str(late)
 
 
-def test_pause_holds_samples_but_not_loads() -> None:
-    async def main() -> list[str]:
-        turns, engine = Turns(), _Engine()
-        await turns.pause()
-        sample = asyncio.create_task(engine.sample(turns, "s0"))
-        load = asyncio.create_task(engine.load(turns, "load"))
-        await _settle()
-        assert engine.ran == ["load"]
-        engine.done("load")
-        await load
-        await _settle()
-        assert engine.ran == ["load"], "a paused engine ran a sample"
-        await turns.resume()
-        engine.done("s0")
-        await sample
-        return engine.ran
-
-    assert asyncio.run(main()) == ["load", "s0"]
-
-
 def test_a_cancelled_waiter_leaves_the_queue() -> None:
     async def main() -> list[str]:
         turns, engine = Turns(), _Engine()

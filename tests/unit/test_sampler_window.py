@@ -11,7 +11,7 @@ from trainctl.api import ConflictError, GoneError, NotFoundError, NotReadyError,
 from trainctl.workers.sampler.pool import PoolOptions, SamplerPool
 from trainctl.workers.sampler.spec import SamplerSpec
 from trainctl.workers.sampler.transport import Shipment
-from trainctl.workers.sampler.window import Window
+from trainctl.workers.sampler.window import VersionWindow
 
 
 def _ship(step: int, adapter: str | None = None) -> Shipment:
@@ -19,7 +19,7 @@ def _ship(step: int, adapter: str | None = None) -> Shipment:
 
 
 def test_the_newest_k_versions_are_served_and_an_older_one_is_a_410() -> None:
-    w = Window(2)
+    w = VersionWindow(2)
     s0, s1, s2 = _ship(0), _ship(1), _ship(2)
     assert w.publish(s0) == [] and w.publish(s1) == []
     assert w.get(None, 0) is s0 and w.get(None, None) is s1
@@ -35,7 +35,7 @@ def test_the_newest_k_versions_are_served_and_an_older_one_is_a_410() -> None:
 
 
 def test_a_step_never_synced_inside_the_window_is_a_404() -> None:
-    w = Window(3)
+    w = VersionWindow(3)
     w.publish(_ship(0))
     w.publish(_ship(2))  # manual sync: step 1 was never published
     with pytest.raises(NotFoundError, match=r"step 1 .* never synced.*\[0, 2\]"):
@@ -43,7 +43,7 @@ def test_a_step_never_synced_inside_the_window_is_a_404() -> None:
 
 
 def test_adapters_have_windows_of_their_own() -> None:
-    w = Window(2)
+    w = VersionWindow(2)
     w.publish(_ship(5))
     for step in (0, 1, 2):
         w.publish(_ship(step, "a"))
@@ -58,7 +58,7 @@ def test_adapters_have_windows_of_their_own() -> None:
 
 
 def test_a_new_line_of_training_empties_the_window() -> None:
-    w = Window(3)
+    w = VersionWindow(3)
     old = [_ship(s) for s in (1, 2, 3)]
     for s in old:
         w.publish(s)
@@ -72,7 +72,7 @@ def test_a_new_line_of_training_empties_the_window() -> None:
 
 
 def test_a_version_synced_again_replaces_its_copy_and_a_refused_one_is_withdrawn() -> None:
-    w = Window(2)
+    w = VersionWindow(2)
     first, second = _ship(4), _ship(4)
     w.publish(first)
     assert w.publish(second) == [first] and w.get(None, 4) is second
@@ -84,7 +84,7 @@ def test_a_version_synced_again_replaces_its_copy_and_a_refused_one_is_withdrawn
 
 def test_nothing_synced_is_not_ready() -> None:
     with pytest.raises(NotReadyError, match="no weights yet"):
-        Window(2).get(None, None)
+        VersionWindow(2).get(None, None)
 
 
 def _pool(engines: list[tuple[int, int]]) -> SamplerPool:

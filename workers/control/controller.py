@@ -4,7 +4,7 @@ It owns the rank group (``rank_group.py``: spawn, call every rank, classify fail
 step operations (``steps.py``: plan, train, eval, log-probs, results) and everything else
 that has a lifecycle: start, drain and shutdown, failure recovery, checkpoints, export,
 memory profiles (``profiles.py``) and ``info``. Every call that touches the ranks is an operation
-(``operations.py``): queued, run one at a time in arrival order, idempotent under a key, and
+(``op_queue.py``): queued, run one at a time in arrival order, idempotent under a key, and
 dispatched on its kind through the one table of operations (``api/operations.py``).
 
 When the rank group is lost (a rank died, peers are stuck, or an optimizer update half

@@ -122,13 +122,12 @@ class OperationQueue:
         if existing is not None:
             return existing
         if len(self._pending) >= self.max_queued and not front:
-            err = RateLimitedError(
+            raise RateLimitedError(
                 f"{len(self._pending)} operations are queued (limit {self.max_queued}); "
                 "retry after the Retry-After seconds",
                 details={"queued": len(self._pending)},
+                retry_after_s=max(1.0, round(self._avg_run_s * len(self._pending) / 4, 1)),
             )
-            err.retry_after_s = max(1.0, round(self._avg_run_s * len(self._pending) / 4, 1))
-            raise err
         op_id = f"op-{next(self._seq):06d}-{uuid.uuid4().hex[:8]}"
         op = Operation(
             id=op_id,

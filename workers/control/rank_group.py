@@ -15,7 +15,8 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast
 
 import ray
 from ray.util.placement_group import (
@@ -30,11 +31,22 @@ from trainctl.workers.control import placement
 from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.engine.boundary import RankMeta
 from trainctl.workers.engine.config import ConfigError, EngineConfig
+from trainctl.workers.rank.export import Part
 from trainctl.workers.rank.worker import RankWorker
 from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE
 
 P = ParamSpec("P")
 R = TypeVar("R")
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class Pending(Generic[R]):
+    """A rank's answer of type ``R``, still in the object store: ``RankGroup.fetch`` awaits
+    it."""
+
+    ref: Any
+
 
 log = logging.getLogger(__name__)
 
@@ -219,28 +231,50 @@ class RankGroup:
 
     def gather_on_rank0(
         self,
-        shards: Callable[..., Any],
-        shard_args: tuple[Any, ...],
+        part: Part,
+        adapter: str | None,
+        merge: Callable[Concatenate[RankWorker, list[Any], P], R],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Pending[R]:
+        """Every rank's ``canonical_shards(part, adapter)``, left in the object store, handed
+        as one list to rank 0's ``merge(parts, *args, **kwargs)``: its answer, not awaited, so
+        the controller never holds the tensors (``fetch`` awaits it)."""
+        return Pending(self._merged_on_rank0(part, adapter, merge, args, kwargs, 1))
+
+    def gather_on_rank0_split(
+        self,
+        part: Part,
+        adapter: str | None,
+        merge: Callable[Concatenate[RankWorker, list[Any], P], tuple[Any, S]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> tuple[Any, Pending[S]]:
+        """``gather_on_rank0`` for a ``merge`` of two returns: a reference to the first, left
+        in the object store for others to read (the samplers), and the second to ``fetch``."""
+        kept, small = self._merged_on_rank0(part, adapter, merge, args, kwargs, 2)
+        return kept, Pending(small)
+
+    def _merged_on_rank0(
+        self,
+        part: Part,
+        adapter: str | None,
         merge: Callable[..., Any],
-        merge_args: tuple[Any, ...] = (),
-        *,
-        num_returns: int = 1,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        num_returns: int,
     ) -> Any:
-        """Every rank's ``shards(*shard_args)``, left in the object store, handed as one list
-        to rank 0's ``merge(parts, *merge_args)``: rank 0's result reference(s), not awaited,
-        so the controller never holds the tensors (the samplers or a file get them). ``fetch``
-        awaits one with its failure classified."""
-        parts = [getattr(r, shards.__name__).remote(*shard_args) for r in self.ranks]
+        parts = [r.canonical_shards.remote(part, adapter) for r in self.ranks]
         remote = getattr(self.ranks[0], merge.__name__)
         if num_returns != 1:
             remote = remote.options(num_returns=num_returns)
-        return remote.remote(parts, *merge_args)
+        return remote.remote(parts, *args, **kwargs)
 
-    async def fetch(self, ref: Any, what: str) -> Any:
-        """The value of a reference ``gather_on_rank0`` made; a dead rank is the group lost, a
-        rank's own error a ``WorkerError`` naming ``what``."""
+    async def fetch(self, pending: Pending[R], what: str) -> R:
+        """The value of a ``gather_on_rank0`` answer; a dead rank is the group lost, a rank's
+        own error a ``WorkerError`` naming ``what``."""
         try:
-            return await ref
+            return cast(R, await pending.ref)
         except ray.exceptions.RayActorError as e:
             cause = f"a rank died during {what}"
             raise GroupLostError(

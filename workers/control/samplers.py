@@ -231,11 +231,10 @@ class Samplers:
     async def adapter_to_object_store(self, adapter: str) -> tuple[Any, int]:
         """``WeightSource``: ``adapter``'s factors merged on rank 0 in PEFT's format."""
         g = self.group
-        weights, size = g.gather_on_rank0(
-            RankWorker.canonical_shards, ("adapter", adapter), RankWorker.peft_weights,
-            (adapter,), num_returns=2,
-        )  # fmt: skip
-        return weights, int(await g.fetch(size, "gathering the adapter for the samplers"))
+        weights, size = g.gather_on_rank0_split(
+            "adapter", adapter, RankWorker.peft_weights, adapter
+        )
+        return weights, await g.fetch(size, "gathering the adapter for the samplers")
 
     async def open_collective(
         self, plan: StreamPlan, receivers: int, generation: int, timeout_s: float

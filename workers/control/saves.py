@@ -52,6 +52,7 @@ from trainctl.workers.control.steps import ModelState
 from trainctl.workers.engine.boundary import WrittenFile
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.engine.families import export_problem
+from trainctl.workers.rank.export import Part
 from trainctl.workers.rank.worker import RankWorker
 
 log = logging.getLogger(__name__)
@@ -384,11 +385,10 @@ class Saves:
         target = root / name
         tmp = root / f"{PARTIAL_EXPORT}{name}-{os.getpid()}"
         h.set_phase("gathering weights")
-        part = "base" if req.adapter is None else "merged" if req.merged else "adapter"
+        part: Part = "base" if req.adapter is None else "merged" if req.merged else "adapter"
         written = self.group.gather_on_rank0(
-            RankWorker.canonical_shards, (part, req.adapter), RankWorker.write_hf,
-            (str(tmp), req.adapter, req.merged),
-        )  # fmt: skip
+            part, req.adapter, RankWorker.write_hf, str(tmp), req.adapter, req.merged
+        )
         h.set_phase("writing safetensors")
         try:
             files = await self.group.fetch(written, "the export")

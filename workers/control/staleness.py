@@ -97,15 +97,14 @@ class Staleness:
             while (behind := lag()) > self.max:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    err = NotReadyError(
+                    raise NotReadyError(
                         f"the samplers serve {_whose(key)} {behind} steps behind the trainer, "
                         f"more than --max-staleness {self.max}: what they would sample now "
                         f"would be refused. Waited {wait_s:g} s for a sync; retry after it "
                         "(POST /v1/weights/sync, or --sampler-sync after_step)",
                         details={"behind": behind, "max_staleness": self.max},
+                        retry_after_s=1.0,
                     )
-                    err.retry_after_s = 1.0
-                    raise err
                 try:
                     await asyncio.wait_for(self._synced.wait(), left)
                 except TimeoutError:

@@ -61,7 +61,7 @@ from trainctl.workers.control.results import (
     step_result,
 )
 from trainctl.workers.control.staleness import Staleness
-from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.config import EngineConfig, OptimizerConfig
 from trainctl.workers.rank.step_plan import StepPlan
 from trainctl.workers.rank.worker import RankWorker
 
@@ -239,11 +239,9 @@ class Steps:
         return lambda h: self._forward_backward(h, req, *planned())
 
     def optim_step(self, req: OptimStepRequest) -> Runs[StepResult]:
-        from trainctl.workers.engine.config import OptimizerConfig
-
-        hyper = {**dataclasses.asdict(self.cfg.optimizer), **req.overrides()}
+        hyper = dataclasses.replace(self.cfg.optimizer, **req.overrides())
         try:
-            OptimizerConfig(**hyper).validate()
+            hyper.validate()
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         self._check_trainable(req.adapter)
@@ -298,7 +296,7 @@ class Steps:
         h: Handle,
         state: ModelState,
         result: StepResult,
-        hyper: dict[str, float] | None,
+        hyper: OptimizerConfig | None,
         adapter: str | None,
         norm: float,
     ) -> None:
@@ -341,7 +339,7 @@ class Steps:
         # a scheduled checkpoint and the samplers' sync (after_step, in_flight), if any
         result.timings["after_step_s"] = time.perf_counter() - t_after
         result.metrics["grad_norm:value"] = applied[0].grad_norm if applied else norm
-        result.metrics["lr:value"] = (hyper or {}).get("lr", self.cfg.optimizer.lr)
+        result.metrics["lr:value"] = (hyper or self.cfg.optimizer).lr
         if applied is not None:
             result.timings["optimizer_max_s"] = max(a.seconds for a in applied)
         if published is not None:
@@ -436,7 +434,7 @@ class Steps:
         )
 
     async def _optim_step(
-        self, h: Handle, req: OptimStepRequest, hyper: dict[str, float]
+        self, h: Handle, req: OptimStepRequest, hyper: OptimizerConfig
     ) -> StepResult:
         state = self.state_of(req.adapter)
         req.check_expected_step(state.step)

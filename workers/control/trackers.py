@@ -23,6 +23,7 @@ A tracker that fails to write logs a warning: metrics never fail a step.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import time
@@ -148,27 +149,50 @@ def _inside(data_dir: Path, where: str) -> Path:
     return path
 
 
-def open_trackers(spec: str | None, data_dir: Path) -> list[Tracker]:
-    """The trackers ``spec`` names (comma-separated ``kind:where``); a ValueError naming
-    ``metrics_log`` for anything else."""
-    out: list[Tracker] = []
+LIBRARIES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+"""Each tracker's package (its pip name and top-level module)."""
+
+
+def check_trackers(spec: str | None, data_dir: Path) -> None:
+    """What ``open_trackers`` would refuse, said before anything starts (``trainctl serve``
+    checks its settings with it): a ValueError naming ``metrics_log``. Opens nothing."""
+    for kind, _ in _parsed(spec, data_dir):
+        if importlib.util.find_spec(LIBRARIES[kind]) is None:
+            raise ValueError(
+                f"metrics_log: {kind} is not installed; pip install 'trainctl[tracking]'"
+            )
+
+
+def _parsed(spec: str | None, data_dir: Path) -> list[tuple[str, str]]:
+    """``spec``'s trackers as ``(kind, where)``; a ValueError naming ``metrics_log`` for an
+    unknown kind, a missing place, or a directory outside ``data_dir``."""
+    out = []
     for item in filter(None, (s.strip() for s in (spec or "").split(","))):
         kind, _, where = item.partition(":")
-        if kind in ("tensorboard", "mlflow") and not where:
-            raise ValueError(f"metrics_log: {kind} needs a place ({kind}:DIR)")
-        if kind == "tensorboard":
-            out.append(TensorBoardTracker(_inside(data_dir, where)))
-        elif kind == "mlflow":
-            if "://" not in where:
-                _inside(data_dir, where)
-            out.append(MlflowTracker(where, data_dir))
-        elif kind == "wandb":
-            out.append(WandbTracker(where, data_dir))
-        else:
+        if kind not in LIBRARIES:
             raise ValueError(
                 f"metrics_log: {kind!r} is not a tracker trainctl writes to; use "
                 "tensorboard:DIR, mlflow:URI or wandb[:PROJECT]"
             )
+        if kind in ("tensorboard", "mlflow") and not where:
+            raise ValueError(f"metrics_log: {kind} needs a place ({kind}:DIR)")
+        if kind == "tensorboard" or (kind == "mlflow" and "://" not in where):
+            _inside(data_dir, where)
+        out.append((kind, where))
+    return out
+
+
+def open_trackers(spec: str | None, data_dir: Path) -> list[Tracker]:
+    """The trackers ``spec`` names (comma-separated ``kind:where``); a ValueError naming
+    ``metrics_log`` for anything else."""
+    out: list[Tracker] = []
+    for kind, where in _parsed(spec, data_dir):
+        if kind == "tensorboard":
+            out.append(TensorBoardTracker(_inside(data_dir, where)))
+        elif kind == "mlflow":
+            out.append(MlflowTracker(where, data_dir))
+        else:
+            out.append(WandbTracker(where, data_dir))
     return out
 
 

@@ -33,7 +33,7 @@ from trainctl.workers.engine.boundary import (
     StepReport,
     WrittenFile,
 )
-from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.config import EngineConfig, OptimizerConfig
 from trainctl.workers.rank import logs
 from trainctl.workers.rank.background_save import BackgroundSave
 from trainctl.workers.rank.export import Exporter, Part
@@ -214,15 +214,12 @@ class RankWorker:
             undo()
             raise
 
-    def apply(self, op_id: str = "-", hyper: dict[str, float] | None = None) -> Applied:
+    def apply(self, op_id: str = "-", hyper: OptimizerConfig | None = None) -> Applied:
         """Phase 2, once every rank finished phase 1: the optimizer update (local), with
         ``hyper`` (``optim_step``'s AdamW settings) or the engine config's."""
-        from trainctl.workers.engine.config import OptimizerConfig
-
         with _operation(op_id):
             self._check_fault("optimizer")
-            opt = OptimizerConfig(**hyper) if hyper is not None else None
-            applied = self.shard.apply(opt)
+            applied = self.shard.apply(hyper)
             self._check_fault("optimizer_end")  # updated here, not yet answered or published
             return applied
 

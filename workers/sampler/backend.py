@@ -98,10 +98,6 @@ class SamplerEngine(Protocol):
         """Drop the request; True if it will not produce a result."""
         ...
 
-    async def pause(self) -> None: ...
-
-    async def resume(self) -> None: ...
-
     async def load_weights(
         self,
         shipment: Shipment,

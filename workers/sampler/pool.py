@@ -58,7 +58,7 @@ from trainctl.workers.sampler import backend
 from trainctl.workers.sampler.backend import EngineBrokenError, Loaded
 from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE, SamplerSpec
 from trainctl.workers.sampler.transport import Link, Shipment
-from trainctl.workers.sampler.window import Window
+from trainctl.workers.sampler.window import VersionWindow
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class SamplerPool:
         self.backend = backend.load(spec.backend)
         self._actor_class: Any = None
         self.engines = [_Engine(i) for i in range(options.num_samplers)]
-        self.window = Window(options.versions)
+        self.window = VersionWindow(options.versions)
         self.last_sync: SyncResult | None = None
         self._restarts: set[asyncio.Task[None]] = set()
         self.queued_tokens = 0
@@ -413,14 +413,13 @@ class SamplerPool:
             )
         queued = sum(e.in_flight for e in self.engines)
         if queued >= o.max_queued or self.queued_tokens + tokens > o.max_queued_tokens:
-            err = RateLimitedError(
+            raise RateLimitedError(
                 f"the samplers hold {queued} requests ({self.queued_tokens} tokens); the "
                 f"bound is {o.max_queued} requests and {o.max_queued_tokens} tokens: retry "
                 "after the Retry-After seconds",
                 details={"queued": queued, "queued_tokens": self.queued_tokens},
+                retry_after_s=1.0,
             )
-            err.retry_after_s = 1.0
-            raise err
         return tokens
 
     async def sample(self, req: SampleRequest, *, queue: bool = False) -> SampleResult:

@@ -40,7 +40,6 @@ class Turns:
         self._lane: Hashable | None = None
         """The lane of the samples running (None: they run alone, or none runs)."""
         self._loading = False
-        self._open = True
         self._samples: deque[str] = deque()
         """Waiting samples' request ids, in arrival order."""
         self._loads: deque[object] = deque()
@@ -75,7 +74,7 @@ class Turns:
             async with self._changed:
                 while not (
                     request_id in self._aborted
-                    or (self._open and not self._loads and self._samples[0] == request_id
+                    or (not self._loads and self._samples[0] == request_id
                         and self._joins(lane))
                 ):  # fmt: skip
                     left = None if deadline is None else deadline - time.monotonic()
@@ -141,17 +140,6 @@ class Turns:
         self._aborted.add(request_id)
         await self._notify()
         return True
-
-    async def pause(self) -> None:
-        """Hold samples from their turn; returns once the samples and load running finished."""
-        self._open = False
-        async with self._changed:
-            while self._running or self._loading:
-                await self._changed.wait()
-
-    async def resume(self) -> None:
-        self._open = True
-        await self._notify()
 
     async def _leave(self, queue: deque[Any], item: object) -> None:
         """``item`` gives up its place in ``queue`` (it timed out, was aborted or cancelled)."""

@@ -29,7 +29,7 @@ def _whose(key: Key) -> str:
 
 
 @dataclass
-class Window:
+class VersionWindow:
     """Owns the published versions: each key's newest ``size`` shipments, by step."""
 
     size: int

@@ -1,8 +1,9 @@
 """The reshardable checkpoint format: training state by canonical name, so a checkpoint
 written at one parallel layout loads at any other.
 
-Every rank writes the *pieces* it owns of each canonical tensor (``weights.py``): the
-parameter's fp32 value (the master weight under bf16), AdamW's two moments and its step.
+Every rank writes the *pieces* it owns of each canonical tensor
+(``workers/engine/weights.py``): the parameter's fp32 value (the master weight under bf16),
+AdamW's two moments and its step.
 A piece is one flat range ``[lo, hi)`` of one TP rank's shard of the tensor:
 
 * with the distributed optimizer (ZeRO-1), each DP x CP rank writes the range of every

@@ -190,13 +190,13 @@ class VllmEngine:
     def _receive(
         self, shipment: Shipment, rendezvous: dict[str, Any], rank: int, keep: Sequence[str]
     ) -> Loaded:
-        """Receive a step's weights over the collective (``collective.py``) through vLLM's
-        own weight-sync sequence, while the sender broadcasts them: the group is joined once
-        per generation, every bucket arrives before the model is touched, and a set whose
-        schema differs from the one served is refused before any byte moves (the sender then
-        waits out the group's timeout, and the next sync forms a new group). A receive that
-        broke leaves the old weights serving; one that broke in the load leaves the engine
-        broken (``EngineBrokenError``)."""
+        """Receive a step's weights over the collective (``workers/sampler/collective.py``)
+        through vLLM's own weight-sync sequence, while the sender broadcasts them: the group
+        is joined once per generation, every bucket arrives before the model is touched, and
+        a set whose schema differs from the one served is refused before any byte moves (the
+        sender then waits out the group's timeout, and the next sync forms a new group). A
+        receive that broke leaves the old weights serving; one that broke in the load leaves
+        the engine broken (``EngineBrokenError``)."""
         t0 = time.perf_counter()
         step, plan = shipment.version, shipment.handle
         schema: Schema = plan.schema

@@ -177,13 +177,6 @@ class VllmSampler:
         run.done.set_exception(aborted)
         return True
 
-    async def pause(self) -> None:
-        """Hold new samples; returns once the requests running have finished."""
-        await self._turns.pause()
-
-    async def resume(self) -> None:
-        await self._turns.resume()
-
     async def load_weights(
         self,
         shipment: Shipment,
