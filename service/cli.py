@@ -9,7 +9,6 @@ down (Kubernetes stops pods with SIGTERM, which ``serve run`` would not survive)
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import signal
@@ -137,13 +136,16 @@ def _check_reachable(address: str) -> None:
 
 
 def _check_sampler_stack(s: Settings) -> None:
-    """``--samplers`` on this machine's Ray needs vLLM here: say so in one line at start,
-    rather than as a sampler actor's traceback once the ranks are built."""
-    if s.samplers and not s.ray_address and importlib.util.find_spec("vllm") is None:
-        raise StartupError(
-            f"--samplers {s.samplers} needs vLLM, which is not installed: pip install "
-            "'trainctl[sampler]' (from a checkout: scripts/serve --samplers N installs it)"
-        )
+    """``--samplers`` on this machine's Ray needs its backend installed here: say so in one
+    line at start, rather than as a sampler actor's traceback once the ranks are built."""
+    from trainctl.workers.sampler import backend
+
+    if s.samplers and not s.ray_address:
+        missing = backend.load(s.sampler_backend).missing()
+        if missing:
+            raise StartupError(
+                f"--samplers {s.samplers} (--sampler-backend {s.sampler_backend}) {missing}"
+            )
 
 
 def _check_keys_on_hangup(s: Settings) -> None:

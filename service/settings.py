@@ -13,12 +13,13 @@ import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainctl.api.sampling import SyncMode
 from trainctl.service.cluster import DEFAULT_WORKER_PORTS
 from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.sampler.backend import BACKENDS
 
 _ENGINE = EngineConfig()
 """The engine's own defaults: the settings below that shape the engine default to them."""
@@ -334,9 +335,10 @@ class Settings(BaseSettings):
         description="vLLM sampler engines to start beside the ranks (POST /v1/sample, Tinker "
         "sampling clients); needs `pip install 'trainctl[sampler]'`. 0: none.",
     )
-    sampler_backend: Literal["vllm"] = Field(
+    sampler_backend: str = Field(
         "vllm",
-        description="The sampler engines' backend (workers/sampler/backend.py: BACKENDS).",
+        description="The sampler engines' backend, a name of the registry in "
+        f"workers/sampler/backend.py: {', '.join(sorted(BACKENDS))}.",
     )
     sampler_sync: SyncMode = Field(
         "after_step",
@@ -494,6 +496,14 @@ class Settings(BaseSettings):
                 "--sampler-max-queued"
             )
         return self
+
+    @field_validator("sampler_backend")
+    @classmethod
+    def _registered_backend(cls, name: str) -> str:
+        """A name of the backends' registry, which the flag's choices are."""
+        if name not in BACKENDS:
+            raise ValueError(f"no sampler backend {name!r}; one of {', '.join(sorted(BACKENDS))}")
+        return name
 
     @model_validator(mode="after")
     def _trackers_open(self) -> Settings:

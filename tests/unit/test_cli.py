@@ -93,7 +93,7 @@ def test_a_sampler_bound_the_gateway_cannot_reach_is_refused_naming_both_flags()
         (("--metrics-log", "mlflow:../up"),
          "metrics_log: '../up' leaves the data directory; name a directory inside it"),
         (("--sampler-backend", "sglang"),
-         "--sampler-backend: Input should be 'vllm'"),
+         "--sampler-backend: no sampler backend 'sglang'; one of vllm"),
     ],
 )  # fmt: skip
 def test_a_flag_error_exits_2_in_one_line_before_ray_starts(

@@ -9,8 +9,6 @@ asynchronous: an engine serves many requests at once (vLLM's, stepped by
   ``abort(request_id)`` drops it (a request still waiting for the engine is dropped at once;
   a running one stops at the engine's next step); a weight or adapter load waits for no
   sample but those running;
-- ``pause`` lets the running work finish and holds new samples until ``resume`` (a weight
-  update between two versions); loads still run while paused;
 - weights and adapters arrive as a ``Shipment`` (``transport.py``) naming their version, and
   a result says which version produced it: ``SampleResult.step``, and per token
   ``Completion.token_steps`` (vLLM labels each engine step with its weight version);
@@ -23,8 +21,10 @@ asynchronous: an engine serves many requests at once (vLLM's, stepped by
 
 A backend is a package beside this module that exposes ``engine_class()`` (the class the
 pool makes an actor of; imported only when a pool is built), ``env(cuda, threads, routes)``
-(the engine process's environment) and ``check(needs)`` (what it cannot do, said before any
-engine starts). ``BACKENDS`` names them; ``--sampler-backend`` picks one.
+(the engine process's environment), ``check(needs)`` (what it cannot do, said before any
+engine starts) and ``missing()`` (what this machine lacks to run it, said by ``trainctl
+serve`` before Ray starts). ``BACKENDS`` is the registry: ``--sampler-backend`` takes its
+names, and nothing else lists them.
 """
 
 from __future__ import annotations
@@ -122,6 +122,10 @@ class Backend(Protocol):
     def env(self, cuda: bool, threads: int, routes: bool = False) -> dict[str, str]: ...
 
     def check(self, needs: SamplerNeeds) -> None: ...
+
+    def missing(self) -> str | None:
+        """What this machine lacks to run the engines, with how to install it (None:
+        nothing). Imports nothing heavy: it runs before Ray starts."""
 
 
 def load(name: str) -> Backend:

@@ -6,6 +6,7 @@ import-linter contract)."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 from trainctl.workers.sampler.vllm_backend.rules import check, env
@@ -13,10 +14,20 @@ from trainctl.workers.sampler.vllm_backend.rules import check, env
 if TYPE_CHECKING:
     from trainctl.workers.sampler.backend import SamplerEngine
 
-__all__ = ["check", "engine_class", "env"]
+__all__ = ["check", "engine_class", "env", "missing"]
 
 
 def engine_class() -> type[SamplerEngine]:
     from trainctl.workers.sampler.vllm_backend.sampler import VllmSampler
 
     return VllmSampler
+
+
+def missing() -> str | None:
+    """Whether vLLM is installed here (looked up, not imported: it takes seconds)."""
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    return (
+        "needs vLLM, which is not installed: pip install 'trainctl[sampler]' (from a "
+        "checkout: scripts/serve --samplers N installs it)"
+    )
