@@ -275,6 +275,7 @@ def test_serve_with_samplers_but_no_vllm_is_one_line(
     assert serve_main(Settings(samplers=1, data_dir=tmp_path, port=0)) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [
-        "trainctl: --samplers 1 needs vLLM, which is not installed: pip install "
-        "'trainctl[sampler]' (from a checkout: scripts/serve --samplers N installs it)"
+        "trainctl: --samplers 1 (--sampler-backend vllm) needs vLLM, which is not installed: "
+        "pip install 'trainctl[sampler]' (from a checkout: scripts/serve --samplers N "
+        "installs it)"
     ]

@@ -6,6 +6,7 @@ takes it."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ def missing() -> str | None:
 
 
 @pytest.fixture
-def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The toy package on the path, and its one row in the registry."""
     from trainctl.workers.sampler import backend
 

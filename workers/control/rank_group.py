@@ -58,7 +58,7 @@ _FORWARDED_ENV = ("TRAINCTL_LOG_LEVEL", "TRAINCTL_LOG_FORMAT")
 
 class RankGroup:
     """The one door to the rank actors. Owns the actors, their placement group, their
-    ``RankMeta`` and the classification of their failures."""
+    ``RankMeta``, the layout they run and the classification of their failures."""
 
     def __init__(self, cfg: EngineConfig, *, num_cpus: float, num_gpus: float = 0.0) -> None:
         self.configured = cfg

@@ -4,7 +4,9 @@ ranks hold (``peers.py``), replace every rank actor and restore that copy: no st
 Where the survivors cannot stand in (ZeRO-1 without replicas, a model-parallel coordinate
 lost with all its replicas, survivors at different steps), restore the newest checkpoint
 that proves its content instead (a damaged one is passed over, never retried). Ahead of
-every queued operation; retried while the cluster has no room."""
+every queued operation; retried while the cluster has no room, or with ``--on-node-loss
+shrink`` placed at once on the most DP replicas the live nodes hold, and grown back to the
+configured layout, the same way, after the first checkpoint once they hold it again."""
 
 from __future__ import annotations
 
@@ -31,10 +33,12 @@ RECOVERY_RETRY_S = 15.0
 
 
 class Recovery:
-    """Owns the rebuild of a lost rank group and its record: ``last`` (the latest recovery)
-    and ``steps_lost`` (steps undone by restores, all told). It stops the service taking work
-    (``serving``), queues the rebuild ahead of everything, restores the latest checkpoint
-    through ``saves`` and syncs the samplers after; ``info`` is what a rebuild answers."""
+    """Owns the rebuild of a lost rank group (and, under ``shrink``, the grow back to the
+    configured layout) and its record: ``last`` (the latest recovery) and ``steps_lost``
+    (steps undone by restores, all told). It stops the service taking work (``serving``),
+    queues the rebuild ahead of everything, restores the survivors' copy or the latest
+    checkpoint through ``saves`` and syncs the samplers after; ``info`` is what a rebuild
+    answers."""
 
     def __init__(
         self,
@@ -118,9 +122,17 @@ class Recovery:
         self._growing = False
         await self.saves.flight.settle()  # a background save: committed first
         windows = self.state.window is not None or self.adapters.open_windows()
-        current = self.step == self.state.last_checkpoint_step
-        if not self.group.shrunk or windows or not current or not self.group.holds_configured():
-            log.info("not growing back now (a window is open, or a step since the checkpoint)")
+        not_now = (
+            "a forward_backward window is open" if windows
+            else f"step {self.step} came after the checkpoint"
+            if self.step != self.state.last_checkpoint_step
+            else "the live nodes no longer hold the configured layout"
+            if not self.group.holds_configured()
+            else None
+        )  # fmt: skip
+        if not self.group.shrunk or not_now:
+            if not_now:
+                log.info("not growing back now (%s): the next checkpoint tries again", not_now)
             return await self.info()
         cause = f"growing back to the configured layout ({self.group.configured.layout.describe()})"
         self.serving.ready = False
