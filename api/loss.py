@@ -6,6 +6,7 @@ keeps the two in step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -33,6 +34,39 @@ class LossKind(str, Enum):
     token's ratio taking its sequence's value ``s = exp(mean(lp - old_lp))`` over the tokens
     ``sequence_ratio_mask`` marks (default: the loss tokens) and its own log-prob's gradient:
     ``s_t = sg(s) * p_t / sg(p_t)``. A sequence split over ranks gets the same ``s``."""
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One loss kind's row in ``LOSSES``: everything the API, the engine and the Tinker layer
+    need to know of it. Its formula is the function of the same name in
+    ``workers/ops/loss.py`` (``POLICY_LOSSES``). Adding a kind is its member in ``LossKind``,
+    its row here and that function; nothing else changes."""
+
+    policy: bool
+    """A policy-gradient loss: it reads ``advantages`` and ``old_logprobs``, and takes the
+    behaviour corrections (``tis_cap``, seq-TIS/MIS, geometric-mean masking) and
+    ``kl_coef``."""
+    knobs: tuple[str, ...] = ()
+    """The ``LossConfig`` fields its formula reads besides those (Tinker's
+    ``loss_fn_config`` keys follow from them)."""
+    sequence_ratio: bool = False
+    """Every token's ratio is its sequence's: one value per sequence over its
+    ``sequence_ratio_mask`` (default: its loss tokens), summed over the CP ranks, reported as
+    the ``<kind>_ratio`` metric. Its term of a token reads the whole sequence, so the LM head
+    cannot take its gradient in its forward pass."""
+
+
+_CLIPS = ("clip_low", "clip_high")
+LOSSES: dict[LossKind, LossSpec] = {
+    LossKind.CROSS_ENTROPY: LossSpec(policy=False),
+    LossKind.IMPORTANCE_SAMPLING: LossSpec(policy=True),
+    LossKind.PPO: LossSpec(policy=True, knobs=_CLIPS),
+    LossKind.CISPO: LossSpec(policy=True, knobs=_CLIPS),
+    LossKind.DRO: LossSpec(policy=True, knobs=("beta",)),
+    LossKind.GSPO: LossSpec(policy=True, knobs=_CLIPS, sequence_ratio=True),
+}
+"""The registry of loss kinds: one row each."""
 
 
 UNPUBLISHED_LOSSES = {
@@ -125,9 +159,10 @@ class LossConfig(BaseModel):
     @model_validator(mode="after")
     def _corrections_need_a_policy_loss(self) -> LossConfig:
         corrections = [k for k in _CORRECTIONS if getattr(self, k) is not None]
-        if corrections and self.kind is LossKind.CROSS_ENTROPY:
+        if corrections and not self.spec.policy:
             raise ValueError(
-                f"{corrections[0]} corrects a policy loss; cross_entropy has no ratio to correct"
+                f"{corrections[0]} corrects a policy loss; {self.kind.value} has no ratio to "
+                "correct"
             )
         weighting = [k for k in ("tis_cap", "seq_tis_cap", "seq_mis") if self._on(k)]
         if len(weighting) > 1:
@@ -155,6 +190,11 @@ class LossConfig(BaseModel):
         return (low or 0.0, float("inf") if high is None else high)
 
     @property
+    def spec(self) -> LossSpec:
+        """This kind's row of ``LOSSES``."""
+        return LOSSES[self.kind]
+
+    @property
     def sequence_correction(self) -> bool:
         """Whether a sequence-level behaviour correction (seq-TIS, seq-MIS, geometric-mean
         masking) is on."""
@@ -162,7 +202,7 @@ class LossConfig(BaseModel):
 
     def required_inputs(self) -> tuple[str, ...]:
         out: tuple[str, ...] = ()
-        if self.kind is not LossKind.CROSS_ENTROPY:
+        if self.spec.policy:
             out += ("advantages", "old_logprobs")
         if self.kl_coef > 0:
             out += ("ref_logprobs",)
@@ -180,4 +220,5 @@ class LossConfig(BaseModel):
             "kl_coef": self.kl_coef,
             "beta": self.beta,
             "tis_cap": self.tis_cap,
+            "sequence_ratio": self.spec.sequence_ratio,
         }

@@ -33,7 +33,7 @@ from trainctl.api.adapters import ADAPTER_DOC, ADAPTER_NAME
 from trainctl.api.batch import SequenceBatch
 from trainctl.api.bounds import Int64
 from trainctl.api.errors import ConflictError, field_error
-from trainctl.api.loss import LossConfig, LossKind
+from trainctl.api.loss import LOSSES, LossConfig
 
 
 class ModelLimits(BaseModel):
@@ -129,16 +129,15 @@ class _BatchRequest(_SequencesRequest):
                     f"sequences[0].{k} is required by the {self.loss.kind.value} loss"
                     + (" with kl_coef > 0" if k == "ref_logprobs" else "")
                 )
-        if self.loss.kind is not LossKind.CROSS_ENTROPY and not (
-            {"loss_mask", "weights"} & set(self.sequences.present)
-        ):
+        if self.loss.spec.policy and not ({"loss_mask", "weights"} & set(self.sequences.present)):
             self._train_on_sampled_positions()
         ratio_mask = self.sequences.column("sequence_ratio_mask")
         if ratio_mask is not None:
-            if self.loss.kind is not LossKind.GSPO:
+            if not self.loss.spec.sequence_ratio:
+                readers = ", ".join(k.value for k, s in LOSSES.items() if s.sequence_ratio)
                 raise ValueError(
-                    f"sequences[0].sequence_ratio_mask is read by the gspo loss only, not by "
-                    f"{self.loss.kind.value}"
+                    f"sequences[0].sequence_ratio_mask is read by the {readers} loss only, not "
+                    f"by {self.loss.kind.value}"
                 )
             # Position 0 predicts nothing: a mask there is no ratio token.
             counts = np.add.reduceat(ratio_mask.astype(np.int64), self.sequences.offsets[:-1])
@@ -147,7 +146,8 @@ class _BatchRequest(_SequencesRequest):
             if empty.size:
                 raise ValueError(
                     f"sequences[{int(empty[0])}].sequence_ratio_mask marks no token after the "
-                    "first: gspo's sequence ratio is a mean over at least one token"
+                    f"first: {self.loss.kind.value}'s sequence ratio is a mean over at least one "
+                    "token"
                 )
         return self
 
@@ -157,7 +157,7 @@ class _BatchRequest(_SequencesRequest):
         batch = self.sequences
         columns = {**batch.columns, "loss_mask": sampled_positions(batch)}
         self.sequences = SequenceBatch(batch.lengths, columns)
-        ratio_tokens = self.loss.kind is LossKind.GSPO and "sequence_ratio_mask" not in columns
+        ratio_tokens = self.loss.spec.sequence_ratio and "sequence_ratio_mask" not in columns
         if ratio_tokens or self.loss.sequence_correction:
             empty = np.flatnonzero(self.sequences.num_targets() == 0)
             if empty.size:

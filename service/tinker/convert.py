@@ -47,7 +47,7 @@ from trainctl.api import (
     StepResult,
 )
 from trainctl.api.batch import SequenceBatch
-from trainctl.api.loss import UNPUBLISHED_LOSSES
+from trainctl.api.loss import LOSSES, UNPUBLISHED_LOSSES
 from trainctl.service.tinker import proto
 
 LOSS_KEYS: dict[str, str] = {
@@ -63,16 +63,16 @@ LOSS_KEYS: dict[str, str] = {
 
 _CORRECTIONS = ("seq_tis_cap", "seq_mis_low", "seq_mis_high", "geo_mask_low", "geo_mask_high")
 _POLICY_CONFIG = ("tis_cap", "kl_coef", *_CORRECTIONS)
-_CLIPS = ("clip_low_threshold", "clip_high_threshold")
-CONFIG_KEYS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": (),
-    "importance_sampling": _POLICY_CONFIG,
-    "ppo": (*_CLIPS, *_POLICY_CONFIG),
-    "cispo": (*_CLIPS, *_POLICY_CONFIG),
-    "dro": ("beta", *_POLICY_CONFIG),
-    "gspo": (*_CLIPS, *_POLICY_CONFIG),
-}
-"""The ``loss_fn_config`` keys each loss reads."""
+_KNOB_KEYS = {"clip_low": "clip_low_threshold", "clip_high": "clip_high_threshold", "beta": "beta"}
+"""A ``LossSpec.knobs`` field -> its Tinker ``loss_fn_config`` key."""
+
+
+def config_keys() -> dict[str, tuple[str, ...]]:
+    """The ``loss_fn_config`` keys each loss reads, from its row of ``LOSSES``."""
+    return {
+        kind.value: (*(_KNOB_KEYS[k] for k in spec.knobs), *(_POLICY_CONFIG if spec.policy else ()))
+        for kind, spec in LOSSES.items()
+    }
 
 
 TINKER_REDUCTIONS = ("mean", "sum", "min", "max", "slack", "hash2", "unique")
@@ -88,10 +88,11 @@ def loss_config(loss_fn: str, config: dict[str, float | str]) -> LossConfig:
     """The ``LossConfig`` of a Tinker loss name and its ``loss_fn_config``."""
     if loss_fn in UNPUBLISHED_LOSSES:
         raise _refuse("loss_fn", f"{loss_fn!r}: {UNPUBLISHED_LOSSES[loss_fn]}")
-    if loss_fn not in CONFIG_KEYS:
-        known = ", ".join(CONFIG_KEYS)
+    by_loss = config_keys()
+    if loss_fn not in by_loss:
+        known = ", ".join(by_loss)
         raise _refuse("loss_fn", f"{loss_fn!r} is not a loss trainctl computes ({known})")
-    allowed = CONFIG_KEYS[loss_fn]
+    allowed = by_loss[loss_fn]
     numbers: dict[str, float] = {}
     for k, v in config.items():
         if k not in allowed:
@@ -166,9 +167,9 @@ def datum_to_sequence(i: int, datum: Any, loss: LossConfig) -> dict[str, np.ndar
         k for k, field in LOSS_KEYS.items() if field in loss.required_inputs()
     }
     optional = {"weights"}
-    if loss.kind is not LossKind.CROSS_ENTROPY:
+    if loss.spec.policy:
         optional |= {"logprobs", "advantages", "sampler_logprobs", "ref_logprobs"}
-    if loss.kind is LossKind.GSPO:
+    if loss.spec.sequence_ratio:
         optional.add("sequence_ratio_mask")
     for key in inputs:
         if key not in needed | optional:

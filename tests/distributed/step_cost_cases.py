@@ -216,9 +216,9 @@ def grads_with_the_head_gradient(cfg: dict[str, Any], in_forward: bool) -> dict[
 
     from helpers.batches import numpy_shards, ragged_batch, to_host
 
-    separable = schedule.TOKEN_SEPARABLE
+    separable = schedule.gradient_in_forward
     if not in_forward:
-        schedule.TOKEN_SEPARABLE = frozenset()  # type: ignore[misc]
+        schedule.gradient_in_forward = lambda loss: False  # type: ignore[assignment]
     try:
         eng = EngineShard(EngineConfig.from_dict(cfg))
         loss = LossConfig(kind=LossKind("ppo"), kl_coef=0.05)
@@ -234,4 +234,4 @@ def grads_with_the_head_gradient(cfg: dict[str, Any], in_forward: bool) -> dict[
         eng.close()
         return out
     finally:
-        schedule.TOKEN_SEPARABLE = separable  # type: ignore[misc]
+        schedule.gradient_in_forward = separable

@@ -93,3 +93,67 @@ def test_without_its_row_the_backend_is_refused_naming_the_flag(
     monkeypatch.delitem(backend.BACKENDS, "toy")
     with pytest.raises(ValidationError, match="no sampler backend 'toy'; one of vllm"):
         _what_the_service_makes_of(toy)
+
+
+# -- losses: the row of LOSSES is what the API, the engine and Tinker read ---------------------
+
+
+def test_every_loss_kind_has_its_row_and_its_function() -> None:
+    from trainctl.api import LossKind
+    from trainctl.api.loss import LOSSES
+    from trainctl.workers.ops.loss import LOSS_KINDS, POLICY_LOSSES
+
+    assert set(LOSSES) == set(LossKind)
+    assert set(LOSS_KINDS) == {k.value for k in LossKind}
+    assert {k.value for k, s in LOSSES.items() if s.policy} == set(POLICY_LOSSES)
+
+
+def _what_reads_the_row(kind: str) -> dict[str, object]:
+    """What the API, the engine's fused head and Tinker make of ``kind`` now."""
+    from pydantic import ValidationError
+
+    from trainctl.api import LossConfig, LossKind, TrainBatchRequest
+    from trainctl.service.tinker.convert import config_keys
+    from trainctl.workers.engine.loss_inputs import needs_sequence_terms
+
+    seq = {
+        "tokens": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1], "advantages": [0.0, 1.0, 1.0, 1.0],
+        "old_logprobs": [0.0, -1.0, -1.0, -1.0], "sequence_ratio_mask": [0, 1, 1, 0],
+    }  # fmt: skip
+    loss = LossConfig(kind=LossKind(kind))
+    try:
+        TrainBatchRequest(sequences=[seq], loss=loss)
+        ratio_mask = "taken"
+    except ValidationError as e:
+        ratio_mask = str(e.errors()[0]["msg"])
+    return {
+        "ratio_mask": ratio_mask,
+        "sequence_terms": needs_sequence_terms(loss),
+        "options": loss.options()["sequence_ratio"],
+        "tinker_keys": config_keys()[kind][:2],
+    }
+
+
+def test_a_changed_row_changes_what_every_layer_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ppo made a sequence-ratio loss reading ``beta`` by its row alone: the API takes a
+    ``sequence_ratio_mask`` for it, the engine builds its sequence terms and keeps it out of
+    the head's forward pass, and Tinker reads its new config key."""
+    import dataclasses
+
+    from trainctl.api import LossKind
+    from trainctl.api.loss import LOSSES
+
+    before = _what_reads_the_row("ppo")
+    assert before == {
+        "ratio_mask": "Value error, sequences[0].sequence_ratio_mask is read by the gspo loss "
+        "only, not by ppo",
+        "sequence_terms": False, "options": False,
+        "tinker_keys": ("clip_low_threshold", "clip_high_threshold"),
+    }  # fmt: skip
+    row = dataclasses.replace(LOSSES[LossKind.PPO], sequence_ratio=True, knobs=("beta",))
+    monkeypatch.setitem(LOSSES, LossKind.PPO, row)
+    after = _what_reads_the_row("ppo")
+    assert after == {
+        "ratio_mask": "taken", "sequence_terms": True, "options": True,
+        "tinker_keys": ("beta", "tis_cap"),
+    }  # fmt: skip

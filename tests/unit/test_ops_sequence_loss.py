@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainctl.api.models import LossConfig, LossKind
-from trainctl.workers.ops.loss import TOKEN_SEPARABLE, per_token_terms
+from trainctl.workers.ops.loss import per_token_terms
 from trainctl.workers.ops.sequence_loss import (
     Band,
     BehaviourCorrection,
@@ -95,9 +95,11 @@ def test_gspo_equals_tinkers_formula_in_value_and_gradient() -> None:
     assert abs(float((ppo - want).detach())) > 1e-3
 
 
-def test_gspo_is_not_token_separable_and_needs_its_ratio() -> None:
-    """The fused head's in-forward loss reads one chunk of tokens at a time: gspo stays out."""
-    assert "gspo" not in TOKEN_SEPARABLE and "ppo" in TOKEN_SEPARABLE
+def test_gspo_is_a_sequence_ratio_loss_and_needs_its_ratio() -> None:
+    """The fused head's in-forward loss reads one chunk of tokens at a time: a sequence-ratio
+    loss stays out (``schedule.gradient_in_forward`` reads the registry row)."""
+    assert LossConfig(kind=LossKind.GSPO).spec.sequence_ratio
+    assert not LossConfig(kind=LossKind.PPO).spec.sequence_ratio
     x = _batch()
     with pytest.raises(ValueError, match="seq_log_ratio"):
         per_token_terms(

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
-from trainctl.api.models import LossConfig, LossKind
+from trainctl.api.models import LossConfig
 from trainctl.workers.engine.inputs import RankMicroBatch
 from trainctl.workers.ops.metrics import Reduction, StatsTracker
 from trainctl.workers.ops.sequence_loss import (
@@ -35,8 +35,9 @@ def sequence_metric_keys(loss: LossConfig) -> list[tuple[str, Reduction]]:
     """The metrics ``SequenceTerms.record`` records for ``loss`` (the same on every rank)."""
     mean, low, high = Reduction.MEAN, Reduction.MIN, Reduction.MAX
     keys: list[tuple[str, Reduction]] = []
-    if loss.kind is LossKind.GSPO:
-        keys += [("gspo_ratio", mean), ("gspo_ratio", low), ("gspo_ratio", high)]
+    if loss.spec.sequence_ratio:
+        name = ratio_metric(loss)
+        keys += [(name, mean), (name, low), (name, high)]
     if loss.sequence_correction:
         keys += [
             ("behaviour_sequence_ratio", mean), ("behaviour_sequence_ratio", high),
@@ -79,7 +80,7 @@ class SequenceTerms:
     def after_head(self, logprobs: Tensor, per_token: dict[str, Any]) -> dict[str, Tensor]:
         """Every extra ``per_token_terms`` input, given the micro-batch's log-probs."""
         out = self.before_head()
-        if self.loss.kind is LossKind.GSPO:
+        if self.loss.spec.sequence_ratio:
             mask = self.loss_mask if self.ratio_mask is None else self.ratio_mask
             self.gspo = gspo_log_ratio(logprobs, per_token["old_logprobs"], mask, self.seqs)
             out["seq_log_ratio"] = self.gspo.log_ratio
@@ -90,10 +91,9 @@ class SequenceTerms:
         rank). Uses the ``loss_sequences`` denominator ``record_policy_metrics`` registered for
         this micro-batch, so it runs right after it."""
         if self.gspo is not None:
-            r = self.gspo.sequence_ratio
-            stats.stat(denominator="loss_sequences", gspo_ratio=r)
-            stats.stat(denominator="loss_sequences", reduction=Reduction.MIN, gspo_ratio=r)
-            stats.stat(denominator="loss_sequences", reduction=Reduction.MAX, gspo_ratio=r)
+            r = {ratio_metric(self.loss): self.gspo.sequence_ratio}
+            for reduction in (Reduction.MEAN, Reduction.MIN, Reduction.MAX):
+                stats.stats(r, denominator="loss_sequences", reduction=reduction)
         if self.behaviour is not None:
             b = self.behaviour
             stats.stat(
@@ -110,7 +110,12 @@ class SequenceTerms:
 
 
 def needs_sequence_terms(loss: LossConfig) -> bool:
-    return loss.kind is LossKind.GSPO or loss.sequence_correction
+    return loss.spec.sequence_ratio or loss.sequence_correction
+
+
+def ratio_metric(loss: LossConfig) -> str:
+    """The metric of a sequence-ratio loss's per-sequence ratio: ``gspo_ratio`` for gspo."""
+    return f"{loss.kind.value}_ratio"
 
 
 @dataclass(frozen=True)

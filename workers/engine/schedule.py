@@ -51,12 +51,19 @@ from trainctl.workers.ops.fused_head import (
     head_logits,
 )
 from trainctl.workers.ops.logprob import vocab_parallel_entropy, vocab_parallel_logprob
-from trainctl.workers.ops.loss import TOKEN_SEPARABLE, connected_zero, local_loss, per_token_terms
+from trainctl.workers.ops.loss import connected_zero, local_loss, per_token_terms
 from trainctl.workers.ops.metrics import Reduction, StatsTracker
 from trainctl.workers.ops.rl_metrics import policy_metric_keys, record_policy_metrics
 
 PER_TOKEN_OUTPUTS = ("logprobs", "entropy", "token_loss")
 """``token_loss``: each target's loss term times its scale, its share of the pass's loss."""
+
+
+def gradient_in_forward(loss: LossConfig) -> bool:
+    """Whether the LM head may take ``loss``'s gradient in its forward pass
+    (``workers/ops/fused_head.py``, ``fused_head_loss``): only when a token's term reads that
+    token's log-prob alone, not a whole sequence's (``LossSpec.sequence_ratio``)."""
+    return not loss.spec.sequence_ratio
 
 
 @dataclass(frozen=True)
@@ -330,7 +337,7 @@ class Schedule:
         inputs = None if mb.is_dummy else LossInputs.of(mb, loss, self.dims.cp_group)
         in_forward = (
             self.fused and run.backward and b.rows is None and inputs is not None
-            and loss.kind.value in TOKEN_SEPARABLE
+            and gradient_in_forward(loss)
         )  # fmt: skip
         share: Tensor | None = None
         scaled: Tensor | None = None

@@ -100,19 +100,11 @@ POLICY_LOSSES: dict[str, Callable[[PolicyTerms], Tensor]] = {
     "gspo": gspo,
 }
 """Every policy loss by its wire name (``api.LossKind``): one function each. Adding a kind
-is one function here, one row in this table and its member in ``api.LossKind``."""
+is one function here and its row in this table, beside its member in ``api.LossKind`` and its
+row in ``api/loss.py``'s ``LOSSES`` (what the API, the engine and Tinker read of it)."""
 
 LOSS_KINDS = ("cross_entropy", *POLICY_LOSSES)
 """Every loss kind: supervised ``cross_entropy`` (``-lp``) and the policy losses."""
-
-SEQUENCE_LEVEL = frozenset({"gspo"})
-"""The kinds whose term of a token reads its whole sequence's log-probs."""
-
-TOKEN_SEPARABLE = frozenset(LOSS_KINDS) - SEQUENCE_LEVEL
-"""The kinds whose term of a token reads only that token's log-prob (and per-token
-constants): the LM head may take their gradient in its forward pass
-(``workers/ops/fused_head.py``, ``fused_head_loss``). A sequence-level loss, whose term reads a
-whole sequence's log-probs, is not one and must stay out of this set."""
 
 
 def per_token_terms(
@@ -131,6 +123,7 @@ def per_token_terms(
     sampler_logprobs: Tensor | None = None,
     seq_log_ratio: Tensor | None = None,
     seq_weight: Tensor | None = None,
+    sequence_ratio: bool = False,
 ) -> Tensor:
     """Loss term of every token ``[T]`` (0 where the mask is 0).
 
@@ -146,7 +139,7 @@ def per_token_terms(
         if advantages is None or old_logprobs is None:
             raise ValueError(f"{kind} loss needs advantages and old_logprobs")
         delta = _masked(logprobs - old_logprobs, loss_mask)
-        if kind in SEQUENCE_LEVEL:
+        if sequence_ratio:  # every token takes its sequence's ratio
             if seq_log_ratio is None:
                 raise ValueError(f"{kind} loss needs seq_log_ratio (sequence_loss.gspo_log_ratio)")
             ratio = _masked(seq_log_ratio, loss_mask).clamp(max=MAX_LOG_RATIO).exp()

@@ -78,6 +78,16 @@ class StatsTracker:
         self, *, denominator: str, reduction: Reduction = Reduction.MEAN, **values: Tensor
     ) -> None:
         """Record ``values`` (same shape as the named mask) reduced over the masked elements."""
+        self.stats(values, denominator=denominator, reduction=reduction)
+
+    def stats(
+        self,
+        values: dict[str, Tensor],
+        *,
+        denominator: str,
+        reduction: Reduction = Reduction.MEAN,
+    ) -> None:
+        """``stat`` with the metrics' names as data (a name made at run time)."""
         mask = self._denominators[denominator]
         for name, v in values.items():
             _nonempty(name, v)
