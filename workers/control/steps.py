@@ -25,6 +25,7 @@ a failed phase 2, so a failed update costs no collective timeout.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -117,7 +118,7 @@ def normalizer(normalization: Normalization, loss_tokens: int, loss_sequences: i
     return 1.0
 
 
-Planned = Callable[[], tuple[StepPlan, float]]
+Planned = Callable[[], Awaitable[tuple[StepPlan, float]]]
 """A call's dispatch plan and the seconds it took, for the layout the ranks run when asked."""
 
 
@@ -211,23 +212,28 @@ class Steps:
     def _planned(self, make: Callable[[], tuple[StepPlan, float]]) -> Planned:
         """``make()`` now, so that a batch the layout cannot take is refused before it
         queues; made again when the call runs if the ranks' layout changed meanwhile (a lost
-        node shrank it, or it grew back: the plan splits the batch over the DP replicas)."""
+        node shrank it, or it grew back: the plan splits the batch over the DP replicas), on
+        a worker thread as at submit, so that a large batch never stalls the event loop."""
         layout = self.cfg.layout
         made = make()
-        return lambda: made if self.cfg.layout == layout else make()
+
+        async def current() -> tuple[StepPlan, float]:
+            return made if self.cfg.layout == layout else await asyncio.to_thread(make)
+
+        return current
 
     def train(self, req: TrainBatchRequest) -> Runs[StepResult]:
         self._check_trainable(req.adapter)
         planned = self._planned(
             lambda: self.plan(req.sequences, req.loss, req.packing, adapter=req.adapter)
         )
-        return lambda h: self._train(h, req, *planned())
+        return lambda h: self._train(h, req, planned)
 
     def eval(self, req: EvalBatchRequest) -> Runs[StepResult]:
         planned = self._planned(
             lambda: self.plan(req.sequences, req.loss, req.packing, adapter=req.adapter)
         )
-        return lambda h: self._eval(h, req, *planned())
+        return lambda h: self._eval(h, req, planned)
 
     def forward_backward(self, req: ForwardBackwardRequest) -> Runs[ForwardBackwardResult]:
         if not req.forward_only:
@@ -236,7 +242,7 @@ class Steps:
         planned = self._planned(
             lambda: self.plan(seqs, loss, packing, deferred_normalizer=True, adapter=adapter)
         )
-        return lambda h: self._forward_backward(h, req, *planned())
+        return lambda h: self._forward_backward(h, req, planned)
 
     def optim_step(self, req: OptimStepRequest) -> Runs[StepResult]:
         hyper = dataclasses.replace(self.cfg.optimizer, **req.overrides())
@@ -257,13 +263,12 @@ class Steps:
         planned = self._planned(
             lambda: self.plan(tokens_only, LossConfig(), req.packing, adapter=req.adapter)
         )
-        return lambda h: self._logprobs(h, req, planned()[0])
+        return lambda h: self._logprobs(h, req, planned)
 
     # -- running (in turn) ---------------------------------------------------------------------
 
-    async def _train(
-        self, h: Handle, req: TrainBatchRequest, plan: StepPlan, t_plan: float
-    ) -> StepResult:
+    async def _train(self, h: Handle, req: TrainBatchRequest, planned: Planned) -> StepResult:
+        plan, t_plan = await planned()
         state = self.state_of(plan.adapter)
         req.check_expected_step(state.step)
         self._no_window(state, "train_batch")
@@ -383,8 +388,9 @@ class Steps:
             )
 
     async def _forward_backward(
-        self, h: Handle, req: ForwardBackwardRequest, plan: StepPlan, t_plan: float
+        self, h: Handle, req: ForwardBackwardRequest, planned: Planned
     ) -> ForwardBackwardResult:
+        plan, t_plan = await planned()
         norm = req.loss.normalization
         state = self.state_of(plan.adapter)
         w = state.window
@@ -472,9 +478,8 @@ class Steps:
         await self.group.call_quietly(RankWorker.discard)
         log.warning("step not applied: gradients dropped on every rank")
 
-    async def _eval(
-        self, h: Handle, req: EvalBatchRequest, plan: StepPlan, t_plan: float
-    ) -> StepResult:
+    async def _eval(self, h: Handle, req: EvalBatchRequest, planned: Planned) -> StepResult:
+        plan, t_plan = await planned()
         step = self.state_of(plan.adapter).step
         stale = self.staleness.check(req.sequences, step, plan.adapter, training=False)
         t0 = time.perf_counter()
@@ -485,7 +490,8 @@ class Steps:
         result.timings["total_s"] = time.perf_counter() - t0
         return result
 
-    async def _logprobs(self, h: Handle, req: LogProbsRequest, plan: StepPlan) -> LogProbsResult:
+    async def _logprobs(self, h: Handle, req: LogProbsRequest, planned: Planned) -> LogProbsResult:
+        plan, _ = await planned()
         h.set_phase("forward")
         ref = self.group.put(plan)
         parts = await self.group.call(
