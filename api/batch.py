@@ -269,7 +269,7 @@ class SequenceBatch:
             and all(np.array_equal(v, other.columns[k]) for k, v in self.columns.items())
         )
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # mutable, so unhashable (as list is)
 
     def __repr__(self) -> str:
         return f"SequenceBatch({len(self)} sequences, {self.num_tokens} tokens, {self.present})"

@@ -40,8 +40,8 @@ class LossKind(str, Enum):
 class LossSpec:
     """One loss kind's row in ``LOSSES``: everything the API, the engine and the Tinker layer
     need to know of it. Its formula is the function of the same name in
-    ``workers/ops/loss.py`` (``POLICY_LOSSES``). Adding a kind is its member in ``LossKind``,
-    its row here and that function; nothing else changes."""
+    ``workers/ops/loss.py`` (marked ``@policy_loss``). Adding a kind is its member in
+    ``LossKind``, its row here and that function; nothing else changes."""
 
     policy: bool
     """A policy-gradient loss: it reads ``advantages`` and ``old_logprobs``, and takes the

@@ -130,7 +130,7 @@ def _plain(n_seqs: int, seq_len: int) -> list[dict[str, Any]]:
 def gateway_case(n_seqs: int, seq_len: int, steps: int, trivial: int) -> dict[str, float]:
     """The same step through ``trainctl serve --dp=1`` (SDK, HTTP, Serve, controller, rank),
     plus latency percentiles of trivial calls."""
-    from trainctl.service.local import LocalService
+    from trainctl.local import LocalService
 
     batch = _plain(n_seqs, seq_len)
     with (
@@ -179,7 +179,7 @@ def load_case(duration_s: float, clients: int, seed: int = 0) -> dict[str, Any]:
     from collections import Counter, defaultdict
 
     from trainctl.clients import RetryPolicy, TrainctlClient, TrainctlError
-    from trainctl.service.local import LocalService
+    from trainctl.local import LocalService
 
     lat: dict[str, list[float]] = defaultdict(list)
     errors: Counter[str] = Counter()

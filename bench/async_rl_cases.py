@@ -18,7 +18,7 @@ from examples import async_rl
 
 
 def async_rl_case(runs: int, delay: float) -> dict[str, Any]:
-    from trainctl.service.local import LocalService
+    from trainctl.local import LocalService
 
     with tempfile.TemporaryDirectory() as tmp:
         flags = ("--dp", "1", "--samplers", "1", "--sampler-sync", "in_flight",

@@ -125,7 +125,7 @@ def _leaver(url: str, tc: Any) -> dict[str, float]:
 
 
 def sampler_load_case(in_flight: list[int], requests: int, burst: int, bound: int) -> dict:
-    from trainctl.service.local import LocalService
+    from trainctl.local import LocalService
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * burst)), hard))

@@ -55,7 +55,7 @@ def _fresh_engine(export_dir: str, max_len: int) -> float:
 
 
 def sampling_case(model: dict[str, int], syncs: int, rl_iterations: int) -> dict[str, Any]:
-    from trainctl.service.local import LocalService
+    from trainctl.local import LocalService
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "engine.json"

@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.tables.common import lora_client, publish  # noqa: E402
-from trainctl.service.local import LocalService  # noqa: E402
+from trainctl.local import LocalService  # noqa: E402
 
 KEY = "tml-bench-sampling-client"
 TOKENS = [5, 17, 3, 9, 22, 41, 7, 8]

@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.tables.common import publish  # noqa: E402
-from trainctl.service.local import LocalService  # noqa: E402
+from trainctl.local import LocalService  # noqa: E402
 
 TINKER_KEY = {"X-API-Key": "tml-bench"}
 

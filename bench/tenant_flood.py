@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.tables.common import lora_client, publish  # noqa: E402
-from trainctl.service.local import LocalService  # noqa: E402
+from trainctl.local import LocalService  # noqa: E402
 
 KEYS = {
     "alice": "alice-key-0a1b2c3d4e5f6a7b",

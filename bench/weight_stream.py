@@ -80,7 +80,7 @@ def _baseline_tree(commit: str) -> Any:
         try:
             links = Path(tmp) / "path" / "trainctl"
             links.mkdir(parents=True)
-            for name in ("api", "clients", "service", "workers"):
+            for name in ("api", "clients", "local", "service", "workers"):
                 (links / name).symlink_to(tree / name)
             yield str(links.parent)
         finally:
@@ -90,7 +90,7 @@ def _baseline_tree(commit: str) -> Any:
 def _service(
     fields: dict[str, int], transport: str, syncs: int, bucket_mb: int, pythonpath: str | None
 ) -> dict[str, Any]:
-    from trainctl.service.local import LocalService
+    from trainctl.local import LocalService
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "engine.json"

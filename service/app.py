@@ -145,9 +145,11 @@ def create_app(
     ``/openapi.json``) answer without the token; when closed, /metrics and /openapi.json need
     it and the browser docs are off. ``tinker_bounds``: the Tinker tables' bounds, each
     shared out among the tenants and the operator (``service/shares.py``)."""
-    docs = {} if open_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    docs: dict[str, Any] = (
+        {} if open_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    )
     app = FastAPI(
-        **docs,  # type: ignore[arg-type]
+        **docs,
         title="trainctl",
         version="0.1.0",
         description="Training control for RL post-training: train_batch, eval_batch, log-probs "
@@ -179,7 +181,7 @@ def create_app(
         app.state.metrics.track_keys(keys)
     if fault_injection:
         _install_fault_injection(app)
-    app.openapi = _openapi(app)  # type: ignore[method-assign]
+    app.openapi = _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented hook
     if not open_docs:
 
         @app.get("/openapi.json", include_in_schema=False)

@@ -4,6 +4,9 @@
 actor per rank and builds the megatron-core shards, then deploys the HTTP gateway on Ray Serve
 and prints its URL. SIGINT or SIGTERM drains the operation in flight and shuts Serve and Ray
 down (Kubernetes stops pods with SIGTERM, which ``serve run`` would not survive).
+
+One concern, at its length: the life of ``serve``, from flags to a drained exit. Its
+parts (settings, launch, cluster, the Serve deployment) are modules of their own.
 """
 
 from __future__ import annotations

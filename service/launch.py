@@ -185,7 +185,7 @@ def _gpus_per_actor(setting: float | None) -> float:
 
     if setting is not None:
         return setting
-    return 1.0 if ray.cluster_resources().get("GPU") else 0.0  # type: ignore[no-untyped-call,unused-ignore]
+    return 1.0 if ray.cluster_resources().get("GPU") else 0.0
 
 
 def settings_from_args(args: dict[str, Any]) -> Settings:

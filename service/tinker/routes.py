@@ -16,6 +16,10 @@ handle on it, as long as it has not been trained: a ``create_model`` after a ste
 present trained weights as the base model, so it is refused, naming the step and how to go
 on (``create_training_client_from_state`` with a saved path, or load a checkpoint saved at
 step 0).
+
+One concern, at its length: the Tinker protocol's HTTP surface, one route per SDK call.
+What the routes keep is ``state.py``'s, sampling ``sampling_sessions.py``'s, conversion
+``convert.py``'s.
 """
 
 import asyncio
@@ -46,8 +50,7 @@ from trainctl.api import (
 from trainctl.api.operations import fingerprint
 from trainctl.service.auth import Access, access, tenant_of
 from trainctl.service.codec import read_body
-from trainctl.service.controller_client import ControllerAPI
-from trainctl.service.routes.deps import get_limits
+from trainctl.service.routes.deps import get_controller, get_limits
 from trainctl.service.shares import Shares
 from trainctl.service.tinker import convert, proto, sampling_sessions
 from trainctl.service.tinker.adapter_slots import AdapterSlots
@@ -77,20 +80,18 @@ LONG_POLL_S = 30.0
 
 
 def _state(request: Request) -> TinkerState:
-    return request.app.state.tinker  # type: ignore[no-any-return]
-
-
-def _controller(request: Request) -> ControllerAPI:
-    return request.app.state.controller  # type: ignore[no-any-return]
+    value: TinkerState = request.app.state.tinker
+    return value
 
 
 def _slots(request: Request) -> AdapterSlots:
-    return request.app.state.tinker_adapter_slots  # type: ignore[no-any-return]
+    value: AdapterSlots = request.app.state.tinker_adapter_slots
+    return value
 
 
 def _in_order(request: Request, model: Model, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """``native.in_order`` on this app's controller and Tinker state."""
-    return in_order(_controller(request), _state(request), model, *args, **kwargs)
+    return in_order(get_controller(request), _state(request), model, *args, **kwargs)
 
 
 async def _json(request: Request, model: type[Body]) -> tuple[Any, str]:
@@ -120,7 +121,7 @@ async def _fields(request: Request) -> dict[str, Any]:
 
 
 async def _info(request: Request) -> Info:
-    return await _controller(request).info()
+    return await get_controller(request).info()
 
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
@@ -207,7 +208,7 @@ async def create_model(request: Request) -> dict[str, Any]:
 
     async def create() -> dict[str, Any]:
         info = await _info(request)
-        controller = _controller(request)
+        controller = get_controller(request)
         adapters = await controller.list_adapters()
         adapter = check_create_model(
             req, info, model_id=model_id, adapter_name=native_name(model_id, tenant),
@@ -236,7 +237,7 @@ async def create_model(request: Request) -> dict[str, Any]:
 async def _lora_rank(request: Request, model: Model) -> int | None:
     if model.adapter is None:
         return None
-    listing = await _controller(request).list_adapters()
+    listing = await get_controller(request).list_adapters()
     return next((a.rank for a in listing.adapters if a.name == model.adapter), None)
 
 
@@ -283,7 +284,7 @@ async def forward_backward(request: Request) -> dict[str, Any]:
     except Exception as e:
         raise InvalidRequestError(f"body: not a ForwardBackwardRequest protobuf ({e})") from e
     model = _state(request).model(msg.model_id, tenant_of(request))
-    limits = await get_limits(request, _controller(request))
+    limits = await get_limits(request, get_controller(request))
 
     def native() -> ForwardBackwardRequest:
         req = convert.forward_backward_request(msg)
@@ -382,7 +383,7 @@ async def load_weights(request: Request) -> dict[str, Any]:
         # it trains an adapter of its own, restored from the one the state holds.
         state.session(req.session_id, tenant)
         await _saved(request, owner, source.name)  # 404 now: nothing is made
-        if (await _controller(request).list_adapters()).max_adapters > 0:
+        if (await get_controller(request).list_adapters()).max_adapters > 0:
             existing = state.find_model(model_id_of(req.session_id, req.model_seq_id), tenant)
             if existing is not None and existing.adapter is not None:  # a retry: it has one
                 model = existing
@@ -426,7 +427,7 @@ async def load_weights(request: Request) -> dict[str, Any]:
 
 async def _saved(request: Request, owner: str, name: str) -> None:
     """A 404 unless ``owner`` has a checkpoint ``name`` (deleted, or never saved)."""
-    listing = await _controller(request).list_checkpoints(owner)
+    listing = await get_controller(request).list_checkpoints(owner)
     if not any(c.checkpoint_id == name for c in listing.checkpoints):
         raise NotFoundError(
             f"path: no saved state {name!r} of this model (never saved, or deleted)",
@@ -450,7 +451,7 @@ async def delete_checkpoint(run: str, checkpoint_id: str, request: Request) -> d
         export=path.kind == "sampler_weights",
     )  # fmt: skip
     kind = OperationKind.DELETE_CHECKPOINT
-    await _controller(request).run(kind, native, None, fingerprint(native))
+    await get_controller(request).run(kind, native, None, fingerprint(native))
     if native.export:
         sampling_sessions.sampling_clients(request).forget_path(str(path))
     return {}

@@ -43,8 +43,7 @@ from trainctl.api.loss import UNPUBLISHED_LOSSES
 from trainctl.api.sampling import MAX_SAMPLES_PER_PROMPT, Seed, Temperature, TopK, TopP
 from trainctl.service.auth import Access, access, tenant_of
 from trainctl.service.codec import read_body
-from trainctl.service.controller_client import ControllerAPI
-from trainctl.service.routes.deps import get_limits
+from trainctl.service.routes.deps import get_controller, get_limits
 from trainctl.service.tinker import proto
 from trainctl.service.tinker.bodies import Body, SaveForSampler, json_object, validated
 from trainctl.service.tinker.convert import TinkerPath
@@ -148,11 +147,8 @@ def remember_path(
 
 def sampling_clients(request: Request) -> SamplingSessions:
     """This app's table of sampling clients and sampler paths."""
-    return request.app.state.tinker_sampling  # type: ignore[no-any-return]
-
-
-def _controller(request: Request) -> ControllerAPI:
-    return request.app.state.controller  # type: ignore[no-any-return]
+    value: SamplingSessions = request.app.state.tinker_sampling
+    return value
 
 
 async def _pinned(
@@ -174,14 +170,14 @@ async def _pinned(
         return pinned
     _need_samplers(info)
     if path.kind == "weights":
-        if (await _controller(request).list_adapters()).max_adapters:
+        if (await get_controller(request).list_adapters()).max_adapters:
             raise InvalidRequestError(
                 f"model_path: {model_path!r} is a training state; on a LoRA service sample "
                 "a LoRA model from save_weights_for_sampler's path, or with "
                 "save_weights_and_get_sampling_client"
             )
         owner = native_name(path.model_id, tenant_of(request))  # whose names: its saver's
-        for c in (await _controller(request).list_checkpoints(owner)).checkpoints:
+        for c in (await get_controller(request).list_checkpoints(owner)).checkpoints:
             if c.checkpoint_id == path.name:
                 return PinnedWeights(None, c.step)
         raise NotFoundError(f"model_path: no checkpoint {path.name!r}")
@@ -334,7 +330,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
     req, _ = validated(raw, CreateSamplingSession)
     state: TinkerState = request.app.state.tinker
     state.session(req.session_id, tenant_of(request))
-    info = await _controller(request).served()
+    info = await get_controller(request).served()
     pinned = await _pinned(request, info, req.model_path, req.base_model)
     _check_served(pinned.step, pinned.adapter, info)
     s = sampling_clients(request).add(
@@ -355,7 +351,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
 @access(Access.TINKER)
 async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
     s = sampling_clients(request).get(sampler_id, tenant_of(request))
-    base_model = s.base_model or (await _controller(request).served()).model_name
+    base_model = s.base_model or (await get_controller(request).served()).model_name
     return {"sampler_id": s.sampling_session_id, "base_model": base_model,
             "model_path": s.model_path}  # fmt: skip
 
@@ -370,12 +366,12 @@ async def asample(request: Request) -> dict[str, Any]:
         session = sampling_clients(request).get(req.sampling_session_id, tenant_of(request))
         adapter, step, inflight = session.adapter, session.step, session.inflight
     else:
-        info = await _controller(request).served()
+        info = await get_controller(request).served()
         pinned = await _pinned(request, info, req.model_path, req.base_model)
         adapter, step = pinned.adapter, pinned.step
     native = native_request(req, None if inflight else step, adapter)
-    native.check_limits(await get_limits(request, _controller(request)))
-    controller = _controller(request)
+    native.check_limits(await get_limits(request, get_controller(request)))
+    controller = get_controller(request)
     # Past the samplers' bound, a 429 now (the SDK retries it) rather than a future that
     # waits; past the window, a 410 now.
     async with _in_tinker_words(step):

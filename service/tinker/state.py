@@ -27,6 +27,10 @@
 
 One gateway replica holds this state (the Serve deployment runs one); the controller keeps
 what must outlive it (the weights, their step, checkpoints).
+
+One concern, at its length: the ``seq_id`` order of Tinker calls and the tables it needs
+(sessions, handles, futures, parked requests), in one place because a party's share of one
+table is freed by releases in the others.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from trainctl.service.local import LocalService
+from trainctl.local import LocalService
 
 START_TIMEOUT_S = 300
 

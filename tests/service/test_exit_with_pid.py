@@ -20,7 +20,7 @@ STARTER = textwrap.dedent(
     """
     import sys, threading, time
     from pathlib import Path
-    from trainctl.service.local import LocalService
+    from trainctl.local import LocalService
 
     svc = LocalService(Path(sys.argv[1]), env={k: v for k, v in eval(sys.argv[2]).items()})
     threading.Thread(target=svc.start, daemon=True).start()

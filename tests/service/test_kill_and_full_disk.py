@@ -27,7 +27,7 @@ import pytest
 
 from trainctl.api import TrainctlError
 from trainctl.clients import TrainctlClient
-from trainctl.service.local import LocalService
+from trainctl.local import LocalService
 
 from helpers.servicekit import fresh_home
 

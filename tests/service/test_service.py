@@ -367,7 +367,7 @@ def test_the_home_directory_is_left_empty(service: Service) -> None:
 
 
 def test_a_port_that_is_not_its_own_ends_in_a_clear_error(service: Service, tmp_path: Path) -> None:
-    from trainctl.service.local import LocalService
+    from trainctl.local import LocalService
 
     squatter = Squatter()
     try:

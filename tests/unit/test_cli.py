@@ -106,15 +106,19 @@ def test_a_flag_error_exits_2_in_one_line_before_ray_starts(
 
     import psutil
 
+    mark = f"flag-error-{os.getpid()}-{time.monotonic_ns()}"  # inherited by what it starts
     t0 = time.monotonic()
-    r = trainctl("serve", "--data-dir", str(tmp_path), *flags, capture_output=True)
+    env = {**os.environ, "TRAINCTL_TEST_MARK": mark}
+    r = trainctl("serve", "--data-dir", str(tmp_path), *flags, capture_output=True, env=env)
     took = time.monotonic() - t0
     assert r.returncode == 2 and took < 5, (r.returncode, took, r.stderr)
     assert r.stderr.strip().splitlines() == [f"trainctl: invalid settings: {line}"]
+    # Ray's daemons of this start would carry its environment: another Ray on this machine
+    # (a parallel test run's) is not this one's.
     started = [
-        p.info["name"] for p in psutil.process_iter(["name", "create_time"])
-        if (p.info["create_time"] or 0) >= time.time() - took - 1
-        and any(k in (p.info["name"] or "") for k in ("raylet", "gcs_server"))
+        p.info["name"] for p in psutil.process_iter(["name", "environ"])
+        if any(k in (p.info["name"] or "") for k in ("raylet", "gcs_server"))
+        and (p.info["environ"] or {}).get("TRAINCTL_TEST_MARK") == mark
     ]  # fmt: skip
     assert not started and not (tmp_path / "ray").exists(), started
 

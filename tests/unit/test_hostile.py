@@ -157,13 +157,14 @@ def test_checkpoint_and_profile_files_are_never_unpickled_as_code(tmp_path: Path
     import torch
 
     from trainctl.workers.control.profile_plot import memory_timeline
-    from trainctl.workers.rank.worker import RankWorker
+    from trainctl.workers.rank.checkpoints import RankCheckpoints
 
     marker = tmp_path / "ran"
     torch.save({"chunks": [_Payload(str(marker))]}, tmp_path / "rank-00000.pt")
     from trainctl.api import CheckpointInfo, CheckpointInvalidError
 
-    worker = RankWorker(rank=0, world_size=1)
+    # The files are proved and read before the shard is touched: none is needed here.
+    checkpoints = RankCheckpoints(shard=Any, rank=0, world_size=1)  # type: ignore[arg-type]
     for fmt in ("per_rank", "reshardable"):  # a checkpoint saved before digests: read as is
         info = CheckpointInfo(
             checkpoint_id="x", step=0, created_at=0.0, layout={}, weights_digest="",
@@ -171,7 +172,7 @@ def test_checkpoint_and_profile_files_are_never_unpickled_as_code(tmp_path: Path
         )  # fmt: skip
         refused = r"rank-00000\.pt: the file cannot be read \(it holds objects"
         with pytest.raises(CheckpointInvalidError, match=refused):
-            worker.stage_checkpoint(str(tmp_path), info)
+            checkpoints.stage(str(tmp_path), info, None, None, optimizer=True)
     with pytest.raises(pickle.UnpicklingError):
         memory_timeline("snapshot.pickle", pickle.dumps(_Payload(str(marker))))
     assert not marker.exists()
@@ -311,7 +312,7 @@ def test_someone_who_reaches_the_rendezvous_store_can_set_nothing() -> None:
     worker.init_process_group(host, port, secret, "gloo", 5)
     try:
         dist.new_group([0])  # megatron's groups: more keys
-        store = worker._store
+        store = worker.join._store
         keys = store.num_keys()
         assert keys >= 2  # the group's keys are there ...
         # ... but not under any name a stranger can know
@@ -320,9 +321,9 @@ def test_someone_who_reaches_the_rendezvous_store_can_set_nothing() -> None:
             stranger = TCPStore(host, port, 1, is_master=False, timeout=timedelta(seconds=3))
             stranger.set("planted", b"x")
         deadline = time.monotonic() + 10
-        while worker._gate.refused == 0 and time.monotonic() < deadline:
+        while worker.join._gate.refused == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert worker._gate.refused >= 1
+        assert worker.join._gate.refused >= 1
         assert store.num_keys() == keys and not store.check(["planted"])
     finally:
         dist.destroy_process_group()

@@ -25,7 +25,7 @@ def test_every_package_folder_is_mapped() -> None:
     mapped = SETUPTOOLS["package-dir"]
     folders = {
         ".".join(("trainctl", *p.parent.relative_to(ROOT).parts))
-        for top in ("api", "clients", "service", "workers")
+        for top in ("api", "clients", "local", "service", "workers")
         for p in (ROOT / top).rglob("__init__.py")
     }
     assert folders == set(mapped) == set(SETUPTOOLS["packages"])

@@ -8,11 +8,11 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TOP = ("api", "bench", "clients", "deploy", "docs", "examples", "helm", "scripts", "service",
-       "tests", "workers", ".ci")  # fmt: skip
+TOP = ("api", "bench", "clients", "deploy", "docs", "examples", "helm", "local", "scripts",
+       "service", "tests", "workers", ".ci")  # fmt: skip
 """The repository's top-level folders: a backticked token starting with one is a path."""
 PATH = re.compile(r"`((?:" + "|".join(re.escape(t) for t in TOP) + r")/[^`\s:]*)(?::(\w+))?`")
-PACKAGE = {"trainctl/" + t: t for t in ("api", "clients", "service", "workers")}
+PACKAGE = {"trainctl/" + t: t for t in ("api", "clients", "local", "service", "workers")}
 """Installed ``trainctl/<x>`` is the checkout's ``<x>``."""
 
 
@@ -65,7 +65,7 @@ def test_a_bare_file_name_in_code_is_a_file_of_the_same_folder() -> None:
     assert not stale, "\n".join(stale)
 
 
-PRODUCT = ("api", "clients", "service", "workers")
+PRODUCT = ("api", "clients", "local", "service", "workers")
 CODE_MAP = re.compile(r"^\| `([\w/]+/)` \| `trainctl[\w.]*` \| (.*) \|$", re.M)
 
 

@@ -10,6 +10,9 @@ dispatched on its kind through the one table of operations (``api/operations.py`
 When the rank group is lost (a rank died, peers are stuck, or an optimizer update half
 applied), the call fails with a retryable 503 and the lifecycle queues a rebuild from the
 latest checkpoint ahead of everything else. It imports no torch: the engine lives in the ranks.
+
+One concern, at its length: the actor's surface and lifecycle. Each method hands its work
+to the collaborator that owns it.
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ from trainctl.workers.control.group import LocalGroup
 from trainctl.workers.control.op_queue import Handle, Runs, T
 from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.engine.config import EngineConfig
-from trainctl.workers.rank.worker import RankWorker, process_group_backend
+from trainctl.workers.rank.join import process_group_backend
+from trainctl.workers.rank.worker import RankWorker
 
 
 async def _no_hook(_h: Handle, _adapter: str | None) -> list[str]:
@@ -89,7 +90,7 @@ class InProcessEngine:
     @property
     def engine(self) -> Any:
         """The ``EngineShard`` (its model chunks, optimizer and profiler)."""
-        return self.worker.engine
+        return self.worker.shard
 
     @property
     def step(self) -> int:
@@ -139,8 +140,7 @@ class InProcessEngine:
     def close(self) -> None:
         """Free the model and the optimizer (the process group stays, for the next engine:
         each builds its parallel state anew)."""
-        self.engine.close()
-        self.worker.engine = None
+        self.worker.release()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -21,6 +21,8 @@ agree, and then the step stands if they had all applied it (the call answers its
 its idempotency key keeps it: a retry never applies it twice) and is not applied if none had;
 else from the latest checkpoint, where the step is applied nowhere. Phase 3 never starts after
 a failed phase 2, so a failed update costs no collective timeout.
+
+One concern, at its length: the phases of a step and what a failure in each leaves behind.
 """
 
 from __future__ import annotations

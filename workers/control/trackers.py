@@ -57,7 +57,7 @@ class TensorBoardTracker:
         self.writer = writer.EventFileWriter(str(logdir), flush_secs=10)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        from tensorboard.compat.proto import event_pb2, summary_pb2  # type: ignore[import-untyped]
+        from tensorboard.compat.proto import event_pb2, summary_pb2
 
         values = [summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in metrics.items()]
         event = event_pb2.Event(

@@ -75,7 +75,8 @@ class SpillStore:
         """The slot's tensors, AdamW state and waiting gradients, from memory or disk."""
         if slot.path is None:
             return {f: getattr(slot, f) for f in _FIELDS}
-        return torch.load(slot.path, map_location="cpu", weights_only=True)  # type: ignore[no-any-return]
+        state: dict[str, Any] = torch.load(slot.path, map_location="cpu", weights_only=True)
+        return state
 
     def load(self, slot: Any) -> None:
         """Bring a spilled slot back into memory (its file removed)."""

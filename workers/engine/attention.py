@@ -50,7 +50,7 @@ from trainctl.workers.ops.tree_attention import Segments, flex_tree_attention, t
 
 
 @dataclass
-class PackedBatchParams(PackedSeqParams):
+class PackedBatchParams(PackedSeqParams):  # type: ignore[misc]  # megatron-core ships no types
     """megatron's packed-sequence parameters plus what our attention reads: the boundaries as
     host integers, the rotary tables of this rank's tokens and, for prefix tries, the segment
     table."""
@@ -78,7 +78,7 @@ def rope_tables(rope: RotaryEmbedding, positions: Tensor, dtype: torch.dtype) ->
     return RotaryTables.of(torch.cat((freqs, freqs), dim=-1)[:, None, :], dtype)
 
 
-class PackedCoreAttention(MegatronModule):
+class PackedCoreAttention(MegatronModule):  # type: ignore[misc]  # megatron-core ships no types
     """Causal attention within each packed sequence (``cu_seqlens``), drop-in for megatron. Owns no
     parameters: the heads' shapes and the CP group it attends over."""
 

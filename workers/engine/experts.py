@@ -44,7 +44,7 @@ class _Weight(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         # megatron's DDP reduces a parameter marked allreduce=False over the expert-data-parallel
         # group (the ranks holding the same experts, TP ranks included) instead of DP x CP.
-        self.weight.allreduce = False  # type: ignore[attr-defined]
+        setattr(self.weight, "allreduce", False)
 
 
 class _Expert(nn.Module):
@@ -56,7 +56,7 @@ class _Expert(nn.Module):
         self.linear_fc2 = _Weight(hidden, ffn)
 
 
-class GroupedExperts(MegatronModule):
+class GroupedExperts(MegatronModule):  # type: ignore[misc]  # megatron-core ships no types
     """SwiGLU experts ``y_t = p_t * W2_e (silu(G_e x_t) * U_e x_t)``, the rows of each local expert
     ``e`` back to back, ``p_t`` the row's router probability. Owns the local experts' weights and
     their LoRA adapter site."""

@@ -380,7 +380,8 @@ def read_config(directory: Path) -> dict[str, Any]:
     path = Path(directory) / CONFIG
     if not path.is_file():
         raise ConfigError(f"{path}: no such file (a Hugging Face checkpoint directory has one)")
-    return json.loads(path.read_text())  # type: ignore[no-any-return]
+    config: dict[str, Any] = json.loads(path.read_text())
+    return config
 
 
 def load(directory: Path, m: ModelConfig) -> dict[str, Tensor]:

@@ -53,7 +53,7 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-class PackedGatedDeltaNet(GatedDeltaNet):
+class PackedGatedDeltaNet(GatedDeltaNet):  # type: ignore[misc]  # megatron-core ships no types
     """megatron's Gated DeltaNet over packed sequences. Owns its layer's parameters (megatron's)
     and the output norm."""
 
@@ -65,7 +65,7 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         # ranks: megatron's finalize_model_grads sums the gradients of weights marked so.
         self.out_norm.weight.sequence_parallel = self.tp_size > 1
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         hidden_states: Tensor,
         attention_mask: Tensor | None = None,
@@ -88,7 +88,8 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         out = self._mix(seqs)  # [B, L, G * r * dv]
         out = out[valid] if valid is not None else out.transpose(0, 1)
         out = out.reshape(tokens, batch, -1)
-        return self.out_proj(out)  # type: ignore[no-any-return]
+        projected: tuple[Tensor, Tensor | None] = self.out_proj(out)  # (out, bias)
+        return projected
 
     def _mix(self, x: Tensor) -> Tensor:
         """One padded batch ``[B, L, local]`` of the projection's output -> the gated, normed
@@ -115,7 +116,7 @@ class PackedGatedDeltaNet(GatedDeltaNet):
             use_qk_l2norm_in_kernel=False,
         )  # fmt: skip
         # The output norm per head, gated by silu(z) in fp32 (megatron's _apply_gated_norm).
-        y = self.out_norm(out.reshape(-1, dv))
+        y: Tensor = self.out_norm(out.reshape(-1, dv))
         y = y * self.act_fn(z.reshape(-1, dv).float())
         return y.to(out.dtype).reshape(b, length, heads * dv)
 

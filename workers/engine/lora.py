@@ -106,11 +106,11 @@ def attach(
         if suffix is None:
             continue
         group, kind = _SITES[suffix]
-        weight: Tensor = module.weight  # type: ignore[assignment]
+        weight: Tensor = module.weight
         a, b = _add(module, weight.shape, max_rank, weight.dtype)
         # The TP-replicated factor sees only this rank's tokens under sequence parallelism:
         # megatron's finalize_model_grads sums what is marked so over TP, as for the norms.
-        (a if kind == "column" else b).sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
+        setattr(a if kind == "column" else b, "sequence_parallel", sequence_parallel)
         site = Site(name, group, a, b, kind, tp_group, sequence_parallel)
         module.forward = functools.partial(_forward, site, module.forward)
         sites.append(site)
@@ -118,7 +118,8 @@ def attach(
         if name.endswith(".mlp.experts") and hasattr(module, "adapter"):
             sites += _attach_experts(name, module, max_rank)
     if head_weight_shape is not None:
-        head: nn.Module = model.output_layer  # type: ignore[assignment]
+        head = model.output_layer
+        assert isinstance(head, nn.Module)
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         a, b = _add(head, head_weight_shape, max_rank, dtype)
         _HEADS[model] = Site("output_layer", "unembed", a, b, "column", tp_group, False)
@@ -135,7 +136,8 @@ def _attach_experts(name: str, experts: Any, max_rank: int) -> list[Site]:
             holder = getattr(expert, linear)
             weight: Tensor = holder.weight
             a, b = _add(holder, weight.shape, max_rank, weight.dtype)
-            a.allreduce = b.allreduce = False  # type: ignore[attr-defined]
+            for factor in (a, b):
+                setattr(factor, "allreduce", False)
             site_name = f"{name}.local_experts.{i}.{linear}"
             sites.append(Site(site_name, "mlp", a, b, "expert", None, False))
     experts.adapter = functools.partial(_experts_delta, by_linear)

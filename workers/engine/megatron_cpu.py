@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,7 +54,13 @@ def _is_cuda_device(device: Any) -> bool:
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA device arguments to the CPU for every torch function call."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
         kwargs = dict(kwargs or {})
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
@@ -86,7 +92,7 @@ def cuda_to_cpu() -> Iterator[None]:
 def _make_cpu_rng_tracker() -> Any:
     from megatron.core.tensor_parallel import random as mrandom
 
-    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):  # type: ignore[misc]  # megatron-core ships no types
         """megatron's named-RNG-stream tracker over the CPU generator."""
 
         def add(self, name: str, seed: int) -> None:
@@ -123,8 +129,8 @@ def install() -> None:
         return
     from megatron.core.tensor_parallel import random as mrandom
 
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]  # CPU stand-in
+    torch.cuda.synchronize = lambda *a, **k: None
 
     mrandom._CUDA_RNG_STATE_TRACKER = _make_cpu_rng_tracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -136,7 +142,7 @@ def install() -> None:
         from megatron.core.transformer.moe import moe_utils
 
         if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+            moe_utils.te_general_gemm = None
     except ImportError:  # pragma: no cover - MoE module missing in a trimmed install
         pass
     _installed = True

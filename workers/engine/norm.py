@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(
             torch.zeros(hidden_size) if self.zero_centered else torch.ones(hidden_size)
         )
-        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps, self.zero_centered)

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from trainctl.workers.engine.boundary import PackedMicroBatch, RouteShard
 from trainctl.workers.engine.routing import moe_routers
+from trainctl.workers.ops.autograd import apply
 from trainctl.workers.ops.cp import zigzag_positions
 
 
@@ -82,7 +83,7 @@ class RouteReplay:
     def after_forward(self, chunk: Any, output: Tensor, replaying: bool) -> Tensor:
         """``output`` of ``chunk``, marked so that its backward replays the queued routes."""
         if replaying and output.requires_grad:
-            return _SwitchToBackward.apply(output, self.routers[id(chunk)])  # type: ignore[no-any-return]
+            return apply(_SwitchToBackward, output, self.routers[id(chunk)])
         return output
 
     def end_pass(self) -> None:
@@ -104,9 +105,9 @@ class RouteReplay:
         if self.recorded is None:
             return
         probs, routing_map = outputs
-        k = module.topk  # type: ignore[attr-defined]
+        k = module.topk
         chosen = probs.detach().masked_fill(~routing_map, float("-inf"))
-        layer = int(module.layer_number) - 1  # type: ignore[arg-type]
+        layer = int(getattr(module, "layer_number")) - 1
         self.recorded[layer] = chosen.topk(k, dim=1).indices.to(torch.int16).cpu()
 
 

@@ -39,7 +39,7 @@ class RoutingStats:
     def _hook(self, module: nn.Module, _inputs: Any, outputs: Any) -> None:
         if self.counting:
             _probs, routing_map = outputs
-            layer = module.layer_number - 1  # type: ignore[operator]
+            layer = int(getattr(module, "layer_number")) - 1
             # The counts stay on the host: a few hundred numbers per step.
             self.counts[layer] += routing_map.sum(dim=0).double().cpu()
 

@@ -287,7 +287,10 @@ class Schedule:
         """``hidden`` as the head reads it: under sequence parallelism all-gathered over TP
         (see ``_head``)."""
         if self.sequence_parallel:
-            return gather_from_sequence_parallel_region(hidden, group=self.dims.tp_group)
+            gathered: Tensor = gather_from_sequence_parallel_region(
+                hidden, group=self.dims.tp_group
+            )
+            return gathered
         return hidden
 
     def _loss_in_forward(

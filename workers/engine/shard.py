@@ -172,7 +172,7 @@ class EngineShard:
         drop_forward_state(self.chunks)
         self.optim.optimizer = None
         self.chunks = []
-        self.schedule = None  # type: ignore[assignment]
+        del self.schedule
 
     @property
     def step(self) -> int:
@@ -413,7 +413,7 @@ class EngineShard:
             with megatron_cpu.cuda_to_cpu():
                 zero.gather_grads(self.chunks)
         return {
-            name: (p.main_grad if grads else p).detach().clone()  # type: ignore[attr-defined]
+            name: (getattr(p, "main_grad") if grads else p).detach().clone()
             for name, p in self.named_canonical(owned=owned)
             if not (grads and not p.requires_grad)
         }

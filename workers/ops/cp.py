@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from trainctl.workers.ops.autograd import apply
+
 
 def zigzag_positions(padded_cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tensor:
     """Global positions held by ``cp_rank``, in local order: ``[T / cp_size]`` int64."""
@@ -106,9 +108,7 @@ class _GatherFromCP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, local: Tensor, inverse: Tensor, cp_group: ProcessGroup
-    ) -> Tensor:
+    def forward(ctx: Any, local: Tensor, inverse: Tensor, cp_group: ProcessGroup) -> Tensor:
         c = dist.get_world_size(cp_group)
         parts = [torch.empty_like(local) for _ in range(c)]
         dist.all_gather(parts, local.contiguous(), group=cp_group)
@@ -117,7 +117,7 @@ class _GatherFromCP(torch.autograd.Function):
         return torch.cat(parts)[inverse]
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         (inverse,) = ctx.saved_tensors
         flat = torch.zeros_like(g)
         flat[inverse] = g
@@ -131,7 +131,7 @@ def gather_from_cp(local: Tensor, padded_cu_seqlens: Tensor, cp_group: ProcessGr
     if dist.get_world_size(cp_group) == 1:
         return local
     inverse = zigzag_inverse(padded_cu_seqlens, dist.get_world_size(cp_group))
-    return _GatherFromCP.apply(local, inverse, cp_group)  # type: ignore[no-any-return]
+    return apply(_GatherFromCP, local, inverse, cp_group)
 
 
 def split_targets_for_cp(

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from trainctl.workers.ops.autograd import apply, apply_pair
 from trainctl.workers.ops.head_kernels import kernels_for
 from trainctl.workers.ops.logprob import _all_reduce, _local_entropy, _local_target
 
@@ -124,7 +125,7 @@ def _add_weight_grad(dw: Tensor, d: Tensor, h: Tensor) -> None:
 
 class _FusedHeadLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: Tensor,
         weight: Tensor,
@@ -158,7 +159,7 @@ class _FusedHeadLogprob(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, rows, local, outside, m, log_se = ctx.saved_tensors
         n = rows.shape[0]
         dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
@@ -193,7 +194,7 @@ class _FusedHeadLoss(torch.autograd.Function):
     cross-entropy, for any loss whose term of a token reads only that token's log-prob)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: Tensor,
         weight: Tensor,
@@ -244,7 +245,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         return share, lp
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor, _lp: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g: Tensor, _lp: Tensor | None) -> tuple[Tensor | None, ...]:
         dh, dw = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         g = g.float()
@@ -270,10 +271,18 @@ def fused_head_loss(
     followed by the loss, within fp32 rounding, with one matmul fewer per chunk."""
     rows = _rows(rows, target)
     chunk = _chunk(chunk_size, int(target.shape[0]))
-    share, lp = _FusedHeadLoss.apply(
-        hidden, weight, target, rows, share_of, vocab_start, tp_group, chunk, reduce_hidden_grad
+    return apply_pair(
+        _FusedHeadLoss,
+        hidden,
+        weight,
+        target,
+        rows,
+        share_of,
+        vocab_start,
+        tp_group,
+        chunk,
+        reduce_hidden_grad,
     )
-    return share, lp
 
 
 def fused_head_logprob(
@@ -293,8 +302,16 @@ def fused_head_logprob(
     of ``hidden`` over ``tp_group`` here (False when the caller's own collective does)."""
     rows = _rows(rows, target)
     chunk = _chunk(chunk_size, int(target.shape[0]))
-    return _FusedHeadLogprob.apply(  # type: ignore[no-any-return]
-        hidden, weight, target, rows, vocab_start, tp_group, chunk, reduce_hidden_grad
+    return apply(
+        _FusedHeadLogprob,
+        hidden,
+        weight,
+        target,
+        rows,
+        vocab_start,
+        tp_group,
+        chunk,
+        reduce_hidden_grad,
     )
 
 

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from trainctl.workers.ops.autograd import apply
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WgradOptions:
@@ -38,7 +40,7 @@ class WgradOptions:
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: Tensor,
         m_splits: list[int],
@@ -61,7 +63,7 @@ class _GroupedLinear(torch.autograd.Function):
         return torch.cat(ys) if ys else x.new_zeros(0, 0)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
         opts: WgradOptions = ctx.opts
         xs, gs = x.split(ctx.m_splits), g.split(ctx.m_splits)
@@ -78,14 +80,14 @@ class _GroupedLinear(torch.autograd.Function):
 
 
 def _accumulate_main_grad(w: Tensor, wgrad: Tensor, opts: WgradOptions) -> Tensor | None:
-    main_grad: Tensor = w.main_grad  # type: ignore[attr-defined]
+    main_grad: Tensor = getattr(w, "main_grad")
     accumulate = not opts.is_first_microbatch and not opts.overwrite_main_grad
     if accumulate:
         main_grad.add_(wgrad.to(main_grad.dtype))
     else:
         main_grad.copy_(wgrad)  # an empty expert writes 0, never leaves a stale gradient
     if hasattr(w, "grad_added_to_main_grad"):
-        w.grad_added_to_main_grad = True  # type: ignore[attr-defined]
+        w.grad_added_to_main_grad = True
         make = torch.zeros if opts.zero_out_wgrad else torch.empty
         return make(main_grad.shape, dtype=w.dtype, device=w.device)
     return None
@@ -99,8 +101,14 @@ def grouped_linear(
     opts: WgradOptions | None = None,
 ) -> Tensor:
     """``[M, K] -> [M, N]``, expert ``e`` applied to its ``m_splits[e]`` rows."""
-    return _GroupedLinear.apply(  # type: ignore[no-any-return]
-        x, list(m_splits), opts or WgradOptions(), len(weights), *weights, *(biases or [])
+    return apply(
+        _GroupedLinear,
+        x,
+        list(m_splits),
+        opts or WgradOptions(),
+        len(weights),
+        *weights,
+        *(biases or []),
     )
 
 

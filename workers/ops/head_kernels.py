@@ -105,12 +105,14 @@ def _compiled(name: str) -> Callable[..., Any]:
 
 @torch.library.custom_op("trainctl::head_row_max", mutates_args=())
 def _head_row_max(x: Tensor) -> Tensor:
-    return _compiled("row_max")(x)  # type: ignore[no-any-return]
+    out: Tensor = _compiled("row_max")(x)
+    return out
 
 
 @torch.library.custom_op("trainctl::head_sum_exp", mutates_args=())
 def _head_sum_exp(x: Tensor, m: Tensor) -> Tensor:
-    return _compiled("sum_exp")(x, m)  # type: ignore[no-any-return]
+    out: Tensor = _compiled("sum_exp")(x, m)
+    return out
 
 
 @torch.library.custom_op("trainctl::head_grad_", mutates_args=("x",))
@@ -129,10 +131,12 @@ class CompiledKernels:
         return True
 
     def row_max(self, x: Tensor) -> Tensor:
-        return _head_row_max(x)  # type: ignore[no-any-return]
+        out: Tensor = _head_row_max(x)
+        return out
 
     def sum_exp_(self, x: Tensor, m: Tensor) -> Tensor:
-        return _head_sum_exp(x, m)  # type: ignore[no-any-return]
+        out: Tensor = _head_sum_exp(x, m)
+        return out
 
     def grad_(
         self, x: Tensor, m: Tensor, log_se: Tensor, g: Tensor, local: Tensor, outside: Tensor

@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from trainctl.workers.ops.autograd import apply
+
 
 def _all_reduce(x: Tensor, op: dist.ReduceOp.RedOpType, group: ProcessGroup | None) -> Tensor:
     if group is not None and dist.get_world_size(group) > 1:
@@ -98,7 +100,7 @@ def _grad_rows(p: Tensor, g: Tensor, local: Tensor, outside: Tensor) -> Tensor:
 
 class _LogprobFull(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, tp_group: Any
     ) -> Tensor:
         z, _, log_se = _row_stats(logits.float(), tp_group)
@@ -110,7 +112,7 @@ class _LogprobFull(torch.autograd.Function):
         return lp
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         p, local, outside = ctx.saved_tensors
         grad = _grad_rows(p.clone(), g, local, outside)
         return grad.to(ctx.in_dtype), None, None, None
@@ -121,7 +123,7 @@ class _LogprobChunked(torch.autograd.Function):
     backward writes each chunk's softmax gradient straight into one preallocated buffer."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, tp_group: Any, chunk: int
     ) -> Tensor:
         n = logits.shape[0]
@@ -141,7 +143,7 @@ class _LogprobChunked(torch.autograd.Function):
         return lp
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         logits, local, outside, m, log_se = ctx.saved_tensors
         n = logits.shape[0]
         # One buffer for the whole gradient; chunks tile [0, n) exactly once.
@@ -171,9 +173,9 @@ def vocab_parallel_logprob(
     x = logits.reshape(-1, logits.shape[-1])
     t = target.reshape(-1)
     if 0 < chunk_size < x.shape[0]:
-        lp = _LogprobChunked.apply(x, t, vocab_start, tp_group, chunk_size)
+        lp = apply(_LogprobChunked, x, t, vocab_start, tp_group, chunk_size)
     else:
-        lp = _LogprobFull.apply(x, t, vocab_start, tp_group)
+        lp = apply(_LogprobFull, x, t, vocab_start, tp_group)
     return lp.reshape(lead)
 
 

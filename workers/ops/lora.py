@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from trainctl.workers.ops.autograd import apply
 from trainctl.workers.ops.grouped_linear import WgradOptions, grouped_linear
 
 
@@ -75,35 +76,35 @@ class _Conjugate(torch.autograd.Function):
     pairs below are each other's adjoints over the TP group."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: Tensor, group: ProcessGroup | None, forward: Collective, backward: Collective
     ) -> Tensor:
         ctx.group, ctx.backward = group, backward
         return forward(x, group)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         return ctx.backward(g, ctx.group), None, None, None
 
 
 def _sum_grad_over_tp(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """Identity forward; the backward sums the gradient over the group."""
-    return _Conjugate.apply(x, group, _identity, _all_reduce)  # type: ignore[no-any-return]
+    return apply(_Conjugate, x, group, _identity, _all_reduce)
 
 
 def _sum_over_tp(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """All-reduce forward; identity backward (every rank's part had the same effect)."""
-    return _Conjugate.apply(x, group, _all_reduce, _identity)  # type: ignore[no-any-return]
+    return apply(_Conjugate, x, group, _all_reduce, _identity)
 
 
 def _gather_sequence(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """All-gather along dim 0 (the sequence); the backward reduce-scatters."""
-    return _Conjugate.apply(x, group, _gather_rows, _reduce_scatter_rows)  # type: ignore[no-any-return]
+    return apply(_Conjugate, x, group, _gather_rows, _reduce_scatter_rows)
 
 
 def _scatter_sequence(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """This rank's slice along dim 0; the backward all-gathers."""
-    return _Conjugate.apply(x, group, _rank_rows, _gather_rows)  # type: ignore[no-any-return]
+    return apply(_Conjugate, x, group, _rank_rows, _gather_rows)
 
 
 def _down(x: Tensor, a: Tensor, dropout: float, training: bool) -> Tensor:

@@ -69,39 +69,45 @@ class PolicyTerms:
     beta: float
 
 
+POLICY_LOSSES: dict[str, Callable[[PolicyTerms], Tensor]] = {}
+"""Every policy loss by its wire name (``api.LossKind``): the functions below marked
+``@policy_loss``. Adding a kind is one such function, beside its member in ``api.LossKind``
+and its row in ``api/loss.py``'s ``LOSSES`` (what the API, the engine and Tinker read of it)."""
+
+
+def policy_loss(fn: Callable[[PolicyTerms], Tensor]) -> Callable[[PolicyTerms], Tensor]:
+    """Registers ``fn`` as the formula of the loss kind of its name."""
+    POLICY_LOSSES[fn.__name__] = fn
+    return fn
+
+
+@policy_loss
 def importance_sampling(t: PolicyTerms) -> Tensor:
     return -t.ratio * t.advantages
 
 
+@policy_loss
 def ppo(t: PolicyTerms) -> Tensor:
     clipped = -t.ratio.clamp(1.0 - t.clip_low, 1.0 + t.clip_high) * t.advantages
     return torch.maximum(importance_sampling(t), clipped)
 
 
+@policy_loss
 def cispo(t: PolicyTerms) -> Tensor:
     weight = t.ratio.clamp(1.0 - t.clip_low, 1.0 + t.clip_high).detach()
     return -weight * t.logprobs * t.advantages
 
 
+@policy_loss
 def dro(t: PolicyTerms) -> Tensor:
     return -(t.logprobs * t.advantages - 0.5 * t.beta * t.delta * t.delta)
 
 
+@policy_loss
 def gspo(t: PolicyTerms) -> Tensor:
     """PPO's clipped term; ``t.ratio`` is GSPO-token's (``per_token_terms`` builds it)."""
     return ppo(t)
 
-
-POLICY_LOSSES: dict[str, Callable[[PolicyTerms], Tensor]] = {
-    "importance_sampling": importance_sampling,
-    "ppo": ppo,
-    "cispo": cispo,
-    "dro": dro,
-    "gspo": gspo,
-}
-"""Every policy loss by its wire name (``api.LossKind``): one function each. Adding a kind
-is one function here and its row in this table, beside its member in ``api.LossKind`` and its
-row in ``api/loss.py``'s ``LOSSES`` (what the API, the engine and Tinker read of it)."""
 
 LOSS_KINDS = ("cross_entropy", *POLICY_LOSSES)
 """Every loss kind: supervised ``cross_entropy`` (``-lp``) and the policy losses."""

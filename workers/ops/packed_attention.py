@@ -112,7 +112,7 @@ def _varlen() -> tuple[Callable[..., Tensor], dict[str, Any]] | None:
         return None
     if "enable_gqa" in params:
         kw["enable_gqa"] = True
-    fn: Callable[..., Tensor] = varlen_attn  # type: ignore[assignment]
+    fn: Callable[..., Tensor] = varlen_attn  # type: ignore[assignment]  # no return_aux: a tensor
     return fn, kw
 
 

@@ -125,7 +125,8 @@ def _spec(name: str, cfg: BroadcastConfig) -> tuple[tuple[int, ...], torch.dtype
 def _get(batch: StageBatch, name: str) -> Tensor | None:
     if name.startswith("loss_inputs."):
         return batch.loss_inputs.get(name.split(".", 1)[1])
-    return getattr(batch, name)  # type: ignore[no-any-return]
+    value: Tensor | None = getattr(batch, name)
+    return value
 
 
 def broadcast_stage_batch(
@@ -158,7 +159,7 @@ def broadcast_stage_batch(
         got[name] = buf
     inputs = {k.split(".", 1)[1]: v for k, v in got.items() if k.startswith("loss_inputs.")}
     plain = {k: v for k, v in got.items() if not k.startswith("loss_inputs.")}
-    return replace(StageBatch(), loss_inputs=inputs, **plain)  # type: ignore[arg-type]
+    return replace(StageBatch(), loss_inputs=inputs, **plain)  # type: ignore[arg-type]  # plain: its fields
 
 
 _REFUSED = -1

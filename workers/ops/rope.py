@@ -74,7 +74,7 @@ def token_dynamic(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         for a in args:
             if isinstance(a, Tensor) and a.dim() > 0:
                 torch._dynamo.maybe_mark_dynamic(a, 0)
-        return compiled(*args)  # type: ignore[no-any-return]
+        return compiled(*args)
 
     return call
 

@@ -113,7 +113,7 @@ def _compiled_flex() -> Callable[..., Any]:
     """FlexAttention compiled once per process (its eager form is a slow reference)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)  # type: ignore[no-any-return]
+    return torch.compile(flex_attention)
 
 
 def flex_tree_attention(
@@ -156,7 +156,8 @@ def flex_tree_attention(
         q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
         kernel_options=options,
     )  # fmt: skip
-    return out[0].transpose(0, 1)  # type: ignore[no-any-return]
+    attended: Tensor = out[0]
+    return attended.transpose(0, 1)
 
 
 def tree_attention(

@@ -43,6 +43,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+_installed: list[logging.Handler] = []
+"""The handler ``configure`` installed in this process: the one a second call replaces."""
+
+
 def configure(level: str | None = None, fmt: str | None = None) -> None:
     """Install the handler on the root logger (replacing earlier ones); idempotent."""
     level = level or os.environ.get("TRAINCTL_LOG_LEVEL", "INFO")
@@ -51,9 +55,8 @@ def configure(level: str | None = None, fmt: str | None = None) -> None:
     handler.addFilter(OperationFilter())
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
-    for h in list(root.handlers):
-        if getattr(h, "_trainctl", False):
-            root.removeHandler(h)
-    handler._trainctl = True  # type: ignore[attr-defined]
+    for h in _installed:
+        root.removeHandler(h)
+    _installed[:] = [handler]
     root.addHandler(handler)
     root.setLevel(level)

@@ -27,6 +27,9 @@
 - **Refuse**: weights an engine refuses (their names, shapes or dtypes are not the ones it
   serves) leave it serving the step it had; if every live engine refused them, the pool keeps
   the previous step's reference, so a recreated engine loads that one too.
+
+One concern, at its length: the engines as one pool. Spawn, sync, dispatch and recreate
+read and write the same table of engines and the versions each holds.
 """
 
 from __future__ import annotations
@@ -522,7 +525,7 @@ class SamplerPool:
             engines=[
                 SamplerInfo(
                     index=e.index,
-                    status=e.status,  # type: ignore[arg-type]
+                    status=e.status,
                     step=e.step,
                     restarts=e.restarts,
                     in_flight=e.in_flight,

@@ -110,7 +110,7 @@ def write(state: dict[str, Any], directory: Path, rank: int, header: dict[str, A
     try:
         with open(tmp, "wb") as f:
             out = _Hashing(f)
-            torch.save({**state, HEADER: header}, out)  # type: ignore[arg-type]
+            torch.save({**state, HEADER: header}, out)  # type: ignore[arg-type]  # _Hashing: a writer
     except (OSError, RuntimeError) as e:
         # torch's writer reports a full disk in its own words ("unexpected pos ..."): say
         # what happened when the volume is what ran out.

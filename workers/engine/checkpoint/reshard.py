@@ -52,7 +52,8 @@ class OptimizerSlot:
 
     @property
     def state(self) -> dict[str, Any]:
-        return self.inner.state[self.main]  # type: ignore[index]
+        state: dict[str, Any] = self.inner.state[self.main]
+        return state
 
 
 def optimizer_slots(optimizer: Any) -> dict[Tensor, OptimizerSlot]:
@@ -334,7 +335,7 @@ def apply(staged: Iterable[Staged], *, optimizer: bool = True) -> None:
         slot = s.slot
         flat = s.value.reshape(-1)[slot.lo : slot.hi]
         slot.main.copy_(flat.view(slot.main.shape).to(slot.main.dtype))
-        slot.inner.state.pop(slot.main, None)  # type: ignore[call-overload]
+        slot.inner.state.pop(slot.main, None)
         if optimizer and s.moments is not None:
             state: dict[str, Any] = {
                 "step": torch.tensor(s.step, dtype=torch.float32, device=slot.main.device)
@@ -342,7 +343,7 @@ def apply(staged: Iterable[Staged], *, optimizer: bool = True) -> None:
             for k, v in s.moments.items():
                 part = v.view(slot.main.shape)  # staged as this rank's range
                 state[k] = part.to(device=slot.main.device, dtype=slot.main.dtype).clone()
-            slot.inner.state[slot.main] = state  # type: ignore[index]
+            slot.inner.state[slot.main] = state
 
 
 def params_of(

@@ -33,6 +33,9 @@ checked against the last one's names, shapes and dtypes before any tensor is cop
 
 Weights arrive as a ``Shipment``; vLLM's model worker opens it itself (``reload.py``), so no
 tensor travels as an argument of ``collective_rpc``.
+
+One concern, at its length: vLLM in one process, and every way a call on it can end. LoRA,
+swaps and the guard are states of that same engine.
 """
 
 from __future__ import annotations
@@ -296,7 +299,7 @@ class VllmEngine:
         """``llm.generate``; an error inside it fails this call alone (the engine is cleared
         first) with a 500 that names it."""
         try:
-            return self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)  # type: ignore[no-any-return]
+            return self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
         except Exception as e:
             raise self._cleared(e) from None
 
@@ -476,7 +479,7 @@ class VllmEngine:
         finished. An error inside vLLM fails the requests running (all of them are aborted, so
         the next step starts clean) with a 500 that names it."""
         try:
-            return self.llm.llm_engine.step()  # type: ignore[no-any-return]
+            return self.llm.llm_engine.step()
         except Exception as e:
             raise self._cleared(e) from None
 

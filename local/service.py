@@ -21,6 +21,7 @@ import time
 import uuid
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from trainctl.clients import TrainctlClient
 from trainctl.service.cluster import free_port, live_processes
@@ -48,8 +49,8 @@ class LocalService:
         self.returncode: int | None = None
         self.leftovers: list[str] = []
 
-    def client(self, **kwargs: object) -> TrainctlClient:
-        return TrainctlClient(self.url, timeout=300, **kwargs)  # type: ignore[arg-type]
+    def client(self, **kwargs: Any) -> TrainctlClient:
+        return TrainctlClient(self.url, timeout=300, **kwargs)
 
     def log(self) -> str:
         """The service's whole log (every check on it, e.g. that a secret never appears in it,
