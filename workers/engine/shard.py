@@ -13,6 +13,7 @@ so the gradient is that of the global token mean, whatever the layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -172,7 +173,8 @@ class EngineShard:
         drop_forward_state(self.chunks)
         self.optim.optimizer = None
         self.chunks = []
-        del self.schedule
+        with contextlib.suppress(AttributeError):  # closed before: closing again is a no-op
+            del self.schedule
 
     @property
     def step(self) -> int:
