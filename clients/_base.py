@@ -161,6 +161,12 @@ def parse_bytes(response: httpx.Response) -> bytes:
     return response.content
 
 
+def parse_json(response: httpx.Response) -> dict[str, Any]:
+    raise_for_status(response)
+    value: dict[str, Any] = response.json()
+    return value
+
+
 def parse_text(response: httpx.Response) -> str:
     raise_for_status(response)
     return response.text
@@ -285,6 +291,10 @@ class Requests:
 
     def metrics(self) -> Call[str]:
         return Call("GET", "/metrics", parse_text)
+
+    def timeline(self, since: float | None, until: float | None) -> Call[dict[str, Any]]:
+        query = {k: v for k, v in {"since": since, "until": until}.items() if v is not None}
+        return Call("GET", path("timeline"), parse_json, params=query)
 
     def sample(self, prompts: Iterable[Iterable[int]], **params: Any) -> Call[SampleResult]:
         """``POST /v1/sample`` (JSON): validated here first, as the server will."""

@@ -416,6 +416,14 @@ class AsyncTrainctlClient:
         """The Prometheus text of ``/metrics``."""
         return await self._send(self._req.metrics())
 
+    async def timeline(
+        self, since: float | None = None, until: float | None = None
+    ) -> dict[str, Any]:
+        """The spans of the gateway, the controller and every rank overlapping ``[since,
+        until]`` (Unix seconds; default: the last minute) as Chrome trace JSON: write it to a
+        file and open it in https://ui.perfetto.dev. Needs the operator's token."""
+        return await self._send(self._req.timeline(since, until))
+
     async def is_ready(self, instance: str | None = None) -> bool:
         """Whether trainctl answers ready at this URL: a 200 from anything else (a server
         that took the port) is not ready. ``instance``: also that it is this start of it."""

@@ -153,6 +153,12 @@ def _client_commands(args: argparse.Namespace, c: TrainctlClient) -> int:
         return _sample(args, c)
     elif args.command == "sync-weights":
         _print(c.sync_weights())
+    elif args.command == "timeline":
+        trace = c.timeline(since=args.since, until=args.until)
+        Path(args.output).write_text(json.dumps(trace))
+        shown = trace.get("otherData", {})
+        print(f"{args.output}: {shown.get('spans', 0)} spans ({shown.get('dropped', 0)} dropped "
+              "from full rings); open it in https://ui.perfetto.dev")  # fmt: skip
     elif args.command == "ready":
         ok = c.is_ready(instance=args.instance)
         print("ready" if ok else f"not ready: {args.url} does not answer as a ready trainctl")
@@ -288,6 +294,10 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--expected-step", type=int, default=None,
                    help="refuse unless the samplers serve this step")  # fmt: skip
     sub.add_parser("sync-weights", help="send the current weights to the samplers now")
+    q = sub.add_parser("timeline", help="recent spans of every process, as a Perfetto trace")
+    q.add_argument("output", help="where to write the Chrome trace JSON")
+    q.add_argument("--since", type=float, default=None, help="Unix seconds (default: until-60)")
+    q.add_argument("--until", type=float, default=None, help="Unix seconds (default: now)")
     q = sub.add_parser(
         "ready",
         help="exit 0 if trainctl (not just anything) answers ready at --url: a probe",

@@ -33,12 +33,26 @@ from trainctl.service.metrics import GatewayMetrics, pseudonymous_tenants, tenan
 from trainctl.service.shares import Bounds, Shares
 from trainctl.service.tenants import TenantKeys
 from trainctl.service.tinker import routes as tinker_routes
+from trainctl.workers import spans
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 256 * 2**20
 DEFAULT_MAX_SEQUENCES = 16384
 DEFAULT_MAX_TOKENS_PER_REQUEST = 1 << 24
+
+
+def _install_spans(app: FastAPI, size: int, otlp_endpoint: str | None) -> None:
+    """One span per request on the gateway's row of the timeline."""
+
+    @app.middleware("http")
+    async def _span(request: Request, call_next: Any) -> Any:
+        if spans.ring() is None:  # the serving process's first request (the app is pickled)
+            spans.install("gateway", size=size, otlp_endpoint=otlp_endpoint)
+        with spans.span(f"{request.method} {request.url.path}") as current:
+            response = await call_next(request)
+            current.set_attribute("http.status_code", response.status_code)
+            return response
 
 
 def _install_metrics(app: FastAPI, open_metrics: bool) -> None:
@@ -138,13 +152,17 @@ def create_app(
     open_metrics: bool = True,
     open_docs: bool = True,
     instance_id: str = "",
+    trace_spans: int = spans.RING_SPANS,
+    otlp_endpoint: str | None = None,
 ) -> FastAPI:
     """The gateway around ``controller``; with ``api_token``, every route but the open ones
     (``service/auth.py``) needs it; ``api_keys_file``: tenants' keys to the Tinker routes.
     ``open_metrics`` / ``open_docs``: ``/metrics`` and the API docs (``/docs``,
     ``/openapi.json``) answer without the token; when closed, /metrics and /openapi.json need
     it and the browser docs are off. ``tinker_bounds``: the Tinker tables' bounds, each
-    shared out among the tenants and the operator (``service/shares.py``)."""
+    shared out among the tenants and the operator (``service/shares.py``). ``trace_spans``
+    and ``otlp_endpoint``: the gateway's ring of spans and their exporter (``workers/spans.py``),
+    made in the process that serves the app, at its first request."""
     docs: dict[str, Any] = (
         {} if open_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     )
@@ -161,6 +179,7 @@ def create_app(
     app.state.api_token = api_token or None
     app.state.api_keys = TenantKeys(api_keys_file) if api_keys_file else None
     app.state.instance_id = instance_id
+    _install_spans(app, trace_spans, otlp_endpoint)
     app.state.max_body_bytes = max_body_bytes
     app.state.body_timeout_s = body_timeout_s
     app.state.body_grace_s = body_grace_s

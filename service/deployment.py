@@ -100,4 +100,6 @@ def gateway_app(s: Settings, instance_id: str = "") -> Any:
         open_metrics=s.open_metrics,
         open_docs=s.open_docs,
         instance_id=s.instance_id or instance_id,
+        trace_spans=s.trace_spans,
+        otlp_endpoint=s.otlp_endpoint,
     )

@@ -91,6 +91,8 @@ def create_controller(s: Settings, cfg: EngineConfig, *, detached: bool) -> Any:
     env = {
         "TRAINCTL_LOG_LEVEL": s.log_level,
         "TRAINCTL_LOG_FORMAT": s.log_format,
+        "TRAINCTL_TRACE_SPANS": str(s.trace_spans),
+        "TRAINCTL_OTLP_ENDPOINT": s.otlp_endpoint or "",
         # matplotlib (the memory-profile pictures) keeps its caches under the data directory,
         # not in the home directory.
         "MPLCONFIGDIR": str(s.data_dir.resolve() / "cache" / "matplotlib"),

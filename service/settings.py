@@ -203,7 +203,7 @@ class Settings(BaseSettings):
         description="GPUs per rank actor; default 1 when the Ray cluster has GPUs, else 0.",
     )
 
-    # -- Files and logs ---------------------------------------------------------------------
+    # -- Files, logs and traces -------------------------------------------------------------
     data_dir: Path = Field(
         Path("trainctl-data"),
         description="Root of server-side files: checkpoints/, exports/, profiles/ (unless "
@@ -220,6 +220,19 @@ class Settings(BaseSettings):
         pattern="^(text|json)$",
         description="'json': one JSON object per log line (ts, level, logger, op, msg); "
         "'text': the same fields for people. Every line carries the operation id.",
+    )
+    trace_spans: int = Field(
+        20_000,
+        ge=1,
+        le=1_000_000,
+        description="Spans each process (the gateway, the controller, every rank) keeps for "
+        "GET /v1/timeline; a full ring drops its oldest and counts them.",
+    )
+    otlp_endpoint: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s]+$",
+        description="Also export every span over OTLP/HTTP to this receiver (e.g. "
+        "http://localhost:4318: an OpenTelemetry collector, Jaeger or Tempo); off by default.",
     )
     metrics_log: str | None = Field(
         None,

@@ -9,12 +9,13 @@ from trainctl.service.routes import (
     profiles,
     sampling,
     service,
+    timeline,
     training,
 )
 
 
 def include(app: FastAPI) -> None:
     for module in (
-        training, operation_routes, profiles, checkpoints, adapters, sampling, service
+        training, operation_routes, profiles, checkpoints, adapters, sampling, service, timeline
     ):  # fmt: skip
         app.include_router(module.router)

@@ -7,6 +7,7 @@ HTTP semantics of operations are tested here without Ray.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from trainctl.api import (
@@ -47,6 +48,11 @@ class FakeController:
             self.operations.submit, self.operations.run, self.operations.operation,
         )  # fmt: skip
         self.files: dict[str, bytes] = {}
+        self.clock_ahead_s = 0.0
+        """How far this controller's clock runs ahead of the gateway's (the timeline)."""
+        self.remote_spans: list[Any] = []
+        self.remote_dropped = 0
+        self.timeline_asked: tuple[float, float] | None = None
         self.file_name = "snapshot_rank00_p0d0c0t0.trace.json"
         """The name the profile lists its file under (a hostile server may pick any)."""
 
@@ -175,6 +181,15 @@ class FakeController:
 
     async def model_limits(self) -> ModelLimits:
         return self.limits
+
+    async def clock(self) -> float:
+        return time.time() + self.clock_ahead_s
+
+    async def timeline(self, since: float, until: float) -> tuple[list[Any], int]:
+        """The spans a remote controller would answer: ``remote_spans`` in the range asked."""
+        self.timeline_asked = (since, until)
+        kept = [s for s in self.remote_spans if s.end_s >= since and s.start_s <= until]
+        return kept, self.remote_dropped
 
     async def list_adapters(self) -> AdapterList:
         return AdapterList(adapters=[], max_adapters=0, max_rank=64)

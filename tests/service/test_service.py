@@ -394,3 +394,39 @@ def test_a_port_that_is_not_its_own_ends_in_a_clear_error(service: Service, tmp_
     with service.client() as c:
         assert c.is_ready(instance=service.instance)
         assert not c.is_ready(instance="someone-else")
+
+
+def test_the_timeline_shows_one_step_on_the_gateway_the_controller_and_both_ranks(
+    service: Service,
+) -> None:
+    """One train step, then ``trainctl``'s timeline: the gateway's request, the controller's
+    operation with its queue wait and phases, and each rank's part of it, all carrying the
+    operation's id, on one clock, in a Chrome trace Perfetto opens."""
+    with service.client() as tc:
+        t0 = time.time()
+        op = tc.submit("train_batch", [[1, 2, 3, 4, 5, 6]])
+        step = tc.wait(op)
+        trace = tc.timeline(since=t0 - 1)
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    rows = {
+        e["args"]["name"]: e["pid"] for e in trace["traceEvents"] if e["name"] == "process_name"
+    }
+    assert {"gateway", "controller", "rank 0", "rank 1"} <= set(rows), rows
+    mine = [e for e in events if e["args"].get("op") == op.id]
+    where = {(e["pid"], e["name"]) for e in mine}
+    for row, name in [
+        ("controller", "train_batch"),
+        ("controller", "queued"),
+        ("rank 0", "accumulate"),
+        ("rank 1", "accumulate"),
+        ("rank 0", "apply"),
+    ]:
+        assert (rows[row], name) in where, (row, name, sorted(where))
+    run = next(e for e in mine if e["name"] == "train_batch")
+    for e in mine:  # every part of the operation lies within it, on the gateway's clock
+        if e["name"] != "queued":
+            assert (
+                run["ts"] - 50_000 <= e["ts"]
+                and e["ts"] + e["dur"] <= run["ts"] + run["dur"] + 50_000
+            ), e
+    assert step.step >= 1 and json.loads(json.dumps(trace)) == trace  # plain JSON

@@ -134,6 +134,7 @@ def test_operation_ids_are_the_rpc_names(http: TestClient) -> None:
         ("POST", "/v1/checkpoints/{checkpoint_id}/load"): "load_checkpoint",
         ("POST", "/v1/export/hf"): "export_hf",
         ("GET", "/v1/info"): "info",
+        ("GET", "/v1/timeline"): "timeline",
         ("GET", "/v1/health"): "health",
         ("GET", "/v1/ready"): "ready",
     }

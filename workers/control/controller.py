@@ -48,6 +48,7 @@ from trainctl.api import (
     TrainctlError,
     WorkerError,
 )
+from trainctl.workers import spans
 from trainctl.workers.control.adapter_registry import Adapters
 from trainctl.workers.control.checkpoints import CheckpointStore
 from trainctl.workers.control.group import GroupLostError
@@ -62,11 +63,13 @@ from trainctl.workers.control.serving import Serving, WeightsVersion
 from trainctl.workers.control.staleness import Staleness
 from trainctl.workers.control.steps import ModelState, Steps
 from trainctl.workers.control.telemetry import ControllerMetrics
+from trainctl.workers.control.timeline import Timeline
 from trainctl.workers.control.trackers import TrackerLog, open_trackers
 from trainctl.workers.engine.config import EngineConfig
 from trainctl.workers.rank import logs
 from trainctl.workers.rank.worker import RankWorker
 from trainctl.workers.sampler.spec import tokenizer_of
+from trainctl.workers.spans import SpanRecord
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +142,7 @@ class Controller:
         """``group``: the rank group to drive (tests give a fake one); by default the real
         ``RankGroup`` of ``cfg``."""
         logs.configure()
+        spans.install_from_env("controller")
         self.cfg = cfg.validate()
         root = Path(options.data_root)
         self.profiles = ProfileStore(options.profile_root or str(root / "profiles"))
@@ -154,6 +158,7 @@ class Controller:
         self.state = ModelState()
         self.version = WeightsVersion(self.group, self.state)
         self.serving = Serving()
+        self.traces = Timeline(self.group)
         m = self.cfg.model
         self.limits = ModelLimits(
             vocab_size=m.vocab_size,
@@ -453,6 +458,15 @@ class Controller:
 
     async def model_limits(self) -> ModelLimits:
         return self.limits
+
+    async def clock(self) -> float:
+        """This process's wall clock: the gateway takes the controller's offset from it."""
+        return spans.now()
+
+    async def timeline(self, since: float, until: float) -> tuple[list[SpanRecord], int]:
+        """The spans of the controller and every rank overlapping ``[since, until]`` (this
+        process's clock), on that clock, and the count its ring dropped."""
+        return await self.traces.spans(since, until)
 
 
 ControllerActor: Any = ray.remote(Controller)  # a Ray actor class: .options(...).remote(...)

@@ -39,6 +39,7 @@ from trainctl.api import (
     RateLimitedError,
     TrainctlError,
 )
+from trainctl.workers import spans
 from trainctl.workers.rank.logs import current_operation
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,19 @@ class Handle:
     applied: bool = False
     """Set by the runner once the model changed (a step applied): from then on the key is
     kept, so a retry gets this operation, never a second step."""
+    phase_span: spans.Open | None = None
+    """The span of the phase it is in (``set_phase``), a child of the operation's."""
 
     def set_phase(self, phase: str) -> None:
         self.op.phase = phase
         log.info("phase: %s", phase)
+        self.end_phase()
+        self.phase_span = spans.start(phase, op=self.op.id)
+
+    def end_phase(self) -> None:
+        if self.phase_span is not None:
+            self.phase_span.end()
+            self.phase_span = None
 
 
 class OperationQueue:
@@ -218,10 +228,15 @@ class OperationQueue:
             self._running = h
             h.op.status, h.op.started_at = OperationStatus.RUNNING, time.time()
             token = current_operation.set(h.op.id)
+            spans.record("queued", h.op.created_at, h.op.started_at, op=h.op.id)
             try:
                 log.info("%s started", h.op.kind)
                 assert h.run is not None
-                result = await h.run(h)
+                with spans.span(h.op.kind.value, op=h.op.id):
+                    try:
+                        result = await h.run(h)
+                    finally:
+                        h.end_phase()
             except TrainctlError as e:
                 self._finish(h, exc=e)
             except Exception as e:  # a bug, not the caller's fault: keep serving

@@ -53,7 +53,9 @@ log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
 FAILURE_GRACE_S = 10.0
 """After one rank fails, how long the others may take before the group counts as wedged."""
-_FORWARDED_ENV = ("TRAINCTL_LOG_LEVEL", "TRAINCTL_LOG_FORMAT")
+_FORWARDED_ENV = (
+    "TRAINCTL_LOG_LEVEL", "TRAINCTL_LOG_FORMAT", "TRAINCTL_TRACE_SPANS", "TRAINCTL_OTLP_ENDPOINT",
+)  # fmt: skip
 
 
 class RankGroup:

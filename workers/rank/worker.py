@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainctl.api import CheckpointInfo
+from trainctl.workers import spans
 from trainctl.workers.engine.boundary import (
     AdapterInfo,
     AdapterSpec,
@@ -59,10 +60,13 @@ def quiet_megatron() -> None:
 
 
 @contextlib.contextmanager
-def _operation(op_id: str) -> Iterator[None]:
+def _operation(op_id: str, name: str) -> Iterator[None]:
+    """The block as operation ``op_id``'s work on this rank: its log lines carry the id, and
+    it is one span named ``name`` on this rank's row of the timeline."""
     token = current_operation.set(op_id)
     try:
-        yield
+        with spans.span(name, op=op_id):
+            yield
     finally:
         current_operation.reset(token)
 
@@ -93,6 +97,7 @@ class RankWorker:
         self.join = GroupJoin(rank, world_size)
         self.faults = Faults(rank)
         self._built: _Built | None = None
+        spans.install_from_env(f"rank {rank}")
 
     @property
     def built(self) -> _Built:
@@ -150,7 +155,7 @@ class RankWorker:
 
     def accumulate(self, plan: StepPlan, op_id: str = "-") -> StepReport:
         """Phase 1 of a train step: forward/backward; gradients held until ``apply``."""
-        with _operation(op_id):
+        with _operation(op_id, "accumulate"):
             report = self.shard.accumulate(self._shard(plan), plan.loss)
             self.faults.point("accumulate_end", undo=self.shard.optim.zero_grad)
             return report
@@ -158,7 +163,7 @@ class RankWorker:
     def apply(self, op_id: str = "-", hyper: OptimizerConfig | None = None) -> Applied:
         """Phase 2, once every rank finished phase 1: the optimizer update (local), with
         ``hyper`` (``optim_step``'s AdamW settings) or the engine config's."""
-        with _operation(op_id):
+        with _operation(op_id, "apply"):
             self.faults.check("optimizer")
             applied = self.shard.apply(hyper)
             self.faults.check("optimizer_end")  # updated here, not yet answered or published
@@ -170,7 +175,7 @@ class RankWorker:
         """A split-step part: gradients added to the window (not reduced), its report and
         per-sequence log-probs and token losses. On failure here the window is as before the
         call. Without ``backward``: the same outputs, no gradients."""
-        with _operation(op_id):
+        with _operation(op_id, "forward_backward"):
             out = self.shard.forward_backward(self._shard(plan), plan.loss, backward=backward)
             if backward:
                 self.faults.point("forward_backward_end", undo=self.shard.rollback_part)
@@ -183,7 +188,7 @@ class RankWorker:
     def finish_window(self, divisor: float, op_id: str = "-", adapter: str | None = None) -> float:
         """``optim_step`` phase 1: the window's one reduction, then the grad norm (of
         ``adapter``'s window, with adapters)."""
-        with _operation(op_id):
+        with _operation(op_id, "finish_window"):
             self.faults.check("finish_window")
             self.shard.adapters.activate(adapter)
             return float(self.shard.finish_window(divisor))
@@ -191,7 +196,7 @@ class RankWorker:
     def publish(self, op_id: str = "-") -> float:
         """Phase 3 under ZeRO-1, once every rank's update succeeded: the all-gather of the
         updated parameters; its seconds."""
-        with _operation(op_id):
+        with _operation(op_id, "publish"):
             t0 = time.perf_counter()
             self.faults.check("publish")
             self.shard.optim.publish()
@@ -202,13 +207,13 @@ class RankWorker:
         self.shard.optim.zero_grad()
 
     def eval_batch(self, plan: StepPlan, op_id: str = "-") -> StepReport:
-        with _operation(op_id):
+        with _operation(op_id, "eval_batch"):
             return self.shard.eval_batch(self._shard(plan), plan.loss)
 
     def logprobs(
         self, plan: StepPlan, entropy: bool, routes: bool = False, op_id: str = "-"
     ) -> LogProbsPart:
-        with _operation(op_id):
+        with _operation(op_id, "logprobs"):
             return self.shard.logprobs(self._shard(plan), entropy=entropy, routes=routes)
 
     def weights_digest(self) -> str:
@@ -294,6 +299,16 @@ class RankWorker:
     def adapter_digest(self, name: str) -> str:
         """sha256 of adapter ``name``'s tensors on this rank."""
         return self.shard.adapters.digest(name)
+
+    # -- the timeline (workers/spans.py) --------------------------------------------------------
+
+    def clock(self) -> float:
+        return spans.now()
+
+    def recent_spans(self, since: float, until: float, offset_s: float) -> list[spans.SpanRecord]:
+        """This rank's spans overlapping ``[since, until]`` of the collector's clock, which
+        runs ``offset_s`` ahead of this rank's (``spans.clock_offset``), on that clock."""
+        return spans.between(since, until, offset_s)
 
     # -- fault injection (faults.py; through Ray only, never on the HTTP API) ------------------
 

@@ -1,0 +1,127 @@
+"""The spans behind the timeline (``workers/spans.py``) and ``GET /v1/timeline`` with a fake
+controller: the ring's bound, OpenTelemetry's spans as the ring keeps them, the Chrome trace
+Perfetto opens, clock offsets, and bad ranges refused naming the field."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from opentelemetry.sdk.trace import TracerProvider
+
+from trainctl.workers import spans
+from trainctl.workers.spans import SpanRecord, SpanRing
+
+from helpers.fakes import FakeController
+
+
+def _record(i: int, start: float = 0.0, end: float = 1.0, row: str = "rank 0") -> SpanRecord:
+    return SpanRecord(f"s{i}", start, end, row, "0" * 32, format(i, "016x"), None, {"i": i})
+
+
+def test_a_full_ring_keeps_its_bound_drops_the_oldest_and_counts_them() -> None:
+    ring = SpanRing(1000)
+    for i in range(100_000):
+        ring.add(_record(i, start=float(i), end=float(i) + 0.5))
+    assert len(ring) == 1000 and ring.dropped == 99_000
+    kept = ring.between(0.0, 1e9)
+    assert [s.name for s in (kept[0], kept[-1])] == ["s99000", "s99999"]
+    # Its memory is that of the spans it keeps: the deque holds no more than its bound.
+    assert sys.getsizeof(ring._spans) < 64 * 1024
+
+
+def test_opentelemetry_spans_reach_the_ring_nested_with_their_attributes() -> None:
+    ring = SpanRing(100)
+    provider = TracerProvider()  # a provider of the test's own: the process's stays as it is
+    provider.add_span_processor(spans.RingProcessor(ring, "rank 1"))
+    tracer = provider.get_tracer("test")
+    t0 = time.time()
+    outer_span = tracer.start_as_current_span("accumulate", attributes={"op": "op-1"})
+    with outer_span as outer, tracer.start_as_current_span("forward"):
+        time.sleep(0.01)
+    got = {s.name: s for s in ring.between(t0 - 1, time.time() + 1)}
+    assert set(got) == {"accumulate", "forward"}
+    a, f = got["accumulate"], got["forward"]
+    assert a.row == f.row == "rank 1" and a.attrs == {"op": "op-1"}
+    assert f.parent_id == a.span_id and a.parent_id is None and f.trace_id == a.trace_id
+    assert a.trace_id == format(outer.get_span_context().trace_id, "032x")
+    assert a.start_s <= f.start_s and f.end_s <= a.end_s and f.end_s - f.start_s >= 0.01
+
+
+def test_the_chrome_trace_has_a_row_per_process_and_overlapping_spans_on_lanes() -> None:
+    recs = [
+        _record(1, 0.0, 4.0, "rank 1"),
+        _record(2, 1.0, 2.0, "rank 1"),  # nested in 1: the same lane
+        _record(3, 3.0, 6.0, "rank 1"),  # overlaps 1 without nesting: a second lane
+        _record(4, 0.5, 1.0, "gateway"),
+        _record(5, 0.0, 1.0, "controller"),
+        _record(6, 0.0, 1.0, "rank 0"),
+    ]
+    trace = spans.chrome_trace(recs, dropped=3)
+    meta = [e for e in trace["traceEvents"] if e["name"] == "process_name"]
+    names = {e["pid"]: e["args"]["name"] for e in meta}
+    assert [names[p] for p in sorted(names)] == ["gateway", "controller", "rank 0", "rank 1"]
+    x = {e["name"]: e for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert x["s1"]["tid"] == x["s2"]["tid"] != x["s3"]["tid"]
+    assert x["s3"]["ts"] == 3e6 and x["s3"]["dur"] == 3e6 and x["s3"]["args"]["i"] == 3
+    assert trace["otherData"] == {"spans": 6, "dropped": 3}
+
+
+def test_a_clock_offset_is_the_round_trips_midpoint_and_shifts_the_spans() -> None:
+    # sent at 10.0, answered 10.2 on the collector's clock; the remote said 110.1: it runs
+    # 100 s ahead, so its spans move 100 s earlier.
+    offset = spans.clock_offset(110.1, 10.0, 10.2)
+    assert offset == pytest.approx(-100.0)
+    moved = spans.shifted(_record(1, 110.0, 111.0), offset)
+    assert (moved.start_s, moved.end_s) == pytest.approx((10.0, 11.0))
+
+
+def test_a_ring_refuses_a_size_below_one() -> None:
+    with pytest.raises(ValueError, match="size must be at least 1"):
+        SpanRing(0)
+
+
+# -- GET /v1/timeline ---------------------------------------------------------------------------
+
+
+def test_the_timeline_holds_the_gateways_and_the_controllers_spans_on_one_clock(
+    http: TestClient, fake: FakeController
+) -> None:
+    fake.clock_ahead_s = 100.0  # the controller's clock runs 100 s ahead of the gateway's
+    now = time.time()
+    fake.remote_spans = [_record(7, now + 100.0 - 2.0, now + 100.0 - 1.0, "controller")]
+    fake.remote_dropped = 5
+    r = http.post("/v1/train_batch", json={"sequences": [{"tokens": [1, 2, 3]}]})
+    assert r.status_code == 200, r.text
+    trace = http.get("/v1/timeline", params={"since": now - 30, "until": time.time() + 1})
+    assert trace.status_code == 200, trace.text
+    events = [e for e in trace.json()["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"] for e in events}
+    # The gateway's request, and the operation the (fake) controller ran in this process
+    # with its queue wait and phases.
+    assert {"POST /v1/train_batch", "train_batch", "queued"} <= names, names
+    remote = next(e for e in events if e["name"] == "s7")
+    assert remote["ts"] / 1e6 == pytest.approx(now - 2.0, abs=0.5)  # moved onto our clock
+    asked = fake.timeline_asked
+    assert asked is not None and asked[0] == pytest.approx(now - 30 + 100.0, abs=0.5)
+    assert trace.json()["otherData"]["dropped"] >= 5
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"since": 20.0, "until": 10.0}, "since"),
+        ({"format": "pftrace"}, "format"),
+        ({"since": 1.0, "until": 2.0}, "until"),  # 1970: long before the oldest span kept
+        ({"since": "yesterday"}, "since"),
+    ],
+)
+def test_a_bad_range_or_format_is_a_422_naming_the_field(
+    http: TestClient, params: dict[str, object], field: str
+) -> None:
+    http.get("/v1/health")  # a span in the ring
+    r = http.get("/v1/timeline", params=params)
+    assert r.status_code == 422, r.text
+    assert r.json()["message"].startswith(f"{field}"), r.json()
