@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -125,3 +126,21 @@ def test_a_bad_range_or_format_is_a_422_naming_the_field(
     r = http.get("/v1/timeline", params=params)
     assert r.status_code == 422, r.text
     assert r.json()["message"].startswith(f"{field}"), r.json()
+
+
+def test_only_the_operator_reads_the_timeline(tmp_path: Path) -> None:
+    """A tenant's key is refused on ``/v1/timeline`` (403: it reaches the Tinker API only),
+    a missing token is a 401, and the operator's token reads it."""
+    from trainctl.service.app import create_app
+
+    keys = tmp_path / "keys"
+    keys.write_text("acme acme-key-0123456789abcdef\n")
+    app = create_app(FakeController(), api_token="operator-token", api_keys_file=str(keys))
+    with TestClient(app) as http:
+        tenant = http.get(
+            "/v1/timeline", headers={"Authorization": "Bearer acme-key-0123456789abcdef"}
+        )
+        assert tenant.status_code == 403, tenant.text
+        assert http.get("/v1/timeline").status_code == 401
+        ok = http.get("/v1/timeline", headers={"Authorization": "Bearer operator-token"})
+        assert ok.status_code == 200 and "traceEvents" in ok.json(), ok.text
