@@ -127,13 +127,15 @@ class RingProcessor(SpanProcessor):
 
 
 @dataclass
-class _Installed:
+class Tracing:
+    """A tracer provider and the ring its spans go into."""
+
     provider: TracerProvider
     ring: SpanRing
     processor: RingProcessor
 
 
-_installed: list[_Installed] = []
+_installed: list[Tracing] = []
 """This process's tracer provider, once ``install`` made it."""
 
 
@@ -144,18 +146,27 @@ def install(row: str, *, size: int = RING_SPANS, otlp_endpoint: str | None = Non
     if _installed:
         _installed[0].processor.row = row
         return _installed[0].ring
+    made = make_provider(row, size=size, otlp_endpoint=otlp_endpoint)
+    trace.set_tracer_provider(made.provider)
+    _installed.append(made)
+    return made.ring
+
+
+def make_provider(row: str, *, size: int, otlp_endpoint: str | None) -> Tracing:
+    """A tracer provider whose spans go into a new ring of ``size`` as ``row``'s and, with
+    ``otlp_endpoint`` (``http://HOST:4318``), to that OTLP/HTTP receiver's ``/v1/traces`` in
+    batches; its resource names the service ``trainctl`` and the row (``trainctl.row``)."""
     ring = SpanRing(size)
     processor = RingProcessor(ring, row)
-    provider = TracerProvider(resource=Resource.create({"service.name": "trainctl"}))
+    resource = Resource.create({"service.name": "trainctl", "trainctl.row": row})
+    provider = TracerProvider(resource=resource)
     provider.add_span_processor(processor)
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         exporter = OTLPSpanExporter(endpoint=otlp_endpoint.rstrip("/") + "/v1/traces")
         provider.add_span_processor(BatchSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    _installed.append(_Installed(provider, ring, processor))
-    return ring
+    return Tracing(provider, ring, processor)
 
 
 def install_from_env(row: str) -> SpanRing:
@@ -235,6 +246,20 @@ def clock_offset(remote_now: float, sent: float, received: float) -> float:
 def now() -> float:
     """This process's wall clock, for ``clock_offset``."""
     return time.time()
+
+
+def busy_share(found: list[SpanRecord], since: float, until: float) -> float:
+    """The share of ``[since, until]`` that the spans ``found`` cover (overlaps counted once):
+    how busy a process was, from its spans of work."""
+    if until <= since:
+        return 0.0
+    covered, reach = 0.0, since
+    for s in sorted(found, key=lambda s: s.start_s):
+        start, end = max(s.start_s, reach), min(s.end_s, until)
+        if end > start:
+            covered += end - start
+            reach = end
+    return covered / (until - since)
 
 
 _ROW_ORDER = ("gateway", "controller", "rank", "engine")

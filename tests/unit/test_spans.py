@@ -144,3 +144,68 @@ def test_only_the_operator_reads_the_timeline(tmp_path: Path) -> None:
         assert http.get("/v1/timeline").status_code == 401
         ok = http.get("/v1/timeline", headers={"Authorization": "Bearer operator-token"})
         assert ok.status_code == 200 and "traceEvents" in ok.json(), ok.text
+
+
+def test_spans_reach_an_otlp_receiver_with_their_service_row_and_attributes() -> None:
+    """The OTLP/HTTP exporter ``--otlp-endpoint`` adds, against a receiver in this test that
+    decodes what it is sent as the OpenTelemetry collector would."""
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    received: list[ExportTraceServiceRequest] = []
+
+    class Receiver(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path == "/v1/traces":
+                received.append(ExportTraceServiceRequest.FromString(body))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        made = spans.make_provider(
+            "rank 2", size=10, otlp_endpoint=f"http://127.0.0.1:{server.server_port}"
+        )
+        tracer = made.provider.get_tracer("test")
+        with tracer.start_as_current_span("accumulate", attributes={"op": "op-7"}):
+            pass
+        made.provider.force_flush()
+        made.provider.shutdown()
+    finally:
+        server.shutdown()
+    assert received, "the receiver got nothing"
+    [resource_spans] = [rs for r in received for rs in r.resource_spans]
+    resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+    assert resource["service.name"] == "trainctl" and resource["trainctl.row"] == "rank 2"
+    [sent] = [s for ss in resource_spans.scope_spans for s in ss.spans]
+    assert sent.name == "accumulate"
+    assert {a.key: a.value.string_value for a in sent.attributes} == {"op": "op-7"}
+    assert len(made.ring) == 1  # and the ring has it too
+
+
+def test_busy_share_counts_each_covered_second_once() -> None:
+    found = [_record(1, 0.0, 4.0), _record(2, 2.0, 6.0), _record(3, 8.0, 9.0), _record(4, -5, 1)]
+    assert spans.busy_share(found, 0.0, 10.0) == pytest.approx(0.7)  # [0, 6] and [8, 9]
+    assert spans.busy_share([], 0.0, 10.0) == 0.0 and spans.busy_share(found, 5.0, 5.0) == 0.0
+
+
+def test_the_trainers_busy_share_is_a_gauge_from_the_controllers_spans() -> None:
+    from trainctl.workers.control.telemetry import BUSY_WINDOW_S, ControllerMetrics
+
+    spans.install("controller")  # this process's ring (another test may have made it)
+    now = time.time()
+    spans.record("train_batch", now - BUSY_WINDOW_S / 2, now, op="op-busy")
+    spans.record("not_an_operation", now - BUSY_WINDOW_S, now)  # not the trainer's work
+    text = ControllerMetrics(queue_depth=lambda: 0).text().decode()
+    [line] = [x for x in text.splitlines() if x.startswith("trainctl_trainer_busy_ratio ")]
+    assert 0.5 <= float(line.split()[1]) < 0.6, line

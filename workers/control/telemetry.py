@@ -12,10 +12,21 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from trainctl.api import LogProbsResult, OperationKind, OperationStatus, StepResult
+from trainctl.workers import spans
 from trainctl.workers.control.op_queue import Handle
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 64)
+BUSY_WINDOW_S = 60.0
+OPERATION_SPANS = frozenset(k.value for k in OperationKind)
+
+
+def _trainer_busy() -> float:
+    """The controller's busy share over the last ``BUSY_WINDOW_S``: its operations' spans."""
+    until = spans.now()
+    since = until - BUSY_WINDOW_S
+    ran = [s for s in spans.between(since, until) if s.name in OPERATION_SPANS]
+    return spans.busy_share(ran, since, until)
 
 
 class ControllerMetrics:
@@ -88,6 +99,13 @@ class ControllerMetrics:
             registry=r,
         )
         evictions.labels("finished_operations").set_function(lambda: float(evicted()))
+        busy = Gauge(
+            "trainctl_trainer_busy_ratio",
+            f"Share of the last {BUSY_WINDOW_S:.0f} s the controller ran operations (from its "
+            "spans: /v1/timeline); the rest the trainer sat idle.",
+            registry=r,
+        )
+        busy.set_function(_trainer_busy)
         depth = Gauge("trainctl_queue_depth", "Operations waiting to run.", registry=r)
         depth.set_function(lambda: float(queue_depth()))
         self.sampler_lag = Gauge(
