@@ -187,6 +187,11 @@ class Operation(BaseModel):
     finished_at: float | None = None
     result: Any = Field(default=None, description="When done: the call's result body.")
     error: ErrorBody | None = Field(default=None, description="When failed: the error.")
+    trace_id: str | None = Field(
+        default=None,
+        description="The trace its spans belong to (32 hex digits; GET /v1/timeline, OTLP): "
+        "the caller's, from its W3C traceparent header, else one of its own once it runs.",
+    )
 
     @property
     def finished(self) -> bool:

@@ -7,6 +7,7 @@ answer); the two clients differ only in how they send it and how they sleep betw
 from __future__ import annotations
 
 import random
+import secrets
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -159,6 +160,11 @@ def read_model(response: httpx.Response, model: type[M]) -> M:
 def parse_bytes(response: httpx.Response) -> bytes:
     raise_for_status(response)
     return response.content
+
+
+def new_traceparent() -> str:
+    """A W3C ``traceparent`` that starts a trace: a random trace id and span id, sampled."""
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
 
 
 def parse_json(response: httpx.Response) -> dict[str, Any]:

@@ -60,6 +60,7 @@ from trainctl.clients._base import (
     SequenceLike,
     Staleness,
     auth_headers,
+    new_traceparent,
     operation_result,
 )
 from trainctl.clients.errors import APIConnectionError
@@ -86,6 +87,10 @@ class TrainctlClient:
         )
         self._req = Requests(binary=binary)
         self._retry = retry or RetryPolicy()
+        self.last_trace_id: str | None = None
+        """The trace of the last call (32 hex digits): each call sends a W3C ``traceparent``
+        of its own (its retries the same one), so its spans on the gateway, the controller
+        and the ranks are one trace (``timeline``, OTLP)."""
 
     def __enter__(self) -> TrainctlClient:
         return self
@@ -98,13 +103,16 @@ class TrainctlClient:
 
     def _send(self, call: Call[T], retry: RetryPolicy | None = None) -> T:
         policy = retry or self._retry
+        parent = new_traceparent()
+        self.last_trace_id = parent[3:35]
+        headers = {**(call.headers or {}), "traceparent": parent}
         attempt = 0
         while True:
             attempt += 1
             try:
                 response = self._http.request(
                     call.method, call.url, content=call.content, params=call.params,
-                    headers=call.headers,
+                    headers=headers,
                 )  # fmt: skip
             except httpx.TransportError as e:
                 delay = policy.delay(attempt, None)

@@ -49,7 +49,8 @@ def _install_spans(app: FastAPI, size: int, otlp_endpoint: str | None) -> None:
     async def _span(request: Request, call_next: Any) -> Any:
         if spans.ring() is None:  # the serving process's first request (the app is pickled)
             spans.install("gateway", size=size, otlp_endpoint=otlp_endpoint)
-        with spans.span(f"{request.method} {request.url.path}") as current:
+        parent = request.headers.get("traceparent")  # the caller's trace (W3C), if it sent one
+        with spans.span(f"{request.method} {request.url.path}", parent=parent) as current:
             response = await call_next(request)
             current.set_attribute("http.status_code", response.status_code)
             return response

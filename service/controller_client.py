@@ -24,15 +24,26 @@ from trainctl.api import (
     Served,
     TrainctlError,
 )
+from trainctl.workers import spans
 from trainctl.workers.spans import SpanRecord
 
 
 class ControllerAPI(Protocol):
     async def submit(
-        self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
+        self,
+        kind: OperationKind,
+        req: Any = None,
+        key: str | None = None,
+        fingerprint: str = "",
+        trace: str | None = None,
     ) -> Operation: ...
     async def run(
-        self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
+        self,
+        kind: OperationKind,
+        req: Any = None,
+        key: str | None = None,
+        fingerprint: str = "",
+        trace: str | None = None,
     ) -> Any: ...
     async def operation(self, op_id: str, wait_s: float = 0.0) -> Operation: ...
     async def list_profiles(self) -> MemoryProfileList: ...
@@ -97,6 +108,30 @@ class RayController:
         except ray.exceptions.RayActorError as e:
             self._handle = None
             raise NotReadyError(f"the controller is unavailable: {e}") from e
+
+    # An operation joins the trace of the request that asked for it: the gateway's span.
+    async def submit(
+        self,
+        kind: OperationKind,
+        req: Any = None,
+        key: str | None = None,
+        fingerprint: str = "",
+        trace: str | None = None,
+    ) -> Operation:
+        op: Operation = await self._call(
+            "submit", kind, req, key, fingerprint, trace or spans.traceparent()
+        )
+        return op
+
+    async def run(
+        self,
+        kind: OperationKind,
+        req: Any = None,
+        key: str | None = None,
+        fingerprint: str = "",
+        trace: str | None = None,
+    ) -> Any:
+        return await self._call("run", kind, req, key, fingerprint, trace or spans.traceparent())
 
     def __getattr__(self, method: str) -> Any:
         if method not in _METHODS:

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 Attr = str | int | float | bool
 RING_SPANS = 20_000
@@ -187,13 +189,34 @@ def flush() -> None:
         _installed[0].provider.force_flush()
 
 
+def traceparent() -> str | None:
+    """The current span as a W3C ``traceparent`` header value (None outside a recorded span):
+    what a call to another process carries so that its spans join this trace."""
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier)
+    return carrier.get("traceparent")
+
+
+def trace_id_of(parent: str | None) -> str | None:
+    """The trace id (32 hex digits) of a ``traceparent`` value; None if it is not a valid one."""
+    ctx = trace.get_current_span(_context(parent)).get_span_context()
+    return _hex(ctx.trace_id, 32) if ctx.is_valid else None
+
+
+def _context(parent: str | None) -> Context | None:
+    if not parent:
+        return None
+    return TraceContextTextMapPropagator().extract({"traceparent": parent})
+
+
 @contextlib.contextmanager
-def span(name: str, **attrs: Attr | None) -> Iterator[trace.Span]:
-    """A span around the block, a child of the current one; attributes that are None are left
-    out. Without ``install`` the span is OpenTelemetry's no-op one."""
+def span(name: str, parent: str | None = None, **attrs: Attr | None) -> Iterator[trace.Span]:
+    """A span around the block: a child of ``parent`` (a ``traceparent`` from another process)
+    if given, else of the current span; attributes that are None are left out. Without
+    ``install`` the span is OpenTelemetry's no-op one."""
     tracer = trace.get_tracer(TRACER)
     given = {k: v for k, v in attrs.items() if v is not None}
-    with tracer.start_as_current_span(name, attributes=given) as current:
+    with tracer.start_as_current_span(name, context=_context(parent), attributes=given) as current:
         yield current
 
 

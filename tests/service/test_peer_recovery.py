@@ -10,9 +10,6 @@ kills a rank and checks that the retried step gives the reference's numbers."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -87,14 +84,16 @@ def arm(svc: Service, **fault: object) -> None:
 
 
 def kill_mid_step(svc: Service, rank: int, batch: list[dict]) -> None:
-    """``rank`` SIGKILLed while ``batch`` trains: the call fails retryable, nothing applied."""
+    """``rank`` SIGKILLed while ``batch`` trains: the call fails retryable, nothing applied.
+    The rank kills itself as its forward pass begins (an injected crash: SIGKILL, nothing
+    cleaned up), while its peer works on: a kill from outside, timed by polling the
+    operation, landed after both ranks had applied the update on a loaded CI machine (the
+    step then stands, as the next test checks)."""
     c = client(svc)
     victim = c.info().ranks[rank].pid
     assert victim is not None
+    arm(svc, rank=rank, phase="forward", kill=True)
     op = c.submit("train_batch", batch)
-    while c.operation(op.id).status.value == "queued":
-        time.sleep(0.05)
-    os.kill(victim, signal.SIGKILL)
     final = c.operation(op.id, wait_s=60)
     assert final.status.value == "failed" and final.error is not None, final
     assert final.error.type.value == "not_ready" and "nothing was applied" in final.error.message

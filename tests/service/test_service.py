@@ -401,10 +401,12 @@ def test_the_timeline_shows_one_step_on_the_gateway_the_controller_and_both_rank
 ) -> None:
     """One train step, then ``trainctl``'s timeline: the gateway's request, the controller's
     operation with its queue wait and phases, and each rank's part of it, all carrying the
-    operation's id, on one clock, in a Chrome trace Perfetto opens."""
+    operation's id and the trace the SDK's call started, on one clock, in a Chrome trace
+    Perfetto opens."""
     with service.client() as tc:
         t0 = time.time()
         op = tc.submit("train_batch", [[1, 2, 3, 4, 5, 6]])
+        sent = tc.last_trace_id
         step = tc.wait(op)
         trace = tc.timeline(since=t0 - 1)
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
@@ -422,6 +424,8 @@ def test_the_timeline_shows_one_step_on_the_gateway_the_controller_and_both_rank
         ("rank 0", "apply"),
     ]:
         assert (rows[row], name) in where, (row, name, sorted(where))
+    assert sent is not None and op.trace_id == sent
+    assert {e["args"]["trace_id"] for e in mine} == {sent}, "one call, one trace"
     run = next(e for e in mine if e["name"] == "train_batch")
     for e in mine:  # every part of the operation lies within it, on the gateway's clock
         if e["name"] != "queued":

@@ -209,3 +209,45 @@ def test_the_trainers_busy_share_is_a_gauge_from_the_controllers_spans() -> None
     text = ControllerMetrics(queue_depth=lambda: 0).text().decode()
     [line] = [x for x in text.splitlines() if x.startswith("trainctl_trainer_busy_ratio ")]
     assert 0.5 <= float(line.split()[1]) < 0.6, line
+
+
+def test_a_callers_traceparent_is_the_trace_of_its_request_and_its_operation(
+    http: TestClient,
+) -> None:
+    """The W3C header the SDK sends: the gateway's span and the operation's spans (run here
+    by the fake controller's real queue) join the caller's trace."""
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    parent = f"00-{trace_id}-00f067aa0ba902b7-01"
+    t0 = time.time()
+    r = http.post(
+        "/v1/train_batch", json={"sequences": [{"tokens": [1, 2, 3]}]},
+        headers={"traceparent": parent},
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    events = [e for e in http.get("/v1/timeline", params={"since": t0 - 1}).json()["traceEvents"]
+              if e["ph"] == "X" and e["args"]["trace_id"] == trace_id]  # fmt: skip
+    names = {e["name"] for e in events}
+    assert {"POST /v1/train_batch", "train_batch", "queued"} <= names, names
+    request = next(e for e in events if e["name"] == "POST /v1/train_batch")
+    assert request["args"]["parent_id"] == "00f067aa0ba902b7"  # the caller's span
+
+
+def test_the_sdk_sends_one_traceparent_per_call_and_keeps_its_trace_id() -> None:
+    import httpx
+
+    from trainctl.clients import TrainctlClient
+
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers["traceparent"])
+        return httpx.Response(200, json={"status": "ok", "service": "trainctl"})
+
+    http = httpx.Client(base_url="http://x", transport=httpx.MockTransport(answer))
+    with TrainctlClient("http://x", http_client=http) as tc:
+        tc.health()
+        first = tc.last_trace_id
+        tc.health()
+    assert len(seen) == 2 and seen[0] != seen[1]
+    assert first is not None and seen[0] == f"00-{first}-{seen[0][36:52]}-01"
+    assert spans.trace_id_of(seen[1]) == tc.last_trace_id

@@ -288,16 +288,27 @@ class Controller:
     # -- operations --------------------------------------------------------------------------
 
     async def submit(
-        self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
+        self,
+        kind: OperationKind,
+        req: Any = None,
+        key: str | None = None,
+        fingerprint: str = "",
+        trace: str | None = None,
     ) -> Operation:
-        """Queue an operation, or return the one already submitted under ``key``."""
-        return await self.operations.submit(kind, req, key, fingerprint)
+        """Queue an operation, or return the one already submitted under ``key``; ``trace``:
+        the gateway's ``traceparent``, which the operation's spans join."""
+        return await self.operations.submit(kind, req, key, fingerprint, trace)
 
     async def run(
-        self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
+        self,
+        kind: OperationKind,
+        req: Any = None,
+        key: str | None = None,
+        fingerprint: str = "",
+        trace: str | None = None,
     ) -> Any:
         """``submit`` and wait: the operation's result, or its error raised."""
-        return await self.operations.run(kind, req, key, fingerprint)
+        return await self.operations.run(kind, req, key, fingerprint, trace)
 
     async def operation(self, op_id: str, wait_s: float = 0.0) -> Operation:
         """The operation's state; with ``wait_s``, once finished or after that many seconds."""

@@ -40,6 +40,7 @@ from trainctl.api import (
     TrainctlError,
 )
 from trainctl.workers import spans
+from trainctl.workers.engine.boundary import OpRef
 from trainctl.workers.rank.logs import current_operation
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,13 @@ class Handle:
     kept, so a retry gets this operation, never a second step."""
     phase_span: spans.Open | None = None
     """The span of the phase it is in (``set_phase``), a child of the operation's."""
+    trace: str | None = None
+    """The caller's ``traceparent``: the operation's span is its child. While it runs, its own
+    span's (what its rank calls carry: ``ref``)."""
+
+    def ref(self) -> OpRef:
+        """The operation as a rank call carries it: its id and the trace its spans join."""
+        return OpRef(self.op.id, self.trace)
 
     def set_phase(self, phase: str) -> None:
         self.op.phase = phase
@@ -125,9 +133,11 @@ class OperationQueue:
         key: str | None = None,
         fingerprint: str = "",
         front: bool = False,
+        trace: str | None = None,
     ) -> Operation:
         """Queue ``run`` (or find the operation already submitted under ``key``); ``front``
-        puts it ahead of everything queued (failure recovery), past the queue limit."""
+        puts it ahead of everything queued (failure recovery), past the queue limit;
+        ``trace``: the caller's ``traceparent``, which the operation's spans join."""
         existing = self.find(kind, key, fingerprint)
         if existing is not None:
             return existing
@@ -144,8 +154,9 @@ class OperationQueue:
             kind=OperationKind(kind),
             status=OperationStatus.QUEUED,
             created_at=time.time(),
+            trace_id=spans.trace_id_of(trace),
         )
-        h = Handle(op=op, run=run, key=key, fingerprint=fingerprint)
+        h = Handle(op=op, run=run, key=key, fingerprint=fingerprint, trace=trace)
         self._ops[op_id] = h
         if key is not None:
             self._by_key[key] = h
@@ -228,11 +239,14 @@ class OperationQueue:
             self._running = h
             h.op.status, h.op.started_at = OperationStatus.RUNNING, time.time()
             token = current_operation.set(h.op.id)
-            spans.record("queued", h.op.created_at, h.op.started_at, op=h.op.id)
             try:
                 log.info("%s started", h.op.kind)
                 assert h.run is not None
-                with spans.span(h.op.kind.value, op=h.op.id):
+                with spans.span(h.op.kind.value, parent=h.trace, op=h.op.id):
+                    queued = (h.op.created_at, h.op.started_at)
+                    spans.record("queued", *queued, op=h.op.id)
+                    h.trace = spans.traceparent()
+                    h.op.trace_id = spans.trace_id_of(h.trace) or h.op.trace_id
                     try:
                         result = await h.run(h)
                     finally:
@@ -294,21 +308,33 @@ class Operations:
         self.queue, self.prepare, self.check = queue, prepare, check
 
     async def submit(
-        self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
+        self,
+        kind: OperationKind,
+        req: Any = None,
+        key: str | None = None,
+        fingerprint: str = "",
+        trace: str | None = None,
     ) -> Operation:
-        """Queue an operation, or return the one already submitted under ``key``."""
+        """Queue an operation, or return the one already submitted under ``key``; ``trace``:
+        the caller's ``traceparent`` (else the current span's, in this process)."""
         self.check()
         existing = self.queue.find(kind, key, fingerprint)
         if existing is not None:
             return existing
         run = await self.prepare(kind, req)
-        return self.queue.submit(kind, run, key=key, fingerprint=fingerprint)
+        trace = trace or spans.traceparent()
+        return self.queue.submit(kind, run, key=key, fingerprint=fingerprint, trace=trace)
 
     async def run(
-        self, kind: OperationKind, req: Any = None, key: str | None = None, fingerprint: str = ""
+        self,
+        kind: OperationKind,
+        req: Any = None,
+        key: str | None = None,
+        fingerprint: str = "",
+        trace: str | None = None,
     ) -> Any:
         """``submit`` and wait: the operation's result, or its error raised."""
-        op = await self.submit(kind, req, key, fingerprint)
+        op = await self.submit(kind, req, key, fingerprint, trace)
         return await self.queue.result(op.id)
 
     async def operation(self, op_id: str, wait_s: float = 0.0) -> Operation:

@@ -279,7 +279,7 @@ class Steps:
         ref = self.group.put(plan)
         h.set_phase("forward_backward")
         try:
-            reports = await self.group.call(RankWorker.accumulate, ref, h.op.id)
+            reports = await self.group.call(RankWorker.accumulate, ref, h.ref())
         except TrainctlError:
             await self._discard(state)
             raise
@@ -313,11 +313,11 @@ class Steps:
         before = state.step
         applied, published, rebuilt = None, None, False
         try:
-            applied = await self.group.call(RankWorker.apply, h.op.id, hyper)
+            applied = await self.group.call(RankWorker.apply, h.ref(), hyper)
             if self.cfg.use_distributed_optimizer:
                 # Only now that every rank has updated its shard: the all-gather.
                 h.set_phase("parameter_gather")
-                published = await self.group.call(RankWorker.publish, h.op.id)
+                published = await self.group.call(RankWorker.publish, h.ref())
         except (WorkerError, GroupLostError) as e:
             # Some ranks may have applied the update and others not: only a rebuild makes
             # them agree again.
@@ -411,7 +411,7 @@ class Steps:
         h.set_phase("forward" if req.forward_only else "forward_backward")
         try:
             parts = await self.group.call(
-                RankWorker.forward_backward, self.group.put(plan), h.op.id, backward
+                RankWorker.forward_backward, self.group.put(plan), h.ref(), backward
             )
         except TrainctlError:
             if backward:  # ranks that finished this part take it back: the window is as before
@@ -454,7 +454,7 @@ class Steps:
         state.window = None  # applied, or dropped: either way the window closes
         try:
             norms = await self.group.call(
-                RankWorker.finish_window, w.divisor(), h.op.id, req.adapter
+                RankWorker.finish_window, w.divisor(), h.ref(), req.adapter
             )
         except TrainctlError:
             await self._discard(state)
@@ -486,7 +486,7 @@ class Steps:
         stale = self.staleness.check(req.sequences, step, plan.adapter, training=False)
         t0 = time.perf_counter()
         h.set_phase("forward")
-        reports = await self.group.call(RankWorker.eval_batch, self.group.put(plan), h.op.id)
+        reports = await self.group.call(RankWorker.eval_batch, self.group.put(plan), h.ref())
         result = step_result(plan, reports, step=step, t_plan=t_plan)
         result.metrics.update(stale)
         result.timings["total_s"] = time.perf_counter() - t0
@@ -497,7 +497,7 @@ class Steps:
         h.set_phase("forward")
         ref = self.group.put(plan)
         parts = await self.group.call(
-            RankWorker.logprobs, ref, req.entropy, req.return_routes, h.op.id
+            RankWorker.logprobs, ref, req.entropy, req.return_routes, h.ref()
         )
         step = self.state_of(plan.adapter).step
         routes = self.cfg.model.num_layers if req.return_routes else None

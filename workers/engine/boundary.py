@@ -300,3 +300,13 @@ class AdapterInfo:
     step: int
     nbytes: int
     last_used: float
+
+
+@dataclass(frozen=True)
+class OpRef:
+    """The operation a rank call works for: its id (the rank's log lines and spans carry it)
+    and the W3C ``traceparent`` of the controller's span for it, so that the rank's spans
+    join the operation's trace."""
+
+    id: str = "-"
+    traceparent: str | None = None

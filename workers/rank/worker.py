@@ -28,6 +28,7 @@ from trainctl.workers.engine.boundary import (
     AdapterSpec,
     Applied,
     LogProbsPart,
+    OpRef,
     OwnedShards,
     PartResult,
     PeerStep,
@@ -59,13 +60,17 @@ def quiet_megatron() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+NO_OP = OpRef()
+"""A call outside any operation (a test, a drill)."""
+
+
 @contextlib.contextmanager
-def _operation(op_id: str, name: str) -> Iterator[None]:
-    """The block as operation ``op_id``'s work on this rank: its log lines carry the id, and
-    it is one span named ``name`` on this rank's row of the timeline."""
-    token = current_operation.set(op_id)
+def _operation(op: OpRef, name: str) -> Iterator[None]:
+    """The block as operation ``op``'s work on this rank: its log lines carry the id, and it
+    is one span named ``name`` on this rank's row of the timeline, in the operation's trace."""
+    token = current_operation.set(op.id)
     try:
-        with spans.span(name, op=op_id):
+        with spans.span(name, parent=op.traceparent, op=op.id):
             yield
     finally:
         current_operation.reset(token)
@@ -153,29 +158,29 @@ class RankWorker:
         self.shard.adapters.activate(plan.adapter)
         return plan.microbatches[self.shard.coords.dp]
 
-    def accumulate(self, plan: StepPlan, op_id: str = "-") -> StepReport:
+    def accumulate(self, plan: StepPlan, op: OpRef = NO_OP) -> StepReport:
         """Phase 1 of a train step: forward/backward; gradients held until ``apply``."""
-        with _operation(op_id, "accumulate"):
+        with _operation(op, "accumulate"):
             report = self.shard.accumulate(self._shard(plan), plan.loss)
             self.faults.point("accumulate_end", undo=self.shard.optim.zero_grad)
             return report
 
-    def apply(self, op_id: str = "-", hyper: OptimizerConfig | None = None) -> Applied:
+    def apply(self, op: OpRef = NO_OP, hyper: OptimizerConfig | None = None) -> Applied:
         """Phase 2, once every rank finished phase 1: the optimizer update (local), with
         ``hyper`` (``optim_step``'s AdamW settings) or the engine config's."""
-        with _operation(op_id, "apply"):
+        with _operation(op, "apply"):
             self.faults.check("optimizer")
             applied = self.shard.apply(hyper)
             self.faults.check("optimizer_end")  # updated here, not yet answered or published
             return applied
 
     def forward_backward(
-        self, plan: StepPlan, op_id: str = "-", backward: bool = True
+        self, plan: StepPlan, op: OpRef = NO_OP, backward: bool = True
     ) -> PartResult:
         """A split-step part: gradients added to the window (not reduced), its report and
         per-sequence log-probs and token losses. On failure here the window is as before the
         call. Without ``backward``: the same outputs, no gradients."""
-        with _operation(op_id, "forward_backward"):
+        with _operation(op, "forward_backward"):
             out = self.shard.forward_backward(self._shard(plan), plan.loss, backward=backward)
             if backward:
                 self.faults.point("forward_backward_end", undo=self.shard.rollback_part)
@@ -185,18 +190,18 @@ class RankWorker:
         """Undo this rank's last part (another rank failed it)."""
         self.shard.rollback_part()
 
-    def finish_window(self, divisor: float, op_id: str = "-", adapter: str | None = None) -> float:
+    def finish_window(self, divisor: float, op: OpRef = NO_OP, adapter: str | None = None) -> float:
         """``optim_step`` phase 1: the window's one reduction, then the grad norm (of
         ``adapter``'s window, with adapters)."""
-        with _operation(op_id, "finish_window"):
+        with _operation(op, "finish_window"):
             self.faults.check("finish_window")
             self.shard.adapters.activate(adapter)
             return float(self.shard.finish_window(divisor))
 
-    def publish(self, op_id: str = "-") -> float:
+    def publish(self, op: OpRef = NO_OP) -> float:
         """Phase 3 under ZeRO-1, once every rank's update succeeded: the all-gather of the
         updated parameters; its seconds."""
-        with _operation(op_id, "publish"):
+        with _operation(op, "publish"):
             t0 = time.perf_counter()
             self.faults.check("publish")
             self.shard.optim.publish()
@@ -206,14 +211,14 @@ class RankWorker:
         """Drop the accumulated gradients (another rank failed phase 1)."""
         self.shard.optim.zero_grad()
 
-    def eval_batch(self, plan: StepPlan, op_id: str = "-") -> StepReport:
-        with _operation(op_id, "eval_batch"):
+    def eval_batch(self, plan: StepPlan, op: OpRef = NO_OP) -> StepReport:
+        with _operation(op, "eval_batch"):
             return self.shard.eval_batch(self._shard(plan), plan.loss)
 
     def logprobs(
-        self, plan: StepPlan, entropy: bool, routes: bool = False, op_id: str = "-"
+        self, plan: StepPlan, entropy: bool, routes: bool = False, op: OpRef = NO_OP
     ) -> LogProbsPart:
-        with _operation(op_id, "logprobs"):
+        with _operation(op, "logprobs"):
             return self.shard.logprobs(self._shard(plan), entropy=entropy, routes=routes)
 
     def weights_digest(self) -> str:
