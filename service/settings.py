@@ -551,6 +551,17 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _otlp_exporter_installed(self) -> Settings:
+        """``--otlp-endpoint`` needs the OTLP exporter in every process: said before anything
+        starts, not by the first process that would export."""
+        if self.otlp_endpoint and not _installed("opentelemetry.exporter.otlp.proto.http"):
+            raise ValueError(
+                "otlp_endpoint: exporting spans needs the OTLP exporter, which is not "
+                "installed: pip install 'trainctl[tracing]'"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _shrink_loads_any_layout(self) -> Settings:
         """A shrunk service restores and saves on another layout than the configured one:
         only reshardable checkpoints load into both."""
@@ -627,6 +638,16 @@ class Settings(BaseSettings):
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported here (without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def _loopback(host: str) -> bool:

@@ -251,3 +251,28 @@ def test_the_sdk_sends_one_traceparent_per_call_and_keeps_its_trace_id() -> None
     assert len(seen) == 2 and seen[0] != seen[1]
     assert first is not None and seen[0] == f"00-{first}-{seen[0][36:52]}-01"
     assert spans.trace_id_of(seen[1]) == tc.last_trace_id
+
+
+def test_an_otlp_endpoint_without_the_exporter_is_refused_naming_the_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    from pydantic import ValidationError
+
+    from trainctl.service.settings import Settings
+
+    assert Settings(otlp_endpoint="http://127.0.0.1:4318").otlp_endpoint  # installed here
+    real = importlib.util.find_spec
+
+    def without(name: str, *args: object) -> object:
+        if name.startswith("opentelemetry.exporter.otlp"):
+            return None
+        return real(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(importlib.util, "find_spec", without)
+    with pytest.raises(
+        ValidationError, match=r"otlp_endpoint: .*pip install 'trainctl\[tracing\]'"
+    ):
+        Settings(otlp_endpoint="http://127.0.0.1:4318")
+    assert Settings().otlp_endpoint is None  # no endpoint: nothing to check
