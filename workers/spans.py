@@ -1,9 +1,10 @@
 """Spans of the work each process does, kept in a bounded ring and exported on demand.
 
-Every process of the service (the gateway, the controller, each rank, each sampler engine)
-records its spans through OpenTelemetry's SDK: one tracer provider per process (``install``),
-whose ``RingProcessor`` keeps the finished spans in a ``SpanRing`` of at most ``size`` (a full
-ring drops the oldest and counts them), and which may also export them over OTLP. The
+Every process of the service (the gateway, the controller, each rank; the sampler engines
+do not record spans yet) records its spans through OpenTelemetry's SDK: one tracer provider
+per process (``install``), whose ``RingProcessor`` keeps the finished spans in a ``SpanRing``
+of at most ``size`` (a full ring drops the oldest and counts them), and which may also export
+them over OTLP. The
 timeline (``GET /v1/timeline``) gathers the rings' spans in a time range and writes them as
 Chrome trace JSON (``chrome_trace``), which Perfetto's UI opens: one row per process.
 

@@ -28,7 +28,7 @@ class Timeline:
 
     async def spans(self, since: float, until: float) -> tuple[list[spans.SpanRecord], int]:
         """The spans overlapping ``[since, until]`` (the controller's clock), and the spans the
-        rings dropped so far."""
+        controller's ring dropped so far (the ranks' drops are not counted yet)."""
         own = spans.ring()
         out = spans.between(since, until)
         dropped = own.dropped if own is not None else 0
