@@ -3,6 +3,8 @@
     trainctl serve --samplers 1 --sampler-sync in_flight --max-staleness 2   # in one shell
     python examples/async_rl.py --mode async          # one run, a line per iteration
     python examples/async_rl.py --mode compare        # sync and async, 3 runs each: a table
+    python examples/async_rl.py --timeline trace      # trace-sync.json, trace-async.json and
+                                                      # trace.png: two iterations of each
 
 The toy task of ``examples/rl_loop.py`` (a completion's reward is the fraction of its tokens
 below 64; a random policy scores about 0.125), with an environment that takes time: each
@@ -21,12 +23,18 @@ rollout waits ``--delay`` seconds before its reward, as a tool call or a sandbox
 Both start from the same weights (a checkpoint saved by the first run), take the same PPO step
 with group-relative advantages and the sampler's log-probs as the behaviour policy's, and stop
 once the mean reward of their last three iterations reaches ``--until``.
+
+``--timeline PREFIX`` runs two iterations of each loop and writes the service's timeline of
+each (``GET /v1/timeline``: open it in https://ui.perfetto.dev) and a picture of both side by
+side (``examples/timeline_plot.py``): where the samplers sit idle in the synchronous loop, and
+how the asynchronous one fills that time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import time
@@ -211,6 +219,34 @@ def compare(url: str, args: argparse.Namespace, in_flights: tuple[int, ...] = (1
     return runs
 
 
+def timelines(url: str, args: argparse.Namespace, prefix: str) -> None:
+    """Two iterations of each loop, each one's timeline as ``PREFIX-<mode>.json``, and both
+    side by side in ``PREFIX.png``."""
+    import sys
+    from pathlib import Path
+
+    from trainctl.clients import TrainctlClient
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script, or imported
+    import timeline_plot
+
+    traces = {}
+    for mode in ("sync", "async"):
+        short = argparse.Namespace(**{**vars(args), "max_iterations": 2, "until": 2.0})
+        t0 = time.time()
+        asyncio.run(one(url, mode, short, quiet=True))
+        with TrainctlClient(url) as tc:
+            traces[mode] = tc.timeline(since=t0, until=time.time())
+        Path(f"{prefix}-{mode}.json").write_text(json.dumps(traces[mode]))
+        print(f"wrote {prefix}-{mode}.json ({traces[mode]['otherData']['spans']} spans)")
+    timeline_plot.draw(
+        {"synchronous: sample, then train": traces["sync"],
+         f"asynchronous: {args.in_flight} step(s) in flight": traces["async"]},
+        Path(f"{prefix}.png"),
+    )  # fmt: skip
+    print(f"wrote {prefix}.png")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
@@ -226,7 +262,11 @@ def main() -> int:
         help="async: steps' worth of groups sampling at once (1: one step off-policy)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeline", metavar="PREFIX", help="write two iterations' timelines and a PNG")
     args = p.parse_args()
+    if args.timeline:
+        timelines(args.url, args, args.timeline)
+        return 0
     if args.mode != "compare":
         run = asyncio.run(one(args.url, args.mode, args))
         print(table([run], args.until))

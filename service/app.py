@@ -47,12 +47,15 @@ def _install_spans(app: FastAPI, size: int, otlp_endpoint: str | None) -> None:
 
     @app.middleware("http")
     async def _span(request: Request, call_next: Any) -> Any:
-        if spans.ring() is None:  # the serving process's first request (the app is pickled)
+        if not spans.installed():  # the serving process's first request (the app is pickled)
             spans.install("gateway", size=size, otlp_endpoint=otlp_endpoint)
         parent = request.headers.get("traceparent")  # the caller's trace (W3C), if it sent one
         with spans.span(f"{request.method} {request.url.path}", parent=parent) as current:
             response = await call_next(request)
             current.set_attribute("http.status_code", response.status_code)
+            tenant = getattr(request.state, "tenant", None)  # its name, never its key
+            if tenant is not None:  # every span of this trace works for it
+                current.set_attribute("tenant", tenant)
             return response
 
 

@@ -60,8 +60,11 @@ class ControllerAPI(Protocol):
     async def model_limits(self) -> ModelLimits: ...
     async def clock(self) -> float: ...
     async def timeline(self, since: float, until: float) -> tuple[list[SpanRecord], int]: ...
-    async def sample(self, req: SampleRequest, queue: bool = False) -> SampleResult:
-        """``queue``: past the samplers' admission bound, wait for room (not a 429)."""
+    async def sample(
+        self, req: SampleRequest, queue: bool = False, trace: str | None = None
+    ) -> SampleResult:
+        """``queue``: past the samplers' admission bound, wait for room (not a 429).
+        ``trace``: the caller's ``traceparent``."""
         ...
 
     async def check_sample_room(self, req: SampleRequest) -> None:
@@ -132,6 +135,12 @@ class RayController:
         trace: str | None = None,
     ) -> Any:
         return await self._call("run", kind, req, key, fingerprint, trace or spans.traceparent())
+
+    async def sample(
+        self, req: SampleRequest, queue: bool = False, trace: str | None = None
+    ) -> SampleResult:
+        result: SampleResult = await self._call("sample", req, queue, trace or spans.traceparent())
+        return result
 
     def __getattr__(self, method: str) -> Any:
         if method not in _METHODS:

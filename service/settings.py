@@ -223,10 +223,11 @@ class Settings(BaseSettings):
     )
     trace_spans: int = Field(
         20_000,
-        ge=1,
+        ge=0,
         le=1_000_000,
-        description="Spans each process (the gateway, the controller, every rank) keeps for "
-        "GET /v1/timeline; a full ring drops its oldest and counts them.",
+        description="Spans each process (the gateway, the controller, every rank and sampler "
+        "engine) keeps for GET /v1/timeline; a full ring drops its oldest and counts them. "
+        "0 turns tracing off (no spans, no OTLP export).",
     )
     otlp_endpoint: str | None = Field(
         None,

@@ -1,10 +1,11 @@
 """Spans of the work each process does, kept in a bounded ring and exported on demand.
 
-Every process of the service (the gateway, the controller, each rank; the sampler engines
-do not record spans yet) records its spans through OpenTelemetry's SDK: one tracer provider
-per process (``install``), whose ``RingProcessor`` keeps the finished spans in a ``SpanRing``
-of at most ``size`` (a full ring drops the oldest and counts them), and which may also export
-them over OTLP. The
+Every process of the service (the gateway, the controller, each rank, each sampler engine)
+records its spans through OpenTelemetry's SDK: one tracer provider per process
+(``install``), whose ``RingProcessor`` keeps the finished spans in a ``SpanRing`` of at most
+``size`` (a full ring drops the oldest and counts them), and which may also export them over
+OTLP. A ``size`` of 0 turns tracing off in that process: no provider is installed, and every
+span is OpenTelemetry's no-op one. The
 timeline (``GET /v1/timeline``) gathers the rings' spans in a time range and writes them as
 Chrome trace JSON (``chrome_trace``), which Perfetto's UI opens: one row per process.
 
@@ -140,19 +141,32 @@ class Tracing:
 
 _installed: list[Tracing] = []
 """This process's tracer provider, once ``install`` made it."""
+_decided: list[bool] = []
+"""Set by the first ``install``: whether this process traces is decided once."""
 
 
-def install(row: str, *, size: int = RING_SPANS, otlp_endpoint: str | None = None) -> SpanRing:
+def install(
+    row: str, *, size: int = RING_SPANS, otlp_endpoint: str | None = None
+) -> SpanRing | None:
     """This process's tracer provider, made once: its spans go into a ring of ``size`` (and,
-    with ``otlp_endpoint``, to that OTLP/HTTP receiver too). A second call renames the row and
-    returns the same ring."""
+    with ``otlp_endpoint``, to that OTLP/HTTP receiver too); ``size`` 0: none (tracing off).
+    A second call renames the row and returns the same ring."""
     if _installed:
         _installed[0].processor.row = row
         return _installed[0].ring
+    if _decided or size == 0:
+        _decided.append(True)
+        return None
+    _decided.append(True)
     made = make_provider(row, size=size, otlp_endpoint=otlp_endpoint)
     trace.set_tracer_provider(made.provider)
     _installed.append(made)
     return made.ring
+
+
+def installed() -> bool:
+    """Whether ``install`` was called in this process (with tracing on or off)."""
+    return bool(_decided)
 
 
 def make_provider(row: str, *, size: int, otlp_endpoint: str | None) -> Tracing:
@@ -172,16 +186,31 @@ def make_provider(row: str, *, size: int, otlp_endpoint: str | None) -> Tracing:
     return Tracing(provider, ring, processor)
 
 
-def install_from_env(row: str) -> SpanRing:
+ENV = ("TRAINCTL_TRACE_SPANS", "TRAINCTL_OTLP_ENDPOINT")
+"""The variables that carry the service's tracing settings to every process it starts."""
+
+
+def install_from_env(row: str) -> SpanRing | None:
     """``install`` with the service's settings as the launch hands them to every process
-    (``TRAINCTL_TRACE_SPANS``, ``TRAINCTL_OTLP_ENDPOINT``)."""
+    (``ENV``)."""
     size = int(os.environ.get("TRAINCTL_TRACE_SPANS") or RING_SPANS)
     return install(row, size=size, otlp_endpoint=os.environ.get("TRAINCTL_OTLP_ENDPOINT") or None)
+
+
+def env() -> dict[str, str]:
+    """This process's tracing settings (``ENV``), for a process it starts."""
+    return {k: os.environ[k] for k in ENV if k in os.environ}
 
 
 def ring() -> SpanRing | None:
     """This process's ring; None until ``install``."""
     return _installed[0].ring if _installed else None
+
+
+def dropped() -> int:
+    """The spans this process's ring dropped so far (0 without one)."""
+    kept = ring()
+    return kept.dropped if kept is not None else 0
 
 
 def flush() -> None:
@@ -221,6 +250,37 @@ def span(name: str, parent: str | None = None, **attrs: Attr | None) -> Iterator
         yield current
 
 
+@dataclass
+class Timed:
+    """The times of a ``timed`` block, in seconds of this process's wall clock."""
+
+    start_s: float
+    end_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """The block's length: the span's, exactly (0.0 while it runs)."""
+        return max(self.end_s - self.start_s, 0.0)
+
+
+@contextlib.contextmanager
+def timed(name: str, **attrs: Attr | None) -> Iterator[Timed]:
+    """A span around the block, a child of the current one, whose times are measured once:
+    a timing reported from ``Timed.seconds`` is the span's length, never a second clock's."""
+    t = Timed(now())
+    given = {k: v for k, v in attrs.items() if v is not None}
+    tracer = trace.get_tracer(TRACER)
+    start = int(t.start_s * 1e9)
+    with tracer.start_as_current_span(
+        name, attributes=given, start_time=start, end_on_exit=False
+    ) as current:
+        try:
+            yield t
+        finally:
+            t.end_s = now()
+            current.end(end_time=int(t.end_s * 1e9))
+
+
 Open = trace.Span
 """A span started with ``start``: its holder ends it (``.end()``)."""
 
@@ -250,6 +310,16 @@ def between(since: float, until: float, offset_s: float = 0.0) -> list[SpanRecor
     if offset_s == 0.0:
         return local
     return [shifted(s, offset_s) for s in local]
+
+
+Found = tuple[list[SpanRecord], int]
+"""Spans read from a process, and the count its ring dropped."""
+
+
+def recent(since: float, until: float, offset_s: float) -> Found:
+    """What a process answers a collector's read: ``between``, and the spans its ring
+    dropped so far."""
+    return between(since, until, offset_s), dropped()
 
 
 def shifted(s: SpanRecord, offset_s: float) -> SpanRecord:

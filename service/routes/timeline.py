@@ -7,6 +7,7 @@ from fastapi import Request
 
 from trainctl.api import InvalidRequestError
 from trainctl.service.routes.deps import ControllerDep, resource_router
+from trainctl.service.traces import gather
 from trainctl.workers import spans
 
 router = resource_router("timeline")
@@ -23,7 +24,7 @@ async def timeline(
     until: float | None = None,
     format: str = "chrome",
 ) -> dict[str, Any]:
-    """The spans of the gateway, the controller and every rank that overlap
+    """The spans of the gateway, the controller, every rank and sampler engine that overlap
     ``[since, until]`` (Unix seconds on the gateway's clock; default: the last minute), as
     Chrome trace JSON: open it in https://ui.perfetto.dev. Each process's spans are shifted
     by its clock's offset from the gateway's, measured for this read. Operator only."""
@@ -40,10 +41,5 @@ async def timeline(
             f"until: {until} is before the oldest span the gateway keeps ({oldest:.3f}); "
             "the rings hold recent spans only (--trace-spans)"
         )
-    sent = spans.now()
-    remote_now = await controller.clock()
-    offset = spans.clock_offset(remote_now, sent, spans.now())
-    remote, dropped = await controller.timeline(since - offset, until - offset)
-    got = spans.between(since, until) + [spans.shifted(s, offset) for s in remote]
-    dropped += kept.dropped if kept is not None else 0
-    return spans.chrome_trace(got, dropped=dropped)
+    found, dropped = await gather(controller, since, until)
+    return spans.chrome_trace(found, dropped=dropped)

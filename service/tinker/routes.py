@@ -52,7 +52,7 @@ from trainctl.service.auth import Access, access, tenant_of
 from trainctl.service.codec import read_body
 from trainctl.service.routes.deps import get_controller, get_limits
 from trainctl.service.shares import Shares
-from trainctl.service.tinker import convert, proto, sampling_sessions
+from trainctl.service.tinker import convert, proto, sampling_sessions, trace_export
 from trainctl.service.tinker.adapter_slots import AdapterSlots
 from trainctl.service.tinker.bodies import (
     AdamParams,
@@ -479,6 +479,7 @@ def install(app: FastAPI, order_timeout_s: float = 60.0, shares: Shares | None =
     app.state.tinker_long_poll_s = LONG_POLL_S
     app.include_router(router)
     sampling_sessions.install(app, state)
+    trace_export.install(app)
     slots = app.state.tinker_adapter_slots = AdapterSlots(lambda: app.state.controller, state)
     sampling: SamplingSessions = app.state.tinker_sampling
 

@@ -365,6 +365,8 @@ async def asample(request: Request) -> dict[str, Any]:
     if req.sampling_session_id is not None:
         session = sampling_clients(request).get(req.sampling_session_id, tenant_of(request))
         adapter, step, inflight = session.adapter, session.step, session.inflight
+        tinker_state: TinkerState = request.app.state.tinker
+        tinker_state.traced(req.sampling_session_id.split(":", 1)[0])
     else:
         info = await get_controller(request).served()
         pinned = await _pinned(request, info, req.model_path, req.base_model)

@@ -60,6 +60,7 @@ from trainctl.api import (
 from trainctl.service.errors import public
 from trainctl.service.shares import Shares, party
 from trainctl.service.tenants import scoped, visible
+from trainctl.workers import spans
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,26 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     model_seqs: set[int] = field(default_factory=set)
     """The ``model_seq_id`` of every model handle made in this session."""
+    started: float = field(default_factory=time.time)
+    """When it was created (Unix seconds): its trace export starts there."""
+    traces: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    """The traces of its calls (``export_session_trace``), the newest ``TRACES_PER_SESSION``."""
+
+    def traced(self) -> None:
+        """Note the trace of the call being served (the gateway's span of it) as this
+        session's: its spans on every process are the session's trace export."""
+        trace_id = spans.trace_id_of(spans.traceparent())
+        if trace_id is None:
+            return
+        self.traces[trace_id] = None
+        self.traces.move_to_end(trace_id)
+        while len(self.traces) > TRACES_PER_SESSION:
+            self.traces.popitem(last=False)
+
+
+TRACES_PER_SESSION = 512
+"""The traces a session's export can hold: its newest calls' (about 100 KB a session; the
+rings keep recent spans only, 20,000 a process by default, so older calls' are gone anyway)."""
 
 
 MAX_MODELS_PER_SESSION = 256
@@ -287,7 +308,15 @@ class TinkerState:
                 details={"session_id": session_id, "finished": s.finished},
             )
         s.last_seen = time.monotonic()
+        s.traced()
         return s
+
+    def traced(self, session_id: str) -> None:
+        """Note the call being served as ``session_id``'s (a sample on one of its sampling
+        clients); nothing if the session is gone."""
+        s = self.sessions.get(session_id)
+        if s is not None:
+            s.traced()
 
     def finish(self, s: Session, reason: str) -> None:
         """End ``s`` (the first reason wins): its models are released, and a call on them

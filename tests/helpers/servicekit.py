@@ -50,6 +50,10 @@ def fresh_home(data_dir: Path) -> dict[str, str | None]:
     }
 
 
+SHARED_RING_SPANS = 400
+"""The spans each process of the service tier's shared service keeps (``--trace-spans``)."""
+
+
 @contextlib.contextmanager
 def running_service(
     data_dir: Path, *flags: str, env: dict[str, str | None] | None = None

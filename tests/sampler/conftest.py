@@ -14,6 +14,7 @@ import pytest
 
 from helpers import tenancy
 from helpers.hf_models import tiny_model, word_tokenizer
+from helpers.otlp import Receiver, receiving
 from helpers.parity import (
     MAX_QUEUED,
     MAX_QUEUED_TOKENS,
@@ -82,12 +83,21 @@ def lora_sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 
 
 @pytest.fixture(scope="session")
-def paced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+def paced_otlp() -> Iterator[Receiver]:
+    """The OTLP/HTTP receiver ``paced`` exports its spans to."""
+    with receiving() as r:
+        yield r
+
+
+@pytest.fixture(scope="session")
+def paced(tmp_path_factory: pytest.TempPathFactory, paced_otlp: Receiver) -> Iterator[Service]:
     """The embedded default with one sampler engine synced on demand and a staleness bound of
-    one step (``--max-staleness 1``); a paced sample waits at most ``PACE_WAIT_S``."""
+    one step (``--max-staleness 1``); a paced sample waits at most ``PACE_WAIT_S``. Every
+    process exports its spans to ``paced_otlp`` too."""
     data = tmp_path_factory.mktemp("paced")
     flags = ("--dp", "1", "--samplers", "1", "--sampler-sync", "manual",
-             "--max-staleness", "1", "--sampler-queue-timeout-s", str(PACE_WAIT_S))  # fmt: skip
+             "--max-staleness", "1", "--sampler-queue-timeout-s", str(PACE_WAIT_S),
+             "--otlp-endpoint", paced_otlp.url)  # fmt: skip
     with until_last_use("paced", "sampler", running_service(data, *flags)) as svc:
         yield svc
 

@@ -8,8 +8,13 @@ The tests run in file order on one service; each says what it leaves."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -251,3 +256,49 @@ def test_a_tenant_deletes_its_own_checkpoint_and_no_other_tenant_can(
 def _bearer() -> dict[str, str]:
     """The operator's: ``/metrics`` shows the tenants' names to it alone."""
     return {"Authorization": f"Bearer {OPERATOR}"}
+
+
+def test_a_session_trace_export_holds_its_own_calls_and_no_other_tenants(
+    tenants_sampled: Service, runs: dict[str, Run], tmp_path: Path
+) -> None:
+    """``tinker session export-trace`` (the real SDK's command) as alice writes a trace that
+    Perfetto opens: her session's training and sampling on the gateway, the controller, the
+    rank and the engine, and nothing of bob's, who trained meanwhile; bob's export of her
+    session is refused. Leaves one more step on each."""
+    svc = tenants_sampled
+    a, b = runs["alice"], runs["bob"]
+    for r in (a, b):
+        r.train()
+        r.sampler = r.tc.save_weights_and_get_sampling_client().result()  # of this step
+        r.sample()
+    tinker_cli = Path(sys.executable).parent / "tinker"
+
+    def export(tenant: str, session: str, out: Path) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "TINKER_BASE_URL": svc.url,
+               "TINKER_API_KEY": f"tml-{tenancy.KEYS[tenant]}"}  # fmt: skip
+        return subprocess.run(
+            [str(tinker_cli), "session", "export-trace", session, "--output", str(out)],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    done = export("alice", a.session, tmp_path / "alice.pftrace")
+    assert done.returncode == 0, done.stdout + done.stderr
+    trace = json.loads((tmp_path / "alice.pftrace").read_text())
+    meta = [e for e in trace["traceEvents"] if e["name"] == "process_name"]
+    rows = {e["pid"]: e["args"]["name"] for e in meta}
+    events = [{**e, "row": rows[e["pid"]]} for e in trace["traceEvents"] if e["ph"] == "X"]
+    seen = {(e["row"], e["name"]) for e in events}
+    for row, name in [("gateway", "POST /api/v1/forward_backward"),
+                      ("controller", "forward_backward"), ("controller", "optim_step"),
+                      ("rank 0", "forward_backward"), ("rank 0", "optimizer"),
+                      ("controller", "sample"), ("engine 0", "sample"),
+                      ("engine 0", "decode")]:  # fmt: skip
+        assert (row, name) in seen, (row, name, sorted(seen))
+    tenants = {e["args"]["tenant"] for e in events if "tenant" in e["args"]}
+    assert tenants == {"alice"}, tenants
+    adapters = {e["args"]["adapter"] for e in events if "adapter" in e["args"]}
+    assert adapters and all(x.startswith("alice.") for x in adapters), adapters
+    assert b.session not in json.dumps(trace) and a.adapter in adapters
+
+    refused = export("bob", a.session, tmp_path / "bob.pftrace")
+    assert refused.returncode != 0 and not (tmp_path / "bob.pftrace").exists()

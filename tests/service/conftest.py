@@ -12,13 +12,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from helpers.servicekit import Service, running_service
+from helpers.servicekit import SHARED_RING_SPANS, Service, running_service
 from helpers.tiers import until_tier_ends
 
 
 @pytest.fixture(scope="session")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    """The embedded default: dp=2."""
+    """The embedded default: dp=2, each process keeping ``SHARED_RING_SPANS`` spans for the
+    timeline (a ring the tests fill)."""
     data = tmp_path_factory.mktemp("trainctl-data")
-    with until_tier_ends("service", running_service(data)) as svc:
+    flags = ("--trace-spans", str(SHARED_RING_SPANS))
+    with until_tier_ends("service", running_service(data, *flags)) as svc:
         yield svc

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -23,7 +24,7 @@ from trainctl.clients import ConflictError, InvalidRequestError, TrainctlClient
 
 from helpers import layout_checks
 from helpers.batches import sft_batch
-from helpers.servicekit import RAY_AUTH_VARS, Service, Squatter, digest
+from helpers.servicekit import RAY_AUTH_VARS, SHARED_RING_SPANS, Service, Squatter, digest
 from helpers.single_process import single_process
 
 
@@ -434,3 +435,21 @@ def test_the_timeline_shows_one_step_on_the_gateway_the_controller_and_both_rank
                 and e["ts"] + e["dur"] <= run["ts"] + run["dur"] + 50_000
             ), e
     assert step.step >= 1 and json.loads(json.dumps(trace)) == trace  # plain JSON
+
+
+def test_every_processs_ring_stays_at_its_bound_and_counts_what_it_dropped(
+    service: Service,
+) -> None:
+    """A short run past the rings' bound (``--trace-spans 400`` on this service): no process
+    holds more spans than its ring's size, the oldest went, and the drops are counted."""
+    with service.client() as tc:
+        for _ in range(60):  # each step leaves about 10 spans on each rank
+            tc.train_batch([[1, 2, 3, 4, 5, 6]])
+        trace = tc.timeline(since=time.time() - 3600)
+    meta = [e for e in trace["traceEvents"] if e["name"] == "process_name"]
+    rows = {e["pid"]: e["args"]["name"] for e in meta}
+    held = Counter(rows[e["pid"]] for e in trace["traceEvents"] if e["ph"] == "X")
+    assert {"gateway", "controller", "rank 0", "rank 1"} <= set(held), held
+    assert max(held.values()) <= SHARED_RING_SPANS, held
+    assert held["rank 0"] == SHARED_RING_SPANS, held  # full, its oldest spans dropped ...
+    assert trace["otherData"]["dropped"] > 0  # ... and counted

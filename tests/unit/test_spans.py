@@ -16,6 +16,7 @@ from trainctl.workers import spans
 from trainctl.workers.spans import SpanRecord, SpanRing
 
 from helpers.fakes import FakeController
+from helpers.otlp import receiving
 
 
 def _record(i: int, start: float = 0.0, end: float = 1.0, row: str = "rank 0") -> SpanRecord:
@@ -149,47 +150,16 @@ def test_only_the_operator_reads_the_timeline(tmp_path: Path) -> None:
 def test_spans_reach_an_otlp_receiver_with_their_service_row_and_attributes() -> None:
     """The OTLP/HTTP exporter ``--otlp-endpoint`` adds, against a receiver in this test that
     decodes what it is sent as the OpenTelemetry collector would."""
-    import http.server
-    import threading
-
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-        ExportTraceServiceRequest,
-    )
-
-    received: list[ExportTraceServiceRequest] = []
-
-    class Receiver(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            if self.path == "/v1/traces":
-                received.append(ExportTraceServiceRequest.FromString(body))
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        made = spans.make_provider(
-            "rank 2", size=10, otlp_endpoint=f"http://127.0.0.1:{server.server_port}"
-        )
+    with receiving() as receiver:
+        made = spans.make_provider("rank 2", size=10, otlp_endpoint=receiver.url)
         tracer = made.provider.get_tracer("test")
         with tracer.start_as_current_span("accumulate", attributes={"op": "op-7"}):
             pass
         made.provider.force_flush()
         made.provider.shutdown()
-    finally:
-        server.shutdown()
-    assert received, "the receiver got nothing"
-    [resource_spans] = [rs for r in received for rs in r.resource_spans]
-    resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-    assert resource["service.name"] == "trainctl" and resource["trainctl.row"] == "rank 2"
-    [sent] = [s for ss in resource_spans.scope_spans for s in ss.spans]
-    assert sent.name == "accumulate"
-    assert {a.key: a.value.string_value for a in sent.attributes} == {"op": "op-7"}
+        [sent] = receiver.received()
+    assert sent.service == "trainctl" and sent.row == "rank 2"
+    assert sent.name == "accumulate" and sent.attrs == {"op": "op-7"}
     assert len(made.ring) == 1  # and the ring has it too
 
 
@@ -276,3 +246,181 @@ def test_an_otlp_endpoint_without_the_exporter_is_refused_naming_the_flag(
     ):
         Settings(otlp_endpoint="http://127.0.0.1:4318")
     assert Settings().otlp_endpoint is None  # no endpoint: nothing to check
+
+
+def test_a_ring_of_size_zero_turns_tracing_off_in_that_process() -> None:
+    """``--trace-spans 0``: no provider is installed, spans are OpenTelemetry's no-op ones,
+    and nothing is kept (in a process of its own: a process decides once)."""
+    import subprocess
+
+    code = (
+        "from trainctl.workers import spans\n"
+        "assert spans.install('rank 0', size=0) is None\n"
+        "with spans.span('forward', op='op-1') as s:\n"
+        "    assert not s.get_span_context().is_valid\n"
+        "    assert spans.traceparent() is None\n"
+        "spans.record('optimizer', 1.0, 2.0)\n"
+        "assert spans.ring() is None and spans.installed() and spans.dropped() == 0\n"
+        "assert spans.install('rank 0', size=10) is None  # decided once\n"
+        "assert spans.recent(0.0, 1e12, 0.0) == ([], 0)\n"
+        "print('off')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "off", done.stderr
+
+
+# -- Tinker's session trace ---------------------------------------------------------------------
+
+_TRACE_A, _TRACE_B = "a" * 32, "b" * 32
+
+
+def _parent(trace_id: str) -> dict[str, str]:
+    return {"traceparent": f"00-{trace_id}-{'1' * 16}-01"}
+
+
+def test_a_session_trace_holds_its_own_calls_spans_and_none_of_another_tenants(
+    tmp_path: Path,
+) -> None:
+    """Tinker's ``export_session_trace`` polls ``trace_export`` and downloads the URL it
+    answers without credentials: the trace holds the spans, on every process, of the traces
+    the session's calls made, and nothing of another tenant's session; another tenant asking
+    for the session gets a 404, as everywhere."""
+    from trainctl.service.app import create_app
+
+    keys = tmp_path / "keys"
+    keys.write_text("acme acme-key-0123456789abcdef\nzeta zeta-key-0123456789abcdef\n")
+    fake = FakeController()
+    app = create_app(fake, api_token="operator-token", api_keys_file=str(keys))
+    acme = {"X-API-Key": "tml-acme-key-0123456789abcdef"}
+    zeta = {"X-API-Key": "tml-zeta-key-0123456789abcdef"}
+    with TestClient(app) as http:
+        sessions = {}
+        for name, key, trace_id in (("acme", acme, _TRACE_A), ("zeta", zeta, _TRACE_B)):
+            made = http.post("/api/v1/create_session", json={}, headers=key)
+            assert made.status_code == 200, made.text
+            sessions[name] = made.json()["session_id"]
+            beat = http.post(
+                "/api/v1/session_heartbeat",
+                json={"session_id": sessions[name]},
+                headers={**key, **_parent(trace_id)},
+            )
+            assert beat.status_code == 200, beat.text
+        now = time.time()
+        fake.remote_spans = [
+            SpanRecord("forward", now - 1e-3, now, "rank 0", _TRACE_A, "1" * 16, None, {}),
+            SpanRecord("forward", now - 1e-3, now, "rank 0", _TRACE_B, "2" * 16, None, {}),
+        ]
+        path = f"/api/v1/sessions/{sessions['acme']}/trace_export"
+        assert http.get(path, headers=zeta).status_code == 404
+        polled = http.get(path, headers=acme)
+        assert polled.status_code == 200 and polled.json()["status"] == "ready", polled.text
+        url = polled.json()["url"]
+        assert url.startswith("http://testserver/api/v1/trace_exports/"), url
+        got = http.get(url.removeprefix("http://testserver"))  # no credentials: the URL is one
+        assert got.status_code == 200, got.text
+        events = [e for e in got.json()["traceEvents"] if e["ph"] == "X"]
+        assert {e["args"]["trace_id"] for e in events} == {_TRACE_A}, events
+        names = {(e["name"], e["args"]["trace_id"]) for e in events}
+        assert ("forward", _TRACE_A) in names  # the rank's span of the session's call
+        assert ("POST /api/v1/session_heartbeat", _TRACE_A) in names  # and the gateway's
+        beat_span = next(e for e in events if e["name"] == "POST /api/v1/session_heartbeat")
+        assert beat_span["args"]["tenant"] == "acme"  # its name, never its key
+        assert http.get("/api/v1/trace_exports/not-a-token").status_code == 404
+
+
+def test_trace_exports_expire_and_keep_their_bound() -> None:
+    from trainctl.service import traces
+
+    exports = traces.TraceExports(ttl_s=60.0)
+    first = exports.add(b"{}")
+    assert exports.get(first) == b"{}" and len(first) >= 32
+    tokens = [exports.add(b"x" * 10) for _ in range(traces.MAX_EXPORTS)]
+    assert exports.get(first) is None and all(exports.get(t) for t in tokens)  # oldest gone
+    gone = traces.TraceExports(ttl_s=-1.0)
+    assert gone.get(gone.add(b"{}")) is None  # past its time
+
+
+_UTILIZATION = """
+import time
+from trainctl.workers import spans
+from trainctl.workers.control.telemetry import BUSY_WINDOW_S, ControllerMetrics, utilization
+from trainctl.workers.control.trackers import TrackerLog
+from trainctl.api import OperationKind, StepResult
+
+spans.install("controller")
+now = time.time()
+w = BUSY_WINDOW_S
+spans.record("train_batch", now - w * 0.4, now - w * 0.2)  # the trainer: 20% of the window
+spans.record("sample", now - w * 0.5, now - w * 0.3)  # two samples at once count once:
+spans.record("sample", now - w * 0.45, now - w * 0.25)  # [0.5, 0.25] of the window
+spans.record("weight_sync", now - w * 0.1, now - w * 0.05)  # 5%
+for i in range(1, 101):  # queue waits of 1 .. 100 ms
+    spans.record("queued", now - 1.0 - i / 1000, now - 1.0)
+spans.record("queued", now - w * 3, now - w * 2)  # long ago: out of the window
+got = utilization()
+text = ControllerMetrics(queue_depth=lambda: 0).text().decode()
+lines = {l.split(" ")[0]: float(l.split(" ")[1]) for l in text.splitlines()
+         if l.startswith("trainctl_") and " " in l}
+logged = []
+class Tracker:
+    def log(self, metrics, step):
+        logged.append((metrics, step))
+TrackerLog([Tracker()], utilization).observe(
+    OperationKind.TRAIN_BATCH, StepResult(loss=1.0, step=3, metrics={}, timings={}))
+print(repr((got, lines, logged)))
+"""
+
+
+def test_utilization_shares_and_queue_waits_reach_metrics_and_trackers() -> None:
+    """The trainer's, the samplers' and the syncs' busy shares and the queue's wait p50/p99,
+    from the controller's spans over the sliding window: in ``/metrics`` and logged with each
+    step to the trackers (in a process of its own: its ring holds these spans alone)."""
+    import ast
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _UTILIZATION], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    got, lines, logged = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert got["trainer_busy"] == pytest.approx(0.2, abs=0.01)
+    assert got["samplers_busy"] == pytest.approx(0.25, abs=0.01)
+    assert got["sync_share"] == pytest.approx(0.05, abs=0.01)
+    assert got["queue_wait_p50_s"] == pytest.approx(0.0505, abs=1e-3)
+    assert got["queue_wait_p99_s"] == pytest.approx(0.099, abs=1e-3)
+    assert lines["trainctl_samplers_busy_ratio"] == pytest.approx(0.25, abs=0.01)
+    assert lines["trainctl_sync_share_ratio"] == pytest.approx(0.05, abs=0.01)
+    assert lines['trainctl_queue_wait_recent_seconds{quantile="0.99"}'] == pytest.approx(
+        0.099, abs=1e-3
+    )
+    [(metrics, step)] = logged
+    assert step == 3 and metrics["utilization/samplers_busy"] == pytest.approx(0.25, abs=0.01)
+
+
+def test_a_timed_block_reports_its_own_spans_length() -> None:
+    """A timing from ``spans.timed`` (a step's ``forward_backward_max_s``) is the length of
+    the span the timeline shows, measured once; a block inside it is its child."""
+    ring = spans.install("controller")  # this process's ring (another test may have made it)
+    assert ring is not None
+    with spans.timed("timed-outer", op="op-t") as t:
+        time.sleep(0.02)
+        with spans.timed("timed-inner"):
+            pass
+    got = {
+        s.name: s for s in ring.between(t.start_s - 1, t.end_s + 1) if s.name.startswith("timed")
+    }
+    outer, inner = got["timed-outer"], got["timed-inner"]
+    assert t.seconds >= 0.02 and outer.end_s - outer.start_s == pytest.approx(t.seconds, abs=1e-6)
+    assert inner.parent_id == outer.span_id and outer.attrs == {"op": "op-t"}
+
+
+def test_a_session_keeps_only_its_newest_traces() -> None:
+    from trainctl.service.tinker.state import TRACES_PER_SESSION, Session
+
+    spans.install("controller")
+    s = Session("s1")
+    ids = []
+    for _ in range(TRACES_PER_SESSION + 100):
+        with spans.span("call") as current:
+            s.traced()
+            s.traced()  # a call that reads its session twice is one trace
+            ids.append(format(current.get_span_context().trace_id, "032x"))
+    assert list(s.traces) == ids[-TRACES_PER_SESSION:]

@@ -62,7 +62,7 @@ from trainctl.workers.control.saves import Saves
 from trainctl.workers.control.serving import Serving, WeightsVersion
 from trainctl.workers.control.staleness import Staleness
 from trainctl.workers.control.steps import ModelState, Steps
-from trainctl.workers.control.telemetry import ControllerMetrics
+from trainctl.workers.control.telemetry import ControllerMetrics, utilization
 from trainctl.workers.control.timeline import Timeline
 from trainctl.workers.control.trackers import TrackerLog, open_trackers
 from trainctl.workers.engine.config import EngineConfig
@@ -158,7 +158,7 @@ class Controller:
         self.state = ModelState()
         self.version = WeightsVersion(self.group, self.state)
         self.serving = Serving()
-        self.traces = Timeline(self.group)
+        self.traces = Timeline(self.group, engines=self._engine_spans)
         m = self.cfg.model
         self.limits = ModelLimits(
             vocab_size=m.vocab_size,
@@ -205,7 +205,7 @@ class Controller:
             shrink=options.on_node_loss == "shrink",
         )  # fmt: skip
         self.queue.listeners.append(self.metrics.observe)
-        self.trackers = TrackerLog(open_trackers(options.metrics_log, root))
+        self.trackers = TrackerLog(open_trackers(options.metrics_log, root), utilization)
         self.queue.listeners.append(self._track)
         self._handlers: dict[OperationKind, Any] = {
             OperationKind.TRAIN_BATCH: self.steps.train,
@@ -461,8 +461,15 @@ class Controller:
         """The sampler engines counted by status (None: no samplers)."""
         return None if self.samplers.pool is None else self.samplers.pool.statuses()
 
-    async def sample(self, req: SampleRequest, queue: bool = False) -> SampleResult:
-        return await self.samplers.sample(req, queue)
+    async def sample(
+        self, req: SampleRequest, queue: bool = False, trace: str | None = None
+    ) -> SampleResult:
+        """``trace``: the caller's ``traceparent``: the sample is one span of that trace here,
+        and the engine's spans are its children."""
+        with spans.span("sample", parent=trace, adapter=req.adapter) as current:
+            result = await self.samplers.sample(req, queue)
+            current.set_attribute("step", result.step)
+            return result
 
     async def check_sample_room(self, req: SampleRequest) -> None:
         self.samplers.check_room(req)
@@ -470,13 +477,19 @@ class Controller:
     async def model_limits(self) -> ModelLimits:
         return self.limits
 
+    async def _engine_spans(self, since: float, until: float) -> spans.Found:
+        """The sampler engines' part of the timeline (none without engines)."""
+        pool = self.samplers.pool
+        return ([], 0) if pool is None else await pool.recent_spans(since, until)
+
     async def clock(self) -> float:
         """This process's wall clock: the gateway takes the controller's offset from it."""
         return spans.now()
 
     async def timeline(self, since: float, until: float) -> tuple[list[SpanRecord], int]:
-        """The spans of the controller and every rank overlapping ``[since, until]`` (this
-        process's clock), on that clock, and the count its ring dropped."""
+        """The spans of the controller, every rank and every sampler engine overlapping
+        ``[since, until]`` (this process's clock), on that clock, and the count their rings
+        dropped."""
         return await self.traces.spans(since, until)
 
 

@@ -71,6 +71,8 @@ class Handle:
     trace: str | None = None
     """The caller's ``traceparent``: the operation's span is its child. While it runs, its own
     span's (what its rank calls carry: ``ref``)."""
+    adapter: str | None = None
+    """The adapter it works on (None: the base, or none)."""
 
     def ref(self) -> OpRef:
         """The operation as a rank call carries it: its id and the trace its spans join."""
@@ -134,10 +136,12 @@ class OperationQueue:
         fingerprint: str = "",
         front: bool = False,
         trace: str | None = None,
+        adapter: str | None = None,
     ) -> Operation:
         """Queue ``run`` (or find the operation already submitted under ``key``); ``front``
         puts it ahead of everything queued (failure recovery), past the queue limit;
-        ``trace``: the caller's ``traceparent``, which the operation's spans join."""
+        ``trace``: the caller's ``traceparent``, which the operation's spans join;
+        ``adapter``: the adapter it works on, which its span names."""
         existing = self.find(kind, key, fingerprint)
         if existing is not None:
             return existing
@@ -156,7 +160,7 @@ class OperationQueue:
             created_at=time.time(),
             trace_id=spans.trace_id_of(trace),
         )
-        h = Handle(op=op, run=run, key=key, fingerprint=fingerprint, trace=trace)
+        h = Handle(op=op, run=run, key=key, fingerprint=fingerprint, trace=trace, adapter=adapter)
         self._ops[op_id] = h
         if key is not None:
             self._by_key[key] = h
@@ -242,7 +246,9 @@ class OperationQueue:
             try:
                 log.info("%s started", h.op.kind)
                 assert h.run is not None
-                with spans.span(h.op.kind.value, parent=h.trace, op=h.op.id):
+                with spans.span(
+                    h.op.kind.value, parent=h.trace, op=h.op.id, adapter=h.adapter
+                ) as current:
                     queued = (h.op.created_at, h.op.started_at)
                     spans.record("queued", *queued, op=h.op.id)
                     h.trace = spans.traceparent()
@@ -251,6 +257,8 @@ class OperationQueue:
                         result = await h.run(h)
                     finally:
                         h.end_phase()
+                    if isinstance(step := getattr(result, "step", None), int):
+                        current.set_attribute("step", step)  # the step it ran at, or made
             except TrainctlError as e:
                 self._finish(h, exc=e)
             except Exception as e:  # a bug, not the caller's fault: keep serving
@@ -323,7 +331,11 @@ class Operations:
             return existing
         run = await self.prepare(kind, req)
         trace = trace or spans.traceparent()
-        return self.queue.submit(kind, run, key=key, fingerprint=fingerprint, trace=trace)
+        adapter = getattr(req, "adapter", None)
+        return self.queue.submit(
+            kind, run, key=key, fingerprint=fingerprint, trace=trace,
+            adapter=adapter if isinstance(adapter, str) else None,
+        )  # fmt: skip
 
     async def run(
         self,

@@ -27,6 +27,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainctl.api import NotReadyError, TrainctlError, WorkerError
+from trainctl.workers import spans
 from trainctl.workers.control import placement
 from trainctl.workers.control.group import GroupLostError
 from trainctl.workers.engine.boundary import RankMeta
@@ -53,9 +54,7 @@ log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
 FAILURE_GRACE_S = 10.0
 """After one rank fails, how long the others may take before the group counts as wedged."""
-_FORWARDED_ENV = (
-    "TRAINCTL_LOG_LEVEL", "TRAINCTL_LOG_FORMAT", "TRAINCTL_TRACE_SPANS", "TRAINCTL_OTLP_ENDPOINT",
-)  # fmt: skip
+_FORWARDED_ENV = ("TRAINCTL_LOG_LEVEL", "TRAINCTL_LOG_FORMAT", *spans.ENV)
 
 
 class RankGroup:

@@ -35,13 +35,14 @@ from trainctl.api import (
 )
 from trainctl.api.adapters import CreateAdapterRequest, DeleteAdapterRequest
 from trainctl.api.errors import field_error
+from trainctl.workers import spans
 from trainctl.workers.control.adapter_registry import Adapters
 from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.serving import Serving
 from trainctl.workers.control.staleness import Staleness
 from trainctl.workers.control.steps import ModelState
-from trainctl.workers.control.telemetry import ControllerMetrics
+from trainctl.workers.control.telemetry import SYNC_SPAN, ControllerMetrics
 from trainctl.workers.engine.config import ConfigError, EngineConfig
 from trainctl.workers.rank.worker import RankWorker
 from trainctl.workers.sampler import backend
@@ -179,6 +180,10 @@ class Samplers:
     ) -> SyncResult:
         """Every sampler engine loads the ranks' current weights, or ``adapter``'s, published
         as the newest version (``new_line``: after a load, which empties the window first)."""
+        with spans.span(SYNC_SPAN, adapter=adapter):  # the sync share (telemetry.py)
+            return await self._sync(h, adapter, new_line)
+
+    async def _sync(self, h: Handle | None, adapter: str | None, new_line: bool) -> SyncResult:
         assert self.pool is not None
         if h is not None:
             h.set_phase("gathering weights")
@@ -222,8 +227,9 @@ class Samplers:
     async def to_object_store(self, plan: StreamPlan) -> list[Any]:
         """``WeightSource``: each owner puts its buckets in the object store, side by side."""
         out = await asyncio.gather(
-            *(self.group.call_one(r, RankWorker.stream_to_object_store, plan) for r in plan.owners)
-        )
+            *(self.group.call_one(r, RankWorker.stream_to_object_store, plan, spans.traceparent())
+              for r in plan.owners)
+        )  # fmt: skip
         self.sent = [sent for _, sent in out]
         by_owner = {r: iter(refs) for r, (refs, _) in zip(plan.owners, out, strict=True)}
         return [next(by_owner[b.owner]) for b in plan.buckets]
@@ -255,8 +261,9 @@ class Samplers:
         """``WeightSource``: every owner of ``plan`` sends its staged buckets; the bytes each
         engine got."""
         out = await asyncio.gather(
-            *(self.group.call_one(r, RankWorker.send_collective) for r in plan.owners)
-        )
+            *(self.group.call_one(r, RankWorker.send_collective, spans.traceparent())
+              for r in plan.owners)
+        )  # fmt: skip
         self.sent = list(out)
         return sum(s.nbytes for s in out)
 

@@ -6,6 +6,7 @@ gateway's ``/metrics`` appends this text to its own (``service/metrics.py``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -21,12 +22,44 @@ BUSY_WINDOW_S = 60.0
 OPERATION_SPANS = frozenset(k.value for k in OperationKind)
 
 
-def _trainer_busy() -> float:
-    """The controller's busy share over the last ``BUSY_WINDOW_S``: its operations' spans."""
+SAMPLE_SPAN = "sample"
+"""The controller's span of one sample, from its arrival to its answer."""
+SYNC_SPAN = "weight_sync"
+"""The controller's span of one weight sync (``Samplers.sync``: after a step, or asked for)."""
+QUEUED_SPAN = "queued"
+"""An operation's wait in the controller's queue (``op_queue.py``)."""
+
+
+def _share(names: frozenset[str] | set[str]) -> float:
+    """The share of the last ``BUSY_WINDOW_S`` covered by this process's spans named one of
+    ``names`` (overlaps counted once)."""
     until = spans.now()
     since = until - BUSY_WINDOW_S
-    ran = [s for s in spans.between(since, until) if s.name in OPERATION_SPANS]
-    return spans.busy_share(ran, since, until)
+    return spans.busy_share(
+        [s for s in spans.between(since, until) if s.name in names], since, until
+    )
+
+
+def queue_wait(q: float) -> float:
+    """The ``q`` quantile of the waits in the operation queue of the operations that started
+    in the last ``BUSY_WINDOW_S`` (0.0 when none did)."""
+    until = spans.now()
+    waits = [s.end_s - s.start_s for s in spans.between(until - BUSY_WINDOW_S, until)
+             if s.name == QUEUED_SPAN and s.end_s >= until - BUSY_WINDOW_S]  # fmt: skip
+    return float(np.quantile(waits, q)) if waits else 0.0
+
+
+def utilization() -> dict[str, float]:
+    """Each component's busy share over the last ``BUSY_WINDOW_S``, from the controller's
+    spans: the trainer's (operations running), the samplers' (at least one sample in
+    flight), the weight syncs', and the operation queue's wait (p50, p99)."""
+    return {
+        "trainer_busy": _share(OPERATION_SPANS),
+        "samplers_busy": _share({SAMPLE_SPAN}),
+        "sync_share": _share({SYNC_SPAN}),
+        "queue_wait_p50_s": queue_wait(0.5),
+        "queue_wait_p99_s": queue_wait(0.99),
+    }
 
 
 class ControllerMetrics:
@@ -99,13 +132,26 @@ class ControllerMetrics:
             registry=r,
         )
         evictions.labels("finished_operations").set_function(lambda: float(evicted()))
-        busy = Gauge(
-            "trainctl_trainer_busy_ratio",
-            f"Share of the last {BUSY_WINDOW_S:.0f} s the controller ran operations (from its "
-            "spans: /v1/timeline); the rest the trainer sat idle.",
+        window = f"the last {BUSY_WINDOW_S:.0f} s"
+        for name, names, what in (
+            ("trainctl_trainer_busy_ratio", OPERATION_SPANS, "the controller ran operations "
+             "(the rest the trainer sat idle)"),
+            ("trainctl_samplers_busy_ratio", {SAMPLE_SPAN}, "at least one sample was in "
+             "flight on the sampler engines"),
+            ("trainctl_sync_share_ratio", {SYNC_SPAN}, "the trainer spent sending weights "
+             "to the samplers"),
+        ):  # fmt: skip
+            share = Gauge(name, f"Share of {window} {what} (from the controller's spans: "
+                          "/v1/timeline).", registry=r)  # fmt: skip
+            share.set_function(functools.partial(_share, frozenset(names)))
+        wait = Gauge(
+            "trainctl_queue_wait_recent_seconds",
+            f"Operations' wait in the queue before they ran, over {window}, by quantile.",
+            ["quantile"],
             registry=r,
         )
-        busy.set_function(_trainer_busy)
+        for q in (0.5, 0.99):
+            wait.labels(str(q)).set_function(functools.partial(queue_wait, q))
         depth = Gauge("trainctl_queue_depth", "Operations waiting to run.", registry=r)
         depth.set_function(lambda: float(queue_depth()))
         self.sampler_lag = Gauge(

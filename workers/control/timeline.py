@@ -1,14 +1,17 @@
-"""The controller's side of the timeline: its own spans and every rank's, on its clock.
+"""The controller's side of the timeline: its own spans, every rank's and every sampler
+engine's, on its clock.
 
-Each rank keeps its spans in its own ring (``workers/spans.py``). A read asks every rank for
-its clock (a rank busy with a step for longer than ``CLOCK_TIMEOUT_S`` is left out of this
-read, and named), takes each rank's offset from the round trip, and gathers the spans in the
-range, shifted onto the controller's clock."""
+Each process keeps its spans in its own ring (``workers/spans.py``). A read asks each rank
+and engine for its clock, takes its offset from the round trip, and gathers its spans in the
+range, shifted onto the controller's clock, with the count its ring dropped. A rank busy with
+a step for longer than ``CLOCK_TIMEOUT_S`` (a rank answers one call at a time), or an engine
+that does not answer, is left out of this read, and named in the log."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from trainctl.workers import spans
 from trainctl.workers.control.rank_group import RankGroup
@@ -18,22 +21,36 @@ log = logging.getLogger(__name__)
 
 CLOCK_TIMEOUT_S = 5.0
 
+Found = spans.Found
+
 
 class Timeline:
-    """Reads of the spans of the controller and its ranks. Owns nothing but its reference to
-    the rank group."""
+    """Reads of the spans of the controller, its ranks and its sampler engines. Owns nothing
+    but its references to the rank group and to the function naming the engines."""
 
-    def __init__(self, group: RankGroup) -> None:
+    def __init__(
+        self, group: RankGroup, engines: Callable[[float, float], Awaitable[Found]] | None = None
+    ) -> None:
         self.group = group
+        self.engines = engines
+        """The sampler engines' read (``SamplerPool.recent_spans``), if there are engines."""
 
-    async def spans(self, since: float, until: float) -> tuple[list[spans.SpanRecord], int]:
-        """The spans overlapping ``[since, until]`` (the controller's clock), and the spans the
-        controller's ring dropped so far (the ranks' drops are not counted yet)."""
-        own = spans.ring()
-        out = spans.between(since, until)
-        dropped = own.dropped if own is not None else 0
+    async def spans(self, since: float, until: float) -> Found:
+        """The spans overlapping ``[since, until]`` (the controller's clock), and the spans
+        the rings of the processes read dropped so far."""
+        reads: list[Awaitable[Found]] = [self._ranks(since, until)]
+        if self.engines is not None:
+            reads.append(self.engines(since, until))
+        parts = await asyncio.gather(*reads)
+        out, dropped = spans.between(since, until), spans.dropped()
+        for found, lost in parts:
+            out += found
+            dropped += lost
+        return out, dropped
+
+    async def _ranks(self, since: float, until: float) -> Found:
         if not self.group.ranks:
-            return out, dropped
+            return [], 0
         sent = spans.now()
         clocks = await self.group.answers(RankWorker.clock, timeout_s=CLOCK_TIMEOUT_S)
         received = spans.now()
@@ -46,9 +63,12 @@ class Timeline:
               for r, off in offsets.items()),
             return_exceptions=True,
         )  # fmt: skip
+        out: list[spans.SpanRecord] = []
+        dropped = 0
         for rank, part in zip(offsets, got, strict=True):
             if isinstance(part, BaseException):
                 log.info("timeline: rank %d did not answer: %s", rank, part)
                 continue
-            out += part
+            out += part[0]
+            dropped += part[1]
         return out, dropped

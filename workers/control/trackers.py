@@ -27,6 +27,7 @@ import importlib.util
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -215,13 +216,19 @@ class TrackerLog:
     """The controller's queue listener: every finished step operation, to every tracker. Owns its
     trackers."""
 
-    def __init__(self, trackers: list[Tracker]) -> None:
+    def __init__(
+        self, trackers: list[Tracker], utilization: Callable[[], dict[str, float]] | None = None
+    ) -> None:
         self.trackers = trackers
+        self.utilization = utilization
+        """Each component's busy share now, logged with each step as ``utilization/*``."""
 
     def observe(self, kind: OperationKind, result: Any) -> None:
         found = step_metrics(kind, result)
-        if found is None:
+        if found is None or not self.trackers:
             return
+        if self.utilization is not None:
+            found[0].update({f"utilization/{k}": v for k, v in self.utilization().items()})
         for t in self.trackers:
             try:
                 t.log(*found)

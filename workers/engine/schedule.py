@@ -33,6 +33,7 @@ from megatron.core.tensor_parallel import (
 from torch import Tensor
 
 from trainctl.api.models import LossConfig
+from trainctl.workers import spans
 from trainctl.workers.engine import megatron_cpu
 from trainctl.workers.engine.attention import rope_tables
 from trainctl.workers.engine.boundary import PackedMicroBatch
@@ -97,6 +98,9 @@ class _Pass:
     """Per micro-batch: the routes its routers replay (``[rows here, layers, top_k]``)."""
     chosen: dict[int, dict[int, Tensor]] | None = None
     """Recording routes: per micro-batch, each local router's choice."""
+    forwards: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    """Each micro-batch's forward (to its loss, on the last stage), in wall-clock seconds."""
+    forward_start: float = 0.0
 
 
 class Schedule:
@@ -123,6 +127,8 @@ class Schedule:
         self.vocab_size = vocab_size
         self.chunk_size = logprob_chunk_size
         self.fused = fused_lm_head
+        self.finalize_started: float | None = None
+        """When this pass's gradient reduction began (the shard's finalize step sets it)."""
 
     def run(
         self,
@@ -191,6 +197,7 @@ class Schedule:
         iters: Any = [iter(tensors) for _ in self.chunks] if len(self.chunks) > 1 else iter(tensors)
         for c in self.chunks:
             c.train(not forward_only)
+        self.finalize_started = None
         with megatron_cpu.cuda_to_cpu():
             out = get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, run),
@@ -202,6 +209,7 @@ class Schedule:
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
+        self._record_spans(run, self.finalize_started or spans.now())
         self.routing.counting = False
         items = list(out or [])
         chosen = run.chosen or {}
@@ -222,9 +230,22 @@ class Schedule:
             router_rows=router_rows,
         )
 
+    def _record_spans(self, run: _Pass, end: float) -> None:
+        """The pass's micro-batches on this rank's row of the timeline: each one's forward
+        and, without pipeline stages (where megatron runs each micro-batch's backward right
+        after its forward), its backward: until the next forward starts, or the gradients'
+        reduction (``finalize_started``) or the pass's end."""
+        for i, (start, stop) in enumerate(run.forwards):
+            spans.record("forward", start, stop, microbatch=i)
+        if run.backward and self.dims.layout.pp == 1 and len(self.chunks) == 1:
+            until = [start for start, _ in run.forwards[1:]] + [end]
+            for i, ((_, stop), nxt) in enumerate(zip(run.forwards, until, strict=True)):
+                spans.record("backward", stop, nxt, microbatch=i)
+
     def _forward_step(
         self, run: _Pass, data: Iterator[RankMicroBatch], model: Any
     ) -> tuple[Tensor, Any]:
+        run.forward_start = spans.now()
         mb = next(data)
         self.routing.counting = not mb.is_dummy
         gpt = model.module
@@ -243,6 +264,8 @@ class Schedule:
             hidden = replay.after_forward(model, hidden, run.given_routes[mb.index] is not None)
         # Only the last stage has an output layer (megatron calls the loss function there alone).
         weight = lm_head_weight(gpt) if gpt.post_process else None
+        if not gpt.post_process:  # its forward ends here (the last stage's, in its loss)
+            run.forwards.append((run.forward_start, spans.now()))
         return hidden, partial(self._loss_func, run, mb, weight)
 
     def _head(
@@ -400,6 +423,7 @@ class Schedule:
         if "token_loss" in outputs:
             assert scaled is not None
             report["token_loss"] = gather(scaled.detach())
+        run.forwards.append((run.forward_start, spans.now()))
         return share, n, report
 
 

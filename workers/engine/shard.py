@@ -26,6 +26,7 @@ from megatron.core.distributed import finalize_model_grads
 from torch import Tensor, nn
 
 from trainctl.api.models import LossConfig
+from trainctl.workers import spans
 from trainctl.workers.engine import hf, lora, megatron_cpu, weights, zero
 from trainctl.workers.engine.accumulation import Accumulation
 from trainctl.workers.engine.adapter_bank import AdapterBank, ShardAdapters
@@ -187,10 +188,10 @@ class EngineShard:
         # The loss is pre-normalised by the global token count: never rescale by num_tokens.
         if self.window.deferring:
             return  # a forward_backward part: reduced once, at optim_step (accumulation.py)
-        t0 = time.perf_counter()
-        with megatron_cpu.cuda_to_cpu():
+        with spans.timed("grad_sync") as t, megatron_cpu.cuda_to_cpu():
+            self.schedule.finalize_started = t.start_s
             finalize_model_grads(models, None, **kwargs)
-        self._grad_sync_s += time.perf_counter() - t0
+        self._grad_sync_s += t.seconds
 
     def _attach_lora(self, model: Any, last_stage: bool) -> list[lora.Site]:
         """LoRA sites on ``model``, then the base frozen: only adapters get gradients, DDP
@@ -266,20 +267,8 @@ class EngineShard:
         sum of its scaled terms) and, per sequence, the per-token log-probs and loss shares
         (reporting ranks only). On failure the sum is as before the call. Without
         ``backward`` (Tinker's ``forward``) the same numbers, and the window is untouched."""
-        t0 = time.perf_counter()
-        outputs = ("logprobs", "token_loss")
-        if not backward:
-            with torch.no_grad():
-                result = self.schedule.run(mbs, loss, forward_only=True, outputs=outputs)
-        else:
-            self.adapters.check_trainable()
-            self.window.begin_part()
-            try:
-                result = self.schedule.run(mbs, loss, forward_only=False, outputs=outputs)
-            except BaseException:
-                self.window.rollback()
-                raise
-            self.window.end_part()
+        with spans.timed("forward_backward" if backward else "forward_only") as t:
+            result = self._part(mbs, loss, backward)
         per_seq: PerSequence = {}
         if self.dims.reports_logprobs():
             lps = per_sequence(mbs, [o["logprobs"] for o in result.outputs])
@@ -290,9 +279,26 @@ class EngineShard:
             is_last_stage=self.is_last_stage,
             loss=result.loss,
             metrics={**self.routing.export(), **result.metrics},
-            timings={"forward_backward_s": time.perf_counter() - t0},
+            timings={"forward_backward_s": t.seconds},  # the span's length
         )
         return PartResult(report=report, per_sequence=per_seq)
+
+    def _part(
+        self, mbs: Sequence[PackedMicroBatch], loss: LossConfig, backward: bool
+    ) -> PassResult:
+        outputs = ("logprobs", "token_loss")
+        if not backward:
+            with torch.no_grad():
+                return self.schedule.run(mbs, loss, forward_only=True, outputs=outputs)
+        self.adapters.check_trainable()
+        self.window.begin_part()
+        try:
+            result = self.schedule.run(mbs, loss, forward_only=False, outputs=outputs)
+        except BaseException:
+            self.window.rollback()
+            raise
+        self.window.end_part()
+        return result
 
     def rollback_part(self) -> None:
         """Undo the last ``forward_backward`` part (another rank failed it)."""
@@ -318,16 +324,16 @@ class EngineShard:
         Every collective of the step happens here, so phase 2 (``apply``) is local arithmetic
         that cannot leave ranks out of step. On failure the gradients are dropped.
         """
-        t0 = time.perf_counter()
         self._grad_sync_s = 0.0
         self.adapters.check_trainable()
-        try:
-            result = self.train_pass(mbs, loss)
-            with megatron_cpu.cuda_to_cpu():
-                self._pending_norm = self.optim.grad_norm()
-        except BaseException:
-            self.optim.zero_grad()
-            raise
+        with spans.timed("forward_backward") as fb:  # its timing below is this span's length
+            try:
+                result = self.train_pass(mbs, loss)
+                with spans.timed("grad_norm"), megatron_cpu.cuda_to_cpu():
+                    self._pending_norm = self.optim.grad_norm()
+            except BaseException:
+                self.optim.zero_grad()
+                raise
         return StepReport(
             coords=self.coords,
             is_last_stage=self.is_last_stage,
@@ -335,19 +341,16 @@ class EngineShard:
             # The controller checks it before phase 2: the one read between the phases.
             grad_norm=float(self._pending_norm),
             metrics={**self.routing.export(), **result.metrics},
-            timings={
-                "forward_backward_s": time.perf_counter() - t0,
-                "grad_sync_s": self._grad_sync_s,
-            },
+            timings={"forward_backward_s": fb.seconds, "grad_sync_s": self._grad_sync_s},
         )
 
     def apply(self, hyper: OptimizerConfig | None = None) -> Applied:
         """Phase 2: the optimizer update of what this rank owns, from the accumulated gradients
         and phase 1's norm. Local: no collective. ``hyper``: this step's AdamW settings
         (``optim_step``), else the engine config's."""
-        t0 = time.perf_counter()
-        grad_norm = self.optim.update_local(self._pending_norm, hyper)
-        return Applied(grad_norm=grad_norm, seconds=time.perf_counter() - t0)
+        with spans.timed("optimizer") as t:  # ``seconds`` is this span's length
+            grad_norm = self.optim.update_local(self._pending_norm, hyper)
+        return Applied(grad_norm=grad_norm, seconds=t.seconds)
 
     def train_batch(self, mbs: Sequence[PackedMicroBatch], loss: LossConfig) -> StepReport:
         """Both phases in one call (tests, benchmarks and the single-process reference)."""

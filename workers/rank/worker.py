@@ -310,10 +310,13 @@ class RankWorker:
     def clock(self) -> float:
         return spans.now()
 
-    def recent_spans(self, since: float, until: float, offset_s: float) -> list[spans.SpanRecord]:
+    def recent_spans(
+        self, since: float, until: float, offset_s: float
+    ) -> tuple[list[spans.SpanRecord], int]:
         """This rank's spans overlapping ``[since, until]`` of the collector's clock, which
-        runs ``offset_s`` ahead of this rank's (``spans.clock_offset``), on that clock."""
-        return spans.between(since, until, offset_s)
+        runs ``offset_s`` ahead of this rank's (``spans.clock_offset``), on that clock; and
+        the count its ring dropped."""
+        return spans.recent(since, until, offset_s)
 
     # -- fault injection (faults.py; through Ray only, never on the HTTP API) ------------------
 
@@ -341,8 +344,13 @@ class RankWorker:
     def stream_pieces(self) -> list[Piece]:
         return self.built.streamer.pieces()
 
-    def stream_to_object_store(self, plan: StreamPlan) -> tuple[list[Any], Sent]:
-        return self.built.streamer.to_object_store(plan)
+    def stream_to_object_store(
+        self, plan: StreamPlan, trace: str | None = None
+    ) -> tuple[list[Any], Sent]:
+        """This owner's buckets into the object store; one span (``export``) in the sync's
+        trace (``trace``)."""
+        with spans.span("export", parent=trace, transport="object_store"):
+            return self.built.streamer.to_object_store(plan)
 
     def open_collective(
         self,
@@ -356,10 +364,11 @@ class RankWorker:
             plan, receivers, generation, timeout_s, _node_ip(), rv
         )
 
-    def send_collective(self) -> Sent:
+    def send_collective(self, trace: str | None = None) -> Sent:
         """Send this owner's staged buckets (an armed ``broadcast_stall``: rank 0 stops after
-        its first)."""
-        return self.built.streamer.send(self.faults.stall())
+        its first); one span (``export``) in the sync's trace (``trace``)."""
+        with spans.span("export", parent=trace, transport="collective"):
+            return self.built.streamer.send(self.faults.stall())
 
 
 def _node_ip() -> str:

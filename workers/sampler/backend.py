@@ -36,6 +36,7 @@ from typing import Any, Protocol, cast
 
 from trainctl.api import ConflictError, InternalError, NotReadyError, SampleRequest, SampleResult
 from trainctl.workers.sampler.transport import Shipment
+from trainctl.workers.spans import SpanRecord
 
 BACKENDS: dict[str, str] = {"vllm": "trainctl.workers.sampler.vllm_backend"}
 """Each sampler backend's package, by the name ``--sampler-backend`` takes."""
@@ -47,6 +48,9 @@ class Loaded:
 
     step: int
     seconds: float
+    transfer_s: float | None = None
+    """Of ``seconds``, those the weights took to arrive before the load (None: not told
+    apart, as for an adapter)."""
 
 
 class EngineBrokenError(InternalError):
@@ -92,7 +96,10 @@ class SamplerEngine(Protocol):
         req: SampleRequest,
         version: Shipment,
         queue_timeout_s: float | None = None,
-    ) -> SampleResult: ...
+        trace: str | None = None,
+    ) -> SampleResult:
+        """``trace``: the caller's W3C ``traceparent``, which the engine's spans join."""
+        ...
 
     async def abort(self, request_id: str) -> bool:
         """Drop the request; True if it will not produce a result."""
@@ -103,15 +110,29 @@ class SamplerEngine(Protocol):
         shipment: Shipment,
         member: tuple[dict[str, Any], int] | None = None,
         keep: Sequence[str] = (),
+        trace: str | None = None,
     ) -> Loaded:
         """Load ``shipment``: opened (``transport.open_shipment``), or received over the
         group ``member`` names (its rendezvous and this engine's rank) while it is sent,
         keeping in host memory the received versions whose shipment ids ``keep`` lists."""
         ...
 
-    async def load_adapter(self, shipment: Shipment, keep: Sequence[int]) -> Loaded: ...
+    async def load_adapter(
+        self, shipment: Shipment, keep: Sequence[int], trace: str | None = None
+    ) -> Loaded: ...
 
     async def remove_adapter(self, name: str) -> None: ...
+
+    async def clock(self) -> float:
+        """This process's wall clock (the timeline takes the engine's offset from it)."""
+        ...
+
+    async def recent_spans(
+        self, since: float, until: float, offset_s: float
+    ) -> tuple[list[SpanRecord], int]:
+        """The engine's spans in ``[since, until]`` of a collector whose clock runs
+        ``offset_s`` ahead, on that clock, and the count its ring dropped (``spans.recent``)."""
+        ...
 
 
 class Backend(Protocol):

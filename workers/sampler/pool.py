@@ -57,6 +57,7 @@ from trainctl.api import (
 )
 from trainctl.api.errors import GoneError, field_error
 from trainctl.api.sampling import SyncMode
+from trainctl.workers import spans
 from trainctl.workers.sampler import backend
 from trainctl.workers.sampler.backend import EngineBrokenError, Loaded
 from trainctl.workers.sampler.spec import SAMPLER_NODE_RESOURCE, SamplerSpec
@@ -170,6 +171,7 @@ class SamplerPool:
         env = self.backend.env(o.num_gpus > 0, o.threads, self.spec.return_routes)
         if o.cache_dir is not None:
             env = {**env, "XDG_CACHE_HOME": o.cache_dir}
+        env = {**env, **spans.env()}  # the engine's spans, as the controller keeps its own
         kept = any(SAMPLER_NODE_RESOURCE in n.get("Resources", {}) for n in ray.nodes())
         if self._actor_class is None:
             self._actor_class = ray.remote(self.backend.engine_class())
@@ -340,9 +342,10 @@ class SamplerPool:
         if shipment.adapter is None:
             window = [s.id for s in self.window.versions.get(None, {}).values()]
             member = None if link is None else link.member(e.index)
-            ref = e.actor.load_weights.remote(shipment, member, window)
+            ref = e.actor.load_weights.remote(shipment, member, window, spans.traceparent())
         else:
-            ref = e.actor.load_adapter.remote(shipment, self.window.steps(shipment.adapter))
+            steps = self.window.steps(shipment.adapter)
+            ref = e.actor.load_adapter.remote(shipment, steps, spans.traceparent())
         loaded: Loaded = await self._call(
             e, ref, f"the load of step {shipment.version}", wait_s=self.options.call_timeout_s
         )  # a load waits for the sample running, at most
@@ -450,7 +453,8 @@ class SamplerPool:
             # A queued caller (Tinker's asample) holds a future already: it waits its turn. A
             # request's own queue_timeout_s may shorten the service's, never lengthen it.
             queue_timeout = None if queue else self.options.wait_s(req.queue_timeout_s)
-            ref = e.actor.sample.remote(request_id, req, version, queue_timeout)
+            trace = spans.traceparent()  # the engine's spans join the caller's trace
+            ref = e.actor.sample.remote(request_id, req, version, queue_timeout, trace)
             result: SampleResult = await self._call(e, ref, "a sample", queue_timeout)
             if version.adapter is None:
                 e.step = result.step  # the engine holds this version now
@@ -504,6 +508,27 @@ class SamplerPool:
             e.status = "failed"
             e.last_error = f"recreating failed: {err}"[:300]
             log.exception("could not recreate sampler %d", e.index)
+
+    async def recent_spans(self, since: float, until: float) -> spans.Found:
+        """The ready engines' spans overlapping ``[since, until]`` of this process's clock,
+        on it (each engine's offset taken from a round trip now), and the spans their rings
+        dropped. An engine that does not answer within ``PING_TIMEOUT_S`` is left out."""
+        got = await asyncio.gather(
+            *(self._recent(e, since, until) for e in self.engines if e.status == "ready")
+        )
+        return [s for found, _ in got for s in found], sum(lost for _, lost in got)
+
+    async def _recent(self, e: _Engine, since: float, until: float) -> spans.Found:
+        try:
+            sent = spans.now()
+            now = await asyncio.wait_for(_awaited(e.actor.clock.remote()), PING_TIMEOUT_S)
+            offset = spans.clock_offset(now, sent, spans.now())
+            read = e.actor.recent_spans.remote(since, until, offset)
+            found: spans.Found = await asyncio.wait_for(_awaited(read), PING_TIMEOUT_S)
+            return found
+        except Exception as err:  # a dead or stuck engine: its own path recreates it
+            log.info("timeline: sampler engine %d did not answer: %s", e.index, err)
+            return [], 0
 
     def statuses(self) -> dict[str, int]:
         """The engines counted by status."""

@@ -40,6 +40,7 @@ swaps and the guard are states of that same engine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -188,7 +189,8 @@ class VllmEngine:
                 f"sampler {self.index} loaded step {step}'s weights with {len(empty)} "
                 f"parameter(s) left empty ({', '.join(empty[:3])}); it is being recreated"
             )
-        return self._loaded(step, per_worker[0].schema, shipment.id, t0)
+        loaded = self._loaded(step, per_worker[0].schema, shipment.id, t0)
+        return dataclasses.replace(loaded, transfer_s=per_worker[0].opened_s)
 
     def _receive(
         self, shipment: Shipment, rendezvous: dict[str, Any], rank: int, keep: Sequence[str]
@@ -214,6 +216,7 @@ class VllmEngine:
         try:
             rpc("start_weight_update")
             rpc("update_weights", args=(update,))
+            received_s = time.perf_counter() - t0
         except Exception as e:
             self._generation = None  # the group is broken: the next sync forms a new one
             raise InternalError(
@@ -224,7 +227,9 @@ class VllmEngine:
             rpc("finish_weight_update")
         except Exception as e:
             raise self._broken(step, e) from None
-        return self._loaded(step, schema, shipment.id, t0)
+        return dataclasses.replace(
+            self._loaded(step, schema, shipment.id, t0), transfer_s=received_s
+        )
 
     def _reload_kept(self, version: Shipment) -> Loaded:
         """A swap back to a version received over the collective: a broadcast cannot be

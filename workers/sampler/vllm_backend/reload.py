@@ -4,6 +4,7 @@ loading path."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ class Reloaded:
     empty: list[str]
     """The parameters left without data (on the meta device): vLLM's reload moves them
     there first, and one it could not fill stays there - a load that "succeeded" broken."""
+    opened_s: float = 0.0
+    """Seconds the shipment took to open (its tensors fetched), before the load."""
 
 
 def reload(worker: Any, shipment: Shipment, want: Schema | None) -> Reloaded:
@@ -32,11 +35,13 @@ def reload(worker: Any, shipment: Shipment, want: Schema | None) -> Reloaded:
     plan = getattr(shipment.handle, "plan", None)  # a streamed one: refused before fetching
     if want is not None and plan is not None and (problem := schema_mismatch(plan.schema, want)):
         return Reloaded(plan.schema, problem, [])
+    t0 = time.perf_counter()
     tensors = open_shipment(shipment)
+    opened_s = time.perf_counter() - t0
     schema = schema_of(tensors)
     if want is not None and (problem := schema_mismatch(schema, want)):
-        return Reloaded(schema, problem, [])
-    return Reloaded(schema, None, reload_tensors(worker, tensors))
+        return Reloaded(schema, problem, [], opened_s)
+    return Reloaded(schema, None, reload_tensors(worker, tensors), opened_s)
 
 
 def reload_tensors(worker: Any, tensors: dict[str, Any]) -> list[str]:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainctl.api import SampleRequest, SampleResult
+from trainctl.workers import spans
 from trainctl.workers.sampler.backend import Loaded, RequestAbortedError
 from trainctl.workers.sampler.spec import SamplerSpec
 from trainctl.workers.sampler.transport import Shipment
@@ -50,7 +51,12 @@ class _Running:
 
     ids: list[str]
     done: asyncio.Future[list[Any]]
+    admitted: float
+    """When its prompts entered the engine (wall clock)."""
     outs: dict[str, Any] = field(default_factory=dict)
+    first_step: float | None = None
+    """When the first engine step after its admission ended: its prompts computed (the
+    prefill, with its first token), from then on one token per step (the decode)."""
 
     def finished(self, out: Any) -> None:
         self.outs[out.request_id] = out
@@ -74,6 +80,14 @@ on each adapter's newest slot (``adapter_slots.py``): an adapter's sync runs bes
 they go on with its new version."""
 
 
+def _load_span(shipment: Shipment, trace: str | None) -> Any:
+    """The span of one weight sync on this engine, a child of the sync's (``trace``)."""
+    return spans.span(
+        "sync", parent=trace, step=shipment.version, adapter=shipment.adapter,
+        bytes=shipment.nbytes, transport=shipment.transport,
+    )  # fmt: skip
+
+
 def _lane(version: Shipment, req: SampleRequest, in_flight: bool) -> str:
     """The requests that may share the engine's batches with this one: those of the same
     version of the base, or (for an adapter's) those of any adapter, or (with in-flight
@@ -92,6 +106,7 @@ class VllmSampler:
 
     def __init__(self, index: int, spec: SamplerSpec) -> None:
         self.index = index
+        spans.install_from_env(f"engine {index}")
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"sampler-{index}")
         self._engine = self._thread.submit(VllmEngine, index, spec).result()
         self._turns = Turns(capacity=spec.concurrency)
@@ -106,8 +121,20 @@ class VllmSampler:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def _load(self, fn: Any, *args: Any, beside: str | None = None) -> Any:
+        """``fn`` on the engine's thread in a load's turn: its wait for the turn, and (for a
+        ``Loaded``) the weights' transfer and their load, as spans."""
+        asked = spans.now()
         async with self._turns.load(beside):
-            return await self._on_thread(fn, *args)
+            started = spans.now()
+            done = await self._on_thread(fn, *args)
+        ended = spans.now()
+        if isinstance(done, Loaded):
+            spans.record("wait", asked, started)
+            moved = started + (done.transfer_s or 0.0)
+            if done.transfer_s is not None:
+                spans.record("transfer", started, moved)
+            spans.record("load", moved, ended)
+        return done
 
     async def pid(self) -> int:
         """This engine's process (``info`` shows it; an operator can find it)."""
@@ -119,17 +146,38 @@ class VllmSampler:
         req: SampleRequest,
         version: Shipment,
         queue_timeout_s: float | None = None,
+        trace: str | None = None,
     ) -> SampleResult:
+        """One span, a child of ``trace``'s: the request's wait for its turn (``queue``), then
+        its ``prefill`` (the first engine step after its admission) and its ``decode``."""
+        with spans.span(
+            "sample", parent=trace, request=request_id, adapter=req.adapter,
+            step=version.version, prompts=len(req.prompts),
+        ):  # fmt: skip
+            return await self._sample(request_id, req, version, queue_timeout_s)
+
+    async def _sample(
+        self,
+        request_id: str,
+        req: SampleRequest,
+        version: Shipment,
+        queue_timeout_s: float | None,
+    ) -> SampleResult:
+        arrived = spans.now()
         if self._engine.runs_alone(req):
             async with self._turns.sample(request_id, queue_timeout_s):
+                started = spans.now()
+                spans.record("queue", arrived, started)
                 alone: SampleResult = await self._on_thread(self._engine.sample, req, version)
+                spans.record("generate", started, spans.now())
                 return alone
         lane = _lane(version, req, self._in_flight)
         async with self._turns.sample(request_id, queue_timeout_s, lane=lane):
+            spans.record("queue", arrived, spans.now())
             t0 = time.perf_counter()
             newest = lane in (NEWEST_LANE, NEWEST_ADAPTERS_LANE)
             ids, step = await self._on_thread(self._engine.admit, request_id, req, version, newest)
-            run = _Running(ids, asyncio.get_running_loop().create_future())
+            run = _Running(ids, asyncio.get_running_loop().create_future(), spans.now())
             self._running[request_id] = run
             self._owner.update(dict.fromkeys(ids, request_id))
             if self._stepping is None or self._stepping.done():
@@ -144,12 +192,17 @@ class VllmSampler:
                 for i in ids:
                     self._owner.pop(i, None)
             seconds = time.perf_counter() - t0
+            finished = spans.now()
+            first = run.first_step if run.first_step is not None else finished
+            spans.record("prefill", run.admitted, first, tokens=sum(len(p) for p in req.prompts))
+            spans.record("decode", first, finished)
             return self._engine.result(req, outs, step, seconds, lane == NEWEST_ADAPTERS_LANE)
 
     async def _step_while_running(self) -> None:
         """Step the engine while a request waits for outputs; hand each finished prompt's
         output to its request. An error inside a step fails every request running."""
         while any(not r.done.done() for r in self._running.values()):
+            started = spans.now()
             try:
                 outs = await self._on_thread(self._engine.advance)
             except Exception as e:
@@ -157,6 +210,10 @@ class VllmSampler:
                     if not r.done.done():
                         r.done.set_exception(e)
                 continue
+            ended = spans.now()
+            for r in self._running.values():
+                if r.first_step is None and r.admitted <= started:
+                    r.first_step = ended
             for out in outs:
                 owner = self._owner.get(out.request_id)
                 if owner is not None and owner in self._running:
@@ -182,24 +239,37 @@ class VllmSampler:
         shipment: Shipment,
         member: tuple[dict[str, Any], int] | None = None,
         keep: Sequence[str] = (),
+        trace: str | None = None,
     ) -> Loaded:
         """``member``: where this engine joins the group a collective shipment is broadcast
         over (``transport.Link.member``); the engine receives while the sender sends, and
-        keeps the copies ``keep`` names."""
+        keeps the copies ``keep`` names. ``trace``: the sync's ``traceparent``."""
         beside = NEWEST_LANE if self._in_flight else None  # they go on with these weights
-        loaded: Loaded = await self._load(
-            self._engine.load_weights, shipment, member, keep, beside=beside
-        )
+        with _load_span(shipment, trace):
+            loaded: Loaded = await self._load(
+                self._engine.load_weights, shipment, member, keep, beside=beside
+            )
         return loaded
 
-    async def load_adapter(self, shipment: Shipment, keep: Sequence[int]) -> Loaded:
+    async def load_adapter(
+        self, shipment: Shipment, keep: Sequence[int], trace: str | None = None
+    ) -> Loaded:
         """An adapter's newest version (a sync): with in-flight updates, beside the requests
         for the adapters' newest versions, which go on with it."""
         beside = NEWEST_ADAPTERS_LANE if self._in_flight else None
-        loaded: Loaded = await self._load(
-            self._engine.load_adapter, shipment, keep, True, beside=beside
-        )
+        with _load_span(shipment, trace):
+            loaded: Loaded = await self._load(
+                self._engine.load_adapter, shipment, keep, True, beside=beside
+            )
         return loaded
+
+    async def clock(self) -> float:
+        return spans.now()
+
+    async def recent_spans(
+        self, since: float, until: float, offset_s: float
+    ) -> tuple[list[spans.SpanRecord], int]:
+        return spans.recent(since, until, offset_s)
 
     async def remove_adapter(self, name: str) -> None:
         await self._load(self._engine.remove_adapter, name)
