@@ -20,6 +20,7 @@ from trainctl.api import (
     UnsupportedMediaTypeError,
     wire,
 )
+from trainctl.workers import spans
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -46,7 +47,15 @@ BODY_GRACE_S = 10.0
 async def read_body(request: Request, max_bytes: int, head: bytearray | None = None) -> bytes:
     """The whole body, within ``max_bytes`` (413) and the app's read deadlines (408).
     ``head`` receives what was read of a refused body (at most ``max_bytes``; with a declared
-    length past the limit, its first chunk): enough to read which request it was."""
+    length past the limit, its first chunk): enough to read which request it was. One span
+    on the gateway's row (``receive``)."""
+    with spans.span("receive") as current:
+        body = await _read_body(request, max_bytes, head)
+        current.set_attribute("bytes", len(body))
+        return body
+
+
+async def _read_body(request: Request, max_bytes: int, head: bytearray | None) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         if head is not None:
@@ -105,16 +114,17 @@ async def decode_request(request: Request, model: type[M], max_bytes: int) -> De
     """The request body as ``model``; a ``ValidationError`` surfaces as the usual 422."""
     body = await read_body(request, max_bytes)
     kind = media_type(request.headers.get("content-type"))
-    fingerprint = hashlib.sha256(body).hexdigest()
-    if kind == wire.CONTENT_TYPE:
-        # Arrays all the way: the frame's columns are validated vectorised, never listed.
-        validated = model.model_validate(wire.decode_sequences(body, max_inflated=max_bytes))
-    elif kind == wire.JSON_CONTENT_TYPE or kind.endswith("+json"):
-        validated = model.model_validate_json(body or b"null")
-    else:
-        raise UnsupportedMediaTypeError(
-            f"content-type {kind!r}: send {wire.JSON_CONTENT_TYPE} or {wire.CONTENT_TYPE}"
-        )
+    with spans.span("validate"):
+        fingerprint = hashlib.sha256(body).hexdigest()
+        if kind == wire.CONTENT_TYPE:
+            # Arrays all the way: the frame's columns are validated vectorised, never listed.
+            validated = model.model_validate(wire.decode_sequences(body, max_inflated=max_bytes))
+        elif kind == wire.JSON_CONTENT_TYPE or kind.endswith("+json"):
+            validated = model.model_validate_json(body or b"null")
+        else:
+            raise UnsupportedMediaTypeError(
+                f"content-type {kind!r}: send {wire.JSON_CONTENT_TYPE} or {wire.CONTENT_TYPE}"
+            )
     return DecodedBody(validated, fingerprint, len(body))
 
 
@@ -125,7 +135,15 @@ def wants_binary(request: Request) -> bool:
 def encode_response(
     request: Request, result: BaseModel, status: int = 200, headers: dict[str, str] | None = None
 ) -> Response:
-    """``result`` as JSON, or as a binary frame if the caller accepts one."""
+    """``result`` as JSON, or as a binary frame if the caller accepts one; one span on the
+    gateway's row (``answer``)."""
+    with spans.span("answer"):
+        return _encoded(request, result, status, headers)
+
+
+def _encoded(
+    request: Request, result: BaseModel, status: int, headers: dict[str, str] | None
+) -> Response:
     if not wants_binary(request):
         return Response(
             result.model_dump_json(),

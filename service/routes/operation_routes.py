@@ -28,6 +28,7 @@ from trainctl.service.routes.deps import (
     Prefer,
     resource_router,
 )
+from trainctl.workers import spans
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,9 @@ async def dispatch(
         log.info("%s accepted as %s", kind, op.id, extra={"op": op.id})
         location = f"/{API_VERSION}/operations/{op.id}"
         return encode_response(request, op, 202, headers={"Location": location})
-    return encode_response(request, await controller.run(kind, req, key, fingerprint))
+    with spans.span("wait"):  # for the operation: its queue and run (the controller's spans)
+        result = await controller.run(kind, req, key, fingerprint)
+    return encode_response(request, result)
 
 
 async def _read(request: Request, spec: OperationSpec, limits: Any) -> tuple[BaseModel, str]:
@@ -61,7 +64,11 @@ async def _read(request: Request, spec: OperationSpec, limits: Any) -> tuple[Bas
         decoded.model.check_limits(limits)
         return decoded.model, decoded.fingerprint
     body = await read_body(request, max_bytes)
-    fields = dict(request.path_params)
+    with spans.span("validate"):
+        return _validated(spec, body, dict(request.path_params))
+
+
+def _validated(spec: OperationSpec, body: bytes, fields: dict[str, Any]) -> tuple[BaseModel, str]:
     if body.strip() and fields:  # the path's fields complete (and win over) the body's
         try:
             raw = json.loads(body)

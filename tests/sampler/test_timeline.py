@@ -91,6 +91,14 @@ def test_two_rl_iterations_on_one_timeline(paced: Service) -> None:
         assert _within(result.timings["optimizer_max_s"], max(opt_lengths)), result.timings
         [op_span] = of(call["train"], "controller", "train_batch")
         assert op_span["args"]["step"] == result.step
+        [prepare] = of(call["train"], "controller", "prepare")  # at submit, before it queued
+        [plan] = children(prepare, "plan")
+        assert _within(result.timings["plan_s"], plan["dur"]), result.timings
+        # The gateway's request: its body received, validated, the wait for the operation,
+        # the answer.
+        [request] = of(call["train"], "gateway", "POST /v1/train_batch")
+        for part in ("receive", "validate", "wait", "answer"):
+            assert children(request, part), part
 
         # A sync: the engine's load in the sync operation's trace, its wait for the turn, the
         # weights' transfer and their load.

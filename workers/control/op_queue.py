@@ -329,8 +329,9 @@ class Operations:
         existing = self.queue.find(kind, key, fingerprint)
         if existing is not None:
             return existing
-        run = await self.prepare(kind, req)
         trace = trace or spans.traceparent()
+        with spans.span("prepare", parent=trace, kind=OperationKind(kind).value):  # checks, a plan
+            run = await self.prepare(kind, req)
         adapter = getattr(req, "adapter", None)
         return self.queue.submit(
             kind, run, key=key, fingerprint=fingerprint, trace=trace,

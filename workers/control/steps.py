@@ -54,6 +54,7 @@ from trainctl.api import (
 )
 from trainctl.api.batch import SequenceBatch
 from trainctl.api.errors import field_error
+from trainctl.workers import spans
 from trainctl.workers.control.group import Group, GroupLostError
 from trainctl.workers.control.op_queue import Handle, Runs
 from trainctl.workers.control.plan import plan_step
@@ -192,16 +193,16 @@ class Steps:
         """The dispatch plan and the seconds it took; a batch the layout cannot take is a 422.
         ``packing``: the request's, else the server's default; ``deferred_normalizer``: a
         ``forward_backward`` part (``plan.sequence_scales``)."""
-        t0 = time.perf_counter()
         self.state_of(adapter)  # an unknown adapter is refused before the call queues
-        try:
-            plan = plan_step(
-                list(sequences), self.cfg, loss=loss, packing=packing,
-                deferred_normalizer=deferred_normalizer,
-            )  # fmt: skip
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
-        return dataclasses.replace(plan, adapter=adapter), time.perf_counter() - t0
+        with spans.timed("plan", sequences=len(sequences)) as t:  # plan_s: the span's length
+            try:
+                plan = plan_step(
+                    list(sequences), self.cfg, loss=loss, packing=packing,
+                    deferred_normalizer=deferred_normalizer,
+                )  # fmt: skip
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from e
+        return dataclasses.replace(plan, adapter=adapter), t.seconds
 
     def _check_trainable(self, adapter: str | None) -> None:
         if adapter is None and self.cfg.lora.enabled:
