@@ -29,9 +29,11 @@ async def gather(
 
 EXPORT_TTL_S = 3600.0
 """How long an exported session trace stays downloadable (Tinker's signed URLs: an hour)."""
-MAX_EXPORTS = 16
+EXPORTS_PER_PARTY = 4
 MAX_EXPORT_BYTES = 256 * 2**20
-"""The exports kept at once, and their bytes together: past either, the oldest goes."""
+"""The exports each party (a tenant, or the operator) keeps at once, and the bytes of all
+parties' together: past its own count a party's oldest goes; past the bytes, the oldest of the
+party holding the most. One tenant exporting in a loop never pushes out another's."""
 
 
 @dataclass(frozen=True)
@@ -43,32 +45,41 @@ class Export:
 
 class TraceExports:
     """Session traces built for download, each under an unguessable token (its URL is the
-    only credential, as a signed URL is). Owns the bodies, at most ``MAX_EXPORTS`` and
-    ``MAX_EXPORT_BYTES`` of them, each for ``EXPORT_TTL_S``."""
+    only credential, as a signed URL is). Owns the bodies, by party: at most
+    ``EXPORTS_PER_PARTY`` a party and ``MAX_EXPORT_BYTES`` in all, each for ``ttl_s``."""
 
     def __init__(self, ttl_s: float = EXPORT_TTL_S) -> None:
         self.ttl_s = ttl_s
-        self._kept: OrderedDict[str, Export] = OrderedDict()
+        self._by_party: dict[str, OrderedDict[str, Export]] = {}
 
-    def add(self, body: bytes) -> str:
-        """Keep ``body``; its token."""
+    def add(self, body: bytes, party: str) -> str:
+        """Keep ``body`` as ``party``'s; its token."""
         self._expire()
         token = secrets.token_urlsafe(24)
-        self._kept[token] = Export(body, time.monotonic() + self.ttl_s)
-        while len(self._kept) > MAX_EXPORTS or self.nbytes > MAX_EXPORT_BYTES:
-            self._kept.popitem(last=False)
+        mine = self._by_party.setdefault(party, OrderedDict())
+        mine[token] = Export(body, time.monotonic() + self.ttl_s)
+        while len(mine) > EXPORTS_PER_PARTY:
+            mine.popitem(last=False)
+        while self.nbytes > MAX_EXPORT_BYTES:
+            largest = max(
+                self._by_party.values(), key=lambda kept: sum(len(e.body) for e in kept.values())
+            )
+            largest.popitem(last=False)
         return token
 
     def get(self, token: str) -> bytes | None:
         self._expire()
-        found = self._kept.get(token)
-        return None if found is None else found.body
+        for kept in self._by_party.values():
+            if (found := kept.get(token)) is not None:
+                return found.body
+        return None
 
     @property
     def nbytes(self) -> int:
-        return sum(len(e.body) for e in self._kept.values())
+        return sum(len(e.body) for kept in self._by_party.values() for e in kept.values())
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for token in [t for t, e in self._kept.items() if e.expires < now]:
-            del self._kept[token]
+        for kept in self._by_party.values():
+            for token in [t for t, e in kept.items() if e.expires < now]:
+                del kept[token]

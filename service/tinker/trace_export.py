@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request, Response
 from trainctl.api import NotFoundError, TrainctlError
 from trainctl.service.auth import Access, access, tenant_of
 from trainctl.service.routes.deps import get_controller
+from trainctl.service.shares import party
 from trainctl.service.tinker.state import TinkerState
 from trainctl.service.traces import TraceExports, gather
 from trainctl.workers import spans
@@ -48,7 +49,7 @@ async def trace_export(session_id: str, request: Request) -> dict[str, Any]:
         return {"status": "failed", "error": e.message}
     kept = [r for r in found if r.trace_id in mine]
     body = json.dumps(spans.chrome_trace(kept, dropped=dropped)).encode()
-    token = _exports(request).add(body)
+    token = _exports(request).add(body, party(tenant_of(request)))
     return {
         "status": "ready",
         "url": f"{str(request.base_url).rstrip('/')}/api/v1/trace_exports/{token}",

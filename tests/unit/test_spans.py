@@ -328,16 +328,20 @@ def test_a_session_trace_holds_its_own_calls_spans_and_none_of_another_tenants(
         assert http.get("/api/v1/trace_exports/not-a-token").status_code == 404
 
 
-def test_trace_exports_expire_and_keep_their_bound() -> None:
+def test_trace_exports_expire_and_keep_each_partys_bound() -> None:
+    """Each party keeps its newest exports: one tenant exporting in a loop pushes out only
+    its own; and an export is gone after its time."""
     from trainctl.service import traces
 
     exports = traces.TraceExports(ttl_s=60.0)
-    first = exports.add(b"{}")
+    first = exports.add(b"{}", "alice")
     assert exports.get(first) == b"{}" and len(first) >= 32
-    tokens = [exports.add(b"x" * 10) for _ in range(traces.MAX_EXPORTS)]
-    assert exports.get(first) is None and all(exports.get(t) for t in tokens)  # oldest gone
+    tokens = [exports.add(b"x" * 10, "carol") for _ in range(3 * traces.EXPORTS_PER_PARTY)]
+    assert exports.get(first) == b"{}"  # carol's loop left alice's alone
+    kept = [t for t in tokens if exports.get(t)]
+    assert kept == tokens[-traces.EXPORTS_PER_PARTY :]  # carol's newest
     gone = traces.TraceExports(ttl_s=-1.0)
-    assert gone.get(gone.add(b"{}")) is None  # past its time
+    assert gone.get(gone.add(b"{}", "alice")) is None  # past its time
 
 
 _UTILIZATION = """
