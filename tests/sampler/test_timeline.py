@@ -59,10 +59,15 @@ def test_two_rl_iterations_on_one_timeline(paced: Service) -> None:
         return [e for e in events if e["args"].get("parent_id") == parent["args"]["span_id"]
                 and e["name"] == name]  # fmt: skip
 
-    # Every operation once on the controller's row (the SDK's calls made 4 of them here).
+    # Every operation once on the controller's row: each of the 4 the SDK's calls made here
+    # (the timeline may also hold an earlier test's, each once too).
     ops = Counter(e["args"]["op"] for e in events if e["row"] == "controller" and "op" in e["args"]
                   and e["name"] in ("train_batch", "sync_weights"))  # fmt: skip
-    assert len(ops) == 4 and set(ops.values()) == {1}, ops
+    assert set(ops.values()) == {1}, ops
+    traces = [t for c in calls for t in (c["train"], c["sync_trace"])]
+    mine = {e["args"]["op"] for t in traces for name in ("train_batch", "sync_weights")
+            for e in of(t, "controller", name)}  # fmt: skip
+    assert len(mine) == 4, mine
 
     for call in calls:
         # A sample: the gateway's request, the controller's sample, the engine's with its queue

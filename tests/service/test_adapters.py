@@ -318,6 +318,9 @@ def _probes(a: Run, future: str) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     return {
         "/api/v1/session_heartbeat": [("session_heartbeat", {"session_id": a.session})],
         "/api/v1/sessions/{session_id}/finish": [(f"sessions/{a.session}/finish", {})],
+        "/api/v1/sessions/{session_id}/trace_export": [
+            (f"sessions/{a.session}/trace_export", {"__get__": True})
+        ],
         "/api/v1/create_model": [("create_model", {"session_id": a.session, "model_seq_id": 9,
                                                    "base_model": "trainctl-tiny"})],
         "/api/v1/get_info": [("get_info", model)],

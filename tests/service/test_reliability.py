@@ -5,8 +5,6 @@ fault injection on) for the module; tests run in file order."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -355,13 +353,17 @@ def test_a_killed_rank_is_replaced_and_the_latest_checkpoint_restored(svc: Servi
     c.train_batch(sft_batch(seed=24))  # a step after the checkpoint: it will be lost
     victim = c.info().ranks[1].pid
     assert victim is not None
-    # Distinct sequences (copies of one would share their prefixes: tree packing would
-    # compute them once, and the step could finish before the kill lands).
-    op = c.submit("train_batch", [s for k in range(100) for s in sft_batch(seed=1000 + k)])
-    while c.operation(op.id).status.value == "queued":
-        time.sleep(0.05)
+    # Rank 1 SIGKILLs itself as its forward pass begins (nothing cleaned up), while rank 0
+    # works on. A kill from outside, timed by polling the operation, landed after the step
+    # had finished on a loaded CI machine (the step was then "done").
+    r = httpx.post(
+        f"{svc.url}/v1/debug/faults",
+        json={"rank": 1, "phase": "forward", "kill": True},
+        headers={"authorization": f"Bearer {TOKEN}"},
+    )
+    assert r.status_code == 200, r.text
     t_kill = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
+    op = c.submit("train_batch", [s for k in range(100) for s in sft_batch(seed=1000 + k)])
     final = c.operation(op.id, wait_s=60)
     waited = time.monotonic() - t_kill
     assert final.status.value == "failed" and final.error is not None, final
