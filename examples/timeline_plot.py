@@ -61,8 +61,9 @@ def draw(traces: dict[str, dict[str, Any]], out: Path) -> None:
     fig, axes = plt.subplots(1, len(traces), figsize=(7 * len(traces), 3.2), squeeze=False)
     spans_of = {title: _top_spans(t) for title, t in traces.items()}
     width = max(
-        (max(e["ts"] + e["dur"] for e in top) - min(e["ts"] for e in top)) / 1e6
-        for _, top in spans_of.values() if top
+        ((max(e["ts"] + e["dur"] for e in top) - min(e["ts"] for e in top)) / 1e6
+         for _, top in spans_of.values() if top),
+        default=1.0,  # no spans in any trace: empty panels
     )  # fmt: skip
     for ax, (title, (rows, top)) in zip(axes[0], spans_of.items(), strict=True):
         t0 = min((e["ts"] for e in top), default=0.0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -97,6 +98,35 @@ def test_the_async_example_learns_one_step_off_policy(in_flight: Service) -> Non
           f"staleness max {run.stale_max:.0f}, samplers idle {run.idle:.0%}")  # fmt: skip
     assert run.rewards[0] < 0.3 and run.reached(0.8)
     assert run.stale_max == 1.0  # off-policy by one step: never on-policy, never two behind
+
+
+def test_the_async_examples_timeline_draws_both_loops(in_flight: Service, tmp_path: Path) -> None:
+    """``examples/async_rl.py --timeline``: two iterations of each loop, each one's timeline
+    (the controller's operations, the rank's work, the engine's samples and loads) and a PNG
+    of both."""
+    import argparse
+    import json
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from examples import async_rl
+
+    args = argparse.Namespace(delay=0.05, prompts=4, until=0.8, max_iterations=60, lr=2e-3,
+                              seed=0, in_flight=1)  # fmt: skip
+    async_rl.timelines(in_flight.url, args, str(tmp_path / "t"))
+    for mode in ("sync", "async"):
+        trace = json.loads((tmp_path / f"t-{mode}.json").read_text())
+        meta = [e for e in trace["traceEvents"] if e["name"] == "process_name"]
+        rows = {e["pid"]: e["args"]["name"] for e in meta}
+        seen = {(rows[e["pid"]], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+        for row, name in [("controller", "forward_backward"), ("controller", "optim_step"),
+                          ("rank 0", "optimizer"), ("engine 0", "sample"),
+                          ("engine 0", "sync")]:  # fmt: skip
+            assert (row, name) in seen, (mode, row, name)
+    png = (tmp_path / "t.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
 
 @pytest.fixture(scope="module")
