@@ -154,10 +154,10 @@ def install(
     if _installed:
         _installed[0].processor.row = row
         return _installed[0].ring
-    if _decided or size == 0:
-        _decided.append(True)
-        return None
+    off = bool(_decided) or size == 0  # decided off before, or now
     _decided.append(True)
+    if off:
+        return None
     made = make_provider(row, size=size, otlp_endpoint=otlp_endpoint)
     trace.set_tracer_provider(made.provider)
     _installed.append(made)

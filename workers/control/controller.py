@@ -62,7 +62,7 @@ from trainctl.workers.control.saves import Saves
 from trainctl.workers.control.serving import Serving, WeightsVersion
 from trainctl.workers.control.staleness import Staleness
 from trainctl.workers.control.steps import ModelState, Steps
-from trainctl.workers.control.telemetry import ControllerMetrics, utilization
+from trainctl.workers.control.telemetry import SAMPLE_SPAN, ControllerMetrics, utilization
 from trainctl.workers.control.timeline import Timeline
 from trainctl.workers.control.trackers import TrackerLog, open_trackers
 from trainctl.workers.engine.config import EngineConfig
@@ -466,7 +466,7 @@ class Controller:
     ) -> SampleResult:
         """``trace``: the caller's ``traceparent``: the sample is one span of that trace here,
         and the engine's spans are its children."""
-        with spans.span("sample", parent=trace, adapter=req.adapter) as current:
+        with spans.span(SAMPLE_SPAN, parent=trace, adapter=req.adapter) as current:
             result = await self.samplers.sample(req, queue)
             current.set_attribute("step", result.step)
             return result

@@ -50,6 +50,8 @@ T = TypeVar("T")
 Runs = Callable[["Handle"], Awaitable[T]]
 """What an operation runs in its turn, typed by its result."""
 Runner = Runs[Any]
+QUEUED_SPAN = "queued"
+"""An operation's wait in the queue, recorded when it starts."""
 
 
 @dataclass(eq=False)
@@ -250,7 +252,7 @@ class OperationQueue:
                     h.op.kind.value, parent=h.trace, op=h.op.id, adapter=h.adapter
                 ) as current:
                     queued = (h.op.created_at, h.op.started_at)
-                    spans.record("queued", *queued, op=h.op.id)
+                    spans.record(QUEUED_SPAN, *queued, op=h.op.id)
                     h.trace = spans.traceparent()
                     h.op.trace_id = spans.trace_id_of(h.trace) or h.op.trace_id
                     try:

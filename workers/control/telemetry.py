@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from trainctl.api import LogProbsResult, OperationKind, OperationStatus, StepResult
 from trainctl.workers import spans
-from trainctl.workers.control.op_queue import Handle
+from trainctl.workers.control.op_queue import QUEUED_SPAN, Handle
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 64)
@@ -26,39 +26,52 @@ SAMPLE_SPAN = "sample"
 """The controller's span of one sample, from its arrival to its answer."""
 SYNC_SPAN = "weight_sync"
 """The controller's span of one weight sync (``Samplers.sync``: after a step, or asked for)."""
-QUEUED_SPAN = "queued"
-"""An operation's wait in the controller's queue (``op_queue.py``)."""
 
 
-def _share(names: frozenset[str] | set[str]) -> float:
-    """The share of the last ``BUSY_WINDOW_S`` covered by this process's spans named one of
-    ``names`` (overlaps counted once)."""
+def _window() -> tuple[list[spans.SpanRecord], float, float]:
+    """This process's spans of the last ``BUSY_WINDOW_S``, read once, and the window."""
     until = spans.now()
     since = until - BUSY_WINDOW_S
-    return spans.busy_share(
-        [s for s in spans.between(since, until) if s.name in names], since, until
-    )
+    return spans.between(since, until), since, until
+
+
+def _share(
+    found: list[spans.SpanRecord], names: frozenset[str], since: float, until: float
+) -> float:
+    """The share of ``[since, until]`` covered by the spans of ``found`` named one of
+    ``names`` (overlaps counted once)."""
+    return spans.busy_share([s for s in found if s.name in names], since, until)
+
+
+def _quantile(found: list[spans.SpanRecord], q: float) -> float:
+    """The ``q`` quantile of the queue waits among ``found``: those of the operations that
+    started in the window (0.0 when none did)."""
+    waits = [s.end_s - s.start_s for s in found if s.name == QUEUED_SPAN]
+    return float(np.quantile(waits, q)) if waits else 0.0
+
+
+def share_now(names: frozenset[str]) -> float:
+    """``_share`` of the spans named ``names`` over the last ``BUSY_WINDOW_S`` (a gauge)."""
+    found, since, until = _window()
+    return _share(found, names, since, until)
 
 
 def queue_wait(q: float) -> float:
-    """The ``q`` quantile of the waits in the operation queue of the operations that started
-    in the last ``BUSY_WINDOW_S`` (0.0 when none did)."""
-    until = spans.now()
-    waits = [s.end_s - s.start_s for s in spans.between(until - BUSY_WINDOW_S, until)
-             if s.name == QUEUED_SPAN and s.end_s >= until - BUSY_WINDOW_S]  # fmt: skip
-    return float(np.quantile(waits, q)) if waits else 0.0
+    """The ``q`` quantile of the queue waits over the last ``BUSY_WINDOW_S`` (a gauge)."""
+    return _quantile(_window()[0], q)
 
 
 def utilization() -> dict[str, float]:
     """Each component's busy share over the last ``BUSY_WINDOW_S``, from the controller's
-    spans: the trainer's (operations running), the samplers' (at least one sample in
-    flight), the weight syncs', and the operation queue's wait (p50, p99)."""
+    spans (read once): the trainer's (operations running), the samplers' (at least one
+    sample in flight), the weight syncs', and the operation queue's wait (p50, p99)."""
+    found, since, until = _window()
     return {
-        "trainer_busy": _share(OPERATION_SPANS),
-        "samplers_busy": _share({SAMPLE_SPAN}),
-        "sync_share": _share({SYNC_SPAN}),
-        "queue_wait_p50_s": queue_wait(0.5),
-        "queue_wait_p99_s": queue_wait(0.99),
+        "trainer_busy": _share(found, OPERATION_SPANS, since, until),
+        "samplers_busy": _share(found, frozenset({SAMPLE_SPAN}), since, until),
+        "sync_share": _share(found, frozenset({SYNC_SPAN}), since, until),
+        "queue_wait_p50_s": _quantile(found, 0.5),
+        "queue_wait_p99_s": _quantile(found, 0.99),
     }
 
 
@@ -143,7 +156,7 @@ class ControllerMetrics:
         ):  # fmt: skip
             share = Gauge(name, f"Share of {window} {what} (from the controller's spans: "
                           "/v1/timeline).", registry=r)  # fmt: skip
-            share.set_function(functools.partial(_share, frozenset(names)))
+            share.set_function(functools.partial(share_now, frozenset(names)))
         wait = Gauge(
             "trainctl_queue_wait_recent_seconds",
             f"Operations' wait in the queue before they ran, over {window}, by quantile.",
