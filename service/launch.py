@@ -19,7 +19,7 @@ from trainctl.service.settings import Settings, engine_settings
 if TYPE_CHECKING:
     from trainctl.service.shares import Bounds
     from trainctl.workers.control.controller import ControllerOptions
-    from trainctl.workers.control.samplers import SamplerSettings
+    from trainctl.workers.control.sampler_settings import SamplerSettings
     from trainctl.workers.engine.config import EngineConfig
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"
@@ -85,7 +85,7 @@ def create_controller(s: Settings, cfg: EngineConfig, *, detached: bool) -> Any:
     sampler engines cannot serve this model as asked, before anything starts."""
 
     from trainctl.workers.control.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor
-    from trainctl.workers.control.samplers import check_engines
+    from trainctl.workers.control.sampler_settings import check_engines
 
     gpus = _gpus_per_actor(s.rank_num_gpus)
     env = {
@@ -133,7 +133,7 @@ def tinker_bounds(s: Settings) -> Bounds:
 
 def sampler_settings(s: Settings) -> SamplerSettings:
     """The controller's ``SamplerSettings`` (on a connected Ray: GPUs are looked up)."""
-    from trainctl.workers.control.samplers import SamplerSettings
+    from trainctl.workers.control.sampler_settings import SamplerSettings
     from trainctl.workers.sampler.pool import PoolOptions
 
     gpus = _gpus_per_actor(s.sampler_num_gpus)
@@ -156,6 +156,7 @@ def sampler_settings(s: Settings) -> SamplerSettings:
         concurrency=s.sampler_concurrency,
         transport=s.sampler_transport,
         bucket_mb=s.sampler_bucket_mb,
+        collective_backend=s.sampler_collective_backend,
         host_memory_gib=s.sampler_host_memory_gib or _host_memory_gib() / 2 / max(s.samplers, 1),
     )
 
@@ -165,7 +166,7 @@ def check_kept_memory(cfg: EngineConfig, samplers: SamplerSettings) -> None:
     memory do not fit its budget: the model's parameters counted on transformers' meta device,
     at bf16 unless the ranks are set to fp32 (never an overcount; the first sync checks the
     exact bytes again)."""
-    from trainctl.workers.control.samplers import check_kept
+    from trainctl.workers.control.sampler_settings import check_kept
     from trainctl.workers.engine import hf
 
     if samplers.transport != "collective" or not samplers.host_memory_gib:

@@ -408,10 +408,19 @@ class Settings(BaseSettings):
         "object_store",
         description="How the base's weights reach the sampler engines: 'object_store' (rank 0 "
         "puts its own buckets in Ray's object store, each engine reads them) or "
-        "'collective' (each owning rank sends its buckets over a gloo group while the engines "
-        "receive them through vLLM's weight-sync API; CPU engines only; each engine keeps "
-        "--sampler-versions copies in host memory). Either way no rank gathers the model. "
-        "Adapters always take the object store.",
+        "'collective' (the buckets travel over a group of the ranks and the engines while "
+        "they receive them through vLLM's weight-sync API, in --sampler-collective-backend's "
+        "wire). Either way no rank gathers the model. Adapters always take the object store.",
+    )
+    sampler_collective_backend: Literal["auto", "gloo", "nccl", "ipc"] = Field(
+        "auto",
+        description="The collective transport's wire: 'gloo' (CPU engines: every owning rank "
+        "sends its buckets over a gloo group, each engine keeps --sampler-versions copies in "
+        "host memory), 'nccl' (GPU engines, vLLM's own NCCL backend: rank 0 broadcasts what "
+        "the other owners relay to it; each engine keeps copies of its parameters in host "
+        "memory; not yet run on a GPU) or 'ipc' "
+        "(refused: it needs engines on the trainer's own GPUs). 'auto': gloo for CPU "
+        "engines, nccl for GPU engines.",
     )
     sampler_bucket_mb: int = Field(
         64,

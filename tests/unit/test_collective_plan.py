@@ -95,24 +95,33 @@ def test_two_owners_send_their_halves_to_two_receivers_exactly() -> None:
             assert got[rank][name].dtype == t.dtype and torch.equal(got[rank][name], t), name
 
 
-def test_the_collective_transport_refuses_gpu_engines() -> None:
-    from trainctl.workers.control.samplers import SamplerSettings, check_collective
+def test_each_wire_is_refused_where_its_engines_cannot_speak_it_in_one_line() -> None:
+    from trainctl.workers.control.sampler_settings import SamplerSettings, check_collective
     from trainctl.workers.engine.config import ConfigError, EngineConfig, ModelConfig
     from trainctl.workers.sampler.pool import PoolOptions
 
-    def settings(gpus: float, bucket_mb: int) -> SamplerSettings:
+    def settings(gpus: float, wire: Any = "auto") -> SamplerSettings:
         pool = PoolOptions(num_samplers=2, num_gpus=gpus)
-        return SamplerSettings(pool=pool, transport="collective", bucket_mb=bucket_mb)
+        return SamplerSettings(pool=pool, transport="collective", collective_backend=wire)
 
     qwen3 = EngineConfig(model=ModelConfig(vocab_size=151936, hidden_size=1024))
-    check_collective(qwen3, settings(0, 16))  # a tensor larger than a bucket travels alone
-    with pytest.raises(ConfigError, match="sampler_transport: 'collective' runs on CPU"):
-        check_collective(qwen3, settings(1, 1024))
+    assert (settings(0).wire, settings(1).wire) == ("gloo", "nccl")  # auto: by the engines
+    check_collective(qwen3, settings(0))  # a tensor larger than a bucket travels alone
+    check_collective(qwen3, settings(1))
+    refusals = {
+        "sampler_collective_backend: 'nccl' needs GPU sampler engines": settings(0, "nccl"),
+        "sampler_collective_backend: 'gloo' is for CPU sampler engines": settings(1, "gloo"),
+        "sampler_collective_backend: 'ipc' shares CUDA memory": settings(1, "ipc"),
+    }
+    for message, refused in refusals.items():
+        with pytest.raises(ConfigError) as e:
+            check_collective(qwen3, refused)
+        assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 def test_a_window_past_the_engines_host_memory_is_refused_naming_the_flag() -> None:
     from trainctl.service.launch import check_kept_memory
-    from trainctl.workers.control.samplers import SamplerSettings
+    from trainctl.workers.control.sampler_settings import SamplerSettings
     from trainctl.workers.engine import hf
     from trainctl.workers.engine.config import ConfigError, EngineConfig
     from trainctl.workers.sampler.pool import PoolOptions
@@ -148,14 +157,19 @@ class _Source:
         self.fail = False
         self.staged: list[tuple[int, int]] = []
 
+    owners = 2
+
     async def stream_plan(self, bucket_bytes: int) -> StreamPlan:
-        return StreamPlan.whole({"w": ((4,), "float32")}, bucket_bytes)
+        """Owners 0 and 1, a tensor each."""
+        pieces = {r: [Piece(f"w{r}", 0, 0, (4,), "float32", (4,))] for r in range(self.owners)}
+        return StreamPlan.of(pieces, bucket_bytes)
 
     async def open_collective(
-        self, plan: StreamPlan, receivers: int, generation: int, timeout_s: float
-    ) -> dict[str, Any]:
+        self, plan: StreamPlan, receivers: int, generation: int, timeout_s: float,
+        backend: str = "gloo", bucket_bytes: int = 0,
+    ) -> dict[str, Any]:  # fmt: skip
         self.staged.append((receivers, generation))
-        return {"generation": generation}
+        return {"generation": generation, "backend": backend}
 
     async def send_collective(self, plan: StreamPlan) -> int:
         self.sending.set()
@@ -171,11 +185,16 @@ class _Source:
         raise AssertionError("the collective never uses the object store")
 
 
-def test_the_collective_transport_delivers_with_the_receive_and_reforms_its_group() -> None:
+@pytest.mark.parametrize("wire,first", [("gloo", 2), ("nccl", 1)])
+def test_the_collective_transport_delivers_with_the_receive_and_reforms_its_group(
+    wire: str, first: int
+) -> None:
+    """The same control flow for each wire; the engines' ranks follow the senders: both
+    owners over gloo, rank 0 alone over nccl."""
     from trainctl.workers.sampler.transport import CollectiveTransport, Link
 
     async def run() -> list[Any]:
-        t, engines, source = CollectiveTransport(1 << 20), _Engines(), _Source()
+        t, engines, source = CollectiveTransport(1 << 20, backend=wire), _Engines(), _Source()
         seen: list[Any] = []
 
         async def receive(link: Link | None) -> str:
@@ -197,9 +216,9 @@ def test_the_collective_transport_delivers_with_the_receive_and_reforms_its_grou
         return seen
 
     seen = asyncio.run(run())
-    rv = {"generation": 1}
-    assert seen[0] == (1, {0: 1, 1: 2}, (rv, 2), None)
+    rv = {"generation": 1, "backend": wire}
+    assert seen[0] == (1, {0: first, 1: first + 1}, (rv, first + 1), None)
     assert seen[1][0] == 1  # the same engines: the same group
-    assert seen[2] == (2, {1: 1}, ({"generation": 2}, 1), None)  # engine 0 left
+    assert seen[2] == (2, {1: first}, (rv | {"generation": 2}, first), None)  # engine 0 left
     assert seen[3][0] == 2
     assert seen[4][0] == 3  # the failed send dropped generation 2

@@ -56,7 +56,7 @@ def _what_the_service_makes_of(name: str) -> tuple[str, str, str]:
     from trainctl.service.cli import StartupError, _check_sampler_stack
     from trainctl.service.launch import sampler_settings
     from trainctl.service.settings import Settings
-    from trainctl.workers.control.samplers import check_engines
+    from trainctl.workers.control.sampler_settings import check_engines
 
     s = Settings(samplers=1, sampler_backend=name, sampler_num_gpus=0)  # no Ray to ask
     try:

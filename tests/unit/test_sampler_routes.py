@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from trainctl.api import SampleRequest, SampleResult
-from trainctl.workers.control.samplers import SamplerSettings, check_engines
+from trainctl.workers.control.sampler_settings import SamplerSettings, check_engines
 from trainctl.workers.engine.config import ConfigError, EngineConfig, LoraConfig, ModelConfig
 from trainctl.workers.sampler.pool import PoolOptions
 from trainctl.workers.sampler.vllm_backend.outputs import prompt_samples, token_steps, version_label

@@ -57,7 +57,8 @@ from trainctl.workers.control.profile_store import ProfileStore
 from trainctl.workers.control.profiles import ProfileRecorder
 from trainctl.workers.control.rank_group import RankGroup
 from trainctl.workers.control.recovery import Recovery
-from trainctl.workers.control.samplers import Samplers, SamplerSettings
+from trainctl.workers.control.sampler_settings import SamplerSettings
+from trainctl.workers.control.samplers import Samplers
 from trainctl.workers.control.saves import Saves
 from trainctl.workers.control.serving import Serving, WeightsVersion
 from trainctl.workers.control.staleness import Staleness

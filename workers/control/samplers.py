@@ -19,8 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from trainctl.api import (
     AdapterInfo,
@@ -39,15 +38,19 @@ from trainctl.workers import spans
 from trainctl.workers.control.adapter_registry import Adapters
 from trainctl.workers.control.op_queue import Handle, Runner
 from trainctl.workers.control.rank_group import RankGroup
+from trainctl.workers.control.sampler_settings import (
+    SamplerSettings,
+    check_engines,
+    check_kept,
+    check_window,
+)
 from trainctl.workers.control.serving import Serving
 from trainctl.workers.control.staleness import Staleness
 from trainctl.workers.control.steps import ModelState
 from trainctl.workers.control.telemetry import SYNC_SPAN, ControllerMetrics
 from trainctl.workers.engine.config import ConfigError, EngineConfig
 from trainctl.workers.rank.worker import RankWorker
-from trainctl.workers.sampler import backend
-from trainctl.workers.sampler.backend import SamplerNeeds, UnsupportedError
-from trainctl.workers.sampler.pool import PoolOptions, SamplerPool
+from trainctl.workers.sampler.pool import SamplerPool
 from trainctl.workers.sampler.spec import SamplerSpec
 from trainctl.workers.sampler.stream import Sent, StreamPlan
 from trainctl.workers.sampler.transport import (
@@ -57,31 +60,6 @@ from trainctl.workers.sampler.transport import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplerSettings:
-    """``trainctl serve``'s sampler settings, as the controller takes them: the pool's as
-    they are, and what the engines' ``SamplerSpec`` takes besides the model's config (which
-    only the ranks know)."""
-
-    pool: PoolOptions = field(default_factory=lambda: PoolOptions(num_samplers=0))
-    backend: str = "vllm"
-    """``--sampler-backend``: the engines' backend (``workers/sampler/backend.py``)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    kv_cache_gib: int = 1
-    routes: bool = False
-    """``--sampler-routes``: the engines capture the experts each token was routed to."""
-    concurrency: int = 64
-    """``--sampler-concurrency``: requests of one version an engine runs at once."""
-    transport: Literal["object_store", "collective"] = "object_store"
-    """``--sampler-transport``: how the base's weights reach the engines (adapters always
-    travel through the object store)."""
-    bucket_mb: int = 64
-    """``--sampler-bucket-mb``: MiB of one bucket of a sync: what an owner converts at once."""
-    host_memory_gib: float = 0.0
-    """``--sampler-host-memory-gib``, resolved: the host memory each engine may give the
-    versions it keeps over the collective transport (0: unchecked)."""
 
 
 class Samplers:
@@ -110,7 +88,9 @@ class Samplers:
         """Told of every version served; paces samples (``staleness.py``)."""
         self.pool: SamplerPool | None = None
         self.transport: WeightTransport = (
-            CollectiveTransport(settings.bucket_mb * 2**20, settings.pool.call_timeout_s)
+            CollectiveTransport(
+                settings.bucket_mb * 2**20, settings.pool.call_timeout_s, settings.wire
+            )
             if settings.transport == "collective"
             else ObjectStoreTransport(settings.bucket_mb * 2**20)
         )
@@ -152,7 +132,7 @@ class Samplers:
             in_flight=s.pool.sync == "in_flight",
             # the controller's limits say whether the model has one (string stops)
             tokenizer=self.cfg.init_hf if self.limits.tokenizer else None,
-            weight_transfer="gloo" if s.transport == "collective" else None,
+            weight_transfer=s.wire if s.transport == "collective" else None,
         )
         pool = self.pool = SamplerPool(spec, s.pool)
         self.metrics.watch_samplers(
@@ -243,17 +223,19 @@ class Samplers:
         return weights, await g.fetch(size, "gathering the adapter for the samplers")
 
     async def open_collective(
-        self, plan: StreamPlan, receivers: int, generation: int, timeout_s: float
-    ) -> dict[str, Any]:
+        self, plan: StreamPlan, receivers: int, generation: int, timeout_s: float,
+        backend: str = "gloo", bucket_bytes: int = 0,
+    ) -> dict[str, Any]:  # fmt: skip
         """``WeightSource``: rank 0 makes the group's rendezvous, every other owner joins
         by it; each stages its buckets."""
         g, (first, *others) = self.group, plan.owners
         if first != 0:
             raise RuntimeError(f"rank 0 owns no weights (the owners are {plan.owners})")
         args = (plan, receivers, generation, timeout_s)
-        rv: dict[str, Any] = await g.call_one(0, RankWorker.open_collective, *args)
+        wire = (backend, bucket_bytes)
+        rv: dict[str, Any] = await g.call_one(0, RankWorker.open_collective, *args, None, *wire)
         await asyncio.gather(
-            *(g.call_one(r, RankWorker.open_collective, *args, rv) for r in others)
+            *(g.call_one(r, RankWorker.open_collective, *args, rv, *wire) for r in others)
         )
         return rv
 
@@ -393,56 +375,3 @@ _NO_SAMPLERS = "this service has no samplers: start it with --samplers N"
 def _most(values: Iterable[int | None]) -> int | None:
     known = [v for v in values if v is not None]
     return max(known) if known else None
-
-
-def check_window(versions: int, nbytes: int, capacity: float) -> None:
-    """A ConfigError if ``versions`` copies of the weights (``nbytes`` each) cannot fit in
-    Ray's object store (``capacity`` bytes; 0: unknown), where the window keeps them."""
-    if capacity and versions * nbytes > capacity:
-        raise ConfigError(
-            f"sampler_versions: {versions} versions of the weights ({nbytes / 2**30:.2f} GiB "
-            f"each) do not fit in Ray's object store ({capacity / 2**30:.2f} GiB): lower "
-            "--sampler-versions, or give Ray more object store memory"
-        )
-
-
-def check_kept(versions: int, nbytes: int, budget_gib: float) -> None:
-    """A ConfigError if ``versions`` copies of the weights (``nbytes`` each), which every
-    engine keeps in host memory over the collective transport, exceed its budget."""
-    if budget_gib and versions * nbytes > budget_gib * 2**30:
-        raise ConfigError(
-            f"sampler_host_memory_gib: each sampler engine keeps --sampler-versions {versions} "
-            f"versions of the weights ({nbytes / 2**30:.2f} GiB each) in host memory over the "
-            f"collective transport, more than its {budget_gib:g} GiB: lower --sampler-versions, "
-            "raise --sampler-host-memory-gib, or take --sampler-transport object_store"
-        )
-
-
-def check_engines(cfg: EngineConfig, s: SamplerSettings) -> None:
-    """A ConfigError naming what the engines' backend cannot do for this model, said before
-    any engine starts (the rules live with the backend: ``check``)."""
-    needs = SamplerNeeds(
-        gpus=s.pool.num_gpus,
-        moe=bool(cfg.model.num_experts),
-        linear_attention=bool(cfg.model.linear_layers),
-        lora=cfg.lora.enabled,
-        routes=s.routes,
-    )
-    try:
-        backend.load(s.backend).check(needs)
-    except UnsupportedError as e:
-        raise ConfigError(str(e)) from None
-    if s.transport == "collective":
-        check_collective(cfg, s)
-
-
-def check_collective(cfg: EngineConfig, s: SamplerSettings) -> None:
-    """The collective transport's refusal before any engine starts: GPU engines (its gloo
-    engine is for CPU engines; vLLM's nccl and ipc backends are not wired yet). The engines'
-    host-memory budget is checked by the launch (``check_kept``, which counts the model's
-    parameters with torch, which the controller never imports)."""
-    if s.pool.num_gpus > 0:
-        raise ConfigError(
-            "sampler_transport: 'collective' runs on CPU sampler engines only for now (a gloo "
-            "group); GPU engines take --sampler-transport object_store"
-        )

@@ -27,7 +27,9 @@ class WeightStreamer:
     def __init__(self, engine: EngineShard) -> None:
         self.engine = engine
         self.sender: Any = None
-        """``collective.Sender``, made on the first collective sync."""
+        """``collective.Sender`` or ``nccl_sender.NcclSender``, made on the first collective
+        sync (``sender_backend``: for which wire)."""
+        self.sender_backend = ""
 
     @property
     def rank(self) -> int:
@@ -77,23 +79,42 @@ class WeightStreamer:
 
     def open_collective(
         self, plan: StreamPlan, receivers: int, generation: int, timeout_s: float, host: str,
-        rv: dict[str, Any] | None = None,
+        rv: dict[str, Any] | None = None, backend: str = "gloo", bucket_bytes: int = 0,
     ) -> dict[str, Any]:  # fmt: skip
         """Stage this rank's part of ``plan`` for ``send``: rank 0 makes the group's
-        rendezvous (owners, then ``receivers`` engines) and returns it; every other owner
-        joins by it (``rv``)."""
-        from trainctl.workers.sampler import collective
+        rendezvous (its senders, then ``receivers`` engines) and returns it; every other
+        owner joins by it (``rv``). ``backend``: the wire (``workers/sampler/wires.py``):
+        ``gloo``, every owner sends to the engines; ``nccl``, rank 0 sends what the other
+        owners relay to it over the ranks' own group."""
+        from trainctl.workers.sampler.wires import WIRES
 
-        if self.sender is None:
-            self.sender = collective.Sender()
-        owners = len(plan.owners)
+        senders = WIRES[backend].senders(plan)
+        if self.sender is None or self.sender_backend != backend:
+            self.sender, self.sender_backend = self._new_sender(backend), backend
         if rv is None:
-            rv = self.sender.rendezvous(host, owners + receivers, generation, timeout_s).to_dict()
+            world = senders + receivers
+            rv = self.sender.rendezvous(host, world, generation, timeout_s, bucket_bytes).to_dict()
         else:
             self.sender.join(rv, plan.owners.index(self.rank))
-        engines = list(range(owners, owners + receivers))
+        engines = list(range(senders, senders + receivers))
         self.sender.stage(plan, self.rank, engines, self.values())
         return rv
+
+    def _new_sender(self, backend: str) -> Any:
+        """The sending end of ``backend``'s wire (the last one's closed)."""
+        from trainctl.workers.sampler.wires import GlooWire
+
+        if self.sender is not None:
+            self.sender.close()
+        if backend == GlooWire.name:
+            from trainctl.workers.sampler import collective
+
+            return collective.Sender()
+        import torch.distributed as dist
+
+        from trainctl.workers.sampler.vllm_backend.nccl_sender import NcclSender
+
+        return NcclSender(dist.group.WORLD, self.rank)
 
     def send(self, after_bucket: Callable[[int], None] | None = None) -> Sent:
         """Send the staged buckets to the engines (they receive meanwhile): its report."""

@@ -359,9 +359,11 @@ class RankWorker:
         generation: int,
         timeout_s: float,
         rv: dict[str, Any] | None = None,
+        backend: str = "gloo",
+        bucket_bytes: int = 0,
     ) -> dict[str, Any]:
         return self.built.streamer.open_collective(
-            plan, receivers, generation, timeout_s, _node_ip(), rv
+            plan, receivers, generation, timeout_s, _node_ip(), rv, backend, bucket_bytes
         )
 
     def send_collective(self, trace: str | None = None) -> Sent:

@@ -57,15 +57,20 @@ class Assembler:
 
     def __init__(self, plan: StreamPlan) -> None:
         self.plan = plan
-        self.full = {
-            name: torch.empty(shape, dtype=_dtype(dtype))
-            for name, (shape, dtype) in plan.schema.items()
-        }
+        self.full: dict[str, Tensor] = {}
+        """The tensors begun: each is made when its first piece arrives."""
         self.placed: set[int] = set()
 
     def _target(self, p: Piece) -> Tensor:
         """Where piece ``p`` goes in its full tensor (a view; contiguous for a row block)."""
-        return self.full[p.name].narrow(p.dim, p.start, p.shape[p.dim])
+        full = self.full.get(p.name)
+        if full is None:
+            full = self.full[p.name] = torch.empty(p.full, dtype=_dtype(p.dtype))
+        return full.narrow(p.dim, p.start, p.shape[p.dim])
+
+    def take(self, names: Sequence[str]) -> list[tuple[str, Tensor]]:
+        """Hand complete tensors on (``StreamPlan.completion``), forgetting them here."""
+        return [(n, self.full.pop(n)) for n in names]
 
     @staticmethod
     def _in_place(message: tuple[Piece, ...]) -> Piece | None:

@@ -46,6 +46,12 @@ class Rendezvous:
     """Every owner that sends (trainer rank 0 first) and every receiver."""
     generation: int
     timeout_s: float = 120.0
+    backend: str = "gloo"
+    """The wire the group speaks (``wires.WIRES``): ``gloo`` is this module's group; ``nccl``
+    is vLLM's, formed at a store of vLLM's own on this host and port
+    (``workers/sampler/vllm_backend/nccl_sender.py``)."""
+    bucket_bytes: int = 0
+    """``nccl``: the bytes of vLLM's packed broadcast buffers, which both ends must agree on."""
 
     @staticmethod
     def new(host: str, port: int, world: int, generation: int, **kw: Any) -> Rendezvous:
@@ -195,15 +201,20 @@ class Sender:
         self.group: Joined | None = None
         self.staged: tuple[StreamPlan, int, list[int], Values] | None = None
 
-    def rendezvous(self, host: str, world: int, generation: int, timeout_s: float) -> Rendezvous:
+    def rendezvous(
+        self, host: str, world: int, generation: int, timeout_s: float, bucket_bytes: int = 0
+    ) -> Rendezvous:
         """Rank 0: where the group of ``generation`` (``world`` members) forms, a new store
         for a new generation; each of its operations waits for a member at most
-        ``timeout_s``."""
+        ``timeout_s``. ``bucket_bytes``: the plan's, for the record (gloo needs no buffers
+        agreed on)."""
         if self.rv is None or (self.rv.generation, self.rv.world_size) != (generation, world):
             import socket
 
             self.close()
-            rv = Rendezvous.new(host, 0, world, generation, timeout_s=timeout_s)
+            rv = Rendezvous.new(
+                host, 0, world, generation, timeout_s=timeout_s, bucket_bytes=bucket_bytes
+            )
             self.gate = rendezvous.Gate(socket.create_server((host, 0), backlog=128), rv.prefix)
             self.rv = replace(rv, port=self.gate.port)
         return self.rv

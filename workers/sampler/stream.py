@@ -148,6 +148,25 @@ class StreamPlan:
         """The message tags of bucket ``index``: unique in the plan."""
         return list(range(self._first_tags[index], self._first_tags[index + 1]))
 
+    def completion(self) -> list[list[str]]:
+        """For each bucket, the tensors its arrival completes (their last piece is in it), in
+        the order of those pieces: the order a receiver that takes the buckets one by one can
+        hand tensors on whole (``relay.py``), which vLLM's ``nccl`` engine must be told in
+        advance."""
+        left: dict[str, int] = {}
+        for b in self.buckets:
+            for p in b.pieces:
+                left[p.name] = left.get(p.name, 0) + 1
+        out: list[list[str]] = []
+        for b in self.buckets:
+            done = []
+            for p in b.pieces:
+                left[p.name] -= 1
+                if not left[p.name]:
+                    done.append(p.name)
+            out.append(done)
+        return out
+
     def check(self) -> None:
         """A ValueError unless every tensor's pieces tile it exactly: one dtype, one full
         shape, blocks along one dimension that cover it with no gap and no overlap."""

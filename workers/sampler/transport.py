@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from trainctl.workers.sampler.stream import Schema, StreamPlan
+from trainctl.workers.sampler.wires import WIRES
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +111,13 @@ class WeightSource(Protocol):
         ...
 
     async def open_collective(
-        self, plan: StreamPlan, receivers: int, generation: int, timeout_s: float
-    ) -> dict[str, Any]:
+        self, plan: StreamPlan, receivers: int, generation: int, timeout_s: float,
+        backend: str = "gloo", bucket_bytes: int = 0,
+    ) -> dict[str, Any]:  # fmt: skip
         """Every owner stages its buckets of ``plan`` for ``send_collective``: the rendezvous
-        of the group of ``generation`` (the owners, then ``receivers`` engines), whose every
-        operation waits for a member at most ``timeout_s``."""
+        of the group of ``generation`` (its senders, then ``receivers`` engines), whose every
+        operation waits for a member at most ``timeout_s``. ``backend``: the wire
+        (``wires.py``), with its buffers of ``bucket_bytes``."""
         ...
 
     async def send_collective(self, plan: StreamPlan) -> int:
@@ -233,14 +236,17 @@ class LocalTransport(FetchedTransport):
 
 
 class CollectiveTransport:
-    """The base's weights broadcast by rank 0 over a gloo group to every member engine
-    (``collective.py``). Owns the group's generation and its members: a new generation forms
-    whenever the engines ready to receive change, or a send failed."""
+    """The base's weights sent over a group of the owners (or rank 0 alone) and every member
+    engine, in the wire its engines' vLLM backend speaks (``wires.py``: ``gloo`` on CPU
+    engines, ``collective.py``; vLLM's ``nccl`` on GPU engines,
+    ``vllm_backend/nccl_sender.py``). Owns the group's generation and its members: a new
+    generation forms whenever the engines ready to receive change, or a send failed."""
 
     name: ClassVar[str] = "collective"
 
-    def __init__(self, bucket_bytes: int, timeout_s: float = 300.0) -> None:
+    def __init__(self, bucket_bytes: int, timeout_s: float = 300.0, backend: str = "gloo") -> None:
         self.bucket_bytes = bucket_bytes
+        self.wire = WIRES[backend]
         self.timeout_s = timeout_s
         """What a broadcast waits for a member that stopped (a hung receiver costs this once,
         then the sync goes on without it)."""
@@ -262,9 +268,10 @@ class CollectiveTransport:
             raise ValueError("adapters travel through the object store, not the collective")
         plan = await source.stream_plan(self.bucket_bytes)
         rendezvous = await source.open_collective(
-            plan, len(self.members), self.generation, self.timeout_s
-        )
-        first = len(plan.owners)  # the owners are the group's first ranks
+            plan, len(self.members), self.generation, self.timeout_s, self.wire.name,
+            self.bucket_bytes,
+        )  # fmt: skip
+        first = self.wire.senders(plan)  # the senders are the group's first ranks
         ranks = {index: rank for rank, (index, _) in enumerate(self.members, start=first)}
         self.link = Link(rendezvous, ranks)
         return Shipment(self.name, version, None, plan.nbytes, plan)

@@ -1,8 +1,11 @@
 """vLLM as a sampler backend (``--sampler-backend vllm``): ``engine.py`` hosts it in the
 engine's process, ``sampler.py`` serves it as the asynchronous ``SamplerEngine``,
 ``outputs.py`` reads its outputs, ``rules.py`` says what it can run and with which
-environment, ``lora_guard.py`` mends its CPU LoRA ops. vLLM is imported here and nowhere else (an
-import-linter contract)."""
+environment, ``lora_guard.py`` mends its CPU LoRA ops. ``gloo_engine.py`` and
+``nccl_engine.py`` are the engines' ends of the collective over vLLM's weight-sync API (our
+``gloo`` backend; vLLM's ``nccl`` one, keeping what it received), ``nccl_sender.py`` trainer
+rank 0's end of the ``nccl`` one. vLLM is imported here and nowhere else (an import-linter
+contract)."""
 
 from __future__ import annotations
 

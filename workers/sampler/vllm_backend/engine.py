@@ -65,15 +65,16 @@ from trainctl.workers.sampler.transport import (
     open_shipment,
     schema_mismatch,
 )
-from trainctl.workers.sampler.vllm_backend import gloo_engine
+from trainctl.workers.sampler.vllm_backend import gloo_engine, nccl_engine
 from trainctl.workers.sampler.vllm_backend.adapter_slots import AdapterSlots
 from trainctl.workers.sampler.vllm_backend.folders import (
     CONFIG_DIR_PREFIX,
     sweep_left_behind,
 )
 from trainctl.workers.sampler.vllm_backend.outputs import prompt_samples, version_label
-from trainctl.workers.sampler.vllm_backend.reload import reload
+from trainctl.workers.sampler.vllm_backend.reload import reload, reload_kept
 from trainctl.workers.sampler.vllm_backend.rules import vllm_max_lora_rank
+from trainctl.workers.sampler.wires import NcclWire, wire_of
 
 
 class VllmEngine:
@@ -115,10 +116,14 @@ class VllmEngine:
             }
         if spec.weight_transfer == gloo_engine.BACKEND:
             gloo_engine.register()
-            kwargs["weight_transfer_config"] = {"backend": spec.weight_transfer}
+            kwargs["weight_transfer_config"] = {"backend": gloo_engine.BACKEND}
+        elif spec.weight_transfer == NcclWire.name:  # vLLM's own, keeping what it received
+            nccl_engine.register()
+            kwargs["weight_transfer_config"] = {"backend": nccl_engine.BACKEND}
         if spec.return_routes:  # vLLM keeps the routes with its prefix cache's blocks
             kwargs |= {"enable_return_routed_experts": True, "enable_prefix_caching": True}
         self.adapters_enabled = bool(spec.max_adapters)
+        self.weight_transfer = spec.weight_transfer
         self.llm = LLM(
             model=self._dir.name,
             load_format="dummy",  # the weights come from the trainer, never from disk
@@ -195,30 +200,40 @@ class VllmEngine:
     def _receive(
         self, shipment: Shipment, rendezvous: dict[str, Any], rank: int, keep: Sequence[str]
     ) -> Loaded:
-        """Receive a step's weights over the collective (``workers/sampler/collective.py``)
-        through vLLM's own weight-sync sequence, while the sender broadcasts them: the group
-        is joined once per generation, every bucket arrives before the model is touched, and
-        a set whose schema differs from the one served is refused before any byte moves (the
-        sender then waits out the group's timeout, and the next sync forms a new group). A
-        receive that broke leaves the old weights serving; one that broke in the load leaves
-        the engine broken (``EngineBrokenError``)."""
+        """Receive a step's weights over the collective through vLLM's own weight-sync
+        sequence, in the wire the rendezvous names (``workers/sampler/wires.py``), while the
+        sender sends them: the group is joined once per generation, and a set whose schema
+        differs from the one served is refused before any byte moves (the sender then waits
+        out the group's timeout, and the next sync forms a new group). Over ``gloo`` every
+        bucket arrives before the model is touched, so a receive that broke leaves the old
+        weights serving; a load that broke (or, over ``nccl``, a receive: vLLM loads as
+        buffers arrive) leaves the engine broken (``EngineBrokenError``). Either way the engine
+        keeps what it received for the window (``keep``)."""
         t0 = time.perf_counter()
         step, plan = shipment.version, shipment.handle
         schema: Schema = plan.schema
         if self.schema is not None and (problem := schema_mismatch(schema, self.schema)):
             raise self._refused(step, problem)
+        wire = wire_of(rendezvous)
+        if wire.name != self.weight_transfer:
+            raise InternalError(
+                f"sampler {self.index} was built for the {self.weight_transfer} wire, and "
+                f"step {step}'s weights come over {wire.name}"
+            )
         rpc = self.llm.collective_rpc
         group = (rendezvous["generation"], rendezvous["prefix"])  # a new store: a new group
         if self._generation != group:
-            rpc("init_weight_transfer_engine", args=({"rendezvous": rendezvous, "rank": rank},))
+            rpc("init_weight_transfer_engine", args=(wire.init_payload(rendezvous, rank),))
             self._generation = group
-        update = {"plan": plan.to_dict(), "version": shipment.id, "keep": list(keep)}
+        update = wire.update_payload(plan, shipment.id, list(keep))
         try:
             rpc("start_weight_update")
             rpc("update_weights", args=(update,))
             received_s = time.perf_counter() - t0
         except Exception as e:
             self._generation = None  # the group is broken: the next sync forms a new one
+            if not wire.whole_first:
+                raise self._broken(step, e) from None
             raise InternalError(
                 f"sampler {self.index} did not receive step {step}'s weights "
                 f"({type(e).__name__}: {e}); it serves step {self.step} still"
@@ -236,7 +251,7 @@ class VllmEngine:
         replayed, so the engine reloads the copy it kept in host memory."""
         t0 = time.perf_counter()
         try:
-            kept = self.llm.collective_rpc(gloo_engine.reload_kept, args=(version.id,))
+            kept = self.llm.collective_rpc(reload_kept, args=(version.id,))
         except Exception as e:
             raise self._broken(version.version, e) from None
         if not all(kept):

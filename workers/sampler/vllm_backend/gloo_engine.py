@@ -120,19 +120,6 @@ def _engine_class() -> type[Any]:
     return GlooWeightTransferEngine
 
 
-def reload_kept(worker: Any, version: str) -> bool:
-    """Run on vLLM's worker: load a version its gloo engine kept (the same in-place reload as
-    a received one); False if it keeps no such version."""
-    from trainctl.workers.sampler.vllm_backend.reload import reload_tensors
-
-    weights = getattr(worker.weight_transfer_engine, "kept", {}).get(version)
-    if weights is None:
-        return False
-    if empty := reload_tensors(worker, weights):
-        raise RuntimeError(f"weights left empty after the reload: {empty[:3]}")
-    return True
-
-
 def register() -> None:
     """Make ``gloo`` a backend of vLLM's ``WeightTransferEngineFactory`` (once a process)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory

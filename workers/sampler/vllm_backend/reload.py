@@ -74,3 +74,15 @@ def refresh_cpu_embedding_gemms(model: Any) -> None:
     for module in model.modules():
         if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def reload_kept(worker: Any, version: str) -> bool:
+    """Run on vLLM's worker: load a version its weight-transfer engine kept in host memory
+    (``gloo_engine.py``'s or ``nccl_engine.py``'s ``kept``: what it received), the same
+    in-place reload as a received one; False if it keeps no such version."""
+    weights = getattr(worker.weight_transfer_engine, "kept", {}).get(version)
+    if weights is None:
+        return False
+    if empty := reload_tensors(worker, weights):
+        raise RuntimeError(f"weights left empty after the reload: {empty[:3]}")
+    return True
