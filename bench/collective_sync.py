@@ -55,17 +55,12 @@ def _hf_config(fields: dict[str, int]) -> dict[str, Any]:
     return hf.hf_config(model)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _measure(config: dict[str, Any], syncs: int, bucket_mb: int) -> dict[str, Any]:
     import ray
     import torch
     import transformers
 
+    from trainctl.workers import rendezvous
     from trainctl.workers.sampler import collective
     from trainctl.workers.sampler.buckets import pack
     from trainctl.workers.sampler.spec import SamplerSpec
@@ -80,7 +75,9 @@ async def _measure(config: dict[str, Any], syncs: int, bucket_mb: int) -> dict[s
     engine = VllmSampler(0, SamplerSpec(hf_config=config, max_model_len=256, max_num_seqs=4,
                                         weight_transfer="gloo"))  # fmt: skip
     plan = StreamPlan.whole(schema_of(weights), bucket_mb * 2**20)
-    rv = collective.Rendezvous.new("127.0.0.1", _free_port(), 2, generation=1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    rv = collective.Rendezvous.new("127.0.0.1", listener.getsockname()[1], 2, generation=1)
+    gate = rendezvous.Gate(listener, rv.prefix)  # the sender's store, for members only
     sender: dict[str, Any] = {}
 
     def values(p: Any) -> Any:
@@ -88,17 +85,24 @@ async def _measure(config: dict[str, Any], syncs: int, bucket_mb: int) -> dict[s
 
     async def by_collective(step: int) -> float:
         def send() -> None:
-            if "group" not in sender:
-                sender["group"] = collective.open_group(rv, 0)
-            collective.send(sender["group"], plan, 0, [1], values)
+            try:
+                if "group" not in sender:
+                    sender["group"] = collective.open_group(rv, 0, gate)
+                collective.send(sender["group"].group, plan, 0, [1], values)
+            except Exception as e:  # said after the engine's side gives up
+                sender["error"] = e
 
         t0 = time.perf_counter()
         thread = threading.Thread(target=send)
         thread.start()
-        await engine.load_weights(
-            Shipment("collective", step, None, nbytes, plan), (rv.to_dict(), 1)
-        )
-        thread.join()
+        try:
+            await engine.load_weights(
+                Shipment("collective", step, None, nbytes, plan), (rv.to_dict(), 1)
+            )
+        finally:
+            thread.join()
+            if "error" in sender:
+                raise RuntimeError(f"the sender failed: {sender['error']!r}")
         return time.perf_counter() - t0
 
     async def by_object_store(step: int) -> float:
@@ -124,6 +128,7 @@ async def _measure(config: dict[str, Any], syncs: int, bucket_mb: int) -> dict[s
         for way, fn in ways.items():
             times[way].append(await fn(step))
             step += 1
+    gate.close()
     return {
         "bytes": nbytes, "buckets": len(plan.buckets), "first_collective_s": formed,
         **{w: statistics.median(t) for w, t in times.items()},

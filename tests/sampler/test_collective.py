@@ -10,6 +10,10 @@ leaves the engine serving what it served."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import one_engine_cases as cases
@@ -31,3 +35,18 @@ def test_collective_syncs_are_exact_and_a_broken_send_changes_nothing() -> None:
     status, message = out["broken_send"]
     assert status == 500 and "did not receive step 4" in message and "serves step 3" in message
     assert out["after_broken_send"] == {"same": True, "step": 3}, out
+
+
+def test_the_sync_benchmark_runs_and_prints_every_way() -> None:
+    """``bench/collective_sync.py --quick`` (the embedded shape, nothing written): its sender
+    must keep up with the collective's API, which it silently stopped doing twice."""
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, str(root / "bench" / "collective_sync.py"), "--quick"],
+        capture_output=True, text=True, timeout=600, cwd=root,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = re.search(r"^\| embedded \(0\.6M\) \| (.*) \|$", run.stdout, re.M)
+    assert row is not None, run.stdout[-2000:]
+    cells = [c.strip() for c in row.group(1).split("|")]
+    assert all(float(c.rstrip("x")) > 0 for c in cells), cells
