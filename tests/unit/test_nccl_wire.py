@@ -291,11 +291,10 @@ def test_rank_zero_broadcasts_what_vllms_nccl_engine_loads_and_reforms_after_a_f
     assert engine.kept.keys() == {"v2", "v3"}  # v1 left the window
 
 
-def test_nccl_needs_cuda_on_rank_zero() -> None:
+def test_nccl_needs_cuda_on_rank_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     from trainctl.workers.sampler.collective import Rendezvous
 
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: the refusal is for one without")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this machine
     rv = Rendezvous.new("127.0.0.1", 1, 2, 1, backend="nccl", bucket_bytes=1)
     with pytest.raises(RuntimeError, match="'nccl' needs CUDA on trainer rank 0"):
         nccl_sender.open_endpoint(rv)

@@ -163,23 +163,42 @@ class LostReceivers(RuntimeError):
         super().__init__(f"{len(lost)} receiver(s) left the weights' group: {why}")
 
 
+@dataclass
+class Posted:
+    """One bucket's receives, posted into its buffers (``Assembler.buffers``)."""
+
+    index: int
+    buffers: list[Tensor]
+    works: list[Any]
+
+    @staticmethod
+    def post(group: Any, assembler: Assembler, index: int, src: int) -> Posted:
+        """Post bucket ``index``'s receives from ``src`` (its owner's rank in ``group``), one
+        per message, each tagged as the plan says."""
+        buffers = assembler.buffers(index)
+        tags = assembler.plan.tags(index)
+        works = [group.recv([b], src, tag) for b, tag in zip(buffers, tags, strict=True)]
+        return Posted(index, buffers, works)
+
+    def land(self, assembler: Assembler) -> int:
+        """Wait for every message, then put the bucket in place; its bytes."""
+        for work in self.works:
+            work.wait()
+        assembler.placed_into(self.index, self.buffers)
+        return sum(b.numel() for b in self.buffers)
+
+
 def receive(group: Any, plan: StreamPlan) -> dict[str, Tensor]:
     """A receiver's side of ``send``: every bucket of every owner received (all posted at
     once, so the owners send side by side), assembled into whole tensors. Returns only once
     all have arrived (a failed send raises)."""
     assembler = Assembler(plan)
-    posted = []
-    for index, bucket in enumerate(plan.buckets):
-        src = plan.owners.index(bucket.owner)
-        buffers = assembler.buffers(index)
-        works = [
-            group.recv([b], src, tag) for b, tag in zip(buffers, plan.tags(index), strict=True)
-        ]
-        posted.append((index, buffers, works))
-    for index, buffers, works in posted:
-        for work in works:
-            work.wait()
-        assembler.placed_into(index, buffers)
+    posted = [
+        Posted.post(group, assembler, index, plan.owners.index(bucket.owner))
+        for index, bucket in enumerate(plan.buckets)
+    ]
+    for p in posted:
+        p.land(assembler)
     return assembler.tensors()
 
 

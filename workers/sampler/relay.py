@@ -24,6 +24,7 @@ from typing import Any
 from torch import Tensor
 
 from trainctl.workers.sampler.buckets import Assembler, Values, pack
+from trainctl.workers.sampler.collective import Posted
 from trainctl.workers.sampler.stream import StreamPlan
 
 
@@ -57,8 +58,7 @@ class Relay:
                     for m, tag in zip(messages, self.plan.tags(index), strict=True)
                 ]
                 for work in works:
-                    if work is not None:
-                        work.wait()
+                    work.wait()
             return
         assembler = Assembler(self.plan)
         for index, (bucket, done) in enumerate(
@@ -66,14 +66,7 @@ class Relay:
         ):
             if bucket.owner == self.me:
                 assembler.fill(index, self._pack(index))
-            else:
-                buffers = assembler.buffers(index)
-                works = [
-                    self.group.recv([b], bucket.owner, tag)
-                    for b, tag in zip(buffers, self.plan.tags(index), strict=True)
-                ]
-                for work in works:
-                    work.wait()
-                assembler.placed_into(index, buffers)
-                self.nbytes += sum(b.numel() for b in buffers)
+            else:  # the owner's rank in the trainers' group is its trainer rank
+                posted = Posted.post(self.group, assembler, index, bucket.owner)
+                self.nbytes += posted.land(assembler)
             yield from assembler.take(done)
