@@ -20,9 +20,12 @@ one shape after another: trainctl (``workers/control/inprocess.py``: the service
 bf16 parameters, fp32 main gradients and AdamW masters, the fused LM head, the batch as one
 packed micro-batch; its timed region includes the host's planning and packing) and the
 transformers ladder (``bench/gpu_baselines.py``), each at the largest micro-batch of
-``--micro-tokens`` that fits. Shapes: packed rows (``--tokens`` in sequences of ``--seq-len``)
-and a ragged row (``ragged`` in ``bench/gpu_batches.py``: log-normal lengths between 128 and
-4,096, 43 distinct at 32K, which takes the varlen attention path).
+``--micro-tokens`` that fits. ``--trainctl-variants`` adds trainctl rows that differ from the
+default configuration in named ``EngineConfig`` fields (by default ``norm_kernel=compiled``),
+gated like every row, their speed-up read against the default row. Shapes: packed rows
+(``--tokens`` in sequences of ``--seq-len``) and a ragged row (``ragged`` in
+``bench/gpu_batches.py``: log-normal lengths between 128 and 4,096, 43 distinct at 32K, which
+takes the varlen attention path).
 
 Each cell is the median of ``--steps`` steps after ``--warmup``, with the minimum and maximum.
 FLOPs per step: ``6 * N * tokens`` for the matrix products (``N``: every parameter but an
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -114,7 +118,10 @@ def trainctl_step(
     warmup: int,
     fault: str | None = None,
     profile: str | None = None,
+    engine_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """trainctl's step on ``sequences``; ``engine_overrides``: the ``EngineConfig`` fields in
+    which a variant row differs from the default configuration."""
     import torch
 
     from bench.gpu_timing import Run, timed_run
@@ -133,6 +140,7 @@ def trainctl_step(
             "packing": "flat",
             "init_hf": checkpoint,
             "optimizer": OPTIMIZER,
+            **(engine_overrides or {}),
         }
     )
     engine = InProcessEngine(cfg)
@@ -161,7 +169,9 @@ def trainctl_step(
     return {
         **run.summary(),
         "config": f"trainctl ({engine.cfg.precision}, fp32 masters, fused head chunk "
-        f"{engine.cfg.resolved_chunk_size(cuda=cuda)})",
+        f"{engine.cfg.resolved_chunk_size(cuda=cuda)}"
+        + "".join(f"; {k} {v}" for k, v in (engine_overrides or {}).items())
+        + ")",
         "micro_tokens": sum(lengths),
         "attention": f"{path}: {run.kernels}",
     }
@@ -218,6 +228,21 @@ def _shapes(a: argparse.Namespace) -> list[tuple[str, list[int], list[str]]]:
     return out
 
 
+def overrides(variant: str) -> dict[str, Any]:
+    """``EngineConfig`` fields of a ``--trainctl-variants`` entry: ``field=value`` pairs joined
+    by ``+`` (a value is read as JSON where it parses, else as a string)."""
+    out: dict[str, Any] = {}
+    for pair in variant.split("+"):
+        field, sep, value = pair.partition("=")
+        if not sep or not field:
+            raise SystemExit(f"--trainctl-variants: {pair!r} is not field=value")
+        try:
+            out[field] = json.loads(value)
+        except json.JSONDecodeError:
+            out[field] = value
+    return out
+
+
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="32768", help="packed batch sizes, comma-separated")
@@ -237,6 +262,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--ragged-ladder", default=REFERENCE,
         help="transformers rows of the ragged batch (length buckets: one micro-batch per length)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--trainctl-variants", default="norm_kernel=compiled",
+        help="trainctl rows beside the default configuration, comma-separated, each "
+        "EngineConfig fields as field=value joined by '+'; '' for none",
     )  # fmt: skip
     ap.add_argument(
         "--micro-tokens", default="32768,16384,8192,4096",
@@ -291,6 +321,11 @@ def _jobs(
     )  # fmt: skip
     micro = [int(x) for x in a.micro_tokens.split(",")]
     jobs = {"trainctl": dict(fn="trainctl", model=model, fault=a.fault, **common)}
+    for variant in (v for v in a.trainctl_variants.split(",") if v):
+        jobs[f"trainctl {variant}"] = dict(
+            fn="trainctl", model=model, fault=a.fault, engine_overrides=overrides(variant),
+            **common,
+        )  # fmt: skip
     for name in ladder:
         jobs[name] = dict(
             fn="transformers", baseline=name, optimizer=OPTIMIZER, micro_tokens=micro, **common
@@ -321,7 +356,7 @@ def _run(a: argparse.Namespace, checkpoint: str) -> int:
         _, lengths, ladder = shapes[0]
         failed = 0
         for name, job in _jobs(a, model, checkpoint, lengths, ladder, warmup=1).items():
-            path = where / f"profile_{name}_{sum(lengths)}.txt"
+            path = where / f"profile_{re.sub(r'[^a-z0-9]+', '_', name)}_{sum(lengths)}.txt"
             got = measure(timeout, name, profile=str(path), **job)
             failed += no_numbers(got) is not None
             if path.exists():

@@ -295,6 +295,7 @@ def optimizer(p: Probe, shape: dict[str, int]) -> dict[str, Any]:
 
 
 def elementwise(p: Probe, shape: dict[str, int], tokens: int) -> dict[str, Any]:
+    from trainctl.workers.ops.norm import compiled_rms_norm, rms_norm
     from trainctl.workers.ops.rope import (
         RotaryTables,
         apply_rope,
@@ -327,6 +328,19 @@ def elementwise(p: Probe, shape: dict[str, int], tokens: int) -> dict[str, Any]:
             eager = variants_rope[name.replace("compiled", "eager")]
             out[f"{name}_vs_eager"] = f"{_rel(fn().detach(), eager().detach()):.1e}"
         out[f"{name}_ms"] = round(p.time_ms(lambda fn=fn: torch.autograd.grad(fn(), x, g)), 3)
+    # The residual stream's norm (EngineConfig.norm_kernel), both gradients: the weight's is
+    # the reduction over every token that eager CUDA runs slowly.
+    h = torch.randn(tokens, 1, shape["hidden"], device=p.device, dtype=dt, requires_grad=True)
+    hw = (1.0 + 0.1 * torch.randn(shape["hidden"], device=p.device)).to(dt).requires_grad_()
+    gh = torch.randn_like(h)
+    norms = {"eager": rms_norm, "compiled": compiled_rms_norm()}
+    for name, norm in norms.items():
+        if name != "eager":
+            got, want = norm(h, hw, 1e-6), rms_norm(h, hw, 1e-6)
+            out[f"rmsnorm_{name}_vs_eager"] = f"{_rel(got.detach(), want.detach()):.1e}"
+        out[f"rmsnorm_{name}_ms"] = round(
+            p.time_ms(lambda norm=norm: torch.autograd.grad(norm(h, hw, 1e-6), (h, hw), gh)), 3
+        )
     y = torch.randn(tokens, 2 * ffn, device=p.device, dtype=dt, requires_grad=True)
     gy = torch.randn(tokens, ffn, device=p.device, dtype=dt)
 

@@ -48,3 +48,14 @@ def test_gradients_equal_transformers_at_each_head_chunk(pool1: RankPool, tmp_pa
         assert g.tensors >= 10 and abs(g.loss[0] - g.loss[1]) <= 1e-5 * g.loss[1], g
         assert g.worst <= 1e-5, g
         assert g.head_off_by_1pct > 1e-3, g
+
+
+def test_gradients_equal_transformers_with_the_compiled_norm(
+    pool1: RankPool, tmp_path: Path
+) -> None:
+    """``norm_kernel: compiled``: every residual-stream RMSNorm (two a layer and the final one)
+    runs the compiled kernel, and every gradient still equals transformers' within 1e-5."""
+    [g] = pool1.run(cases.grads_vs_transformers, tmp_path, 1024, (300, 200), "compiled")
+    assert g.compiled_norms == 2 * 2 + 1, g  # the tiny model's two layers
+    assert abs(g.loss[0] - g.loss[1]) <= 1e-5 * g.loss[1], g
+    assert g.worst <= 1e-5, g

@@ -220,13 +220,20 @@ class GradParity:
     """what ``head`` would read were the head's gradient 1% too large: the bound's margin"""
     loss: tuple[float, float]
     tensors: int
+    compiled_norms: int
+    """the engine's norm modules that ran ``compiled_rms_norm``"""
 
 
 def grads_vs_transformers(
-    directory: Path, chunk: int, lengths: tuple[int, ...] = (300, 200), **shape: Any
+    directory: Path,
+    chunk: int,
+    lengths: tuple[int, ...] = (300, 200),
+    norm_kernel: str = "eager",
+    **shape: Any,
 ) -> GradParity:
     """A random Qwen3-shaped model saved by transformers, imported into the engine in fp32
-    with a fused-head chunk of ``chunk`` tokens; one ``forward_backward`` on a batch of
+    with a fused-head chunk of ``chunk`` tokens and its RMSNorms run by ``norm_kernel``
+    (``EngineConfig.norm_kernel``); one ``forward_backward`` on a batch of
     ``lengths``, its gradients (by transformers' names) against transformers' fp32 backward
     of the same token-mean loss on the same device. A split step's gradients hold the sum
     over tokens until ``optim_step`` divides them by the window's token count
@@ -241,13 +248,18 @@ def grads_vs_transformers(
     engine = _engine(
         model=dataclasses.asdict(model), init_hf=str(directory), precision="fp32",
         max_tokens_per_microbatch=max(sum(lengths), model.max_seq_len), packing="flat",
-        logprob_chunk_size=chunk,
+        logprob_chunk_size=chunk, norm_kernel=norm_kernel,
     )  # fmt: skip
     try:
         fb = engine.forward_backward(
             ForwardBackwardRequest(sequences=[{"tokens": t} for t in seqs])
         )
         canonical = engine.engine.canonical_shards(grads=True)
+        compiled = sum(
+            getattr(m, "compiled", False) is True
+            for chunk_ in engine.engine.chunks
+            for m in chunk_.modules()
+        )
     finally:
         engine.close()
     predicted = sum(n - 1 for n in lengths)
@@ -268,7 +280,7 @@ def grads_vs_transformers(
     return GradParity(
         worst=errors[name], worst_name=name, head=errors[head],
         head_off_by_1pct=_relative_l2(ours[head] * 1.01, theirs[head]),
-        loss=(fb.loss, total), tensors=len(errors),
+        loss=(fb.loss, total), tensors=len(errors), compiled_norms=compiled,
     )  # fmt: skip
 
 

@@ -43,10 +43,20 @@ def test_smoke_measures_every_row_and_each_passes_the_gate(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = result["rows"]
     packed, ragged = rows.values()
-    assert set(packed["cells"]) == {"trainctl", "hf_amp", "hf_bf16", "hf_liger", "hf_liger_compile"}
+    variant = "trainctl norm_kernel=compiled"  # the default --trainctl-variants
+    assert set(packed["cells"]) == {
+        "trainctl",
+        variant,
+        "hf_amp",
+        "hf_bf16",
+        "hf_liger",
+        "hf_liger_compile",
+    }
+    assert "norm_kernel compiled" in packed["cells"][variant]["config"]
     for name in ("hf_liger", "hf_liger_compile"):
         assert "Triton" in packed["cells"][name]["skipped"]
-    assert len(set(ragged["lengths"])) >= 30 and set(ragged["cells"]) == {"trainctl", "hf_amp"}
+    assert len(set(ragged["lengths"])) >= 30
+    assert set(ragged["cells"]) == {"trainctl", variant, "hf_amp"}
     for shape in rows.values():
         measured = [c for c in shape["cells"].values() if "skipped" not in c]
         assert len(measured) >= 2
@@ -64,8 +74,9 @@ def test_smoke_measures_every_row_and_each_passes_the_gate(tmp_path: Path) -> No
 
 def test_a_step_that_skips_a_layers_backward_fails_the_gate(tmp_path: Path) -> None:
     proc, result = _bench(
-        tmp_path, "--fault", "skip-layer-backward", "--ragged", "", "--ladder", "hf_amp"
-    )
+        tmp_path, "--fault", "skip-layer-backward", "--ragged", "", "--ladder", "hf_amp",
+        "--trainctl-variants", "",
+    )  # fmt: skip
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     [shape] = result["rows"].values()
     gate = shape["cells"]["trainctl"]["gate"]
@@ -109,3 +120,15 @@ def test_gate_rules() -> None:
     assert gpu_gate.problems(_run([12.0, 11.0], [2.0]), None) == [
         "no reference row to compare with"
     ]
+
+
+def test_a_trainctl_variant_names_engine_config_fields() -> None:
+    """``--trainctl-variants``: ``field=value`` pairs joined by '+', a value read as JSON where
+    it parses; anything else is refused naming the entry."""
+    import pytest
+
+    gpu = _load("gpu")
+    got = gpu.overrides("norm_kernel=compiled+logprob_chunk_size=1024")
+    assert got == {"norm_kernel": "compiled", "logprob_chunk_size": 1024}
+    with pytest.raises(SystemExit, match="'chunk' is not field=value"):
+        gpu.overrides("norm_kernel=compiled+chunk")

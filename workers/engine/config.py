@@ -156,6 +156,12 @@ class EngineConfig:
     fewer, larger matrix products and fewer fp32 weight-gradient accumulations; 1,024 on a
     CPU, where an fp32 chunk of a 152K vocabulary's logits is 0.6 GiB against 2.3 at 4,096.
     The GPU tier checks the head's gradients at both sizes."""
+    norm_kernel: Literal["eager", "compiled"] = "eager"
+    """The residual stream's RMSNorms (each layer's two, the final one, a Gated DeltaNet's
+    output norm): ``eager`` runs ``F.rms_norm``; ``compiled`` runs it through torch.compile
+    (``workers/ops/norm.py``), whose backward splits the weight gradient's reduction over the
+    tokens. The same numbers within rounding; the compile costs seconds on a rank's first
+    step. The GPU benchmark times both (``bench/gpu.py --trainctl-variants``)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """``bf16``: bf16 parameters and compute, with fp32 main gradients, fp32 master weights
     in the optimizer and fp32 log-probs, loss and normaliser; ``fp32``: everything fp32;
@@ -207,6 +213,7 @@ class EngineConfig:
             ("distributed_optimizer", ("auto", "on", "off")),
             ("sequence_parallel", ("auto", "on", "off")),
             ("packing", ("auto", "flat", "tree")),
+            ("norm_kernel", ("eager", "compiled")),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(

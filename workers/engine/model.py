@@ -235,6 +235,10 @@ def build_gpt(
             original_max_position_embeddings=m.rope_original_max_position,
         )
     _bind_attention(model)
+    if cfg.norm_kernel == "compiled":
+        for module in model.modules():
+            if type(module) is RMSNorm:  # not the q/k norms the core attention applies
+                module.compiled = True
     return model
 
 

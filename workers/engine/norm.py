@@ -22,7 +22,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
-from trainctl.workers.ops.norm import rms_norm
+from trainctl.workers.ops.norm import compiled_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -46,9 +46,12 @@ class RMSNorm(nn.Module):
             torch.zeros(hidden_size) if self.zero_centered else torch.ones(hidden_size)
         )
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.compiled = False
+        """Run ``compiled_rms_norm`` (``EngineConfig.norm_kernel``; ``build_gpt`` sets it)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps, self.zero_centered)
+        norm = compiled_rms_norm() if self.compiled else rms_norm
+        return norm(x, self.weight, self.eps, self.zero_centered)
 
 
 class DeferredRMSNorm(RMSNorm):
@@ -60,7 +63,3 @@ class DeferredRMSNorm(RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         return x
-
-    def normalize(self, x: Tensor) -> Tensor:
-        """What ``RMSNorm`` computes (the eager path, bit for bit)."""
-        return super().forward(x)

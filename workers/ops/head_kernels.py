@@ -30,8 +30,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from trainctl.workers.ops.compiled import token_dynamic
 from trainctl.workers.ops.logprob import _grad_rows, _row_sum
-from trainctl.workers.ops.rope import token_dynamic
 
 
 class HeadKernels(Protocol):
