@@ -21,11 +21,11 @@ bf16 parameters, fp32 main gradients and AdamW masters, the fused LM head, the b
 packed micro-batch; its timed region includes the host's planning and packing) and the
 transformers ladder (``bench/gpu_baselines.py``), each at the largest micro-batch of
 ``--micro-tokens`` that fits. ``--trainctl-variants`` adds trainctl rows that differ from the
-default configuration in named ``EngineConfig`` fields (by default ``norm_kernel=compiled``),
-gated like every row, their speed-up read against the default row. Shapes: packed rows
-(``--tokens`` in sequences of ``--seq-len``) and a ragged row (``ragged`` in
-``bench/gpu_batches.py``: log-normal lengths between 128 and 4,096, 43 distinct at 32K, which
-takes the varlen attention path).
+default configuration in named ``EngineConfig`` fields (by default ``norm_kernel=eager``: what
+the compiled RMSNorm buys), gated like every row, their speed-up read against the default row.
+Shapes: packed rows (``--tokens`` in sequences of ``--seq-len``) and a ragged row (``ragged``
+in ``bench/gpu_batches.py``: log-normal lengths between 128 and 4,096, 43 distinct at 32K,
+which takes the varlen attention path).
 
 Each cell is the median of ``--steps`` steps after ``--warmup``, with the minimum and maximum.
 FLOPs per step: ``6 * N * tokens`` for the matrix products (``N``: every parameter but an
@@ -169,9 +169,9 @@ def trainctl_step(
     return {
         **run.summary(),
         "config": f"trainctl ({engine.cfg.precision}, fp32 masters, fused head chunk "
-        f"{engine.cfg.resolved_chunk_size(cuda=cuda)}"
-        + "".join(f"; {k} {v}" for k, v in (engine_overrides or {}).items())
-        + ")",
+        f"{engine.cfg.resolved_chunk_size(cuda=cuda)}, RMSNorm "
+        f"{engine.cfg.resolved_norm_kernel(cuda=cuda)})"
+        + (f", variant: {variant_label(engine_overrides)}" if engine_overrides else ""),
         "micro_tokens": sum(lengths),
         "attention": f"{path}: {run.kernels}",
     }
@@ -243,6 +243,11 @@ def overrides(variant: str) -> dict[str, Any]:
     return out
 
 
+def variant_label(fields: dict[str, Any]) -> str:
+    """A variant's fields as the table names them: ``norm_kernel=eager``."""
+    return "+".join(f"{k}={v}" for k, v in fields.items())
+
+
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="32768", help="packed batch sizes, comma-separated")
@@ -264,7 +269,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         help="transformers rows of the ragged batch (length buckets: one micro-batch per length)",
     )  # fmt: skip
     ap.add_argument(
-        "--trainctl-variants", default="norm_kernel=compiled",
+        "--trainctl-variants", default="norm_kernel=eager",
         help="trainctl rows beside the default configuration, comma-separated, each "
         "EngineConfig fields as field=value joined by '+'; '' for none",
     )  # fmt: skip

@@ -156,12 +156,15 @@ class EngineConfig:
     fewer, larger matrix products and fewer fp32 weight-gradient accumulations; 1,024 on a
     CPU, where an fp32 chunk of a 152K vocabulary's logits is 0.6 GiB against 2.3 at 4,096.
     The GPU tier checks the head's gradients at both sizes."""
-    norm_kernel: Literal["eager", "compiled"] = "eager"
+    norm_kernel: Literal["auto", "eager", "compiled"] = "auto"
     """The residual stream's RMSNorms (each layer's two, the final one, a Gated DeltaNet's
     output norm): ``eager`` runs ``F.rms_norm``; ``compiled`` runs it through torch.compile
     (``workers/ops/norm.py``), whose backward splits the weight gradient's reduction over the
-    tokens. The same numbers within rounding; the compile costs seconds on a rank's first
-    step. The GPU benchmark times both (``bench/gpu.py --trainctl-variants``)."""
+    tokens, where eager CUDA's one-pass reduction took ~31 ms of a 420 ms step in an H200
+    profile. The same numbers within rounding; the compile costs seconds on a rank's first
+    step. ``auto`` (``resolved_norm_kernel``): compiled on CUDA, as the q/k norms and the
+    rotation already are; eager on a CPU. The GPU benchmark times the other one beside the
+    default (``bench/gpu.py --trainctl-variants``)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """``bf16``: bf16 parameters and compute, with fp32 main gradients, fp32 master weights
     in the optimizer and fp32 log-probs, loss and normaliser; ``fp32``: everything fp32;
@@ -213,7 +216,7 @@ class EngineConfig:
             ("distributed_optimizer", ("auto", "on", "off")),
             ("sequence_parallel", ("auto", "on", "off")),
             ("packing", ("auto", "flat", "tree")),
-            ("norm_kernel", ("eager", "compiled")),
+            ("norm_kernel", ("auto", "eager", "compiled")),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(
@@ -274,6 +277,12 @@ class EngineConfig:
         if self.logprob_chunk_size == "auto":
             return 4096 if cuda else 1024
         return self.logprob_chunk_size
+
+    def resolved_norm_kernel(self, *, cuda: bool) -> Literal["eager", "compiled"]:
+        """The RMSNorm kernel a rank runs: ``auto`` is compiled with CUDA, eager without."""
+        if self.norm_kernel == "auto":
+            return "compiled" if cuda else "eager"
+        return self.norm_kernel
 
     @property
     def use_distributed_optimizer(self) -> bool:

@@ -171,6 +171,7 @@ def build_gpt(
     pre_process: bool,
     post_process: bool,
     vp_stage: int | None = None,
+    compiled_norms: bool = False,
 ) -> GPTModel:
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.model.num_experts or None,
@@ -235,7 +236,7 @@ def build_gpt(
             original_max_position_embeddings=m.rope_original_max_position,
         )
     _bind_attention(model)
-    if cfg.norm_kernel == "compiled":
+    if compiled_norms:  # EngineConfig.norm_kernel, resolved for the rank's device
         for module in model.modules():
             if type(module) is RMSNorm:  # not the q/k norms the core attention applies
                 module.compiled = True

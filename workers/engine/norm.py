@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
         )
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
         self.compiled = False
-        """Run ``compiled_rms_norm`` (``EngineConfig.norm_kernel``; ``build_gpt`` sets it)."""
+        """Run ``compiled_rms_norm`` (``EngineConfig.norm_kernel``: ``build_gpt`` sets it)."""
 
     def forward(self, x: Tensor) -> Tensor:
         norm = compiled_rms_norm() if self.compiled else rms_norm

@@ -106,6 +106,7 @@ class EngineShard:
                 pre_process=first,
                 post_process=last,
                 vp_stage=vp_stage if lay.vp > 1 else None,
+                compiled_norms=cfg.resolved_norm_kernel(cuda=cuda) == "compiled",
             )
             if cfg.lora.enabled:
                 sites += self._attach_lora(model, last)

@@ -9,7 +9,7 @@ Qwen3.5 norm computes it.
 CUDA's backward sums the weight's gradient over every token in one reduction kernel, which an
 H200 profile of a 32K-token step showed at 0.5-1 TB/s (~31 ms of a 420 ms step); inductor
 splits that reduction across the tokens and finishes it in a second small kernel. The engine
-uses it where ``EngineConfig.norm_kernel`` says ``compiled``.
+uses it where ``EngineConfig.norm_kernel`` resolves to ``compiled`` (by default on CUDA).
 """
 
 from __future__ import annotations
