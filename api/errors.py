@@ -25,6 +25,7 @@ Every error body is ``{"type": ..., "message": ..., "details": ...}``; ``type`` 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
@@ -230,6 +231,20 @@ def error_from(status: int, body: Any) -> TrainctlError:
     return cls(message, details, status=status)
 
 
-def field_error(field: str, problem: str) -> InvalidRequestError:
-    """An ``InvalidRequestError`` naming the field (``sequences[2].tokens[7]``) and the problem."""
-    return InvalidRequestError(f"{field}: {problem}", details={"field": field, "problem": problem})
+def field_error(field: str, problem: str, sep: str = ": ") -> InvalidRequestError:
+    """An ``InvalidRequestError`` naming the field (``sequences[2].tokens[7]``) and the problem;
+    its message is the two joined by ``sep`` (" " where the problem reads on from the field:
+    ``sequences[0].advantages is required by the ppo loss``)."""
+    details = {"field": field, "problem": problem}
+    return InvalidRequestError(f"{field}{sep}{problem}", details=details)
+
+
+def validation_problem(err: Mapping[str, Any]) -> str:
+    """One entry of a pydantic ``ValidationError`` in plain words: a ``TrainctlError`` raised by
+    our own check inside pydantic gives its message (it names its field); anything else,
+    pydantic's text without its "Value error, " prefix."""
+    ctx = err.get("ctx")
+    raised = ctx.get("error") if isinstance(ctx, Mapping) else None
+    if isinstance(raised, TrainctlError):
+        return raised.message
+    return str(err.get("msg", "invalid")).removeprefix("Value error, ")

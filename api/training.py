@@ -125,9 +125,11 @@ class _BatchRequest(_SequencesRequest):
     def _loss_inputs_present(self) -> _BatchRequest:
         for k in self.loss.required_inputs():
             if k not in self.sequences.present:
-                raise ValueError(
-                    f"sequences[0].{k} is required by the {self.loss.kind.value} loss"
-                    + (" with kl_coef > 0" if k == "ref_logprobs" else "")
+                raise field_error(
+                    f"sequences[0].{k}",
+                    f"is required by the {self.loss.kind.value} loss"
+                    + (" with kl_coef > 0" if k == "ref_logprobs" else ""),
+                    sep=" ",
                 )
         if self.loss.spec.policy and not ({"loss_mask", "weights"} & set(self.sequences.present)):
             self._train_on_sampled_positions()
@@ -135,19 +137,21 @@ class _BatchRequest(_SequencesRequest):
         if ratio_mask is not None:
             if not self.loss.spec.sequence_ratio:
                 readers = ", ".join(k.value for k, s in LOSSES.items() if s.sequence_ratio)
-                raise ValueError(
-                    f"sequences[0].sequence_ratio_mask is read by the {readers} loss only, not "
-                    f"by {self.loss.kind.value}"
+                raise field_error(
+                    "sequences[0].sequence_ratio_mask",
+                    f"is read by the {readers} loss only, not by {self.loss.kind.value}",
+                    sep=" ",
                 )
             # Position 0 predicts nothing: a mask there is no ratio token.
             counts = np.add.reduceat(ratio_mask.astype(np.int64), self.sequences.offsets[:-1])
             counts -= ratio_mask[self.sequences.offsets[:-1]]
             empty = np.flatnonzero(counts == 0)
             if empty.size:
-                raise ValueError(
-                    f"sequences[{int(empty[0])}].sequence_ratio_mask marks no token after the "
-                    f"first: {self.loss.kind.value}'s sequence ratio is a mean over at least one "
-                    "token"
+                raise field_error(
+                    f"sequences[{int(empty[0])}].sequence_ratio_mask",
+                    f"marks no token after the first: {self.loss.kind.value}'s sequence ratio "
+                    "is a mean over at least one token",
+                    sep=" ",
                 )
         return self
 
@@ -161,11 +165,12 @@ class _BatchRequest(_SequencesRequest):
         if ratio_tokens or self.loss.sequence_correction:
             empty = np.flatnonzero(self.sequences.num_targets() == 0)
             if empty.size:
-                raise ValueError(
-                    f"sequences[{int(empty[0])}]: no position is marked sampled (its "
-                    "old_logprobs and advantages are 0 at every target), so its sequence ratio "
-                    "would be a guess: give sequence_ratio_mask (or loss_mask / Tinker's "
-                    "weights) over the tokens the sampler produced"
+                raise field_error(
+                    f"sequences[{int(empty[0])}]",
+                    "no position is marked sampled (its old_logprobs and advantages are 0 at "
+                    "every target), so its sequence ratio would be a guess: give "
+                    "sequence_ratio_mask (or loss_mask / Tinker's weights) over the tokens the "
+                    "sampler produced",
                 )
 
     def check_limits(self, limits: ModelLimits) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from trainctl.api import LossConfig, Operation, OperationKind, SamplingParams
-from trainctl.api.errors import TrainctlError
+from trainctl.api.errors import TrainctlError, validation_problem
 from trainctl.clients.sync import TrainctlClient
 
 _SPINNER = "|/-\\"
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as e:  # refused here, before anything was sent
         for err in e.errors(include_url=False):
             where = ".".join(str(p) for p in err["loc"]) or "request"
-            print(f"trainctl: {where}: {err['msg']}", file=sys.stderr)
+            print(f"trainctl: {where}: {validation_problem(err)}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader left (`trainctl info | head`): stop quietly, as a Unix tool does, and

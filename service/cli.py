@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from trainctl.api import Info
+from trainctl.api.errors import validation_problem
 from trainctl.service import ray_auth
 from trainctl.service.cluster import HEAD_ATTEMPTS, LocalRayHead
 from trainctl.service.ray_auth import StartupError
@@ -434,7 +435,7 @@ def _problem(err: Any) -> str:
     """One settings error in flag words: ``--flag: what is wrong`` (a check across flags,
     which has no field, names its flags itself)."""
     where = ".".join(map(str, err["loc"])).replace("_", "-")
-    msg = str(err["msg"]).removeprefix("Value error, ")
+    msg = validation_problem(err)
     return f"--{where}: {msg}" if where else msg
 
 

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trainctl.api import ErrorBody, ErrorType, TrainctlError
+from trainctl.api.errors import validation_problem
 from trainctl.service.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -91,11 +92,12 @@ def _validation_error(request: Request, errors: list[Any]) -> JSONResponse:
     if isinstance(raised, TrainctlError):  # our own check, run inside pydantic: it names its field
         return error_response(request, raised.status, raised.body())
     field = _loc(tuple(first.get("loc", ())))
-    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    msg = validation_problem(first)
     details = [
-        {"field": _loc(tuple(e.get("loc", ()))), "problem": e.get("msg"), "type": e.get("type")}
+        {"field": _loc(tuple(e.get("loc", ()))), "problem": validation_problem(e),
+         "type": e.get("type")}
         for e in errors[:20]
-    ]
+    ]  # fmt: skip
     # A model-level check names its field in the message itself; a malformed body does not.
     model_check = field == "body" and first.get("type") == "value_error"
     message = msg if model_check else f"{field}: {msg}"

@@ -57,6 +57,7 @@ from trainctl.api import (
     RateLimitedError,
     TrainctlError,
 )
+from trainctl.api.errors import validation_problem
 from trainctl.service.errors import public
 from trainctl.service.shares import Shares, party
 from trainctl.service.tenants import scoped, visible
@@ -107,7 +108,7 @@ def describe(e: BaseException) -> str:
     """The error's message, naming the field where there is one."""
     if isinstance(e, ValidationError):
         return "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}"
+            f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {validation_problem(err)}"
             for err in e.errors()
         )
     if isinstance(e, TrainctlError) and e.status < 500:

@@ -113,6 +113,7 @@ def _what_reads_the_row(kind: str) -> dict[str, object]:
     from pydantic import ValidationError
 
     from trainctl.api import LossConfig, LossKind, TrainBatchRequest
+    from trainctl.api.errors import validation_problem
     from trainctl.service.tinker.convert import config_keys
     from trainctl.workers.engine.loss_inputs import needs_sequence_terms
 
@@ -125,7 +126,7 @@ def _what_reads_the_row(kind: str) -> dict[str, object]:
         TrainBatchRequest(sequences=[seq], loss=loss)
         ratio_mask = "taken"
     except ValidationError as e:
-        ratio_mask = str(e.errors()[0]["msg"])
+        ratio_mask = validation_problem(e.errors()[0])
     return {
         "ratio_mask": ratio_mask,
         "sequence_terms": needs_sequence_terms(loss),
@@ -145,8 +146,7 @@ def test_a_changed_row_changes_what_every_layer_reads(monkeypatch: pytest.Monkey
 
     before = _what_reads_the_row("ppo")
     assert before == {
-        "ratio_mask": "Value error, sequences[0].sequence_ratio_mask is read by the gspo loss "
-        "only, not by ppo",
+        "ratio_mask": "sequences[0].sequence_ratio_mask is read by the gspo loss only, not by ppo",
         "sequence_terms": False, "options": False,
         "tinker_keys": ("clip_low_threshold", "clip_high_threshold"),
     }  # fmt: skip

@@ -221,8 +221,13 @@ def test_rl_loss_reaches_controller(http: TestClient, fake: FakeController) -> N
     ],
 )
 def test_rl_loss_validation(http: TestClient, fake: FakeController, body: dict, words: str) -> None:
+    """Each refusal's message says what is wrong, and its details name the field (never the
+    whole body), as a client reading ``details`` finds it."""
     r = http.post("/v1/train_batch", json=body)
     assert r.status_code == 422 and words in r.json()["message"], r.json()
+    details = r.json()["details"]
+    field = details["field"] if isinstance(details, dict) else details[0]["field"]
+    assert field != "body" and field in r.json()["message"], r.json()
     assert fake.calls == []
 
 

@@ -537,3 +537,18 @@ def test_a_sampling_client_from_before_a_restart_is_gone_not_unknown() -> None:
         sessions.get(f"{new}:sample:0", None)
     with pytest.raises(NotFoundError):
         sessions.get("not-one-of-ours:sample:0", None)
+
+
+def test_a_refused_batch_reads_as_the_apis_own_words_in_a_tinker_future() -> None:
+    """A batch the API refuses while it is built (the loss needs an input the datums lack)
+    fails its future with the API's message, naming the field: no pydantic "Value error,"
+    prefix and no status code folded into the text."""
+    from pydantic import ValidationError
+
+    from trainctl.api import TrainBatchRequest
+    from trainctl.service.tinker.state import describe
+
+    with pytest.raises(ValidationError) as e:
+        TrainBatchRequest(sequences=[{"tokens": [1, 2, 3]}], loss={"kind": "ppo"})
+    said = describe(e.value)
+    assert said == "request: sequences[0].advantages is required by the ppo loss", said
