@@ -418,6 +418,7 @@ class Controller:
             engine={
                 "max_tokens_per_microbatch": cfg.max_tokens_per_microbatch,
                 "logprob_chunk_size": cfg.resolved_chunk_size(cuda=self.on_gpus),
+                "norm_kernel": cfg.resolved_norm_kernel(cuda=self.on_gpus),
                 "lr": cfg.optimizer.lr,
                 "clip_grad": cfg.optimizer.clip_grad,
                 "weight_decay": cfg.optimizer.weight_decay,
