@@ -95,9 +95,10 @@ _CORRECTIONS = (
 
 
 class LossConfig(BaseModel):
-    """Which loss the step computes. The normaliser is computed once on the global batch."""
+    """Which loss the step computes. The normaliser is computed once on the global batch.
+    Every number is finite (a bound left out is the way to have none)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     kind: LossKind = LossKind.CROSS_ENTROPY
     normalization: Normalization = Normalization.TOKEN_MEAN

@@ -226,9 +226,10 @@ class ForwardBackwardRequest(_BatchRequest):
 
 class OptimStepRequest(_ExpectedStep):
     """Apply the gradients accumulated by ``forward_backward`` with these AdamW settings;
-    a setting left out takes the server's. Per-step values let the client own the schedule."""
+    a setting left out takes the server's. Per-step values let the client own the schedule.
+    Every value is finite: an infinite learning rate would turn the weights to NaN."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     adapter: str | None = Field(default=None, pattern=ADAPTER_NAME, description=ADAPTER_DOC)
     lr: float | None = Field(default=None, ge=0, description="Learning rate.")

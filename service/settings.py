@@ -125,6 +125,7 @@ class Settings(BaseSettings):
         _ENGINE.optimizer.lr,
         json_schema_extra=_at("optimizer.lr"),
         ge=0,
+        allow_inf_nan=False,
         description="AdamW learning rate.",
     )
     max_tokens_per_microbatch: int = Field(

@@ -68,6 +68,14 @@ def test_serve_settings_errors_are_one_line() -> None:
     ]
 
 
+def test_an_infinite_learning_rate_flag_is_refused() -> None:
+    r = trainctl("serve", "--lr", "inf", capture_output=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "trainctl: invalid settings: --lr: Input should be a finite number"
+    ]
+
+
 def test_a_sampler_bound_the_gateway_cannot_reach_is_refused_naming_both_flags() -> None:
     """With samplers, a gateway that holds fewer requests than ``--sampler-max-queued``
     would leave the rest in Serve's proxy, never answered 429: refused at start, in flag

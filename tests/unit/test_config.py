@@ -30,6 +30,15 @@ def test_impossible_layouts(layout: ParallelLayout, model: ModelConfig, words: s
         EngineConfig(layout=layout, model=model).validate()
 
 
+@pytest.mark.parametrize("field", ["lr", "eps", "weight_decay", "clip_grad"])
+def test_an_engine_config_file_with_a_non_finite_optimizer_value_is_refused(field: str) -> None:
+    """``--engine-config`` is JSON, which may say Infinity or NaN: an infinite learning rate
+    passes ``lr >= 0`` and would make every weight NaN at the first step."""
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match=re.escape(f"optimizer.{field} must be a finite")):
+            EngineConfig.from_dict({"optimizer": {field: bad}}).validate()
+
+
 def test_own_head_size_lifts_the_divisibility_rule() -> None:
     m = ModelConfig(hidden_size=130, head_dim=48)
     EngineConfig(model=m).validate()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -228,6 +230,30 @@ def test_rl_loss_validation(http: TestClient, fake: FakeController, body: dict, 
     details = r.json()["details"]
     field = details["field"] if isinstance(details, dict) else details[0]["field"]
     assert field != "body" and field in r.json()["message"], r.json()
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        ("/v1/optim_step", {"lr": float("inf")}, "lr"),
+        ("/v1/optim_step", {"lr": 1e-3, "eps": float("inf")}, "eps"),
+        ("/v1/optim_step", {"lr": float("nan")}, "lr"),
+        ("/v1/train_batch",
+         {"sequences": [_rl(3)], "loss": {"kind": "ppo", "clip_high": float("inf")}},
+         "loss.clip_high"),
+    ],
+)  # fmt: skip
+def test_an_infinite_setting_is_refused_naming_it(
+    http: TestClient, fake: FakeController, route: str, body: dict, field: str
+) -> None:
+    """JSON's Infinity and NaN reach the models as floats: a learning rate of infinity passes
+    ``ge=0`` and would turn every weight to NaN. Each is a 422 naming the field, and nothing
+    reaches the controller."""
+    sent = json.dumps(body)  # Python's json writes Infinity and NaN, as many clients do
+    r = http.post(route, content=sent, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["message"].startswith(f"{field}: "), r.json()
+    assert "finite" in r.json()["message"], r.json()
     assert fake.calls == []
 
 

@@ -6,6 +6,7 @@ check them without loading the engine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -105,6 +106,9 @@ class OptimizerConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
     def validate(self) -> None:
+        for name, value in asdict(self).items():
+            if not math.isfinite(value):
+                raise ConfigError(f"optimizer.{name} must be a finite number, got {value}")
         if self.lr < 0 or self.weight_decay < 0 or self.clip_grad < 0:
             raise ConfigError("optimizer.lr, weight_decay and clip_grad must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
