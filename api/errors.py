@@ -239,12 +239,18 @@ def field_error(field: str, problem: str, sep: str = ": ") -> InvalidRequestErro
     return InvalidRequestError(f"{field}{sep}{problem}", details=details)
 
 
+def raised_inside(err: Mapping[str, Any]) -> TrainctlError | None:
+    """The ``TrainctlError`` our own check raised inside pydantic, if that is what this entry
+    of a ``ValidationError`` is (pydantic keeps it as ``ctx["error"]``)."""
+    ctx = err.get("ctx")
+    raised = ctx.get("error") if isinstance(ctx, Mapping) else None
+    return raised if isinstance(raised, TrainctlError) else None
+
+
 def validation_problem(err: Mapping[str, Any]) -> str:
     """One entry of a pydantic ``ValidationError`` in plain words: a ``TrainctlError`` raised by
     our own check inside pydantic gives its message (it names its field); anything else,
     pydantic's text without its "Value error, " prefix."""
-    ctx = err.get("ctx")
-    raised = ctx.get("error") if isinstance(ctx, Mapping) else None
-    if isinstance(raised, TrainctlError):
+    if (raised := raised_inside(err)) is not None:
         return raised.message
     return str(err.get("msg", "invalid")).removeprefix("Value error, ")

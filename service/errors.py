@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trainctl.api import ErrorBody, ErrorType, TrainctlError
-from trainctl.api.errors import validation_problem
+from trainctl.api.errors import raised_inside, validation_problem
 from trainctl.service.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -87,9 +87,7 @@ def error_response(
 
 def _validation_error(request: Request, errors: list[Any]) -> JSONResponse:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    ctx = first.get("ctx")
-    raised = ctx.get("error") if isinstance(ctx, dict) else None
-    if isinstance(raised, TrainctlError):  # our own check, run inside pydantic: it names its field
+    if (raised := raised_inside(first)) is not None:  # our own check: it names its field
         return error_response(request, raised.status, raised.body())
     field = _loc(tuple(first.get("loc", ())))
     msg = validation_problem(first)
