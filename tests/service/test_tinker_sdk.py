@@ -536,7 +536,7 @@ def test_raw_forward_is_protobuf_in_and_out_zstd_and_deduplicated(svc: Service) 
     other = httpx.post(url, content=body(2.0), headers=headers)
     assert other.status_code == 409 and "different payload" in other.text
     got = _retrieve(svc, first)
-    assert got.headers["content-type"] == "application/x-protobuf"
+    assert got.headers["content-type"] == "application/x-protobuf", got.text
     out = deserialize_forward_backward_output(got.content)
     want = _native_logprobs(svc, TOKENS)[1:]
     np.testing.assert_allclose(
