@@ -269,7 +269,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         help="transformers rows of the ragged batch (length buckets: one micro-batch per length)",
     )  # fmt: skip
     ap.add_argument(
-        "--trainctl-variants", default="norm_kernel=eager",
+        "--trainctl-variants", default="norm_kernel=eager,recompute=norms",
         help="trainctl rows beside the default configuration, comma-separated, each "
         "EngineConfig fields as field=value joined by '+'; '' for none",
     )  # fmt: skip

@@ -134,11 +134,12 @@ class Settings(BaseSettings):
         ge=1,
         description="Token budget of one micro-batch.",
     )
-    recompute: Literal["none", "selective", "full"] = Field(
+    recompute: Literal["none", "norms", "selective", "full"] = Field(
         _ENGINE.recompute,
         json_schema_extra=_at("recompute"),
-        description="Activation recomputation: none, selective (attention core and MLP) or "
-        "full (whole layers): less activation memory for more compute.",
+        description="Activation recomputation: none, norms (each layer's RMSNorm outputs), "
+        "selective (attention core and MLP) or full (whole layers): less activation memory "
+        "for more compute.",
     )
     precision: Literal["auto", "bf16", "fp32"] = Field(
         _ENGINE.precision,

@@ -9,7 +9,7 @@ def section(quick: bool) -> str:
     tokens = 2048 if quick else 8192
     runs = [
         (mode, measure("activation_case", recompute=mode, tokens=tokens))
-        for mode in ("none", "selective", "full")
+        for mode in ("none", "norms", "selective", "full")
     ]
     head = (
         f"### Activation recomputation: one forward/backward of a {tokens}-token sequence, "

@@ -216,7 +216,8 @@ def logprobs_and_grads(
 
 def recompute_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str, Any]:
     """One cross-entropy forward/backward: the loss, the gradients, and how many times the
-    dense MLPs ran forward (recomputation runs them again in backward)."""
+    dense MLPs and the layers' RMSNorms ran forward (recomputation runs them again in
+    backward)."""
     from megatron.core.transformer.mlp import MLP
 
     from trainctl.api.models import LossConfig
@@ -227,17 +228,24 @@ def recompute_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str
     eng = EngineShard(EngineConfig.from_dict(cfg))
     plan = plan_step(to_host(batch), eng.cfg, loss=LossConfig())
     mbs = plan.microbatches[eng.coords.dp]
-    calls = [0]
+    calls = {"mlp": 0, "norm": 0}
+
+    def count(kind: str) -> Any:
+        return lambda *_: calls.__setitem__(kind, calls[kind] + 1)
+
     for c in eng.chunks:
-        for m in c.modules():
+        for name, m in c.named_modules():
             if isinstance(m, MLP):
-                m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+                m.register_forward_hook(count("mlp"))
+            elif name.endswith(("input_layernorm", "pre_mlp_layernorm")):
+                m.register_forward_hook(count("norm"))
     loss = eng.train_pass(mbs, LossConfig()).loss
     return {
         "coords": {"tp": eng.coords.tp},
         "loss": loss,
         "grads": numpy_shards(eng.canonical_shards(grads=True, owned=True)),
-        "mlp_forwards": calls[0],
+        "mlp_forwards": calls["mlp"],
+        "norm_forwards": calls["norm"],
         "microbatches": len(mbs),
         "local_layers": sum(len(c.module.decoder.layers) for c in eng.chunks),
     }

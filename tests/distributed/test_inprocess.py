@@ -59,3 +59,14 @@ def test_gradients_equal_transformers_with_the_compiled_norm(
     assert g.compiled_norms == 2 * 2 + 1, g  # the tiny model's two layers
     assert abs(g.loss[0] - g.loss[1]) <= 1e-5 * g.loss[1], g
     assert g.worst <= 1e-5, g
+
+
+def test_attention_keeps_no_view_of_the_projection_output(pool1: RankPool) -> None:
+    """The k norm's input and the kernel's value are copied out of the fused q/k/v
+    projection's output, so that buffer (the query's share too) is freed after each layer's
+    forward instead of held until its backward, with the rotation eager (the CPU's) and
+    compiled (CUDA's)."""
+    for compiled in (False, True):
+        [v] = pool1.run(cases.projection_views_kept, compiled)
+        assert v.layers == 2 and v.saved >= 5, v  # k norm's input, q/k/v, output, log-sum-exp
+        assert v.pinning == 0, v

@@ -286,3 +286,68 @@ def grads_vs_transformers(
 
 def _relative_l2(got: Tensor, want: Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30))
+
+
+@dataclass
+class ProjectionViews:
+    """What each layer's attention keeps for backward, against its q/k/v projection's output."""
+
+    layers: int
+    """layers whose projection and attention ran"""
+    saved: int
+    """tensors the attention kept for backward, every layer"""
+    pinning: int
+    """of those, the ones whose storage is the projection's output (a view of it): each keeps
+    the whole ``[t, (heads + 2 x groups) x dim]`` buffer alive until the layer's backward"""
+
+
+def projection_views_kept(compiled_rotation: bool, **model: Any) -> ProjectionViews:
+    """One ``forward_backward`` of a grouped-query model with q/k norms (Qwen3's shape), its
+    rotation compiled (CUDA's choice) or eager (the CPU's). A tensor saved while a layer's
+    core attention runs, whose storage is that layer's projection output (alive for that
+    whole time, so an address cannot have been reused), pins the buffer."""
+    from trainctl.api import ForwardBackwardRequest
+    from trainctl.workers.ops import rope
+
+    shape = dict(
+        family="qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=128,
+        num_attention_heads=4, num_query_groups=2, head_dim=16, vocab_size=512,
+    )  # fmt: skip
+    engine = _engine(model={**shape, **model})
+    window: list[int] = []  # the running attention's projection output, by address
+    seen = ProjectionViews(layers=0, saved=0, pinning=0)
+
+    def projected(_m: Any, _args: Any, out: Any) -> None:
+        window[:] = [(out[0] if isinstance(out, tuple) else out).untyped_storage().data_ptr()]
+
+    def attending(_m: Any, _args: Any) -> None:
+        seen.layers += 1
+
+    def attended(_m: Any, _args: Any, _out: Any) -> None:
+        window.clear()
+
+    def pack(t: Tensor) -> Tensor:
+        if window:
+            seen.saved += 1
+            seen.pinning += t.untyped_storage().data_ptr() == window[0]
+        return t
+
+    hooks = []
+    for chunk in engine.engine.chunks:
+        for name, m in chunk.named_modules():
+            if name.endswith("linear_qkv"):
+                hooks.append(m.register_forward_hook(projected))
+            elif name.endswith("core_attention"):
+                hooks.append(m.register_forward_pre_hook(attending))
+                hooks.append(m.register_forward_hook(attended))
+    rope.force_compiled(compiled_rotation)
+    try:
+        seqs = [{"tokens": t} for t in batch(engine.cfg.model.vocab_size)]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            engine.forward_backward(ForwardBackwardRequest(sequences=seqs))
+    finally:
+        rope.force_compiled(None)
+        for h in hooks:
+            h.remove()
+        engine.close()
+    return seen

@@ -6,28 +6,16 @@ backward must fail the gate."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers.bench_scripts import ROOT, load
 
-
-def _load(name: str) -> ModuleType:
-    """A module of ``bench/`` (a folder of scripts beside the package, not on the path)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_batches, gpu_gate, gpu_provenance = map(_load, ("gpu_batches", "gpu_gate", "gpu_provenance"))
+gpu_batches, gpu_gate, gpu_provenance = map(load, ("gpu_batches", "gpu_gate", "gpu_provenance"))
 
 
 def _bench(out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -43,10 +31,11 @@ def test_smoke_measures_every_row_and_each_passes_the_gate(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = result["rows"]
     packed, ragged = rows.values()
-    variant = "trainctl norm_kernel=eager"  # the default --trainctl-variants
+    variant, norms = "trainctl norm_kernel=eager", "trainctl recompute=norms"  # the default
     assert set(packed["cells"]) == {
         "trainctl",
         variant,
+        norms,
         "hf_amp",
         "hf_bf16",
         "hf_liger",
@@ -54,10 +43,11 @@ def test_smoke_measures_every_row_and_each_passes_the_gate(tmp_path: Path) -> No
     }
     assert packed["cells"]["trainctl"]["config"].endswith("RMSNorm eager)")  # auto, on a CPU
     assert packed["cells"][variant]["config"].endswith("variant: norm_kernel=eager")
+    assert packed["cells"][norms]["config"].endswith("variant: recompute=norms")
     for name in ("hf_liger", "hf_liger_compile"):
         assert "Triton" in packed["cells"][name]["skipped"]
     assert len(set(ragged["lengths"])) >= 30
-    assert set(ragged["cells"]) == {"trainctl", variant, "hf_amp"}
+    assert set(ragged["cells"]) == {"trainctl", variant, norms, "hf_amp"}
     for shape in rows.values():
         measured = [c for c in shape["cells"].values() if "skipped" not in c]
         assert len(measured) >= 2
@@ -128,7 +118,7 @@ def test_a_trainctl_variant_names_engine_config_fields() -> None:
     it parses; anything else is refused naming the entry."""
     import pytest
 
-    gpu = _load("gpu")
+    gpu = load("gpu")
     got = gpu.overrides("norm_kernel=compiled+logprob_chunk_size=1024")
     assert got == {"norm_kernel": "compiled", "logprob_chunk_size": 1024}
     with pytest.raises(SystemExit, match="'chunk' is not field=value"):

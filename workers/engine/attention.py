@@ -78,6 +78,23 @@ def rope_tables(rope: RotaryEmbedding, positions: Tensor, dtype: torch.dtype) ->
     return RotaryTables.of(torch.cat((freqs, freqs), dim=-1)[:, None, :], dtype)
 
 
+def _unpinned(x: Tensor, kept: bool = True) -> Tensor:
+    """``x`` in storage of its own where something keeps it for backward (``kept``: the
+    value always, by the attention kernel; a query or key where a norm precedes its
+    rotation).
+
+    megatron's ``query``, ``key`` and ``value`` are views of the fused projection's output
+    ``[t, groups, (heads / groups + 2) x dim]`` (the query copied out where a reshape could
+    not view it: grouped heads). A view kept for backward keeps that whole buffer alive until
+    the layer's backward: at Qwen3-0.6B's widths the k norm's input and the kernel's value,
+    4 KB a token, held 8 KB (``bench/saved_activations.py``). Copied out, the buffer goes
+    when the layer's forward ends. A view that nothing keeps (a query or key without a norm:
+    the rotation keeps only its tables) is left as it is."""
+    if not kept or x.untyped_storage().nbytes() <= x.numel() * x.element_size():
+        return x
+    return x.contiguous()
+
+
 class PackedCoreAttention(MegatronModule):  # type: ignore[misc]  # megatron-core ships no types
     """Causal attention within each packed sequence (``cu_seqlens``), drop-in for megatron. Owns no
     parameters: the heads' shapes and the CP group it attends over."""
@@ -139,6 +156,8 @@ class PackedCoreAttention(MegatronModule):  # type: ignore[misc]  # megatron-cor
         if self._bound is None:
             raise RuntimeError("PackedCoreAttention is used unbound (build_gpt binds it)")
         rotary, q_norm, k_norm = self._bound
+        query, key = _unpinned(query, q_norm is not None), _unpinned(key, k_norm is not None)
+        value = _unpinned(value)
         if packed_seq_params is None:
             # One plain sequence per batch row: positions 0..s-1, then [s, b, h, d] ->
             # [b, h, s, d].

@@ -188,10 +188,13 @@ class EngineConfig:
     prefix into prefix tries (each shared token computed once, the same results; a batch
     sharing nothing is packed exactly as ``flat``); ``flat`` packs every sequence whole;
     ``auto``: ``tree``, or ``flat`` for a model with linear-attention layers."""
-    recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation: ``selective`` keeps each layer's inputs and recomputes its
-    core attention in backward; ``full`` keeps only each layer's input and recomputes the
-    whole layer. Less activation memory for more compute; the same numbers."""
+    recompute: Literal["none", "norms", "selective", "full"] = "none"
+    """Activation recomputation: ``norms`` drops each layer's two RMSNorm outputs once the
+    linear after them has used them and recomputes them in backward (the cheapest: a norm's
+    forward, for 2 bytes x hidden a token a norm in bf16); ``selective`` keeps each layer's
+    inputs and recomputes its core attention (and dense MLP) in backward; ``full`` keeps only
+    each layer's input and recomputes the whole layer. Less activation memory for more
+    compute; the same numbers."""
     fused_lm_head: bool = True
     """The output layer runs inside the log-prob kernel, chunk by chunk, so the logits of a
     micro-batch never exist whole (``workers/ops/fused_head.py``); False computes all logits,
@@ -215,7 +218,7 @@ class EngineConfig:
                 f"model.max_seq_len ({self.model.max_seq_len}) so every sequence fits"
             )
         for name, allowed in (
-            ("recompute", ("none", "selective", "full")),
+            ("recompute", ("none", "norms", "selective", "full")),
             ("precision", ("auto", "bf16", "fp32")),
             ("distributed_optimizer", ("auto", "on", "off")),
             ("sequence_parallel", ("auto", "on", "off")),

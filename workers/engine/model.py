@@ -121,6 +121,10 @@ def _recompute_options(cfg: EngineConfig) -> dict[str, object]:
             "recompute_method": "uniform",
             "recompute_num_layers": 1,
         }
+    if cfg.recompute == "norms":
+        # megatron's CheckpointWithoutOutput: each norm's output is emptied once attention or
+        # the MLP has used it, and refilled by a gradient hook before their backward reads it.
+        return {"recompute_granularity": "selective", "recompute_modules": ["layernorm"]}
     if cfg.recompute == "selective":
         # The attention core and the dense MLP: their inputs are kept, their insides (the
         # MLP's [tokens, 2 x ffn] gate/up activations above all) recomputed. Our attention is

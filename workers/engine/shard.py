@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from trainctl.api.models import LossConfig
 from trainctl.workers import spans
-from trainctl.workers.engine import hf, lora, megatron_cpu, weights, zero
+from trainctl.workers.engine import hf, lora, megatron_cpu, megatron_fixes, weights, zero
 from trainctl.workers.engine.accumulation import Accumulation
 from trainctl.workers.engine.adapter_bank import AdapterBank, ShardAdapters
 from trainctl.workers.engine.adapter_store import SpillStore
@@ -73,6 +73,7 @@ class EngineShard:
         self.cfg = cfg.validate()
         lay = cfg.layout
         megatron_cpu.install()
+        megatron_fixes.install()
         self.dims = ParallelDims.build(lay, timeout_s=cfg.collective_timeout_s)
         self.coords = self.dims.coords
         self.is_last_stage = self.dims.is_last_stage
