@@ -103,3 +103,13 @@ def test_tries_on_flex_attention_equal_flat() -> None:
         assert abs(tree - flat) <= 1e-5 * abs(flat), (tree, flat)
     assert r.grads <= 1e-5
     assert r.params <= 1e-5
+
+
+def test_attention_keeps_no_view_of_the_projection_output() -> None:
+    """With CUDA's compiled q/k norm + rotation and with the eager one, nothing the attention
+    keeps for backward is a view of the fused q/k/v projection's output (which would hold the
+    whole buffer until the layer's backward)."""
+    for compiled in (True, False):
+        v = cases.projection_views_kept(compiled, **ENGINE_SHAPE)
+        assert v.layers == ENGINE_SHAPE["num_layers"] and v.saved >= 5, v
+        assert v.pinning == 0, v
