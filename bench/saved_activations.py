@@ -56,9 +56,8 @@ class Ledger:
     """The saved storages of one forward (the first: a recording holds one micro-batch), by
     the module charged with each."""
 
-    names: dict[int, str]
-    """id(module) -> its qualified name"""
     stack: list[str] = field(default_factory=list)
+    """the sites whose forward is running, innermost last"""
     seen: set[int] = field(default_factory=set)
     """the storages charged so far (``_cdata``: held in ``pending``, so never reused)"""
     params: set[int] = field(default_factory=set)
@@ -111,7 +110,7 @@ def recording(roots: list[Any]) -> Iterator[Ledger]:
     from torch.nn.modules import module as nn_module
 
     names = {id(m): _site(n) for root in roots for n, m in root.named_modules()}
-    ledger = Ledger(names=names)
+    ledger = Ledger()
     # Module's own methods: megatron's DDP wrapper shadows ``buffers`` with its grad buffers.
     held = [
         t for root in roots
@@ -194,19 +193,19 @@ def trainctl_ledger(
                 **(engine or {}),
             }
         )
-        engine = InProcessEngine(cfg)
+        eng = InProcessEngine(cfg)
         req = ForwardBackwardRequest(sequences=[{"tokens": _tokens(n, model)} for n in lengths])
         try:
-            with recording(list(engine.engine.chunks)) as ledger:
-                engine.forward_backward(req)
+            with recording(list(eng.engine.chunks)) as ledger:
+                eng.forward_backward(req)
         finally:
-            engine.close()
+            eng.close()
     return ledger
 
 
 def transformers_ledger(lengths: list[int], checkpoint: str) -> Ledger:
-    """transformers' Qwen3 in pure bf16 (SDPA attention), one sequence a call, the full-logit
-    cross-entropy: the ladder's "pure bf16" rung without its optimizer."""
+    """transformers' Qwen3 in pure bf16 (SDPA attention), the whole batch in one call, the
+    full-logit cross-entropy: the ladder's "pure bf16" rung without its optimizer."""
     import torch
     import transformers
 
@@ -249,12 +248,16 @@ def per_token_per_layer(ledger: Ledger, tokens: int, layers: int) -> list[Row]:
     ]
 
 
+def layer_bytes(rows: list[Row]) -> float:
+    """What a layer keeps, a token: its sites summed."""
+    return sum(r.bytes_per_token for r in rows if r.site.startswith("layer."))
+
+
 def table(title: str, rows: list[Row]) -> str:
     lines = [f"### {title}", "", "| site | bytes / token | dtypes |", "|---|---|---|"]
-    layer = sum(r.bytes_per_token for r in rows if r.site.startswith("layer."))
     for r in rows:
         lines.append(f"| {r.site} | {r.bytes_per_token:,.0f} | {r.dtypes} |")
-    lines.append(f"| **a layer, in all** | **{layer:,.0f}** | |")
+    lines.append(f"| **a layer, in all** | **{layer_bytes(rows):,.0f}** | |")
     return "\n".join(lines)
 
 
@@ -290,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         for title, run in runs.items():
             rows = per_token_per_layer(run(d), total, a.layers)
             print(table(title, rows), end="\n\n", flush=True)
-            layer = sum(r.bytes_per_token for r in rows if r.site.startswith("layer."))
+            layer = layer_bytes(rows)
             summary.append(f"| {title} | {layer:,.0f} | {layer * 28 * 32768 / 2**30:.1f} |")
     print("\n".join(summary))
     return 0
