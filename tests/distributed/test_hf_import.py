@@ -64,14 +64,14 @@ def test_families_import_equal_to_transformers(
 def test_export_writes_the_family_back_bit_for_bit(tmp_path: Path, family: str) -> None:
     from safetensors.torch import load_file
 
-    from trainctl.workers.engine import hf
+    from trainctl.workers.engine import hf, hf_read
     from trainctl.workers.engine.config import ModelConfig
 
     tiny_model(family, tmp_path / "in")
     m = hf.model_config_from_hf(hf.read_config(tmp_path / "in"), ModelConfig())
     m.validate()
     source = load_file(str(tmp_path / "in" / "model.safetensors"))
-    hf.save(tmp_path / "out", hf.load(tmp_path / "in", m), m)
+    hf.save(tmp_path / "out", hf_read.load(tmp_path / "in", m), m)
     written = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(written) == set(source)
     for name, t in source.items():

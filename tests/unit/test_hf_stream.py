@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.hf_models import FAMILIES, tiny_model
-from trainctl.workers.engine import hf
+from trainctl.workers.engine import hf, hf_read
 from trainctl.workers.engine.config import ModelConfig
 from trainctl.workers.engine.hf_stream import owned_pieces
 from trainctl.workers.engine.weights import shard_rule
@@ -28,7 +28,7 @@ from trainctl.workers.sampler.stream import Piece, StreamPlan
 def _model(family: str, directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     tiny_model(family, directory)
     m = hf.model_config_from_hf(hf.read_config(directory), ModelConfig())
-    return m, hf.load(directory, m)
+    return m, hf_read.load(directory, m)
 
 
 def _owners(

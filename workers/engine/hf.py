@@ -268,7 +268,7 @@ def rows(m: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], Fuse]]:
 
 
 def split(t: Tensor, fuse: Fuse, m: ModelConfig) -> tuple[Tensor, ...]:
-    """Our fused tensor -> the family's parts (inverse of ``_fuse``)."""
+    """Our fused tensor -> the family's parts (inverse of ``join``)."""
     if fuse == "glu":
         return tuple(t.chunk(2, dim=0))
     if fuse == "qgkv":
@@ -292,7 +292,8 @@ def split(t: Tensor, fuse: Fuse, m: ModelConfig) -> tuple[Tensor, ...]:
     return (t,)
 
 
-def _fuse(parts: list[Tensor], fuse: Fuse, m: ModelConfig) -> Tensor:
+def join(parts: list[Tensor], fuse: Fuse, m: ModelConfig) -> Tensor:
+    """The family's parts -> our fused tensor (inverse of ``split``)."""
     if fuse == "glu":
         return torch.cat(parts)
     if fuse == "qgkv":
@@ -346,21 +347,25 @@ def to_hf(canonical: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def from_hf(hf: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
-    """The family's tensor names -> full canonical tensors (inverse of ``to_hf``)."""
-    out: dict[str, Tensor] = {}
-    left = {k for k in hf if not k.endswith(_IGNORED)}
+def check_names(names: set[str], m: ModelConfig) -> None:
+    """Refuse a checkpoint whose tensor ``names`` are not exactly those ``m`` needs (a tied
+    model may carry the output copy; old buffers are ignored)."""
+    left = {k for k in names if not k.endswith(_IGNORED)}
     if m.tie_embeddings:
         left -= set(OUTPUT.theirs)  # some tied checkpoints still carry the copy
-    for ours, theirs, fuse in rows(m):
-        missing = [t for t in theirs if t not in hf]
+    for _, theirs, _ in rows(m):
+        missing = [t for t in theirs if t not in names]
         if missing:
             raise ConfigError(f"the checkpoint has no tensor {missing[0]!r} ({m.family} needs it)")
-        out[ours] = _fuse([hf[t] for t in theirs], fuse, m)
         left -= set(theirs)
     if left:
         raise ConfigError(f"the checkpoint has tensors {m.family} does not use: {sorted(left)[:5]}")
-    return out
+
+
+def from_hf(hf: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
+    """The family's tensor names -> full canonical tensors (inverse of ``to_hf``)."""
+    check_names(set(hf), m)
+    return {ours: join([hf[t] for t in theirs], fuse, m) for ours, theirs, fuse in rows(m)}
 
 
 def save(directory: Path, canonical: dict[str, Tensor], m: ModelConfig) -> list[Path]:
@@ -382,19 +387,6 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: no such file (a Hugging Face checkpoint directory has one)")
     config: dict[str, Any] = json.loads(path.read_text())
     return config
-
-
-def load(directory: Path, m: ModelConfig) -> dict[str, Tensor]:
-    """Full canonical tensors of a checkpoint (every ``*.safetensors`` file, float32)."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{directory}: no *.safetensors files")
-    hf: dict[str, Tensor] = {}
-    for f in files:
-        hf.update({k: v.float() for k, v in load_file(str(f)).items()})
-    return from_hf(hf, m)
 
 
 def engine_dict_from(directory: Path, engine: dict[str, Any]) -> dict[str, Any]:

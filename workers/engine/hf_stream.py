@@ -95,28 +95,49 @@ def _whole(p: Tensor, theirs: tuple[str, ...], fuse: Fuse, m: ModelConfig) -> It
         yield HfPiece(name, 0, 0, shape, partial(values, j), shape, p.dtype, view)
 
 
+@dataclass(frozen=True, slots=True)
+class RowRun:
+    """Rows ``start`` to ``start + len(local)`` of the Hugging Face tensor ``name`` (``rows``
+    rows in all) are rows ``local`` of a rank's shard, in that order."""
+
+    name: str
+    start: int
+    rows: int
+    local: Tensor
+
+
+def row_runs(
+    shape: tuple[int, ...], theirs: tuple[str, ...], fuse: Fuse, m: ModelConfig,
+    rule: ShardRule, tp_rank: int, tp: int,
+) -> Iterator[RowRun]:  # fmt: skip
+    """Where the rows of a row-split shard (``dim 0`` or ``glu``, of local ``shape``) are in
+    its Hugging Face parts: contiguous runs, found by splitting the full tensor's row numbers
+    with ``hf.split``. The export sends each run; the import reads each one."""
+    full_rows = rule.full_shape(torch.Size(shape), tp)[0]
+    index = torch.arange(full_rows).view(full_rows, *([1] * (len(shape) - 1)))
+    held = rule.shard(index, tp_rank, tp).reshape(-1)  # the canonical row of each local row
+    local_of = torch.full((full_rows,), -1, dtype=torch.long)
+    local_of[held] = torch.arange(held.numel())
+    for name, part in zip(theirs, hf.split(index, fuse, m), strict=True):
+        local = local_of[part.reshape(-1)]
+        for run in _runs(torch.nonzero(local >= 0).reshape(-1)):
+            yield RowRun(name, int(run[0]), int(part.shape[0]), local[run])
+
+
 def _row_runs(
     p: Tensor, theirs: tuple[str, ...], fuse: Fuse, m: ModelConfig, rule: ShardRule,
     tp_rank: int, tp: int,
 ) -> Iterator[HfPiece]:  # fmt: skip
-    """A row-split shard (``dim 0`` or ``glu``): the rows of each Hugging Face part that this
-    shard holds, as contiguous runs, found by splitting the full tensor's row numbers."""
-    full_rows = rule.full_shape(p.shape, tp)[0]
-    index = torch.arange(full_rows).view(full_rows, *([1] * (p.dim() - 1)))
-    held = rule.shard(index, tp_rank, tp).reshape(-1)  # the canonical row of each local row
-    local_of = torch.full((full_rows,), -1, dtype=torch.long)
-    local_of[held] = torch.arange(held.numel())
+    """A row-split shard's pieces: one for each of its ``row_runs``."""
     rest = tuple(p.shape[1:])
-    for name, part in zip(theirs, hf.split(index, fuse, m), strict=True):
-        local = local_of[part.reshape(-1)]
-        for run in _runs(torch.nonzero(local >= 0).reshape(-1)):
-            rows = local[run]
-            first, length = int(rows[0]), int(rows.numel())
-            contiguous = bool(torch.equal(rows, torch.arange(first, first + length)))
-            yield HfPiece(
-                name, 0, int(run[0]), (part.shape[0], *rest), _rows(p, rows, contiguous),
-                (length, *rest), p.dtype, contiguous and p.is_contiguous(),
-            )  # fmt: skip
+    for run in row_runs(tuple(p.shape), theirs, fuse, m, rule, tp_rank, tp):
+        rows = run.local
+        first, length = int(rows[0]), int(rows.numel())
+        contiguous = bool(torch.equal(rows, torch.arange(first, first + length)))
+        yield HfPiece(
+            run.name, 0, run.start, (run.rows, *rest), _rows(p, rows, contiguous),
+            (length, *rest), p.dtype, contiguous and p.is_contiguous(),
+        )  # fmt: skip
 
 
 def _itself(p: Tensor) -> Callable[[], Tensor]:

@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from torch import Tensor, nn
 
 from trainctl.api.models import LossConfig
 from trainctl.workers import spans
-from trainctl.workers.engine import hf, lora, megatron_cpu, megatron_fixes, weights, zero
+from trainctl.workers.engine import lora, megatron_cpu, megatron_fixes, weights, zero
 from trainctl.workers.engine.accumulation import Accumulation
 from trainctl.workers.engine.adapter_bank import AdapterBank, ShardAdapters
 from trainctl.workers.engine.adapter_store import SpillStore
@@ -41,6 +40,7 @@ from trainctl.workers.engine.boundary import (
 )
 from trainctl.workers.engine.checkpoint import ShardCheckpoint
 from trainctl.workers.engine.config import EngineConfig, OptimizerConfig
+from trainctl.workers.engine.hf_read import starting_weights
 from trainctl.workers.engine.inputs import StageInputs
 from trainctl.workers.engine.model import (
     build_gpt,
@@ -94,29 +94,26 @@ class EngineShard:
         self.tc = transformer_config(cfg, bf16=bf16, cuda=cuda)
         self._grad_sync_s = 0.0
         self._pending_norm: Tensor | None = None
-        source = weights.seeded(cfg.model)
-        if cfg.init_hf:
-            source = weights.from_dict(hf.load(Path(cfg.init_hf), cfg.model))
-            log.info("rank %d: starting weights from %s", self.coords.rank, cfg.init_hf)
         self.chunks = []
         sites: list[lora.Site] = []
-        for vp_stage, (first, last) in enumerate(self.dims.stages):
-            model = build_gpt(
-                cfg,
-                self.tc,
-                pre_process=first,
-                post_process=last,
-                vp_stage=vp_stage if lay.vp > 1 else None,
-                compiled_norms=cfg.resolved_norm_kernel(cuda=cuda) == "compiled",
-            )
-            if cfg.lora.enabled:
-                sites += self._attach_lora(model, last)
-            self._assign(model, source)
-            model.to(self.device)
-            # The rotary frequencies are a plain attribute (no buffer): on the device too, so
-            # each micro-batch's tables are made there with no host round trip.
-            model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.to(self.device)
-            self.chunks.append(wrap_ddp(self.tc, model, distributed_optimizer=self.zero))
+        with starting_weights(cfg, self.coords.rank) as source:
+            for vp_stage, (first, last) in enumerate(self.dims.stages):
+                model = build_gpt(
+                    cfg,
+                    self.tc,
+                    pre_process=first,
+                    post_process=last,
+                    vp_stage=vp_stage if lay.vp > 1 else None,
+                    compiled_norms=cfg.resolved_norm_kernel(cuda=cuda) == "compiled",
+                )
+                if cfg.lora.enabled:
+                    sites += self._attach_lora(model, last)
+                self._assign(model, source)
+                model.to(self.device)
+                # The rotary frequencies are a plain attribute (no buffer): on the device too,
+                # so each micro-batch's tables are made there with no host round trip.
+                model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.to(self.device)
+                self.chunks.append(wrap_ddp(self.tc, model, distributed_optimizer=self.zero))
         # Hooks into this engine go on the config only after the model is built: MoE layers
         # deep-copy the config, and must not copy the engine along with it.
         self.tc.finalize_model_grads_func = self._finalize_grads
@@ -210,10 +207,12 @@ class EngineShard:
             p.requires_grad_(lora.is_lora(name))
         return sites
 
-    def _assign(self, module: Any, source: weights.FullTensor) -> None:
-        def base_or_zero(name: str, shape: tuple[int, ...]) -> Tensor:
+    def _assign(self, module: Any, source: weights.ShardOf) -> None:
+        empty = weights.of_full(lambda _, shape: torch.zeros(shape))
+
+        def base_or_zero(name: str, shape: tuple[int, ...], rank: int, size: int) -> Tensor:
             # LoRA sites start empty: an adapter's tensors come in when it is activated.
-            return torch.zeros(shape) if lora.is_lora(name) else source(name, shape)
+            return (empty if lora.is_lora(name) else source)(name, shape, rank, size)
 
         weights.assign(
             module,

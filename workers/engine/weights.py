@@ -178,31 +178,43 @@ def init_full(
 
 
 FullTensor = Callable[[str, tuple[int, ...]], Tensor]
-"""``(canonical name, full shape) -> the full tensor``: where the weights come from."""
+"""``(canonical name, full shape) -> the full tensor``: where seeded weights come from."""
+
+ShardOf = Callable[[str, tuple[int, ...], int, int], Tensor]
+"""``(canonical name, full shape, TP rank, TP size) -> that rank's shard``: where a rank's
+weights come from (``of_full`` over a ``FullTensor``; ``hf_read.CheckpointReader.shard``
+reads just the shard)."""
+
+
+def of_full(full_tensor: FullTensor) -> ShardOf:
+    """A ``ShardOf`` that makes each full tensor and keeps the rank's shard."""
+    return lambda name, shape, rank, size: shard_rule(name).shard(
+        full_tensor(name, shape), rank, size
+    )
 
 
 @torch.no_grad()
 def assign(
     chunk: nn.Module,
-    full_tensor: FullTensor,
+    source: ShardOf,
     *,
     tp_rank: int,
     tp: int,
     ep_rank: int,
     local_experts: int,
 ) -> None:
-    """Overwrite every parameter of ``chunk`` with its shard of ``full_tensor(name, shape)``."""
+    """Overwrite every parameter of ``chunk`` with its shard from ``source``."""
     names = canonical_names(chunk, ep_rank=ep_rank, local_experts=local_experts)
     for name, p in chunk.named_parameters():
         canon = names[name]
-        rule = shard_rule(canon)
-        shape = rule.full_shape(p.shape, tp)
-        full = full_tensor(canon, shape)
-        if tuple(full.shape) != shape:
+        shape = shard_rule(canon).full_shape(p.shape, tp)
+        shard = source(canon, shape, tp_rank, tp)
+        if shard.shape != p.shape:
             raise ValueError(
-                f"{canon}: the source has shape {tuple(full.shape)}, the model {shape}"
+                f"{canon}: the source's shard has shape {tuple(shard.shape)}, the model's "
+                f"{tuple(p.shape)} (full {shape})"
             )
-        p.copy_(rule.shard(full, tp_rank, tp))
+        p.copy_(shard)
 
 
 def digest(named: Iterable[tuple[str, Tensor]]) -> str:
@@ -220,14 +232,3 @@ def seeded(model: ModelConfig) -> FullTensor:
     return lambda name, shape: init_full(
         name, shape, seed=model.seed, num_layers=model.num_layers, zero_centered=zero_centered
     )
-
-
-def from_dict(tensors: dict[str, Tensor]) -> FullTensor:
-    """A ``FullTensor`` source over loaded full tensors; a missing name is an error."""
-
-    def get(name: str, shape: tuple[int, ...]) -> Tensor:
-        if name not in tensors:
-            raise KeyError(f"{name}: not in the checkpoint")
-        return tensors[name]
-
-    return get
