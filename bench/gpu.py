@@ -22,7 +22,8 @@ packed micro-batch; its timed region includes the host's planning and packing) a
 transformers ladder (``bench/gpu_baselines.py``), each at the largest micro-batch of
 ``--micro-tokens`` that fits. ``--trainctl-variants`` adds trainctl rows that differ from the
 default configuration in named ``EngineConfig`` fields (by default ``norm_kernel=eager``: what
-the compiled RMSNorm buys), gated like every row, their speed-up read against the default row.
+the compiled RMSNorm buys; and ``recompute=elementwise``: what recomputing the norms and the
+SwiGLU product costs), gated like every row, their speed-up read against the default row.
 Shapes: packed rows (``--tokens`` in sequences of ``--seq-len``) and a ragged row (``ragged``
 in ``bench/gpu_batches.py``: log-normal lengths between 128 and 4,096, 43 distinct at 32K,
 which takes the varlen attention path).
@@ -269,7 +270,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         help="transformers rows of the ragged batch (length buckets: one micro-batch per length)",
     )  # fmt: skip
     ap.add_argument(
-        "--trainctl-variants", default="norm_kernel=eager,recompute=norms",
+        "--trainctl-variants", default="norm_kernel=eager,recompute=elementwise",
         help="trainctl rows beside the default configuration, comma-separated, each "
         "EngineConfig fields as field=value joined by '+'; '' for none",
     )  # fmt: skip

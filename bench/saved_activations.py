@@ -4,7 +4,7 @@ trainctl's engine against transformers' Qwen3, at Qwen3-0.6B's widths, in bf16.
     python bench/saved_activations.py                 # 2 layers, 2 x 1,024 tokens: ~1 min
     python bench/saved_activations.py --tokens 512 --sequences 4
     python bench/saved_activations.py --as-on-cuda    # CUDA's code choices, on the CPU
-    python bench/saved_activations.py --as-on-cuda --engine recompute=norms
+    python bench/saved_activations.py --as-on-cuda --engine recompute=elementwise
 
 At 32K tokens the activations are most of a step's peak memory (28 layers x 32K tokens x
 ~50 KB), and their size per token does not depend on the device: what an op saves for its
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--as-on-cuda", action="store_true", help="CUDA's code choices (see above)")
     p.add_argument(
         "--engine", default="", help="EngineConfig fields as field=value joined by '+' "
-        "(bench/gpu.py's --trainctl-variants form), e.g. recompute=norms",
+        "(bench/gpu.py's --trainctl-variants form), e.g. recompute=elementwise",
     )  # fmt: skip
     a = p.parse_args(argv)
     engine = overrides(a.engine) if a.engine else {}

@@ -22,7 +22,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainctl.api.sampling import SyncMode
 from trainctl.service.cluster import DEFAULT_WORKER_PORTS
-from trainctl.workers.engine.config import EngineConfig
+from trainctl.workers.engine.config import EngineConfig, Packing, Precision, Recompute, Switch
 from trainctl.workers.sampler.backend import BACKENDS
 
 _ENGINE = EngineConfig()
@@ -134,32 +134,32 @@ class Settings(BaseSettings):
         ge=1,
         description="Token budget of one micro-batch.",
     )
-    recompute: Literal["none", "norms", "selective", "full"] = Field(
+    recompute: Recompute = Field(
         _ENGINE.recompute,
         json_schema_extra=_at("recompute"),
         description="Activation recomputation: none, norms (each layer's RMSNorm outputs), "
-        "selective (attention core and MLP) or full (whole layers): less activation memory "
-        "for more compute.",
+        "elementwise (the norms and the dense MLP's SwiGLU product), selective (attention core "
+        "and MLP) or full (whole layers): less activation memory for more compute.",
     )
-    precision: Literal["auto", "bf16", "fp32"] = Field(
+    precision: Precision = Field(
         _ENGINE.precision,
         json_schema_extra=_at("precision"),
         description="bf16 (bf16 parameters and compute, fp32 gradients, master weights and "
         "loss) or fp32; auto: bf16 on GPUs, fp32 on CPUs.",
     )
-    distributed_optimizer: Literal["auto", "on", "off"] = Field(
+    distributed_optimizer: Switch = Field(
         _ENGINE.distributed_optimizer,
         json_schema_extra=_at("distributed_optimizer"),
         description="ZeRO-1: shard optimizer state and master weights over DP x CP; "
         "auto: on when dp x cp > 1.",
     )
-    sequence_parallel: Literal["auto", "on", "off"] = Field(
+    sequence_parallel: Switch = Field(
         _ENGINE.sequence_parallel,
         json_schema_extra=_at("sequence_parallel"),
         description="Sequence parallelism: between the tensor-parallel layers each TP rank "
         "keeps 1/tp of the tokens; auto: on when tp > 1 (MoE at tp > 1 needs it).",
     )
-    packing: Literal["auto", "flat", "tree"] = Field(
+    packing: Packing = Field(
         _ENGINE.packing,
         json_schema_extra=_at("packing"),
         description="Default packing of a request that names none: 'tree' packs sequences "

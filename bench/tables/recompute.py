@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 from bench.tables.common import measure, relative_rows, table
+from trainctl.workers.engine.config import Recompute
 
 
 def section(quick: bool) -> str:
     tokens = 2048 if quick else 8192
     runs = [
         (mode, measure("activation_case", recompute=mode, tokens=tokens))
-        for mode in ("none", "norms", "selective", "full")
+        for mode in get_args(Recompute)
     ]
     head = (
         f"### Activation recomputation: one forward/backward of a {tokens}-token sequence, "

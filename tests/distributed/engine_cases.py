@@ -216,8 +216,8 @@ def logprobs_and_grads(
 
 def recompute_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str, Any]:
     """One cross-entropy forward/backward: the loss, the gradients, and how many times the
-    dense MLPs and the layers' RMSNorms ran forward (recomputation runs them again in
-    backward)."""
+    dense MLPs, their SwiGLUs and the layers' RMSNorms ran forward (recomputation runs them
+    again in backward)."""
     from megatron.core.transformer.mlp import MLP
 
     from trainctl.api.models import LossConfig
@@ -228,7 +228,9 @@ def recompute_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str
     eng = EngineShard(EngineConfig.from_dict(cfg))
     plan = plan_step(to_host(batch), eng.cfg, loss=LossConfig())
     mbs = plan.microbatches[eng.coords.dp]
-    calls = {"mlp": 0, "norm": 0}
+    from trainctl.workers.engine.mlp import SwiGLU
+
+    calls = {"mlp": 0, "norm": 0, "swiglu": 0}
 
     def count(kind: str) -> Any:
         return lambda *_: calls.__setitem__(kind, calls[kind] + 1)
@@ -237,6 +239,8 @@ def recompute_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str
         for name, m in c.named_modules():
             if isinstance(m, MLP):
                 m.register_forward_hook(count("mlp"))
+            elif isinstance(m, SwiGLU):
+                m.register_forward_hook(count("swiglu"))
             elif name.endswith(("input_layernorm", "pre_mlp_layernorm")):
                 m.register_forward_hook(count("norm"))
     loss = eng.train_pass(mbs, LossConfig()).loss
@@ -246,6 +250,7 @@ def recompute_case(cfg: dict[str, Any], batch: list[dict[str, Any]]) -> dict[str
         "grads": numpy_shards(eng.canonical_shards(grads=True, owned=True)),
         "mlp_forwards": calls["mlp"],
         "norm_forwards": calls["norm"],
+        "swiglu_forwards": calls["swiglu"],
         "microbatches": len(mbs),
         "local_layers": sum(len(c.module.decoder.layers) for c in eng.chunks),
     }

@@ -217,8 +217,9 @@ def test_fused_lm_head_changes_no_logprob(pools: Callable[[int], RankPool], layo
         np.testing.assert_allclose(grads[name], g, rtol=RTOL, atol=atol, err_msg=name)
 
 
-RECOMPUTED = {"norms": ("norm_forwards",), "selective": ("mlp_forwards",),
-              "full": ("mlp_forwards", "norm_forwards")}  # fmt: skip
+RECOMPUTED = {"norms": ("norm_forwards",), "elementwise": ("norm_forwards", "swiglu_forwards"),
+              "selective": ("mlp_forwards", "swiglu_forwards"),
+              "full": ("mlp_forwards", "norm_forwards", "swiglu_forwards")}  # fmt: skip
 """What each recompute mode runs again in backward, by ``recompute_case``'s counters."""
 
 
@@ -228,9 +229,9 @@ def test_recomputation_changes_no_number(
     pools: Callable[[int], RankPool], mode: str, layout: dict
 ) -> None:
     """Recomputed activations are the same activations: the loss and every gradient equal
-    the run that keeps them, bit for bit (``norms``: to fp32's rounding); and what the mode
-    recomputes (the norms, the MLPs or both) really ran again in backward, and nothing else
-    did."""
+    the run that keeps them, bit for bit (with the norms recomputed: to fp32's rounding); and
+    what the mode recomputes (the norms, the SwiGLU products, the MLPs) really ran again in
+    backward, and nothing else did."""
 
     def run(recompute: str) -> list[dict]:
         cfg = {**engine_cfg(**layout), "recompute": recompute}
@@ -240,14 +241,18 @@ def test_recomputation_changes_no_number(
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == w["loss"]
         once = w["microbatches"] * w["local_layers"]
-        for counter, per_layer in (("mlp_forwards", 1), ("norm_forwards", 2)):
+        for counter, per_layer in (
+            ("mlp_forwards", 1),
+            ("norm_forwards", 2),
+            ("swiglu_forwards", 1),
+        ):
             again = 2 if counter in RECOMPUTED[mode] else 1
             assert w[counter] == per_layer * once, (counter, w)
             assert g[counter] == again * per_layer * once, (counter, g)
     grads, ref = full_tensors(got, "grads"), full_tensors(want, "grads")
     assert grads.keys() == ref.keys()
     for name, g in ref.items():
-        if mode == "norms":
+        if mode in ("norms", "elementwise"):
             # The residual stream's gradient adds the norm's share inside the recompute's
             # backward, the rest outside it: the same terms summed in another order.
             atol = RTOL * float(np.abs(g).max())

@@ -61,6 +61,20 @@ def test_gradients_equal_transformers_with_the_compiled_norm(
     assert g.worst <= 1e-5, g
 
 
+def test_elementwise_recompute_keeps_no_swiglu_product(pool1: RankPool) -> None:
+    """``recompute: elementwise`` keeps what ``norms`` keeps but each dense layer's SwiGLU
+    product (fc2's input) and what the SwiGLU itself kept beyond fc1's output (the eager
+    ops: ``silu(gate)``; the fused kernel: nothing): exactly ``tokens x ffn`` elements a
+    layer, or twice that, less at the forward's end; and ``norms`` keeps less than none."""
+    none, norms, elementwise = (
+        pool1.run(cases.kept_for_backward, mode)[0] for mode in ("none", "norms", "elementwise")
+    )
+    e = elementwise
+    product = e.layers * e.tokens * e.ffn * e.element
+    assert norms.kept < none.kept, (norms, none)
+    assert norms.kept - e.kept == product * (1 if e.fused_swiglu else 2), (norms, e)
+
+
 def test_attention_keeps_no_view_of_the_projection_output(pool1: RankPool) -> None:
     """The k norm's input and the kernel's value are copied out of the fused q/k/v
     projection's output, so that buffer (the query's share too) is freed after each layer's

@@ -351,3 +351,56 @@ def projection_views_kept(compiled_rotation: bool, **model: Any) -> ProjectionVi
             h.remove()
         engine.close()
     return seen
+
+
+@dataclass
+class KeptBytes:
+    """What one forward keeps for its backward, counted when the forward ends."""
+
+    kept: int
+    """bytes of every distinct storage autograd saved that still holds memory then"""
+    tokens: int
+    layers: int
+    ffn: int
+    element: int
+    """bytes of one activation element (4 in fp32, 2 in bf16)"""
+    fused_swiglu: bool
+    """megatron's fused SwiGLU (CUDA), which keeps its input only; the eager ops keep
+    ``silu(gate)`` too, one more ``tokens x ffn`` a layer"""
+
+
+def kept_for_backward(recompute: str, **model: Any) -> KeptBytes:
+    """One ``forward_backward`` of a dense model (``model``'s shape, else the embedded one)
+    under ``recompute``: the bytes of the storages autograd kept at the end of the forward
+    (a storage a recompute emptied, which its gradient hook refills in backward, counts
+    nothing)."""
+    from trainctl.api import ForwardBackwardRequest
+    from trainctl.workers.engine.mlp import SwiGLU
+
+    engine = _engine(recompute=recompute, **({"model": model} if model else {}))
+    kept: dict[int, Any] = {}
+    at_end: list[int] = []
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        kept.setdefault(storage._cdata, storage)
+        return t
+
+    def forward_ended(_m: Any, _args: Any, _out: Any) -> None:
+        if not at_end:
+            at_end.append(sum(s.nbytes() for s in kept.values()))
+
+    chunk = engine.engine.chunks[0]
+    hook = chunk.register_forward_hook(forward_ended)
+    model = engine.cfg.model
+    seqs = [{"tokens": t} for t in batch(model.vocab_size)[:1]]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            engine.forward_backward(ForwardBackwardRequest(sequences=seqs))
+    finally:
+        hook.remove()
+        engine.close()
+    element = next(p for p in chunk.parameters()).element_size()
+    fused = next(m for m in chunk.modules() if isinstance(m, SwiGLU)).fused
+    tokens = len(seqs[0]["tokens"])
+    return KeptBytes(at_end[0], tokens, model.num_layers, model.ffn_hidden_size, element, fused)

@@ -31,11 +31,14 @@ def test_smoke_measures_every_row_and_each_passes_the_gate(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = result["rows"]
     packed, ragged = rows.values()
-    variant, norms = "trainctl norm_kernel=eager", "trainctl recompute=norms"  # the default
+    variant, recomputed = (
+        "trainctl norm_kernel=eager",
+        "trainctl recompute=elementwise",
+    )  # the default
     assert set(packed["cells"]) == {
         "trainctl",
         variant,
-        norms,
+        recomputed,
         "hf_amp",
         "hf_bf16",
         "hf_liger",
@@ -43,11 +46,11 @@ def test_smoke_measures_every_row_and_each_passes_the_gate(tmp_path: Path) -> No
     }
     assert packed["cells"]["trainctl"]["config"].endswith("RMSNorm eager)")  # auto, on a CPU
     assert packed["cells"][variant]["config"].endswith("variant: norm_kernel=eager")
-    assert packed["cells"][norms]["config"].endswith("variant: recompute=norms")
+    assert packed["cells"][recomputed]["config"].endswith("variant: recompute=elementwise")
     for name in ("hf_liger", "hf_liger_compile"):
         assert "Triton" in packed["cells"][name]["skipped"]
     assert len(set(ragged["lengths"])) >= 30
-    assert set(ragged["cells"]) == {"trainctl", variant, norms, "hf_amp"}
+    assert set(ragged["cells"]) == {"trainctl", variant, recomputed, "hf_amp"}
     for shape in rows.values():
         measured = [c for c in shape["cells"].values() if "skipped" not in c]
         assert len(measured) >= 2

@@ -7,8 +7,8 @@ check them without loading the engine.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from trainctl.workers.engine.model_config import LINEAR_TREE, ConfigError, ModelConfig
 
@@ -19,8 +19,20 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "Packing",
     "ParallelLayout",
+    "Precision",
+    "Recompute",
+    "Switch",
 ]
+
+
+Recompute = Literal["none", "norms", "elementwise", "selective", "full"]
+Precision = Literal["auto", "bf16", "fp32"]
+Switch = Literal["auto", "on", "off"]
+Packing = Literal["auto", "flat", "tree"]
+"""The choices of ``EngineConfig`` fields the service's settings repeat: named once here, and
+``EngineConfig.validate`` checks every such field against its own annotation."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -169,32 +181,34 @@ class EngineConfig:
     step. ``auto`` (``resolved_norm_kernel``): compiled on CUDA, as the q/k norms and the
     rotation already are; eager on a CPU. The GPU benchmark times the other one beside the
     default (``bench/gpu.py --trainctl-variants``)."""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    precision: Precision = "auto"
     """``bf16``: bf16 parameters and compute, with fp32 main gradients, fp32 master weights
     in the optimizer and fp32 log-probs, loss and normaliser; ``fp32``: everything fp32;
     ``auto``: bf16 where CUDA is present, fp32 on a CPU (``resolved_precision``)."""
-    distributed_optimizer: Literal["auto", "on", "off"] = "auto"
+    distributed_optimizer: Switch = "auto"
     """ZeRO-1: each DP x CP rank keeps the optimizer state and master weights of only its
     1 / (dp x cp) of the parameters; gradients are reduce-scattered and the updated
     parameters all-gathered. ``auto`` is on when dp x cp > 1."""
-    sequence_parallel: Literal["auto", "on", "off"] = "auto"
+    sequence_parallel: Switch = "auto"
     """Sequence parallelism (tp > 1): between the tensor-parallel regions (norms, residuals,
     dropout, the MoE router) each TP rank holds 1 / tp of the tokens instead of all of them;
     the column-parallel linears all-gather their input over TP and the row-parallel ones
     reduce-scatter their output, so activation memory there drops by tp for the same traffic.
     ``auto`` is on when tp > 1. MoE at tp > 1 needs it (each TP rank routes its own tokens)."""
-    packing: Literal["auto", "flat", "tree"] = "auto"
+    packing: Packing = "auto"
     """How a batch is packed unless its request says: ``tree`` packs sequences that share a
     prefix into prefix tries (each shared token computed once, the same results; a batch
     sharing nothing is packed exactly as ``flat``); ``flat`` packs every sequence whole;
     ``auto``: ``tree``, or ``flat`` for a model with linear-attention layers."""
-    recompute: Literal["none", "norms", "selective", "full"] = "none"
+    recompute: Recompute = "none"
     """Activation recomputation: ``norms`` drops each layer's two RMSNorm outputs once the
     linear after them has used them and recomputes them in backward (the cheapest: a norm's
-    forward, for 2 bytes x hidden a token a norm in bf16); ``selective`` keeps each layer's
-    inputs and recomputes its core attention (and dense MLP) in backward; ``full`` keeps only
-    each layer's input and recomputes the whole layer. Less activation memory for more
-    compute; the same numbers."""
+    forward, for 2 bytes x hidden a token a norm in bf16); ``elementwise`` does the same with
+    the dense MLP's SwiGLU product too (fc2's input, 2 bytes x ffn a token: the largest
+    tensor a layer keeps for the price of an elementwise op; MoE experts keep theirs);
+    ``selective`` keeps each layer's inputs and recomputes its core attention (and dense MLP)
+    in backward; ``full`` keeps only each layer's input and recomputes the whole layer. Less
+    activation memory for more compute; the same numbers."""
     fused_lm_head: bool = True
     """The output layer runs inside the log-prob kernel, chunk by chunk, so the logits of a
     micro-batch never exist whole (``workers/ops/fused_head.py``); False computes all logits,
@@ -207,6 +221,17 @@ class EngineConfig:
     """Start from this Hugging Face checkpoint directory instead of the seeded initialisation
     (``model`` must match its config.json: ``workers/engine/hf.py``)."""
 
+    def _check_choices(self) -> None:
+        """Every field of a ``Literal`` type holds one of its choices."""
+        hints = get_type_hints(EngineConfig)
+        for f in fields(self):
+            hint = hints[f.name]
+            allowed = get_args(hint)
+            if get_origin(hint) is Literal and getattr(self, f.name) not in allowed:
+                raise ConfigError(
+                    f"{f.name} must be one of {list(allowed)}, got {getattr(self, f.name)!r}"
+                )
+
     def validate(self) -> EngineConfig:
         self.model.validate()
         self.layout.validate(self.model)
@@ -217,18 +242,7 @@ class EngineConfig:
                 f"max_tokens_per_microbatch ({self.max_tokens_per_microbatch}) must be at least "
                 f"model.max_seq_len ({self.model.max_seq_len}) so every sequence fits"
             )
-        for name, allowed in (
-            ("recompute", ("none", "norms", "selective", "full")),
-            ("precision", ("auto", "bf16", "fp32")),
-            ("distributed_optimizer", ("auto", "on", "off")),
-            ("sequence_parallel", ("auto", "on", "off")),
-            ("packing", ("auto", "flat", "tree")),
-            ("norm_kernel", ("auto", "eager", "compiled")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(
-                    f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
-                )
+        self._check_choices()
         if self.packing == "tree" and self.model.linear_layers:
             raise ConfigError(LINEAR_TREE)
         if self.lora.enabled and self.model.linear_layers:

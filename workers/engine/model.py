@@ -38,6 +38,7 @@ from trainctl.workers.engine.config import EngineConfig, OptimizerConfig
 from trainctl.workers.engine.experts import GroupedExperts
 from trainctl.workers.engine.families import FAMILIES
 from trainctl.workers.engine.linear_attention import PackedGatedDeltaNet
+from trainctl.workers.engine.mlp import DenseMLP
 from trainctl.workers.engine.norm import DeferredRMSNorm, RMSNorm
 from trainctl.workers.engine.optim_phase import use_fused_adamw
 
@@ -121,9 +122,10 @@ def _recompute_options(cfg: EngineConfig) -> dict[str, object]:
             "recompute_method": "uniform",
             "recompute_num_layers": 1,
         }
-    if cfg.recompute == "norms":
+    if cfg.recompute in ("norms", "elementwise"):
         # megatron's CheckpointWithoutOutput: each norm's output is emptied once attention or
-        # the MLP has used it, and refilled by a gradient hook before their backward reads it.
+        # the MLP has used it, and refilled by a gradient hook before their backward reads it
+        # (``elementwise``: the SwiGLU product too, by DenseMLP, workers/engine/mlp.py).
         return {"recompute_granularity": "selective", "recompute_modules": ["layernorm"]}
     if cfg.recompute == "selective":
         # The attention core and the dense MLP: their inputs are kept, their insides (the
@@ -193,6 +195,9 @@ def build_gpt(
         attention.q_layernorm = attention.k_layernorm = DeferredRMSNorm
     if cfg.model.num_experts:
         layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+    else:
+        layer.mlp.module = DenseMLP
+        layer.mlp.params = {"recompute_product": cfg.recompute == "elementwise"}
     # The block spec names the final norm (a layer spec alone would get megatron's).
     block = TransformerBlockSubmodules(
         layer_specs=_stage_layers(cfg, tc, spec, vp_stage), layer_norm=RMSNorm
