@@ -138,7 +138,7 @@ class Settings(BaseSettings):
         _ENGINE.recompute,
         json_schema_extra=_at("recompute"),
         description="Activation recomputation: none, norms (each layer's RMSNorm outputs), "
-        "elementwise (the norms and the dense MLP's SwiGLU product), selective (attention core "
+        "elementwise (the norms and the SwiGLU products), selective (attention core "
         "and MLP) or full (whole layers): less activation memory for more compute.",
     )
     precision: Precision = Field(

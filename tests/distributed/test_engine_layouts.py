@@ -259,3 +259,26 @@ def test_recomputation_changes_no_number(
             np.testing.assert_allclose(grads[name], g, rtol=RTOL, atol=atol, err_msg=name)
         else:
             np.testing.assert_array_equal(grads[name], g, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "layout", [{}, {"tp": 2}, {"dp": 2, "ep": 2}], ids=["dp1", "tp2", "dp2-ep2"]
+)
+def test_recomputed_expert_products_change_no_number(
+    pools: Callable[[int], RankPool], layout: dict
+) -> None:
+    """``elementwise`` recomputes each expert's weighted SwiGLU (``silu(gate) * up * p``) on
+    top of what ``norms`` recomputes: the loss and every gradient, the router's (through
+    ``p``) and the experts', equal ``norms``' bit for bit."""
+
+    def run(recompute: str) -> list[dict]:
+        cfg = {**_moe_cfg(**layout), "recompute": recompute}
+        return pools(world_size(layout)).run(recompute_case, cfg, ragged_batch())
+
+    got, want = run("elementwise"), run("norms")
+    assert [g["loss"] for g in got] == [w["loss"] for w in want]
+    grads, ref = full_tensors(got, "grads"), full_tensors(want, "grads")
+    assert grads.keys() == ref.keys()
+    assert any(".router." in n for n in ref) and any(".local_experts." in n for n in ref)
+    for name, g in ref.items():
+        np.testing.assert_array_equal(grads[name], g, err_msg=name)

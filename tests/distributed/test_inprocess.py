@@ -70,9 +70,19 @@ def test_elementwise_recompute_keeps_no_swiglu_product(pool1: RankPool) -> None:
         pool1.run(cases.kept_for_backward, mode)[0] for mode in ("none", "norms", "elementwise")
     )
     e = elementwise
-    product = e.layers * e.tokens * e.ffn * e.element
+    product = e.layers * e.rows * e.ffn * e.element
     assert norms.kept < none.kept, (norms, none)
     assert norms.kept - e.kept == product * (1 if e.fused_swiglu else 2), (norms, e)
+
+
+def test_elementwise_recompute_keeps_no_expert_product(pool1: RankPool) -> None:
+    """The same in MoE layers: each expert's weighted SwiGLU keeps ``silu(gate)`` and its
+    product with ``up`` (the eager ops), and fc2 its input; ``elementwise`` keeps none of the
+    three, exactly ``3 x rows x ffn`` a layer less than ``norms`` (rows: tokens x top-k)."""
+    moe = {"num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 96}
+    norms, e = (pool1.run(cases.kept_for_backward, m, moe)[0] for m in ("norms", "elementwise"))
+    assert e.experts and e.rows == 2 * 48, e
+    assert norms.kept - e.kept == 3 * e.layers * e.rows * e.ffn * e.element, (norms, e)
 
 
 def test_attention_keeps_no_view_of_the_projection_output(pool1: RankPool) -> None:

@@ -118,6 +118,6 @@ def test_attention_keeps_no_view_of_the_projection_output() -> None:
 def test_elementwise_recompute_keeps_no_swiglu_product() -> None:
     """On CUDA (bf16, megatron's fused SwiGLU, which keeps only its input), ``recompute:
     elementwise`` keeps exactly one ``tokens x ffn`` a layer less than ``norms``."""
-    norms, e = (cases.kept_for_backward(m, **ENGINE_SHAPE) for m in ("norms", "elementwise"))
+    norms, e = (cases.kept_for_backward(m, ENGINE_SHAPE) for m in ("norms", "elementwise"))
     assert e.fused_swiglu and e.element == 2, e
-    assert norms.kept - e.kept == e.layers * e.tokens * e.ffn * e.element, (norms, e)
+    assert norms.kept - e.kept == e.layers * e.rows * e.ffn * e.element, (norms, e)

@@ -359,25 +359,29 @@ class KeptBytes:
 
     kept: int
     """bytes of every distinct storage autograd saved that still holds memory then"""
-    tokens: int
+    rows: int
+    """rows through each layer's MLP: the tokens, or for experts the tokens x top-k"""
     layers: int
     ffn: int
+    """the MLP's (or an expert's) inner width"""
     element: int
     """bytes of one activation element (4 in fp32, 2 in bf16)"""
     fused_swiglu: bool
-    """megatron's fused SwiGLU (CUDA), which keeps its input only; the eager ops keep
-    ``silu(gate)`` too, one more ``tokens x ffn`` a layer"""
+    """megatron's fused SwiGLU (CUDA, dense layers), which keeps its input only; the eager
+    ops keep ``silu(gate)`` too, one more ``rows x ffn`` a layer"""
+    experts: bool
 
 
-def kept_for_backward(recompute: str, **model: Any) -> KeptBytes:
-    """One ``forward_backward`` of a dense model (``model``'s shape, else the embedded one)
-    under ``recompute``: the bytes of the storages autograd kept at the end of the forward
+def kept_for_backward(recompute: str, model: dict[str, Any] | None = None) -> KeptBytes:
+    """One ``forward_backward`` of a model (``model``'s shape, else the embedded one) under
+    ``recompute``: the bytes of the storages autograd kept at the end of the forward
     (a storage a recompute emptied, which its gradient hook refills in backward, counts
     nothing)."""
     from trainctl.api import ForwardBackwardRequest
     from trainctl.workers.engine.mlp import SwiGLU
 
     engine = _engine(recompute=recompute, **({"model": model} if model else {}))
+    model_cfg = engine.cfg.model
     kept: dict[int, Any] = {}
     at_end: list[int] = []
 
@@ -392,8 +396,7 @@ def kept_for_backward(recompute: str, **model: Any) -> KeptBytes:
 
     chunk = engine.engine.chunks[0]
     hook = chunk.register_forward_hook(forward_ended)
-    model = engine.cfg.model
-    seqs = [{"tokens": t} for t in batch(model.vocab_size)[:1]]
+    seqs = [{"tokens": t} for t in batch(model_cfg.vocab_size)[:1]]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             engine.forward_backward(ForwardBackwardRequest(sequences=seqs))
@@ -401,6 +404,8 @@ def kept_for_backward(recompute: str, **model: Any) -> KeptBytes:
         hook.remove()
         engine.close()
     element = next(p for p in chunk.parameters()).element_size()
-    fused = next(m for m in chunk.modules() if isinstance(m, SwiGLU)).fused
-    tokens = len(seqs[0]["tokens"])
-    return KeptBytes(at_end[0], tokens, model.num_layers, model.ffn_hidden_size, element, fused)
+    fused = any(m.fused for m in chunk.modules() if isinstance(m, SwiGLU))
+    experts = model_cfg.num_experts > 0
+    rows = len(seqs[0]["tokens"]) * (model_cfg.moe_topk if experts else 1)
+    ffn = model_cfg.moe_ffn_hidden_size if experts else model_cfg.ffn_hidden_size
+    return KeptBytes(at_end[0], rows, model_cfg.num_layers, ffn, element, fused, experts)

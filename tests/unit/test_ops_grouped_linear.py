@@ -81,6 +81,19 @@ def test_main_grad_accumulates_real_tokens() -> None:
     assert ws[0].grad is None  # fused without the DDP marker: by design
 
 
+def test_main_grad_is_found_under_saved_tensor_hooks() -> None:
+    """Saved-tensor hooks (activation offloading, a memory ledger) may hand backward another
+    tensor object than the one saved, without the parameter's ``main_grad`` attribute: the
+    fused wgrad still lands in each parameter's own ``main_grad``."""
+    ws = _weights(fill=0.0)
+    x = torch.randn(3, K)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
+        out = grouped_linear(x, [1, 2, 0, 0], ws, opts=WgradOptions(fuse_wgrad_accumulation=True))
+    out.sum().backward()
+    torch.testing.assert_close(ws[0].main_grad, torch.ones(N, 1) @ x[:1])
+    assert all(w.grad_added_to_main_grad for w in ws)
+
+
 def test_t5_4_zero_grad_dtype() -> None:
     layer = GroupedLinear(E, K, N, bias=True, dtype=torch.float64)
     x = torch.randn(2, K, dtype=torch.float64)

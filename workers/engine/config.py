@@ -205,7 +205,8 @@ class EngineConfig:
     linear after them has used them and recomputes them in backward (the cheapest: a norm's
     forward, for 2 bytes x hidden a token a norm in bf16); ``elementwise`` does the same with
     the dense MLP's SwiGLU product too (fc2's input, 2 bytes x ffn a token: the largest
-    tensor a layer keeps for the price of an elementwise op; MoE experts keep theirs);
+    tensor a layer keeps for the price of an elementwise op; in MoE layers each expert's
+    weighted SwiGLU, ``workers/engine/experts.py``);
     ``selective`` keeps each layer's inputs and recomputes its core attention (and dense MLP)
     in backward; ``full`` keeps only each layer's input and recomputes the whole layer. Less
     activation memory for more compute; the same numbers."""

@@ -16,6 +16,12 @@ one for fc2 over every local expert, whose weight gradients are
 A LoRA adapter on the experts (``workers/engine/lora.py``) adds its per-expert update to each
 grouped linear's output through ``adapter``, set when the sites are attached.
 
+With ``recompute_product`` (``recompute: elementwise``) the weighted SwiGLU (``silu(gate) * up *
+p``) runs under megatron's ``CheckpointWithoutOutput``, as the dense MLP's product does
+(``workers/engine/mlp.py``): what its eager ops keep (``silu(gate)``, its product with ``up``)
+is never kept, and fc2's input is emptied once used and made again from fc1's output (kept
+anyway) before fc2's backward: three ``[rows, ffn]`` a layer less.
+
 Experts are not tensor-parallel (expert TP = 1), so each weight is whole on every rank. At
 tp > 1 sequence parallelism gives each TP rank its own slice of the tokens, which it routes
 through its whole copy of the experts: the TP ranks are expert-data-parallel replicas, and
@@ -29,6 +35,7 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
@@ -59,7 +66,7 @@ class _Expert(nn.Module):
 class GroupedExperts(MegatronModule):  # type: ignore[misc]  # megatron-core ships no types
     """SwiGLU experts ``y_t = p_t * W2_e (silu(G_e x_t) * U_e x_t)``, the rows of each local expert
     ``e`` back to back, ``p_t`` the row's router probability. Owns the local experts' weights and
-    their LoRA adapter site."""
+    their LoRA adapter site, and whether the weighted SwiGLU is recomputed."""
 
     def __init__(
         self,
@@ -67,8 +74,10 @@ class GroupedExperts(MegatronModule):  # type: ignore[misc]  # megatron-core shi
         config: TransformerConfig,
         submodules: Any = None,
         pg_collection: Any = None,
+        recompute_product: bool = False,
     ) -> None:
         super().__init__(config=config)
+        self.recompute_product = recompute_product
         ffn = config.moe_ffn_hidden_size
         assert ffn is not None
         self.local_experts = nn.ModuleList(
@@ -89,13 +98,26 @@ class GroupedExperts(MegatronModule):  # type: ignore[misc]  # megatron-core shi
         opts = WgradOptions(fuse_wgrad_accumulation=hasattr(fc1[0], "main_grad"))
         gate_up = self._adapted("linear_fc1", grouped_linear(hidden, splits, fc1, opts=opts),
                                 hidden, splits)  # fmt: skip
-        gate, up = gate_up.chunk(2, dim=-1)
         # The router's weight scales the rows before fc2: p (W2 h + s B2 A2 h) = fc2 of p h.
-        inner = F.silu(gate) * up * probs.unsqueeze(-1).to(hidden.dtype)
+        weight = probs.unsqueeze(-1).to(hidden.dtype)
+        checkpoint = CheckpointWithoutOutput() if self.recompute_product else None
+        inner = (
+            _weighted_swiglu(gate_up, weight)
+            if checkpoint is None
+            else checkpoint.checkpoint(_weighted_swiglu, gate_up, weight)
+        )
         out = self._adapted("linear_fc2", grouped_linear(inner, splits, fc2, opts=opts),
                             inner, splits)  # fmt: skip
+        if checkpoint is not None:
+            checkpoint.discard_output_and_register_recompute(out)
         return out, None
 
     def _adapted(self, linear: str, out: Tensor, x: Tensor, splits: list[int]) -> Tensor:
         delta = None if self.adapter is None else self.adapter(linear, x, splits)
         return out if delta is None else out + delta.to(out.dtype)
+
+
+def _weighted_swiglu(gate_up: Tensor, weight: Tensor) -> Tensor:
+    """``silu(gate) * up * weight`` of fc1's output ``[rows, 2 x ffn]`` (gate half first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up * weight

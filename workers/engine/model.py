@@ -193,11 +193,12 @@ def build_gpt(
     if attention.q_layernorm is not IdentityOp:
         # Applied by the core attention, fused with the rotation (workers/engine/norm.py).
         attention.q_layernorm = attention.k_layernorm = DeferredRMSNorm
+    product = {"recompute_product": cfg.recompute == "elementwise"}
     if cfg.model.num_experts:
-        layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+        layer.mlp.submodules.experts = ModuleSpec(module=GroupedExperts, params=product)
     else:
         layer.mlp.module = DenseMLP
-        layer.mlp.params = {"recompute_product": cfg.recompute == "elementwise"}
+        layer.mlp.params = product
     # The block spec names the final norm (a layer spec alone would get megatron's).
     block = TransformerBlockSubmodules(
         layer_specs=_stage_layers(cfg, tc, spec, vp_stage), layer_norm=RMSNorm

@@ -54,6 +54,9 @@ class _GroupedLinear(torch.autograd.Function):
         if biases:
             ys = [y + b for y, b in zip(ys, biases, strict=True)]
         ctx.save_for_backward(x, *weights)
+        # The parameters themselves, for their main_grad: a saved-tensor hook may hand backward
+        # other tensor objects than these, without the attribute (they are alive anyway).
+        ctx.params = weights if opts.fuse_wgrad_accumulation else ()
         ctx.m_splits, ctx.opts, ctx.num_experts, ctx.has_bias = (
             m_splits,
             opts,
@@ -69,10 +72,10 @@ class _GroupedLinear(torch.autograd.Function):
         xs, gs = x.split(ctx.m_splits), g.split(ctx.m_splits)
         dgrad = torch.cat([ge @ w for ge, w in zip(gs, weights, strict=True)])
         wgrads: list[Tensor | None] = []
-        for ge, xe, w in zip(gs, xs, weights, strict=True):
+        for e, (ge, xe) in enumerate(zip(gs, xs, strict=True)):
             wgrad = ge.t() @ xe  # [N, K]; zeros when the expert had no tokens
             if opts.fuse_wgrad_accumulation:
-                wgrads.append(_accumulate_main_grad(w, wgrad, opts))
+                wgrads.append(_accumulate_main_grad(ctx.params[e], wgrad, opts))
             else:
                 wgrads.append(wgrad)
         bgrads: list[Tensor | None] = [ge.sum(dim=0) for ge in gs] if ctx.has_bias else []
