@@ -5,20 +5,20 @@ tensor once: a rank reads its rows or columns, not the tensor. No Ray, no megatr
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.bench_scripts import ROOT
+from tests.helpers.bench_scripts import load
 from tests.helpers.hf_models import FAMILIES, tiny_model
 from trainctl.workers.engine import hf
 from trainctl.workers.engine.config import ConfigError, ModelConfig
 from trainctl.workers.engine.hf_read import CheckpointReader
 from trainctl.workers.engine.weights import shard_rule
+
+bench = load("hf_read")
 
 
 def _whole(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -83,14 +83,11 @@ def test_a_tensor_of_another_shape_is_refused_by_name(tmp_path: Path) -> None:
         CheckpointReader(tmp_path, m)
 
 
-def test_the_benchmark_runs_and_a_shard_reads_less_than_the_whole() -> None:
-    """``bench/hf_read.py --quick``: its table, one row a layout, the widest TP rank's
-    shard read reading a fraction of what the whole load reads."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "hf_read.py"), "--quick"],
-        check=True, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    rows = [r.split("|")[1:-1] for r in out.stdout.splitlines() if r.startswith("| tp")]
-    assert len(rows) == 5, out.stdout
-    read = {(r[0].strip(), r[1].strip()): float(r[2].replace(",", "")) for r in rows}
-    assert read[("tp 2 x pp 1", "shard")] < 0.75 * read[("tp 2 x pp 1", "whole")], out.stdout
+def test_the_benchmark_measures_both_ways_alike(tmp_path: Path) -> None:
+    """``bench/hf_read.py``'s measure (in this process: the script runs each in a fresh one):
+    the whole load and the shard read keep the same elements, and at tp 2 the shard read
+    reads a fraction of what the whole load reads."""
+    tiny_model("qwen3", tmp_path)
+    got = {how: bench.measure(str(tmp_path), how, 2, 1) for how in ("whole", "shard")}
+    assert got["shard"]["kept_m"] == got["whole"]["kept_m"] > 0, got
+    assert got["shard"]["read_m"] < 0.75 * got["whole"]["read_m"], got
