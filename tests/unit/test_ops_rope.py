@@ -53,11 +53,13 @@ def test_compiled_equals_eager_and_compiles_once_for_every_pack_size() -> None:
 def test_norm_then_rotation_compiled_equals_the_modules_in_turn(zero_centered: bool) -> None:
     """Qwen3's q/k norm and the rotation as one compiled function equal the engine's norm
     module followed by the eager rotation; the eager form of the pair is bit for bit the two
-    in turn."""
+    in turn. The weight's gradient sums over every token and head, in another order compiled:
+    its tolerance is relative to its largest entry."""
     from trainctl.workers.ops.norm import rms_norm
     from trainctl.workers.ops.rope import compiled_norm_rope, norm_rope
 
     for tokens in (37, 100):
+        torch.manual_seed(tokens)
         x = torch.randn(tokens, 4, 32, requires_grad=True)
         w = (torch.randn(32) * 0.1 + (0.0 if zero_centered else 1.0)).requires_grad_()
         tab = RotaryTables.of(_freqs(tokens, 32, seed=tokens), torch.float32)
@@ -69,7 +71,7 @@ def test_norm_then_rotation_compiled_equals_the_modules_in_turn(zero_centered: b
         for a, b in zip(
             torch.autograd.grad(got, (x, w), g), torch.autograd.grad(want, (x, w), g), strict=True
         ):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
 
 
 def test_the_compiled_rotation_takes_more_variants_than_torchs_default_in_a_worker_thread() -> None:
